@@ -1,0 +1,109 @@
+//! The Envoy ext_proc host: a tonic `ExternalProcessor` service that runs one [`StreamMachine`]
+//! per Envoy stream and forwards its answers. It translates protocol only; every decision is the
+//! selection core's.
+
+pub mod stream;
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    external_processor_server::{ExternalProcessor, ExternalProcessorServer},
+    ProcessingRequest, ProcessingResponse,
+};
+use futures::Stream;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::selection::SelectionCore;
+pub use stream::StreamMachine;
+
+/// Per-process ext_proc settings.
+#[derive(Debug, Clone)]
+pub struct ExtProcSettings {
+    pub max_body_bytes: usize,
+    pub fallbacks: usize,
+    pub conformance_test_mode: bool,
+}
+
+impl Default for ExtProcSettings {
+    fn default() -> Self {
+        ExtProcSettings {
+            max_body_bytes: 32 << 20,
+            fallbacks: 0,
+            conformance_test_mode: false,
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct ExtProcService {
+    core: Arc<SelectionCore>,
+    settings: Arc<ExtProcSettings>,
+}
+
+impl ExtProcService {
+    pub fn new(core: Arc<SelectionCore>, settings: ExtProcSettings) -> Self {
+        ExtProcService {
+            core,
+            settings: Arc::new(settings),
+        }
+    }
+
+    pub fn into_server(self) -> ExternalProcessorServer<Self> {
+        ExternalProcessorServer::new(self)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+}
+
+type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl ExternalProcessor for ExtProcService {
+    type ProcessStream = ResponseStream;
+
+    async fn process(
+        &self,
+        request: Request<Streaming<ProcessingRequest>>,
+    ) -> Result<Response<Self::ProcessStream>, Status> {
+        let mut inbound = request.into_inner();
+        let (tx, rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(64);
+        let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
+        let metrics = self.core.metrics().clone();
+        tokio::spawn(async move {
+            let end = loop {
+                let message = tokio::select! {
+                    m = inbound.message() => m,
+                    _ = tx.closed() => break "envoy_gone",
+                };
+                match message {
+                    Ok(Some(message)) => match machine.handle(message) {
+                        Ok(step) => {
+                            for response in step.responses {
+                                if tx.send(Ok(response)).await.is_err() {
+                                    break;
+                                }
+                            }
+                        }
+                        Err(status) => {
+                            tracing::warn!(code = ?status.code(), message = status.message(), "ext_proc stream rejected");
+                            let _ = tx.send(Err(status)).await;
+                            break "protocol_error";
+                        }
+                    },
+                    Ok(None) => break "closed",
+                    Err(status) => {
+                        tracing::debug!(%status, "ext_proc stream ended by Envoy");
+                        break "reset";
+                    }
+                }
+            };
+            metrics.streams.with_label_values(&[end]).inc();
+            // Dropping the machine frees any booking still held (client disconnect mid-stream).
+            drop(machine);
+        });
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+    }
+}

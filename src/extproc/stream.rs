@@ -1,0 +1,618 @@
+//! The per-stream ext_proc state machine (DESIGN §2). It turns each `ProcessingRequest` Envoy sends
+//! into the responses to send back, synchronously, so it is unit-testable without Envoy or gRPC.
+//! It holds the request's [`Reservation`]; dropping the machine (stream ended or client gone)
+//! frees the booking.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use envoy_types::pb::envoy::config::core::v3::{
+    header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption, Metadata,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    body_mutation, processing_request, processing_response, BodyMutation, BodyResponse,
+    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse,
+    ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+use tonic::Status;
+
+use crate::request::{parse_request_body, BodyError};
+use crate::selection::{
+    DuplicateId, EndpointFilter, Reservation, SelectError, SelectionCore, SelectionRequest,
+};
+use crate::usage::UsageTracker;
+
+use super::ExtProcSettings;
+
+/// Largest body chunk sent back to Envoy in one streamed_response.
+pub const MAX_BODY_CHUNK: usize = 62_000;
+
+pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
+pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+pub const LB_NAMESPACE: &str = "envoy.lb";
+pub const CONFORMANCE_SELECTION_HEADER: &str = "test-epp-endpoint-selection";
+pub const CONFORMANCE_SERVED_HEADER: &str = "x-conformance-test-served-endpoint";
+
+/// Request headers a client must not be able to set: they steer routing.
+const SPOOFABLE_PREFIXES: [&str; 3] = [
+    "x-gateway-destination-endpoint",
+    "x-gateway-inference-",
+    "x-gateway-model-name-rewrite",
+];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    RequestHeaders,
+    RequestBody,
+    /// Routed; waiting for (or streaming) the response.
+    Response,
+    /// An immediate response was sent; nothing more is answered.
+    Finished,
+}
+
+/// What one inbound message produced.
+#[derive(Debug, Default)]
+pub struct Step {
+    pub responses: Vec<ProcessingResponse>,
+    /// True after an ImmediateResponse: the stream is over for us.
+    pub finished: bool,
+}
+
+pub struct StreamMachine {
+    core: Arc<SelectionCore>,
+    settings: Arc<ExtProcSettings>,
+    phase: Phase,
+    header_names: Vec<String>,
+    content_type: Option<String>,
+    request_id: Option<String>,
+    conformance_filter: Option<EndpointFilter>,
+    subset: Option<EndpointFilter>,
+    body: Vec<u8>,
+    body_started: Option<Instant>,
+    reservation: Option<Reservation>,
+    picked_at: Option<Instant>,
+    first_byte_seen: bool,
+    usage: Option<UsageTracker>,
+    served_endpoint: Option<String>,
+}
+
+impl StreamMachine {
+    pub fn new(core: Arc<SelectionCore>, settings: Arc<ExtProcSettings>) -> Self {
+        StreamMachine {
+            core,
+            settings,
+            phase: Phase::RequestHeaders,
+            header_names: Vec::new(),
+            content_type: None,
+            request_id: None,
+            conformance_filter: None,
+            subset: None,
+            body: Vec::new(),
+            body_started: None,
+            reservation: None,
+            picked_at: None,
+            first_byte_seen: false,
+            usage: None,
+            served_endpoint: None,
+        }
+    }
+
+    /// The booking held by this stream, if any.
+    pub fn booking_id(&self) -> Option<&str> {
+        self.reservation.as_ref().map(|r| r.booking_id())
+    }
+
+    /// Handles one message. `Err` ends the gRPC stream with that status.
+    pub fn handle(&mut self, message: ProcessingRequest) -> Result<Step, Status> {
+        if let Some(config) = &message.protocol_config {
+            check_protocol(config)?;
+        }
+        if let Some(md) = &message.metadata_context {
+            self.read_metadata(md);
+        }
+        use processing_request::Request;
+        let Some(request) = message.request else {
+            // Flow-control-only messages carry nothing to answer.
+            return Ok(Step::default());
+        };
+        if self.phase == Phase::Finished {
+            return Ok(Step::default());
+        }
+        match request {
+            Request::RequestHeaders(h) => self.on_request_headers(h),
+            Request::RequestBody(b) => self.on_request_body(b),
+            Request::RequestTrailers(_) => self.on_request_trailers(),
+            Request::ResponseHeaders(h) => self.on_response_headers(h),
+            Request::ResponseBody(b) => Ok(self.on_response_body(b)),
+            Request::ResponseTrailers(_) => {
+                self.release();
+                Ok(one(processing_response::Response::ResponseTrailers(
+                    TrailersResponse::default(),
+                )))
+            }
+        }
+    }
+
+    fn read_metadata(&mut self, md: &Metadata) {
+        if let Some(ns) = md.filter_metadata.get(SUBSET_NAMESPACE) {
+            if let Some(value) = ns.fields.get(SUBSET_KEY) {
+                self.subset = Some(EndpointFilter::parse(
+                    string_entries(value).iter().map(String::as_str),
+                ));
+            }
+        }
+        if let Some(ns) = md.filter_metadata.get(LB_NAMESPACE) {
+            if let Some(value) = ns.fields.get(SERVED_KEY) {
+                if let Some(last) = string_entries(value).pop() {
+                    self.served_endpoint = Some(last);
+                }
+            }
+        }
+    }
+
+    fn on_request_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
+        if self.phase != Phase::RequestHeaders {
+            return Err(Status::failed_precondition(
+                "request headers received twice on one ext_proc stream",
+            ));
+        }
+        for h in headers.headers.iter().flat_map(|m| m.headers.iter()) {
+            let name = h.key.to_ascii_lowercase();
+            let value = header_value(h);
+            match name.as_str() {
+                "content-type" => self.content_type = Some(value.into_owned()),
+                "x-request-id" if !value.is_empty() => {
+                    self.request_id = Some(value.chars().take(256).collect())
+                }
+                CONFORMANCE_SELECTION_HEADER if self.settings.conformance_test_mode => {
+                    self.conformance_filter = Some(EndpointFilter::parse(value.split(',')));
+                }
+                _ => {}
+            }
+            self.header_names.push(name);
+        }
+        if headers.end_of_stream {
+            self.phase = Phase::Response;
+            let started = Instant::now();
+            return Ok(self.route(None, started, true));
+        }
+        self.phase = Phase::RequestBody;
+        Ok(Step::default())
+    }
+
+    fn on_request_body(&mut self, body: HttpBody) -> Result<Step, Status> {
+        if self.phase != Phase::RequestBody {
+            return Err(Status::failed_precondition(
+                "request body received outside the request body phase",
+            ));
+        }
+        self.body_started.get_or_insert_with(Instant::now);
+        if self.body.len() + body.body.len() > self.settings.max_body_bytes {
+            return Ok(self.reject(
+                413,
+                &format!(
+                    "request body exceeds max_body_bytes ({} bytes)",
+                    self.settings.max_body_bytes
+                ),
+            ));
+        }
+        self.body.extend_from_slice(&body.body);
+        if !body.end_of_stream {
+            return Ok(Step::default());
+        }
+        self.finish_request(true)
+    }
+
+    fn on_request_trailers(&mut self) -> Result<Step, Status> {
+        let trailers = one(processing_response::Response::RequestTrailers(
+            TrailersResponse::default(),
+        ));
+        match self.phase {
+            Phase::RequestBody => {
+                // The body ended with trailers instead of end_of_stream: route now.
+                let mut step = self.finish_request(false)?;
+                if !step.finished {
+                    step.responses.extend(trailers.responses);
+                }
+                Ok(step)
+            }
+            Phase::Response => Ok(trailers),
+            _ => Err(Status::failed_precondition(
+                "request trailers received before request headers",
+            )),
+        }
+    }
+
+    fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
+        let started = self.body_started.unwrap_or_else(Instant::now);
+        let parsed = match parse_request_body(self.content_type.as_deref(), &self.body) {
+            Ok(parsed) => parsed,
+            Err(err) => return Ok(self.reject(400, &body_error_message(&err))),
+        };
+        self.phase = Phase::Response;
+        let mut step = self.route(parsed.map(|p| p.model), started, false);
+        if step.finished {
+            return Ok(step);
+        }
+        let body = std::mem::take(&mut self.body);
+        step.responses
+            .extend(body_chunks(&body, body_end_of_stream));
+        Ok(step)
+    }
+
+    /// Selects, books, and builds the headers response.
+    fn route(&mut self, model: Option<String>, started: Instant, header_only: bool) -> Step {
+        let subset = match (&self.subset, &self.conformance_filter) {
+            (Some(s), _) => Some(s.clone()),
+            (None, Some(c)) => Some(c.clone()),
+            (None, None) => None,
+        };
+        let request_id = self
+            .request_id
+            .clone()
+            .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let request = SelectionRequest {
+            request_id,
+            model,
+            subset,
+            fallbacks: self.settings.fallbacks,
+            on_duplicate: DuplicateId::Suffix,
+        };
+        let reservation = match self.core.select_and_reserve(&request) {
+            Ok(r) => r,
+            Err(err) => return self.reject_select(&err),
+        };
+        let selection = reservation.selection();
+        let mut destination = selection.primary.endpoint.to_string();
+        for f in &selection.fallbacks {
+            destination.push(',');
+            destination.push_str(&f.endpoint.to_string());
+        }
+        let mut set = vec![
+            set_header(DESTINATION_HEADER, &destination),
+            set_header(
+                "x-dynamo-worker-instance-id",
+                &selection.primary.key.worker_id.to_string(),
+            ),
+            set_header(
+                "x-dynamo-dp-rank",
+                &selection.primary.key.dp_rank.to_string(),
+            ),
+        ];
+        if self.request_id.is_none() {
+            set.push(set_header("x-request-id", &request.request_id));
+        }
+        let mut remove: Vec<String> = self
+            .header_names
+            .iter()
+            .filter(|n| {
+                SPOOFABLE_PREFIXES.iter().any(|p| n.starts_with(p)) && *n != DESTINATION_HEADER
+            })
+            .cloned()
+            .collect();
+        if selection.primary.multiplexed {
+            set.push(set_header(
+                "x-data-parallel-rank",
+                &selection.primary.key.dp_rank.to_string(),
+            ));
+        } else if self
+            .header_names
+            .iter()
+            .any(|n| n == "x-data-parallel-rank")
+        {
+            remove.push("x-data-parallel-rank".into());
+        }
+        remove.sort();
+        remove.dedup();
+        let response = ProcessingResponse {
+            dynamic_metadata: Some(lb_metadata(&destination)),
+            response: Some(processing_response::Response::RequestHeaders(
+                HeadersResponse {
+                    response: Some(CommonResponse {
+                        header_mutation: Some(HeaderMutation {
+                            set_headers: set,
+                            remove_headers: remove,
+                        }),
+                        clear_route_cache: true,
+                        ..Default::default()
+                    }),
+                },
+            )),
+            ..Default::default()
+        };
+        tracing::debug!(
+            booking = reservation.booking_id(),
+            endpoint = %destination,
+            header_only,
+            "picked"
+        );
+        self.reservation = Some(reservation);
+        self.picked_at = Some(Instant::now());
+        let metrics = self.core.metrics();
+        metrics.requests.with_label_values(&["200"]).inc();
+        metrics
+            .pick_latency
+            .observe(started.elapsed().as_secs_f64());
+        Step {
+            responses: vec![response],
+            finished: false,
+        }
+    }
+
+    fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
+        if self.phase != Phase::Response {
+            return Err(Status::failed_precondition(
+                "response headers received before the request was routed",
+            ));
+        }
+        let sse = headers
+            .headers
+            .iter()
+            .flat_map(|m| m.headers.iter())
+            .any(|h| {
+                h.key.eq_ignore_ascii_case("content-type")
+                    && header_value(h)
+                        .to_ascii_lowercase()
+                        .starts_with("text/event-stream")
+            });
+        self.usage = Some(UsageTracker::new(sse));
+        let mut set = Vec::new();
+        if let (Some(served), Some(reservation)) = (&self.served_endpoint, &self.reservation) {
+            if let Ok(addr) = served.parse() {
+                reservation.served_by(addr);
+            }
+        }
+        if self.settings.conformance_test_mode {
+            let served = self.served_endpoint.clone().or_else(|| {
+                self.reservation
+                    .as_ref()
+                    .map(|r| r.selection().primary.endpoint.to_string())
+            });
+            if let Some(served) = served {
+                set.push(set_header(CONFORMANCE_SERVED_HEADER, &served));
+            }
+        }
+        if headers.end_of_stream {
+            self.release();
+        }
+        let common = if set.is_empty() {
+            None
+        } else {
+            Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers: set,
+                    remove_headers: vec![],
+                }),
+                ..Default::default()
+            })
+        };
+        Ok(one(processing_response::Response::ResponseHeaders(
+            HeadersResponse { response: common },
+        )))
+    }
+
+    fn on_response_body(&mut self, body: HttpBody) -> Step {
+        if !body.body.is_empty() && !self.first_byte_seen {
+            self.first_byte_seen = true;
+            if let Some(r) = &self.reservation {
+                r.mark_prefill_complete();
+                if let Some(at) = self.picked_at {
+                    self.core
+                        .metrics()
+                        .time_to_first_byte
+                        .with_label_values(&[&r.selection().primary.worker_name])
+                        .observe(at.elapsed().as_secs_f64());
+                }
+            }
+        }
+        if let Some(usage) = &mut self.usage {
+            usage.feed(&body.body);
+        }
+        let end = body.end_of_stream;
+        let step = one(processing_response::Response::ResponseBody(streamed_body(
+            body.body, end,
+        )));
+        if end {
+            self.release();
+        }
+        step
+    }
+
+    /// Frees the booking (response complete) and records usage.
+    fn release(&mut self) {
+        if let Some(usage) = self.usage.as_mut().and_then(UsageTracker::finish) {
+            let m = &self.core.metrics().usage_tokens;
+            m.with_label_values(&["prompt"]).inc_by(usage.prompt_tokens);
+            m.with_label_values(&["completion"])
+                .inc_by(usage.completion_tokens);
+            m.with_label_values(&["cached"]).inc_by(usage.cached_tokens);
+        }
+        self.usage = None;
+        if let Some(r) = self.reservation.take() {
+            r.free();
+        }
+    }
+
+    fn reject_select(&mut self, err: &SelectError) -> Step {
+        self.reject(err.http_status(), &err.to_string())
+    }
+
+    fn reject(&mut self, status: u16, message: &str) -> Step {
+        self.phase = Phase::Finished;
+        self.body = Vec::new();
+        self.core
+            .metrics()
+            .requests
+            .with_label_values(&[&status.to_string()])
+            .inc();
+        Step {
+            responses: vec![immediate(status, message)],
+            finished: true,
+        }
+    }
+}
+
+fn check_protocol(
+    config: &envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration,
+) -> Result<(), Status> {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    let full_duplex = BodySendMode::FullDuplexStreamed as i32;
+    if config.request_body_mode != full_duplex || config.response_body_mode != full_duplex {
+        return Err(Status::failed_precondition(format!(
+            "kvpick needs request_body_mode and response_body_mode FULL_DUPLEX_STREAMED \
+             (got request {}, response {}); see the README's Envoy wiring",
+            mode_name(config.request_body_mode),
+            mode_name(config.response_body_mode)
+        )));
+    }
+    Ok(())
+}
+
+fn mode_name(mode: i32) -> String {
+    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
+    BodySendMode::try_from(mode)
+        .map(|m| m.as_str_name().to_string())
+        .unwrap_or_else(|_| mode.to_string())
+}
+
+fn body_error_message(err: &BodyError) -> String {
+    err.to_string()
+}
+
+fn header_value(h: &HeaderValue) -> std::borrow::Cow<'_, str> {
+    if h.raw_value.is_empty() {
+        std::borrow::Cow::Borrowed(h.value.as_str())
+    } else {
+        String::from_utf8_lossy(&h.raw_value)
+    }
+}
+
+/// A metadata value as a list of strings: a list of strings, or one comma-separated string.
+fn string_entries(value: &Value) -> Vec<String> {
+    match &value.kind {
+        Some(Kind::StringValue(s)) => s
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(str::to_string)
+            .collect(),
+        Some(Kind::ListValue(ListValue { values })) => {
+            values.iter().flat_map(string_entries).collect()
+        }
+        _ => Vec::new(),
+    }
+}
+
+fn set_header(key: &str, value: &str) -> HeaderValueOption {
+    HeaderValueOption {
+        header: Some(HeaderValue {
+            key: key.to_string(),
+            value: String::new(),
+            raw_value: value.as_bytes().to_vec(),
+        }),
+        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+fn lb_metadata(destination: &str) -> Struct {
+    let inner = Struct {
+        fields: [(
+            DESTINATION_HEADER.to_string(),
+            Value {
+                kind: Some(Kind::StringValue(destination.to_string())),
+            },
+        )]
+        .into(),
+    };
+    Struct {
+        fields: [(
+            LB_NAMESPACE.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(inner)),
+            },
+        )]
+        .into(),
+    }
+}
+
+fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
+    BodyResponse {
+        response: Some(CommonResponse {
+            body_mutation: Some(BodyMutation {
+                mutation: Some(body_mutation::Mutation::StreamedResponse(
+                    StreamedBodyResponse {
+                        body,
+                        end_of_stream,
+                        ..Default::default()
+                    },
+                )),
+            }),
+            ..Default::default()
+        }),
+    }
+}
+
+/// The request body echoed back in chunks of at most [`MAX_BODY_CHUNK`] bytes; an empty body is
+/// still answered (Envoy needs a body response to continue).
+fn body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
+    if body.is_empty() {
+        return vec![ProcessingResponse {
+            response: Some(processing_response::Response::RequestBody(streamed_body(
+                Vec::new(),
+                end_of_stream,
+            ))),
+            ..Default::default()
+        }];
+    }
+    let n = body.len().div_ceil(MAX_BODY_CHUNK);
+    body.chunks(MAX_BODY_CHUNK)
+        .enumerate()
+        .map(|(i, chunk)| ProcessingResponse {
+            response: Some(processing_response::Response::RequestBody(streamed_body(
+                chunk.to_vec(),
+                end_of_stream && i + 1 == n,
+            ))),
+            ..Default::default()
+        })
+        .collect()
+}
+
+fn one(response: processing_response::Response) -> Step {
+    Step {
+        responses: vec![ProcessingResponse {
+            response: Some(response),
+            ..Default::default()
+        }],
+        finished: false,
+    }
+}
+
+/// `kvpick: <code>: <message>` with a text content type.
+pub fn immediate(status: u16, message: &str) -> ProcessingResponse {
+    ProcessingResponse {
+        response: Some(processing_response::Response::ImmediateResponse(
+            ImmediateResponse {
+                status: Some(HttpStatus {
+                    code: status as i32,
+                }),
+                headers: Some(HeaderMutation {
+                    set_headers: vec![set_header("content-type", "text/plain; charset=utf-8")],
+                    remove_headers: vec![],
+                }),
+                body: format!("kvpick: {status}: {message}\n").into_bytes(),
+                details: format!("kvpick_{status}"),
+                ..Default::default()
+            },
+        )),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+#[path = "stream_tests.rs"]
+mod tests;

@@ -1,0 +1,172 @@
+//! Prometheus metrics: one registry per process, owned here and handed to the parts that record.
+//! This module only defines and exposes metrics; it never makes routing decisions.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Every metric kvpick exports. Cheap to clone (all handles are reference-counted).
+#[derive(Clone)]
+pub struct Metrics {
+    pub registry: Registry,
+    /// Pick outcomes by status ("200" for a successful pick, else the error status).
+    pub requests: IntCounterVec,
+    /// Time spent inside the selection core per pick.
+    pub pick_latency: Histogram,
+    /// In-flight requests per (worker, rank).
+    pub inflight: IntGaugeVec,
+    /// Sum of `inflight` over every rank.
+    pub inflight_total: IntGauge,
+    /// Workers in the catalog by lifecycle.
+    pub catalog_workers: IntGaugeVec,
+    /// Catalog snapshots applied / rejected.
+    pub catalog_reloads: IntCounterVec,
+    /// Token usage reported by the engines in responses (prompt, completion, cached).
+    pub usage_tokens: IntCounterVec,
+    /// ext_proc streams by how they ended.
+    pub streams: IntCounterVec,
+    /// Bookings reaped because they outlived `booking_ttl`.
+    pub bookings_expired: IntCounter,
+    /// Response time from pick to first response byte, by worker.
+    pub time_to_first_byte: HistogramVec,
+}
+
+fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> T {
+    registry
+        .register(Box::new(c.clone()))
+        .expect("metric names are unique");
+    c
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new("kvpick_requests_total", "Pick outcomes by HTTP status"),
+                &["status"],
+            )
+            .unwrap(),
+        );
+        let pick_latency = register(
+            &registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpick_pick_latency_seconds",
+                    "Time spent parsing and selecting per request, from body end to routing answer",
+                )
+                .buckets(vec![
+                    5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2,
+                    5e-2, 0.1,
+                ]),
+            )
+            .unwrap(),
+        );
+        let inflight = register(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_inflight_requests",
+                    "In-flight requests per worker rank",
+                ),
+                &["worker", "rank"],
+            )
+            .unwrap(),
+        );
+        let inflight_total = register(
+            &registry,
+            IntGauge::new("kvpick_inflight_total", "In-flight requests over all ranks").unwrap(),
+        );
+        let catalog_workers = register(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_catalog_workers",
+                    "Workers in the catalog by lifecycle",
+                ),
+                &["lifecycle"],
+            )
+            .unwrap(),
+        );
+        let catalog_reloads = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "kvpick_catalog_reloads_total",
+                    "Catalog snapshots by result",
+                ),
+                &["result"],
+            )
+            .unwrap(),
+        );
+        let usage_tokens = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "kvpick_usage_tokens_total",
+                    "Tokens reported in response usage (kind: prompt, completion, cached)",
+                ),
+                &["kind"],
+            )
+            .unwrap(),
+        );
+        let streams = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new("kvpick_extproc_streams_total", "ext_proc streams by ending"),
+                &["end"],
+            )
+            .unwrap(),
+        );
+        let bookings_expired = register(
+            &registry,
+            IntCounter::new(
+                "kvpick_bookings_expired_total",
+                "Bookings reaped after booking_ttl",
+            )
+            .unwrap(),
+        );
+        let time_to_first_byte = register(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "kvpick_time_to_first_byte_seconds",
+                    "From pick to the first response body byte, per worker",
+                )
+                .buckets(prometheus::exponential_buckets(0.001, 2.0, 16).unwrap()),
+                &["worker"],
+            )
+            .unwrap(),
+        );
+        Metrics {
+            registry,
+            requests,
+            pick_latency,
+            inflight,
+            inflight_total,
+            catalog_workers,
+            catalog_reloads,
+            usage_tokens,
+            streams,
+            bookings_expired,
+            time_to_first_byte,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("text encoding cannot fail");
+        String::from_utf8(buf).expect("prometheus text is utf-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,325 @@
+//! `kvpick serve`: wires the selection core to its catalog source and hosts, binds the three
+//! ports (ext_proc + health + selection API, health, metrics), and runs until SIGTERM/SIGINT, then
+//! drains: health goes NOT_SERVING, listeners stop accepting, open streams get a bounded grace.
+
+use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use axum::routing::get;
+use clap::{Args, ValueEnum};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use crate::api::SelectionApi;
+use crate::catalog::static_file;
+use crate::extproc::{ExtProcService, ExtProcSettings};
+use crate::metrics::Metrics;
+use crate::selection::{CoreConfig, SelectionCore};
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Flags of `kvpick serve` (names follow the GIE endpoint picker where they overlap).
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Static catalog: YAML file with a `workers:` list (see README). Re-read when it changes.
+    #[arg(
+        long,
+        visible_alias = "config-file",
+        value_name = "FILE",
+        env = "KVPICK_CONFIG"
+    )]
+    pub config: Option<PathBuf>,
+
+    /// Address every port binds to.
+    #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
+    pub bind: IpAddr,
+
+    /// ext_proc gRPC port (also serves gRPC health and the kvpick.v1.Selection API). 0 = any free port.
+    #[arg(long, default_value_t = 9002)]
+    pub grpc_port: u16,
+
+    /// gRPC health port (plaintext): liveness, readiness, inference-extension, ext_proc services.
+    #[arg(long, default_value_t = 9003)]
+    pub grpc_health_port: u16,
+
+    /// Prometheus metrics port (`/metrics`).
+    #[arg(long, default_value_t = 9090)]
+    pub metrics_port: u16,
+
+    /// Serve the ext_proc port over TLS (self-signed unless --cert-path). `--secure-serving=false` serves h2c.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub secure_serving: bool,
+
+    /// Directory holding `tls.crt` and `tls.key` for the ext_proc port; reloaded when they change.
+    #[arg(long, value_name = "DIR")]
+    pub cert_path: Option<PathBuf>,
+
+    /// Largest request body accepted; larger requests get 413.
+    #[arg(long, default_value_t = 32 << 20, value_name = "BYTES")]
+    pub max_body_bytes: usize,
+
+    /// Extra fallback endpoints appended to x-gateway-destination-endpoint, in preference order.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub fallbacks: usize,
+
+    /// Seconds after which a booking whose response never ended is reaped.
+    #[arg(long, default_value_t = 300, value_name = "SECONDS")]
+    pub booking_ttl: u64,
+
+    /// Seed for random tie-breaks (reproducible picks in tests); default: random.
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+
+    /// Gateway API Inference Extension conformance hooks: honour `test-epp-endpoint-selection` and
+    /// echo `x-conformance-test-served-endpoint`. Never enable in production.
+    #[arg(long)]
+    pub conformance_test_mode: bool,
+
+    /// Seconds open streams may take to finish after SIGTERM.
+    #[arg(long, default_value_t = 30, value_name = "SECONDS")]
+    pub shutdown_grace: u64,
+
+    /// Milliseconds between checks of the catalog file for changes.
+    #[arg(long, default_value_t = 1000, value_name = "MS")]
+    pub catalog_poll_ms: u64,
+
+    /// Once every port is bound, write `{"grpc":P,"health":P,"metrics":P}` here (for port 0).
+    #[arg(long, value_name = "FILE")]
+    pub port_file: Option<PathBuf>,
+
+    /// Log format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+}
+
+pub fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}
+
+async fn bind(ip: IpAddr, port: u16, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(SocketAddr::new(ip, port))
+        .await
+        .with_context(|| format!("cannot bind the {what} port {ip}:{port}"))
+}
+
+/// Resolves when SIGTERM or SIGINT arrives.
+async fn termination() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = term.recv() => {},
+        _ = tokio::signal::ctrl_c() => {},
+    }
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let metrics = Metrics::new();
+    let core = SelectionCore::new(
+        CoreConfig {
+            booking_ttl: Duration::from_secs(args.booking_ttl),
+            seed: args.seed,
+        },
+        metrics.clone(),
+    );
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+
+    // Catalog source first: a bad catalog fails start-up with a clear message.
+    let Some(config_path) = args.config.clone() else {
+        anyhow::bail!(
+            "no catalog source: pass --config FILE (a static catalog YAML with a `workers:` list)"
+        );
+    };
+    let initial_text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("cannot read catalog file {}", config_path.display()))?;
+    let initial = static_file::parse_catalog(&initial_text)
+        .with_context(|| format!("in catalog file {}", config_path.display()))?;
+    let (catalog_tx, catalog_rx) = watch::channel(Some(initial));
+    let reloads = metrics.catalog_reloads.clone();
+    tokio::spawn(static_file::watch_catalog(
+        config_path,
+        initial_text,
+        Duration::from_millis(args.catalog_poll_ms),
+        catalog_tx,
+        move |_| reloads.with_label_values(&["invalid"]).inc(),
+    ));
+    tokio::spawn(apply_snapshots(Arc::clone(&core), catalog_rx));
+
+    // Booking reaper.
+    {
+        let core = Arc::clone(&core);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(10));
+            loop {
+                tick.tick().await;
+                let n = core.reap_expired(Instant::now());
+                if n > 0 {
+                    tracing::warn!(reaped = n, "expired bookings reaped");
+                }
+            }
+        });
+    }
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    tokio::spawn(crate::health::track(
+        health_reporter,
+        core.readiness(),
+        shutdown_rx.clone(),
+    ));
+
+    let grpc_listener = bind(args.bind, args.grpc_port, "ext_proc gRPC").await?;
+    let health_listener = bind(args.bind, args.grpc_health_port, "gRPC health").await?;
+    let metrics_listener = bind(args.bind, args.metrics_port, "metrics").await?;
+    let ports = (
+        grpc_listener.local_addr()?.port(),
+        health_listener.local_addr()?.port(),
+        metrics_listener.local_addr()?.port(),
+    );
+    let tls = if args.secure_serving {
+        Some(crate::tls::server_config(args.cert_path.clone())?)
+    } else {
+        None
+    };
+
+    let extproc = ExtProcService::new(
+        Arc::clone(&core),
+        ExtProcSettings {
+            max_body_bytes: args.max_body_bytes,
+            fallbacks: args.fallbacks,
+            conformance_test_mode: args.conformance_test_mode,
+        },
+    );
+    let drained = || {
+        let mut rx = shutdown_rx.clone();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    };
+    let grpc_server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .add_service(health_service.clone())
+        .add_service(extproc.into_server())
+        .add_service(SelectionApi::new(Arc::clone(&core)).into_server())
+        .serve_with_incoming_shutdown(
+            crate::net::incoming(grpc_listener, tls, shutdown_rx.clone()),
+            drained(),
+        );
+    let health_server = tonic::transport::Server::builder()
+        .add_service(health_service)
+        .serve_with_incoming_shutdown(
+            crate::net::incoming(health_listener, None, shutdown_rx.clone()),
+            drained(),
+        );
+    let metrics_for_http = metrics.clone();
+    let router = axum::Router::new().route(
+        "/metrics",
+        get(move || {
+            let m = metrics_for_http.clone();
+            async move {
+                (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        "text/plain; version=0.0.4",
+                    )],
+                    m.render(),
+                )
+            }
+        }),
+    );
+    let metrics_server = axum::serve(metrics_listener, router).with_graceful_shutdown(drained());
+
+    if let Some(path) = &args.port_file {
+        write_port_file(path, ports)?;
+    }
+    tracing::info!(
+        grpc = ports.0,
+        health = ports.1,
+        metrics = ports.2,
+        tls = args.secure_serving,
+        "kvpick serving"
+    );
+
+    let grpc_task = tokio::spawn(grpc_server);
+    let health_task = tokio::spawn(health_server);
+    let metrics_task = tokio::spawn(async move { metrics_server.await });
+
+    termination().await;
+    tracing::info!(
+        grace_s = args.shutdown_grace,
+        "shutting down: refusing new streams, draining open ones"
+    );
+    shutdown_tx.send_replace(true);
+    let grace = Duration::from_secs(args.shutdown_grace);
+    let drained = tokio::time::timeout(grace, async {
+        let _ = grpc_task.await;
+        let _ = health_task.await;
+        let _ = metrics_task.await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            live_bookings = core.live_bookings(),
+            "grace period over; closing remaining streams"
+        );
+    }
+    Ok(())
+}
+
+/// Applies each snapshot the source publishes; a rejected snapshot is retried every 5 s unless a
+/// newer one arrives first.
+async fn apply_snapshots(
+    core: Arc<SelectionCore>,
+    mut rx: watch::Receiver<Option<Vec<crate::catalog::WorkerSpec>>>,
+) {
+    let mut retry = false;
+    loop {
+        let snapshot = rx.borrow_and_update().clone();
+        if let Some(specs) = snapshot {
+            match core.apply_snapshot(specs) {
+                Ok(report) => {
+                    retry = false;
+                    core.metrics()
+                        .catalog_reloads
+                        .with_label_values(&["applied"])
+                        .inc();
+                    tracing::info!(?report, "catalog applied");
+                }
+                Err(err) => {
+                    retry = true;
+                    core.metrics()
+                        .catalog_reloads
+                        .with_label_values(&["rejected"])
+                        .inc();
+                    tracing::error!(%err, "catalog snapshot rejected; retrying in 5s");
+                }
+            }
+        }
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return },
+            _ = tokio::time::sleep(Duration::from_secs(5)), if retry => {},
+        }
+    }
+}
+
+fn write_port_file(path: &std::path::Path, ports: (u16, u16, u16)) -> anyhow::Result<()> {
+    let body =
+        serde_json::json!({"grpc": ports.0, "health": ports.1, "metrics": ports.2}).to_string();
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, body).with_context(|| format!("cannot write {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
+    Ok(())
+}
