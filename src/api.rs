@@ -1,19 +1,26 @@
 //! The gRPC selection API host (`kvpick.v1.Selection`): the selection core for callers that are
 //! not Envoy. Like the ext_proc host it only translates; bookings made here live until `Free` or
-//! expiry because the caller, not a stream, owns them.
+//! expiry because the caller, not a stream, owns them. Workers upserted here form the "api"
+//! catalog source, merged with the file/Kubernetes source.
 
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};
 
+use crate::catalog::static_file::{to_spec, StaticWorker};
 use crate::proto::selection_server::{Selection, SelectionServer};
 use crate::proto::{
-    BookingAck, BookingRef, Endpoint, ListWorkersRequest, ListWorkersResponse, SelectRequest,
-    SelectResponse, Worker, WorkerRank,
+    BookingAck, BookingRef, CatalogAck, DeleteWorkerRequest, Endpoint, ListWorkersRequest,
+    ListWorkersResponse, LoadsRequest, LoadsResponse, OverlapScore, OverlapScoresResponse,
+    RankLoad, SelectRequest, SelectResponse, Worker, WorkerSpec,
 };
 use crate::selection::{
-    DuplicateId, EndpointFilter, PickedRank, SelectError, SelectionCore, SelectionRequest,
+    self, DuplicateId, EndpointFilter, PickedRank, Pin, PromptInput, SelectError, SelectionCore,
+    SelectionRequest, WorkerView,
 };
+
+/// Catalog source name of workers managed through this API.
+pub const API_SOURCE: &str = "api";
 
 #[derive(Clone)]
 pub struct SelectionApi {
@@ -51,8 +58,104 @@ pub fn status_of(err: &SelectError) -> Status {
     }
 }
 
+/// Translates an API request into the core's request (shared by Select, SelectAndReserve and
+/// OverlapScores).
+pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status> {
+    if req.model.is_empty() {
+        return Err(Status::invalid_argument("model is required"));
+    }
+    if req.pin_dp_rank.is_some() && req.pin_worker_id.is_none() {
+        return Err(Status::invalid_argument("pin_dp_rank needs pin_worker_id"));
+    }
+    if !req.token_ids.is_empty() && !req.block_hashes.is_empty() {
+        return Err(Status::invalid_argument(
+            "send token_ids or block_hashes, not both",
+        ));
+    }
+    let prompt = if !req.token_ids.is_empty() {
+        PromptInput::Tokens(req.token_ids)
+    } else if !req.block_hashes.is_empty() {
+        PromptInput::BlockHashes {
+            seq_hashes: req.block_hashes,
+            prompt_tokens: req.prompt_tokens,
+        }
+    } else {
+        PromptInput::None
+    };
+    Ok(SelectionRequest {
+        request_id: req.request_id,
+        model: Some(req.model),
+        routing_group: req.routing_group,
+        prompt,
+        cache_salt: (!req.cache_salt.is_empty()).then_some(req.cache_salt),
+        subset: (!req.subset.is_empty())
+            .then(|| EndpointFilter::parse(req.subset.iter().map(String::as_str))),
+        pin: req.pin_worker_id.map(|worker_id| Pin {
+            worker_id,
+            dp_rank: req.pin_dp_rank,
+        }),
+        fallbacks: req.fallbacks as usize,
+        temperature: req.temperature,
+        priority: req.priority,
+        on_duplicate: DuplicateId::Reject,
+    })
+}
+
+fn response(selection: selection::Selection) -> SelectResponse {
+    SelectResponse {
+        primary: Some(endpoint(&selection.primary)),
+        fallbacks: selection.fallbacks.iter().map(endpoint).collect(),
+        request_id: selection.booking_id,
+        overlap_blocks: selection.overlap_blocks as u64,
+        cost: selection.cost,
+        prompt_blocks: selection.prompt_blocks,
+    }
+}
+
+fn worker_message(v: WorkerView) -> Worker {
+    let spec = &v.record.spec;
+    Worker {
+        worker_id: v.record.id,
+        name: spec.name.clone(),
+        namespace: spec.namespace.clone(),
+        model: spec.model.clone(),
+        routing_group: spec.routing_group.clone(),
+        lifecycle: v.record.lifecycle.as_str().to_string(),
+        reason: v.record.reason.clone(),
+        ranks: v
+            .record
+            .ranks
+            .iter()
+            .zip(&v.loads)
+            .map(|(r, load)| RankLoad {
+                dp_rank: r.dp_rank,
+                address: r.endpoint.to_string(),
+                active_requests: load.active_requests,
+                active_prefill_tokens: load.active_prefill_tokens,
+                active_decode_blocks: load.active_decode_blocks,
+            })
+            .collect(),
+        block_size: spec.block_size.unwrap_or(0),
+        lora_adapters: spec.lora_adapters.clone(),
+        kv_events: spec.kv_events.clone().unwrap_or_default(),
+    }
+}
+
+fn port(p: u32) -> Result<u16, Status> {
+    u16::try_from(p).map_err(|_| Status::invalid_argument(format!("port {p} is out of range")))
+}
+
 #[tonic::async_trait]
 impl Selection for SelectionApi {
+    async fn select(
+        &self,
+        request: Request<SelectRequest>,
+    ) -> Result<Response<SelectResponse>, Status> {
+        let req = selection_request(request.into_inner())?;
+        let selection = self.core.select(&req).map_err(|e| status_of(&e))?;
+        Ok(Response::new(response(selection)))
+    }
+
     async fn select_and_reserve(
         &self,
         request: Request<SelectRequest>,
@@ -61,31 +164,15 @@ impl Selection for SelectionApi {
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is required"));
         }
-        if req.model.is_empty() {
-            return Err(Status::invalid_argument("model is required"));
-        }
-        let selection_request = SelectionRequest {
-            request_id: req.request_id,
-            model: Some(req.model),
-            subset: (!req.subset.is_empty())
-                .then(|| EndpointFilter::parse(req.subset.iter().map(String::as_str))),
-            fallbacks: req.fallbacks as usize,
-            on_duplicate: DuplicateId::Reject,
-        };
+        let req = selection_request(req)?;
         let reservation = self
             .core
-            .select_and_reserve(&selection_request)
+            .select_and_reserve(&req)
             .map_err(|e| status_of(&e))?;
-        let selection = reservation.detach();
-        Ok(Response::new(SelectResponse {
-            primary: Some(endpoint(&selection.primary)),
-            fallbacks: selection.fallbacks.iter().map(endpoint).collect(),
-            request_id: selection.booking_id,
-            overlap_blocks: 0,
-        }))
+        Ok(Response::new(response(reservation.detach())))
     }
 
-    async fn mark_prefill_complete(
+    async fn prefill_complete(
         &self,
         request: Request<BookingRef>,
     ) -> Result<Response<BookingAck>, Status> {
@@ -109,29 +196,103 @@ impl Selection for SelectionApi {
             .core
             .list_workers((!model.is_empty()).then_some(model.as_str()))
             .into_iter()
-            .map(|v| Worker {
-                worker_id: v.record.id,
-                name: v.record.spec.name.clone(),
-                model: v.record.spec.model.clone(),
-                routing_group: v.record.spec.routing_group.clone(),
-                lifecycle: v.record.lifecycle.as_str().to_string(),
-                reason: v.record.reason.clone(),
-                ranks: v
-                    .record
-                    .ranks
-                    .iter()
-                    .zip(&v.active_requests)
-                    .map(|(r, active)| WorkerRank {
-                        dp_rank: r.dp_rank,
-                        address: r.endpoint.to_string(),
-                        active_requests: *active,
-                    })
-                    .collect(),
-                block_size: v.record.spec.block_size.unwrap_or(0),
-                lora_adapters: v.record.spec.lora_adapters.clone(),
-                kv_events: v.record.spec.kv_events.clone().unwrap_or_default(),
-            })
+            .map(worker_message)
             .collect();
         Ok(Response::new(ListWorkersResponse { workers }))
+    }
+
+    async fn upsert_worker(
+        &self,
+        request: Request<WorkerSpec>,
+    ) -> Result<Response<CatalogAck>, Status> {
+        let w = request.into_inner();
+        let ports = if w.ports.is_empty() {
+            None
+        } else {
+            Some(
+                w.ports
+                    .iter()
+                    .map(|p| port(*p))
+                    .collect::<Result<Vec<_>, _>>()?,
+            )
+        };
+        let entry = StaticWorker {
+            name: w.name,
+            model: w.model,
+            routing_group: w.routing_group,
+            address: w.address,
+            ports,
+            port: if w.port == 0 {
+                None
+            } else {
+                Some(port(w.port)?)
+            },
+            data_parallel_size: (w.data_parallel_size != 0).then_some(w.data_parallel_size),
+            block_size: (w.block_size != 0).then_some(w.block_size),
+            kv_events: (!w.kv_events.is_empty()).then_some(w.kv_events),
+            lora_adapters: w.lora_adapters,
+        };
+        let spec =
+            to_spec(entry, API_SOURCE).map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
+        let worker_id = spec.worker_id();
+        self.core
+            .upsert_source_worker(API_SOURCE, spec)
+            .map_err(Status::already_exists)?;
+        Ok(Response::new(CatalogAck {
+            worker_id,
+            found: true,
+        }))
+    }
+
+    async fn delete_worker(
+        &self,
+        request: Request<DeleteWorkerRequest>,
+    ) -> Result<Response<CatalogAck>, Status> {
+        let name = request.into_inner().name;
+        let found = self
+            .core
+            .delete_source_worker(API_SOURCE, &name)
+            .map_err(Status::internal)?;
+        Ok(Response::new(CatalogAck {
+            worker_id: crate::catalog::worker_id(API_SOURCE, &name),
+            found,
+        }))
+    }
+
+    async fn loads(
+        &self,
+        request: Request<LoadsRequest>,
+    ) -> Result<Response<LoadsResponse>, Status> {
+        let req = request.into_inner();
+        let workers = self
+            .core
+            .list_workers((!req.model.is_empty()).then_some(req.model.as_str()))
+            .into_iter()
+            .filter(|v| {
+                req.routing_group.is_empty() || v.record.spec.routing_group == req.routing_group
+            })
+            .map(worker_message)
+            .collect();
+        Ok(Response::new(LoadsResponse { workers }))
+    }
+
+    async fn overlap_scores(
+        &self,
+        request: Request<SelectRequest>,
+    ) -> Result<Response<OverlapScoresResponse>, Status> {
+        let req = selection_request(request.into_inner())?;
+        let (prompt_blocks, scores) = self.core.overlap_scores(&req).map_err(|e| status_of(&e))?;
+        Ok(Response::new(OverlapScoresResponse {
+            prompt_blocks,
+            scores: scores
+                .into_iter()
+                .map(|(rank, d)| OverlapScore {
+                    rank: Some(endpoint(&rank)),
+                    gpu_blocks: d.gpu,
+                    host_blocks: d.host,
+                    disk_blocks: d.disk,
+                })
+                .collect(),
+        }))
     }
 }

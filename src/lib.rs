@@ -8,6 +8,7 @@ pub mod api;
 pub mod catalog;
 pub mod extproc;
 pub mod health;
+pub mod index;
 pub mod metrics;
 pub mod net;
 pub mod request;

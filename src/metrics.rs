@@ -30,6 +30,14 @@ pub struct Metrics {
     pub bookings_expired: IntCounter,
     /// Response time from pick to first response byte, by worker.
     pub time_to_first_byte: HistogramVec,
+    /// Queued prefill tokens per rank (bookings whose prefill is not complete).
+    pub active_prefill_tokens: IntGaugeVec,
+    /// KV blocks of active requests per rank.
+    pub active_decode_blocks: IntGaugeVec,
+    /// Share of the prompt's blocks already cached on the picked rank (0..1), per pick.
+    pub predicted_overlap: Histogram,
+    /// Blocks in the KV index per partition (model).
+    pub index_blocks: IntGaugeVec,
 }
 
 fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> T {
@@ -140,7 +148,57 @@ impl Metrics {
             )
             .unwrap(),
         );
+        let active_prefill_tokens = register(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_active_prefill_tokens",
+                    "Prefill tokens booked and not yet prefilled, per rank",
+                ),
+                &["worker", "rank"],
+            )
+            .unwrap(),
+        );
+        let active_decode_blocks = register(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_active_decode_blocks",
+                    "KV blocks of active requests, per rank",
+                ),
+                &["worker", "rank"],
+            )
+            .unwrap(),
+        );
+        let predicted_overlap = register(
+            &registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpick_predicted_overlap_ratio",
+                    "Share of the prompt's blocks cached on the picked rank, per pick",
+                )
+                .buckets(vec![
+                    0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0,
+                ]),
+            )
+            .unwrap(),
+        );
+        let index_blocks = register(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_index_blocks",
+                    "Blocks in the KV index per partition",
+                ),
+                &["model", "routing_group"],
+            )
+            .unwrap(),
+        );
         Metrics {
+            active_prefill_tokens,
+            active_decode_blocks,
+            predicted_overlap,
+            index_blocks,
             registry,
             requests,
             pick_latency,

@@ -9,6 +9,19 @@ pub struct ParsedBody {
     pub model: String,
     pub stream: bool,
     pub cache_salt: Option<String>,
+    pub prompt: Prompt,
+}
+
+/// The prompt part of a body, as precisely as the body allows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// `/v1/completions` with `prompt: [int]`: the engine's own token ids.
+    TokenIds(Vec<u32>),
+    /// The prompt-bearing JSON (messages + tools, prompt text, responses input), byte for byte as
+    /// sent: stable across turns that append to a conversation.
+    Text(Vec<u8>),
+    /// No prompt field found.
+    Absent,
 }
 
 /// Why a body was refused; every variant is a client error (400).
@@ -32,6 +45,42 @@ struct Envelope<'a> {
     stream: Option<serde_json::Value>,
     #[serde(default, borrow)]
     cache_salt: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    prompt: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    messages: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    tools: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    instructions: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    input: Option<&'a serde_json::value::RawValue>,
+}
+
+impl Envelope<'_> {
+    fn prompt(&self) -> Prompt {
+        if let Some(raw) = self.prompt {
+            if let Ok(ids) = serde_json::from_str::<Vec<u32>>(raw.get()) {
+                return Prompt::TokenIds(ids);
+            }
+            if let Ok(text) = serde_json::from_str::<String>(raw.get()) {
+                return Prompt::Text(text.into_bytes());
+            }
+            return Prompt::Text(raw.get().as_bytes().to_vec());
+        }
+        // Tools render before the conversation in chat templates, so they lead the prefix too.
+        let parts = [self.tools, self.instructions, self.messages, self.input];
+        let mut text = Vec::new();
+        for raw in parts.into_iter().flatten() {
+            text.extend_from_slice(raw.get().as_bytes());
+            text.push(0);
+        }
+        if text.is_empty() {
+            Prompt::Absent
+        } else {
+            Prompt::Text(text)
+        }
+    }
 }
 
 /// Parses a request body. `Ok(None)` means "nothing to parse" (empty body, or a content type
@@ -58,6 +107,7 @@ pub fn parse_request_body(
     }
     let envelope: Envelope<'_> =
         serde_json::from_slice(body).map_err(|e| BodyError::Malformed(short_json_error(&e)))?;
+    let prompt = envelope.prompt();
     let model = match envelope.model {
         None | Some(serde_json::Value::Null) => return Err(BodyError::MissingModel),
         Some(serde_json::Value::String(s)) if !s.is_empty() => s,
@@ -71,6 +121,7 @@ pub fn parse_request_body(
         model,
         stream,
         cache_salt,
+        prompt,
     }))
 }
 
@@ -92,14 +143,39 @@ mod tests {
         let parsed = parse_request_body(Some("application/json"), body)
             .unwrap()
             .unwrap();
+        assert_eq!(parsed.model, "m");
+        assert!(parsed.stream);
+        assert_eq!(parsed.cache_salt.as_deref(), Some("s"));
         assert_eq!(
-            parsed,
-            ParsedBody {
-                model: "m".into(),
-                stream: true,
-                cache_salt: Some("s".into())
-            }
+            parsed.prompt,
+            Prompt::Text(b"[{\"role\":\"user\",\"content\":\"hi\"}]\0".to_vec())
         );
+    }
+
+    #[test]
+    fn prompt_shapes() {
+        let p = |body: &[u8]| parse_request_body(None, body).unwrap().unwrap().prompt;
+        assert_eq!(
+            p(br#"{"model":"m","prompt":[1,2,3]}"#),
+            Prompt::TokenIds(vec![1, 2, 3])
+        );
+        assert_eq!(
+            p(br#"{"model":"m","prompt":"abc"}"#),
+            Prompt::Text(b"abc".to_vec())
+        );
+        assert_eq!(
+            p(br#"{"model":"m","prompt":["a","b"]}"#),
+            Prompt::Text(br#"["a","b"]"#.to_vec())
+        );
+        assert_eq!(p(br#"{"model":"m"}"#), Prompt::Absent);
+        // A later turn of a conversation extends the earlier turn's prompt bytes.
+        let t1 = p(br#"{"model":"m","messages":[{"role":"user","content":"a"}]}"#);
+        let t2 = p(br#"{"model":"m","messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}]}"#);
+        let (Prompt::Text(t1), Prompt::Text(t2)) = (t1, t2) else {
+            panic!()
+        };
+        let shared = t1.iter().zip(&t2).take_while(|(a, b)| a == b).count();
+        assert!(shared >= t1.len() - 2, "only the closing bracket differs");
     }
 
     #[test]

@@ -17,7 +17,7 @@ use crate::api::SelectionApi;
 use crate::catalog::static_file;
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::metrics::Metrics;
-use crate::selection::{CoreConfig, SelectionCore};
+use crate::selection::{BusyThresholds, CoreConfig, CostParams, SelectionCore};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum LogFormat {
@@ -73,9 +73,70 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 300, value_name = "SECONDS")]
     pub booking_ttl: u64,
 
-    /// Seed for random tie-breaks (reproducible picks in tests); default: random.
+    /// Seed for random tie-breaks and sampling (reproducible picks); default: random.
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
+
+    /// Cost: credit per cached block against the prompt's prefill blocks.
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        value_name = "X",
+        help_heading = "Scheduling"
+    )]
+    pub overlap_score_credit: f64,
+
+    /// Cost: weight of the uncached prefill term.
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        value_name = "X",
+        help_heading = "Scheduling"
+    )]
+    pub prefill_load_scale: f64,
+
+    /// Cost: weight per active request on a rank.
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        value_name = "X",
+        help_heading = "Scheduling"
+    )]
+    pub decode_active_request_weight: f64,
+
+    /// 0 = always the cheapest rank (random among ties); T > 0 samples with softmax over costs.
+    #[arg(
+        long,
+        default_value_t = 0.0,
+        value_name = "T",
+        help_heading = "Scheduling"
+    )]
+    pub router_temperature: f64,
+
+    /// A rank with this many active decode blocks or more takes no new requests (429 when all do).
+    #[arg(long, value_name = "BLOCKS", help_heading = "Scheduling")]
+    pub active_decode_blocks_threshold: Option<u64>,
+
+    /// A rank with this many queued prefill tokens or more takes no new requests.
+    #[arg(long, value_name = "TOKENS", help_heading = "Scheduling")]
+    pub active_prefill_tokens_threshold: Option<u64>,
+
+    /// Honour explicit pins (`x-dynamo-worker-instance-id` [+ `x-dynamo-dp-rank`]); off = ignored.
+    #[arg(long, help_heading = "Scheduling")]
+    pub allow_pins: bool,
+
+    /// Seconds a routed prompt's blocks count as cached on its rank (no KV events).
+    #[arg(
+        long,
+        default_value_t = 120,
+        value_name = "SECONDS",
+        help_heading = "Scheduling"
+    )]
+    pub approx_ttl: u64,
+
+    /// Most blocks kept in each model's KV index (least recently used evicted).
+    #[arg(long, default_value_t = 1 << 20, value_name = "N", help_heading = "Scheduling")]
+    pub index_max_blocks: usize,
 
     /// Gateway API Inference Extension conformance hooks: honour `test-epp-endpoint-selection` and
     /// echo `x-conformance-test-served-endpoint`. Never enable in production.
@@ -129,15 +190,45 @@ async fn termination() {
     }
 }
 
+/// The core's configuration from flags, with range checks that name the flag.
+pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
+    for (name, value) in [
+        ("--overlap-score-credit", args.overlap_score_credit),
+        ("--prefill-load-scale", args.prefill_load_scale),
+        (
+            "--decode-active-request-weight",
+            args.decode_active_request_weight,
+        ),
+        ("--router-temperature", args.router_temperature),
+    ] {
+        if !value.is_finite() || value < 0.0 {
+            anyhow::bail!("{name} must be a finite number >= 0, got {value}");
+        }
+    }
+    Ok(CoreConfig {
+        booking_ttl: Duration::from_secs(args.booking_ttl),
+        seed: args.seed,
+        cost: CostParams {
+            overlap_score_credit: args.overlap_score_credit,
+            prefill_load_scale: args.prefill_load_scale,
+            decode_active_request_weight: args.decode_active_request_weight,
+            router_temperature: args.router_temperature,
+            ..CostParams::default()
+        },
+        busy: BusyThresholds {
+            active_decode_blocks: args.active_decode_blocks_threshold,
+            active_prefill_tokens: args.active_prefill_tokens_threshold,
+        },
+        allow_pins: args.allow_pins,
+        approx_ttl: Duration::from_secs(args.approx_ttl),
+        index_max_blocks: args.index_max_blocks,
+        ..CoreConfig::default()
+    })
+}
+
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new();
-    let core = SelectionCore::new(
-        CoreConfig {
-            booking_ttl: Duration::from_secs(args.booking_ttl),
-            seed: args.seed,
-        },
-        metrics.clone(),
-    );
+    let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     // Catalog source first: a bad catalog fails start-up with a clear message.
@@ -159,7 +250,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         catalog_tx,
         move |_| reloads.with_label_values(&["invalid"]).inc(),
     ));
-    tokio::spawn(apply_snapshots(Arc::clone(&core), catalog_rx));
+    tokio::spawn(crate::selection::reconcile::run(
+        Arc::clone(&core),
+        "static-file",
+        catalog_rx,
+    ));
 
     // Booking reaper.
     {
@@ -279,42 +374,6 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
-}
-
-/// Applies each snapshot the source publishes; a rejected snapshot is retried every 5 s unless a
-/// newer one arrives first.
-async fn apply_snapshots(
-    core: Arc<SelectionCore>,
-    mut rx: watch::Receiver<Option<Vec<crate::catalog::WorkerSpec>>>,
-) {
-    let mut retry = false;
-    loop {
-        let snapshot = rx.borrow_and_update().clone();
-        if let Some(specs) = snapshot {
-            match core.apply_snapshot(specs) {
-                Ok(report) => {
-                    retry = false;
-                    core.metrics()
-                        .catalog_reloads
-                        .with_label_values(&["applied"])
-                        .inc();
-                    tracing::info!(?report, "catalog applied");
-                }
-                Err(err) => {
-                    retry = true;
-                    core.metrics()
-                        .catalog_reloads
-                        .with_label_values(&["rejected"])
-                        .inc();
-                    tracing::error!(%err, "catalog snapshot rejected; retrying in 5s");
-                }
-            }
-        }
-        tokio::select! {
-            changed = rx.changed() => if changed.is_err() { return },
-            _ = tokio::time::sleep(Duration::from_secs(5)), if retry => {},
-        }
-    }
 }
 
 fn write_port_file(path: &std::path::Path, ports: (u16, u16, u16)) -> anyhow::Result<()> {

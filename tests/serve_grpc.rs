@@ -117,9 +117,11 @@ async fn selection_api_and_health_follow_the_catalog() {
     let mut api = SelectionClient::connect(format!("http://127.0.0.1:{}", serve.grpc))
         .await
         .unwrap();
+    // Distinct 16-token prompts: one KV block each, nothing shared, so load decides.
     let select = |id: &str| SelectRequest {
         request_id: id.into(),
         model: "m".into(),
+        token_ids: id.bytes().map(u32::from).cycle().take(16).collect(),
         ..Default::default()
     };
     let err = api.select_and_reserve(select("r0")).await.unwrap_err();
@@ -144,7 +146,7 @@ async fn selection_api_and_health_follow_the_catalog() {
     assert_eq!(workers[1].ranks[1].address, "127.0.0.1:9000");
     assert_eq!(workers[0].lifecycle, "Schedulable");
 
-    // Four ranks, four concurrent bookings: each lands on a different rank (least loaded).
+    // Four ranks, four concurrent bookings: each lands on a different rank (lowest cost).
     let mut picked = Vec::new();
     for i in 0..4 {
         let pick = api

@@ -22,26 +22,27 @@ struct StaticFile {
     workers: Vec<StaticWorker>,
 }
 
-#[derive(Debug, Deserialize)]
+/// One worker as written in a catalog file (or sent to the API's `UpsertWorker`).
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct StaticWorker {
-    name: String,
-    model: String,
+pub struct StaticWorker {
+    pub name: String,
+    pub model: String,
     #[serde(default)]
-    routing_group: String,
-    address: String,
+    pub routing_group: String,
+    pub address: String,
     #[serde(default)]
-    ports: Option<Vec<u16>>,
+    pub ports: Option<Vec<u16>>,
     #[serde(default)]
-    port: Option<u16>,
+    pub port: Option<u16>,
     #[serde(default)]
-    data_parallel_size: Option<u32>,
+    pub data_parallel_size: Option<u32>,
     #[serde(default)]
-    block_size: Option<u32>,
+    pub block_size: Option<u32>,
     #[serde(default)]
-    kv_events: Option<String>,
+    pub kv_events: Option<String>,
     #[serde(default)]
-    lora_adapters: Vec<String>,
+    pub lora_adapters: Vec<String>,
 }
 
 /// Parses the catalog YAML into worker specs, with errors that name the worker and field.
@@ -52,12 +53,13 @@ pub fn parse_catalog(text: &str) -> anyhow::Result<Vec<WorkerSpec>> {
         .enumerate()
         .map(|(i, w)| {
             let label = format!("workers[{i}] ({})", w.name);
-            to_spec(w).with_context(|| label)
+            to_spec(w, STATIC_NAMESPACE).with_context(|| label)
         })
         .collect()
 }
 
-fn to_spec(w: StaticWorker) -> anyhow::Result<WorkerSpec> {
+/// Validates one worker entry into a spec in `namespace`.
+pub fn to_spec(w: StaticWorker, namespace: &str) -> anyhow::Result<WorkerSpec> {
     if w.name.is_empty() {
         bail!("`name` must not be empty");
     }
@@ -100,7 +102,7 @@ fn to_spec(w: StaticWorker) -> anyhow::Result<WorkerSpec> {
         bail!("`block_size` must be positive");
     }
     Ok(WorkerSpec {
-        namespace: STATIC_NAMESPACE.to_string(),
+        namespace: namespace.to_string(),
         name: w.name,
         model: w.model,
         routing_group: w.routing_group,

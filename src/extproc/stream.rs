@@ -18,9 +18,10 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
-use crate::request::{parse_request_body, BodyError};
+use crate::request::{parse_request_body, BodyError, ParsedBody, Prompt};
 use crate::selection::{
-    DuplicateId, EndpointFilter, Reservation, SelectError, SelectionCore, SelectionRequest,
+    DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
+    SelectionRequest,
 };
 use crate::usage::UsageTracker;
 
@@ -78,7 +79,14 @@ pub struct StreamMachine {
     first_byte_seen: bool,
     usage: Option<UsageTracker>,
     served_endpoint: Option<String>,
+    pin: Option<Pin>,
+    priority: i32,
+    /// A client error found in the headers, answered (400) once the request would be routed.
+    header_error: Option<String>,
 }
+
+/// Longest session id accepted (DESIGN §7).
+pub const MAX_SESSION_ID_BYTES: usize = 256;
 
 impl StreamMachine {
     pub fn new(core: Arc<SelectionCore>, settings: Arc<ExtProcSettings>) -> Self {
@@ -98,6 +106,9 @@ impl StreamMachine {
             first_byte_seen: false,
             usage: None,
             served_endpoint: None,
+            pin: None,
+            priority: 0,
+            header_error: None,
         }
     }
 
@@ -154,12 +165,38 @@ impl StreamMachine {
         }
     }
 
+    fn read_pin(&mut self, worker: Option<String>, rank: Option<String>) {
+        let parsed = match (worker, rank) {
+            (None, None) => return,
+            (None, Some(_)) => {
+                Err("x-dynamo-dp-rank needs x-dynamo-worker-instance-id".to_string())
+            }
+            (Some(w), rank) => match (w.parse::<u64>(), rank.map(|r| r.parse::<u32>())) {
+                (Err(_), _) => {
+                    Err("x-dynamo-worker-instance-id must be a decimal worker id".into())
+                }
+                (_, Some(Err(_))) => Err("x-dynamo-dp-rank must be a non-negative integer".into()),
+                (Ok(worker_id), rank) => Ok(Pin {
+                    worker_id,
+                    dp_rank: rank.map(|r| r.expect("checked")),
+                }),
+            },
+        };
+        match parsed {
+            Ok(pin) => self.pin = Some(pin),
+            Err(message) => {
+                self.header_error.get_or_insert(message);
+            }
+        }
+    }
+
     fn on_request_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
         if self.phase != Phase::RequestHeaders {
             return Err(Status::failed_precondition(
                 "request headers received twice on one ext_proc stream",
             ));
         }
+        let (mut worker_pin, mut rank_pin) = (None, None);
         for h in headers.headers.iter().flat_map(|m| m.headers.iter()) {
             let name = h.key.to_ascii_lowercase();
             let value = header_value(h);
@@ -171,9 +208,27 @@ impl StreamMachine {
                 CONFORMANCE_SELECTION_HEADER if self.settings.conformance_test_mode => {
                     self.conformance_filter = Some(EndpointFilter::parse(value.split(',')));
                 }
+                "x-dynamo-worker-instance-id" => worker_pin = Some(value.trim().to_string()),
+                "x-dynamo-dp-rank" => rank_pin = Some(value.trim().to_string()),
+                "x-dynamo-request-priority" => match value.trim().parse::<i32>() {
+                    Ok(p) => self.priority = p,
+                    Err(_) => {
+                        self.header_error.get_or_insert_with(|| {
+                            "x-dynamo-request-priority must be an integer".into()
+                        });
+                    }
+                },
+                "x-dynamo-session-id" if value.len() > MAX_SESSION_ID_BYTES => {
+                    self.header_error.get_or_insert_with(|| {
+                        format!("session id longer than {MAX_SESSION_ID_BYTES} bytes")
+                    });
+                }
                 _ => {}
             }
             self.header_names.push(name);
+        }
+        if self.core.config().allow_pins {
+            self.read_pin(worker_pin, rank_pin);
         }
         if headers.end_of_stream {
             self.phase = Phase::Response;
@@ -234,7 +289,7 @@ impl StreamMachine {
             Err(err) => return Ok(self.reject(400, &body_error_message(&err))),
         };
         self.phase = Phase::Response;
-        let mut step = self.route(parsed.map(|p| p.model), started, false);
+        let mut step = self.route(parsed, started, false);
         if step.finished {
             return Ok(step);
         }
@@ -245,7 +300,10 @@ impl StreamMachine {
     }
 
     /// Selects, books, and builds the headers response.
-    fn route(&mut self, model: Option<String>, started: Instant, header_only: bool) -> Step {
+    fn route(&mut self, body: Option<ParsedBody>, started: Instant, header_only: bool) -> Step {
+        if let Some(message) = self.header_error.take() {
+            return self.reject(400, &message);
+        }
         let subset = match (&self.subset, &self.conformance_filter) {
             (Some(s), _) => Some(s.clone()),
             (None, Some(c)) => Some(c.clone()),
@@ -255,11 +313,29 @@ impl StreamMachine {
             .request_id
             .clone()
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
+        let (model, prompt, cache_salt) = match body {
+            Some(b) => (
+                Some(b.model),
+                match b.prompt {
+                    Prompt::TokenIds(ids) => PromptInput::Tokens(ids),
+                    Prompt::Text(text) => PromptInput::Text(text),
+                    Prompt::Absent => PromptInput::None,
+                },
+                b.cache_salt,
+            ),
+            None => (None, PromptInput::None, None),
+        };
         let request = SelectionRequest {
             request_id,
             model,
+            routing_group: String::new(),
+            prompt,
+            cache_salt,
             subset,
+            pin: self.pin,
             fallbacks: self.settings.fallbacks,
+            temperature: None,
+            priority: self.priority,
             on_duplicate: DuplicateId::Suffix,
         };
         let reservation = match self.core.select_and_reserve(&request) {

@@ -576,7 +576,7 @@ fn served_endpoint_metadata_moves_booking_and_conformance_echo() {
     let loads: Vec<u64> = core
         .list_workers(None)
         .iter()
-        .map(|w| w.active_requests[0])
+        .map(|w| w.loads[0].active_requests)
         .collect();
     assert_eq!(loads, vec![0, 1], "booking moved to the served endpoint");
 }

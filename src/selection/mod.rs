@@ -1,27 +1,34 @@
-//! The selection core: the one place that owns the worker catalog as scheduled, the bookings and
-//! the per-rank load, and decides where a request goes. Hosts (ext_proc, the gRPC selection API)
-//! translate their protocol into a [`SelectionRequest`] and the returned [`Reservation`] back; they
-//! never keep scheduling state of their own. The decision itself ([`decide`]) is a pure function of
-//! a candidate snapshot so it can be unit-tested and replayed without I/O.
+//! The selection core: the one place that owns the worker catalog as scheduled, the partitions
+//! (`(model, routing_group)`: ranks, load, KV index, bookings) and decides where a request goes.
+//! Hosts (ext_proc, the gRPC selection API, replay) translate their protocol into a
+//! [`SelectionRequest`] and the returned [`Reservation`] back; they never keep scheduling state of
+//! their own. The decision itself ([`decide`]) is a pure function of a candidate snapshot.
 //!
 //! This module must not do network I/O, parse HTTP bodies, or know about Envoy.
 
 mod decide;
+mod partition;
+pub mod reconcile;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
-use rand::rngs::StdRng;
-use rand::SeedableRng;
+use dashmap::DashMap;
+use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 
-pub use decide::{decide, Candidate, Decision};
+pub use decide::{cost, decide, overlap_score, Candidate, CostParams, Decision};
+pub use partition::PartitionKey;
+use partition::{Partition, SelectOutcome};
 
 use crate::catalog::{RankEndpoint, WorkerSpec};
+use crate::index::TierDepths;
 use crate::metrics::Metrics;
+
+/// Block size used by a partition whose workers do not declare one.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
 /// A worker's lifecycle as the scheduler sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -88,25 +95,60 @@ impl EndpointFilter {
 }
 
 /// What to do when a live booking already has the request id.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DuplicateId {
     /// ext_proc: suffix the id so two streams never share a booking.
+    #[default]
     Suffix,
     /// gRPC API: refuse with 409.
     Reject,
 }
 
+/// The prompt as far as the host knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PromptInput {
+    /// No prompt (e.g. `GET /v1/models`): load-only routing.
+    #[default]
+    None,
+    /// Engine token ids: exact block hashes.
+    Tokens(Vec<u32>),
+    /// Precomputed chained block hashes (gRPC callers that hash themselves).
+    BlockHashes {
+        seq_hashes: Vec<u64>,
+        prompt_tokens: u64,
+    },
+    /// Prompt text without a tokenizer: hashed in 4-byte pseudo-tokens. Prefix-stable, so our own
+    /// routing decisions still find shared prefixes, but never comparable with engine KV events.
+    Text(Vec<u8>),
+}
+
+/// An explicit pin to a worker (and optionally one of its ranks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin {
+    pub worker_id: u64,
+    pub dp_rank: Option<u32>,
+}
+
 /// Everything a host knows about a request that matters for the pick.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct SelectionRequest {
     pub request_id: String,
-    /// `None` for requests without a model (e.g. `GET /v1/models`): any worker.
+    /// `None` for requests without a model (e.g. `GET /v1/models`): any partition.
     pub model: Option<String>,
+    pub routing_group: String,
+    pub prompt: PromptInput,
+    pub cache_salt: Option<String>,
     /// Subset hint / allowed set; `None` means the whole pool.
     pub subset: Option<EndpointFilter>,
+    pub pin: Option<Pin>,
     pub fallbacks: usize,
+    /// Per-request override of `router_temperature`.
+    pub temperature: Option<f64>,
+    /// Negative = sheddable.
+    pub priority: i32,
     pub on_duplicate: DuplicateId,
 }
+
 
 /// One picked rank, with everything a host needs to route to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -121,8 +163,15 @@ pub struct PickedRank {
 #[derive(Debug, Clone)]
 pub struct Selection {
     pub booking_id: String,
+    pub partition: PartitionKey,
     pub primary: PickedRank,
     pub fallbacks: Vec<PickedRank>,
+    /// Blocks of the prompt already cached on the primary (GPU tier).
+    pub overlap_blocks: u32,
+    /// Complete blocks in the prompt.
+    pub prompt_blocks: u32,
+    pub prompt_tokens: u64,
+    pub cost: f64,
 }
 
 /// Why a pick failed; maps to an HTTP status (and a gRPC code on the API).
@@ -156,6 +205,10 @@ pub struct ApplyReport {
     pub updated: usize,
     pub unchanged: usize,
     pub removed: usize,
+    /// Workers kept out of scheduling (e.g. block-size conflict), with the reason.
+    pub failed: Vec<(String, String)>,
+    /// Partitions that received a batch (one publish each).
+    pub partitions_published: usize,
 }
 
 /// A worker as the core holds it.
@@ -168,39 +221,57 @@ pub struct WorkerRecord {
     pub reason: String,
 }
 
+impl WorkerRecord {
+    pub fn partition_key(&self) -> PartitionKey {
+        PartitionKey {
+            model: self.spec.model.clone(),
+            routing_group: self.spec.routing_group.clone(),
+        }
+    }
+}
+
+/// Load of one rank, derived only from bookings.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankLoad {
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub active_requests: u64,
+}
+
 /// A read-only view of one worker and its per-rank load, for listing.
 #[derive(Debug, Clone)]
 pub struct WorkerView {
     pub record: WorkerRecord,
-    pub active_requests: Vec<u64>,
+    pub loads: Vec<RankLoad>,
 }
 
-#[derive(Debug)]
-struct Booking {
-    rank: RankKey,
-    created: Instant,
-    prefill_complete: bool,
-}
-
-#[derive(Debug, Default)]
-struct RankLoad {
-    active_requests: u64,
-}
-
-#[derive(Default)]
-struct CoreState {
-    synced: bool,
-    workers: HashMap<u64, WorkerRecord>,
-    loads: HashMap<RankKey, RankLoad>,
-    bookings: HashMap<String, Booking>,
+/// Busy thresholds (DESIGN §5); a rank at or over either is not eligible.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BusyThresholds {
+    pub active_decode_blocks: Option<u64>,
+    pub active_prefill_tokens: Option<u64>,
 }
 
 /// Core settings that are not per request.
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
     pub booking_ttl: Duration,
-    /// Seed for tie-breaking; `None` seeds from the OS.
+    /// Seed for tie-breaking and sampling; `None` seeds from the OS.
     pub seed: Option<u64>,
+    pub cost: CostParams,
+    pub busy: BusyThresholds,
+    /// Whether explicit worker pins (`x-dynamo-worker-instance-id`) are honoured.
+    pub allow_pins: bool,
+    /// TTL of blocks inserted from our own routing decisions when a worker has no KV events.
+    pub approx_ttl: Duration,
+    /// TTL of predicted blocks inserted for every pick, until the engine's events confirm them.
+    pub predicted_ttl: Duration,
+    /// Whether KV events are consumed (off: every worker is in approximate mode).
+    pub kv_events: bool,
+    /// Bound on blocks per partition index.
+    pub index_max_blocks: usize,
+    /// Keep a trace of the last N decisions (differential tests, debugging); 0 = off.
+    pub trace_decisions: usize,
 }
 
 impl Default for CoreConfig {
@@ -208,32 +279,54 @@ impl Default for CoreConfig {
         CoreConfig {
             booking_ttl: Duration::from_secs(300),
             seed: None,
+            cost: CostParams::default(),
+            busy: BusyThresholds::default(),
+            allow_pins: false,
+            approx_ttl: Duration::from_secs(120),
+            predicted_ttl: Duration::from_secs(2),
+            kv_events: false,
+            index_max_blocks: 1 << 20,
+            trace_decisions: 0,
         }
     }
+}
+
+/// Which catalog source produced a set of workers; the catalog is the union of all sources.
+pub type SourceName = &'static str;
+
+struct Catalog {
+    sources: BTreeMap<SourceName, Vec<WorkerSpec>>,
+    records: HashMap<u64, WorkerRecord>,
+    synced: bool,
 }
 
 /// The selection core shared by every host.
 pub struct SelectionCore {
     config: CoreConfig,
     metrics: Metrics,
-    state: Mutex<CoreState>,
-    rng: Mutex<StdRng>,
+    catalog: Mutex<Catalog>,
+    partitions: RwLock<BTreeMap<PartitionKey, Arc<Partition>>>,
+    /// Live booking ids -> the partition holding them (claims are made before scheduling).
+    bookings: DashMap<String, Arc<Partition>>,
     ready_tx: watch::Sender<bool>,
+    trace: Mutex<Vec<String>>,
 }
 
 impl SelectionCore {
     pub fn new(config: CoreConfig, metrics: Metrics) -> Arc<Self> {
-        let rng = match config.seed {
-            Some(seed) => StdRng::seed_from_u64(seed),
-            None => StdRng::from_os_rng(),
-        };
         let (ready_tx, _) = watch::channel(false);
         Arc::new(SelectionCore {
             config,
             metrics,
-            state: Mutex::new(CoreState::default()),
-            rng: Mutex::new(rng),
+            catalog: Mutex::new(Catalog {
+                sources: BTreeMap::new(),
+                records: HashMap::new(),
+                synced: false,
+            }),
+            partitions: RwLock::new(BTreeMap::new()),
+            bookings: DashMap::new(),
             ready_tx,
+            trace: Mutex::new(Vec::new()),
         })
     }
 
@@ -241,115 +334,190 @@ impl SelectionCore {
         &self.metrics
     }
 
+    pub fn config(&self) -> &CoreConfig {
+        &self.config
+    }
+
     /// Ready = the catalog has synced and at least one worker is schedulable.
     pub fn readiness(&self) -> watch::Receiver<bool> {
         self.ready_tx.subscribe()
     }
 
-    /// Applies a complete desired snapshot: duplicates are rejected before anything changes;
-    /// unchanged workers are skipped; changed ones replaced (their surviving ranks keep their
-    /// bookings); workers absent from the snapshot are deleted with their bookings.
+    /// Applies the static/default source's complete snapshot.
     pub fn apply_snapshot(&self, specs: Vec<WorkerSpec>) -> Result<ApplyReport, String> {
-        let mut seen = HashSet::with_capacity(specs.len());
-        for spec in &specs {
-            if !seen.insert(spec.worker_id()) {
-                return Err(format!(
-                    "duplicate worker {}/{} in snapshot",
-                    spec.namespace, spec.name
-                ));
-            }
-        }
-        let mut report = ApplyReport::default();
-        let mut state = self.state.lock();
-        let mut desired: HashMap<u64, WorkerSpec> =
-            specs.into_iter().map(|s| (s.worker_id(), s)).collect();
-        let existing: Vec<u64> = state.workers.keys().copied().collect();
-        for id in existing {
-            match desired.remove(&id) {
-                None => {
-                    let record = state.workers.remove(&id).expect("listed above");
-                    self.drop_ranks(&mut state, &record, 0);
-                    report.removed += 1;
-                }
-                Some(spec) => {
-                    let record = state.workers.get(&id).expect("listed above");
-                    if record.spec == spec {
-                        report.unchanged += 1;
-                        continue;
-                    }
-                    let old = record.clone();
-                    let new = Self::record_for(id, spec);
-                    // Ranks that still exist keep their bookings; the rest are dropped.
-                    let keep = if old.ranks.iter().zip(&new.ranks).all(|(a, b)| a == b) {
-                        new.ranks.len().min(old.ranks.len())
-                    } else {
-                        0
-                    };
-                    self.drop_ranks(&mut state, &old, keep);
-                    state.workers.insert(id, new);
-                    report.updated += 1;
+        self.apply_source_snapshot("catalog", specs)
+    }
+
+    /// Replaces one source's workers with `specs` and reconciles the union of all sources
+    /// (DESIGN §4): duplicate ids are rejected before anything changes; unchanged workers are
+    /// skipped; changed ones are replaced in one batch per partition (surviving ranks keep their
+    /// bookings); workers absent from every source are deleted with their bookings.
+    pub fn apply_source_snapshot(
+        &self,
+        source: SourceName,
+        specs: Vec<WorkerSpec>,
+    ) -> Result<ApplyReport, String> {
+        let mut catalog = self.catalog.lock();
+        let mut seen = HashSet::new();
+        for (name, list) in catalog
+            .sources
+            .iter()
+            .filter(|(name, _)| **name != source)
+            .map(|(n, l)| (*n, l.as_slice()))
+            .chain(std::iter::once((source, specs.as_slice())))
+        {
+            for spec in list {
+                if !seen.insert(spec.worker_id()) {
+                    return Err(format!(
+                        "duplicate worker {}/{} in snapshot (source {name})",
+                        spec.namespace, spec.name
+                    ));
                 }
             }
         }
-        for (id, spec) in desired {
-            state.workers.insert(id, Self::record_for(id, spec));
-            report.added += 1;
-        }
-        state.synced = true;
-        self.publish_catalog_metrics(&state);
-        let ready = state
-            .workers
+        catalog.sources.insert(source, specs);
+        let desired: HashMap<u64, WorkerSpec> = catalog
+            .sources
+            .values()
+            .flatten()
+            .map(|s| (s.worker_id(), s.clone()))
+            .collect();
+        let report = self.reconcile(&mut catalog, desired);
+        catalog.synced = true;
+        self.publish_catalog_metrics(&catalog);
+        let ready = catalog
+            .records
             .values()
             .any(|w| w.lifecycle == Lifecycle::Schedulable);
-        drop(state);
+        drop(catalog);
         self.ready_tx.send_replace(ready);
         Ok(report)
     }
 
-    fn record_for(id: u64, spec: WorkerSpec) -> WorkerRecord {
-        let ranks = spec.rank_endpoints();
-        let (lifecycle, reason) = if ranks.is_empty() {
-            (Lifecycle::Incomplete, "no ranks".to_string())
-        } else {
-            (Lifecycle::Schedulable, String::new())
-        };
-        WorkerRecord {
-            id,
-            spec,
-            ranks,
-            lifecycle,
-            reason,
-        }
+    /// Adds or replaces one worker of a source (matched by name) and reconciles.
+    pub fn upsert_source_worker(
+        &self,
+        source: SourceName,
+        spec: WorkerSpec,
+    ) -> Result<ApplyReport, String> {
+        let mut list = self
+            .catalog
+            .lock()
+            .sources
+            .get(source)
+            .cloned()
+            .unwrap_or_default();
+        list.retain(|w| w.name != spec.name);
+        list.push(spec);
+        self.apply_source_snapshot(source, list)
     }
 
-    /// Drops bookings and load of `record`'s ranks from index `keep` on.
-    fn drop_ranks(&self, state: &mut CoreState, record: &WorkerRecord, keep: usize) {
-        let gone: HashSet<RankKey> = record.ranks[keep..]
-            .iter()
-            .map(|r| RankKey {
-                worker_id: record.id,
-                dp_rank: r.dp_rank,
-            })
-            .collect();
-        if gone.is_empty() {
-            return;
-        }
-        state.bookings.retain(|_, b| !gone.contains(&b.rank));
-        for key in &gone {
-            if let Some(load) = state.loads.remove(key) {
-                self.metrics.inflight_total.sub(load.active_requests as i64);
+    /// Removes one worker of a source by name; returns whether it existed.
+    pub fn delete_source_worker(&self, source: SourceName, name: &str) -> Result<bool, String> {
+        let mut list = self
+            .catalog
+            .lock()
+            .sources
+            .get(source)
+            .cloned()
+            .unwrap_or_default();
+        let before = list.len();
+        list.retain(|w| w.name != name);
+        let found = list.len() != before;
+        self.apply_source_snapshot(source, list)?;
+        Ok(found)
+    }
+
+    fn reconcile(
+        &self,
+        catalog: &mut Catalog,
+        mut desired: HashMap<u64, WorkerSpec>,
+    ) -> ApplyReport {
+        let mut report = ApplyReport::default();
+        // Per partition: ranks to remove (by worker) and records to upsert.
+        let mut removals: BTreeMap<PartitionKey, Vec<WorkerRecord>> = BTreeMap::new();
+        let mut upserts: BTreeMap<PartitionKey, Vec<WorkerRecord>> = BTreeMap::new();
+        let existing: Vec<u64> = catalog.records.keys().copied().collect();
+        for id in existing {
+            let old = &catalog.records[&id];
+            match desired.remove(&id) {
+                None => {
+                    removals
+                        .entry(old.partition_key())
+                        .or_default()
+                        .push(old.clone());
+                    catalog.records.remove(&id);
+                    report.removed += 1;
+                }
+                Some(spec) if spec == old.spec => report.unchanged += 1,
+                Some(spec) => {
+                    let new = record_for(id, spec);
+                    if new.partition_key() != old.partition_key() {
+                        removals
+                            .entry(old.partition_key())
+                            .or_default()
+                            .push(old.clone());
+                    }
+                    upserts
+                        .entry(new.partition_key())
+                        .or_default()
+                        .push(new.clone());
+                    catalog.records.insert(id, new);
+                    report.updated += 1;
+                }
             }
-            let _ = self
-                .metrics
-                .inflight
-                .remove_label_values(&[&record.spec.name, &key.dp_rank.to_string()]);
         }
+        let mut added: Vec<(u64, WorkerSpec)> = desired.into_iter().collect();
+        added.sort_by_key(|(id, _)| *id);
+        for (id, spec) in added {
+            let new = record_for(id, spec);
+            upserts
+                .entry(new.partition_key())
+                .or_default()
+                .push(new.clone());
+            catalog.records.insert(id, new);
+            report.added += 1;
+        }
+        let keys: HashSet<PartitionKey> = removals.keys().chain(upserts.keys()).cloned().collect();
+        let mut keys: Vec<PartitionKey> = keys.into_iter().collect();
+        keys.sort();
+        for key in keys {
+            let partition = self.partition(&key);
+            let gone = removals.remove(&key).unwrap_or_default();
+            let ups = upserts.remove(&key).unwrap_or_default();
+            let result = partition.apply_batch(&gone, &ups, &self.metrics);
+            for (id, reason) in result.failed {
+                if let Some(record) = catalog.records.get_mut(&id) {
+                    record.lifecycle = Lifecycle::Unschedulable;
+                    record.reason = reason.clone();
+                    report.failed.push((record.spec.name.clone(), reason));
+                }
+            }
+            for id in result.dropped_bookings {
+                self.bookings.remove(&id);
+            }
+            report.partitions_published += 1;
+        }
+        report
     }
 
-    fn publish_catalog_metrics(&self, state: &CoreState) {
+    /// The partition for `key`, created lazily.
+    fn partition(&self, key: &PartitionKey) -> Arc<Partition> {
+        if let Some(p) = self.partitions.read().get(key) {
+            return Arc::clone(p);
+        }
+        let mut partitions = self.partitions.write();
+        Arc::clone(
+            partitions
+                .entry(key.clone())
+                .or_insert_with(|| Arc::new(Partition::new(key.clone(), &self.config))),
+        )
+    }
+
+    fn publish_catalog_metrics(&self, catalog: &Catalog) {
         for lifecycle in Lifecycle::ALL {
-            let n = state
-                .workers
+            let n = catalog
+                .records
                 .values()
                 .filter(|w| w.lifecycle == lifecycle)
                 .count();
@@ -360,258 +528,260 @@ impl SelectionCore {
         }
     }
 
-    /// Picks a rank and books it atomically. The returned guard frees the booking when dropped
-    /// unless [`Reservation::detach`] hands it over to an explicit [`SelectionCore::free`].
+    /// Finds the partition a request belongs to: its `(model, routing_group)`, else a partition
+    /// serving the model as a LoRA adapter; requests without a model go to the partition with the
+    /// most schedulable ranks.
+    fn resolve_partition(&self, request: &SelectionRequest) -> Result<Arc<Partition>, SelectError> {
+        let partitions = self.partitions.read();
+        let Some(model) = &request.model else {
+            return partitions
+                .values()
+                .filter(|p| p.schedulable_ranks() > 0)
+                .max_by_key(|p| p.schedulable_ranks())
+                .cloned()
+                .ok_or_else(|| SelectError::Unavailable("no ready worker in the pool".into()));
+        };
+        let key = PartitionKey {
+            model: model.clone(),
+            routing_group: request.routing_group.clone(),
+        };
+        if let Some(p) = partitions.get(&key) {
+            if p.schedulable_ranks() > 0 {
+                return Ok(Arc::clone(p));
+            }
+        }
+        partitions
+            .values()
+            .find(|p| p.routing_group_is(&request.routing_group) && p.serves_adapter(model))
+            .cloned()
+            .ok_or_else(|| {
+                SelectError::Unavailable(format!("no ready worker serves model {}", clip(model)))
+            })
+    }
+
+    /// Computes a decision without booking anything (the API's `Select`).
+    pub fn select(&self, request: &SelectionRequest) -> Result<Selection, SelectError> {
+        self.ensure_synced()?;
+        let partition = self.resolve_partition(request)?;
+        let outcome = partition.select(request, None, &self.config, &self.metrics)?;
+        Ok(outcome.selection)
+    }
+
+    fn ensure_synced(&self) -> Result<(), SelectError> {
+        if self.catalog.lock().synced {
+            Ok(())
+        } else {
+            Err(SelectError::Unavailable("catalog not synced yet".into()))
+        }
+    }
+
+    /// Picks a rank and books it atomically: the request id is claimed first, then the decision
+    /// and the booking are made under the partition's lock. The returned guard frees the booking
+    /// when dropped unless [`Reservation::detach`] hands it to an explicit [`SelectionCore::free`].
     pub fn select_and_reserve(
         self: &Arc<Self>,
         request: &SelectionRequest,
     ) -> Result<Reservation, SelectError> {
-        let mut state = self.state.lock();
-        if !state.synced {
-            return Err(SelectError::Unavailable("catalog not synced yet".into()));
-        }
-        let mut candidates = Vec::new();
-        let mut serving = 0usize;
-        for worker in state.workers.values() {
-            if worker.lifecycle != Lifecycle::Schedulable {
-                continue;
+        self.ensure_synced()?;
+        let partition = self.resolve_partition(request)?;
+        let booking_id = self.claim(&request.request_id, request.on_duplicate, &partition)?;
+        match partition.select(request, Some(&booking_id), &self.config, &self.metrics) {
+            Ok(outcome) => {
+                self.record_trace(request, &outcome);
+                Ok(Reservation {
+                    core: Arc::clone(self),
+                    selection: outcome.selection,
+                    armed: true,
+                })
             }
-            if let Some(model) = &request.model {
-                if !worker.spec.serves(model) {
-                    continue;
-                }
-            }
-            serving += 1;
-            for rank in &worker.ranks {
-                if let Some(subset) = &request.subset {
-                    if !subset.matches(&rank.endpoint) {
-                        continue;
-                    }
-                }
-                let key = RankKey {
-                    worker_id: worker.id,
-                    dp_rank: rank.dp_rank,
-                };
-                let active = state.loads.get(&key).map_or(0, |l| l.active_requests);
-                candidates.push(Candidate {
-                    key,
-                    active_requests: active,
-                });
+            Err(err) => {
+                self.bookings.remove(&booking_id);
+                Err(err)
             }
         }
-        if candidates.is_empty() {
-            let message = if serving == 0 {
-                match &request.model {
-                    Some(model) => format!("no ready worker serves model {}", clip(model)),
-                    None => "no ready worker in the pool".to_string(),
-                }
-            } else {
-                "subset hint matches no eligible endpoint".to_string()
-            };
-            return Err(SelectError::Unavailable(message));
-        }
-        // Sort for a deterministic candidate order (HashMap iteration is not), so a seeded run
-        // replays exactly.
-        candidates.sort_by_key(|c| c.key);
-        let decision = decide(&candidates, &mut *self.rng.lock());
+    }
 
-        let mut booking_id = request.request_id.clone();
-        if state.bookings.contains_key(&booking_id) {
-            match request.on_duplicate {
-                DuplicateId::Reject => {
+    fn claim(
+        &self,
+        request_id: &str,
+        on_duplicate: DuplicateId,
+        partition: &Arc<Partition>,
+    ) -> Result<String, SelectError> {
+        let mut n = 1;
+        loop {
+            let id = if n == 1 {
+                request_id.to_string()
+            } else {
+                format!("{request_id}#{n}")
+            };
+            match self.bookings.entry(id) {
+                dashmap::Entry::Vacant(v) => {
+                    let id = v.key().clone();
+                    v.insert(Arc::clone(partition));
+                    return Ok(id);
+                }
+                dashmap::Entry::Occupied(_) if on_duplicate == DuplicateId::Reject => {
                     return Err(SelectError::Conflict(format!(
                         "request id {} already has a live booking",
-                        clip(&booking_id)
+                        clip(request_id)
                     )))
                 }
-                DuplicateId::Suffix => {
-                    let mut n = 2;
-                    while state
-                        .bookings
-                        .contains_key(&format!("{}#{n}", request.request_id))
-                    {
-                        n += 1;
-                    }
-                    booking_id = format!("{}#{n}", request.request_id);
-                }
+                dashmap::Entry::Occupied(_) => n += 1,
             }
         }
-        let primary_key = candidates[decision.ranking[0]].key;
-        state.bookings.insert(
-            booking_id.clone(),
-            Booking {
-                rank: primary_key,
-                created: Instant::now(),
-                prefill_complete: false,
-            },
+    }
+
+    fn record_trace(&self, request: &SelectionRequest, outcome: &SelectOutcome) {
+        if self.config.trace_decisions == 0 {
+            return;
+        }
+        let s = &outcome.selection;
+        let line = format!(
+            "{} partition={}/{} pick={}:{} overlap={} cost={:.3} candidates={}",
+            request.request_id,
+            s.partition.model,
+            s.partition.routing_group,
+            s.primary.key.worker_id,
+            s.primary.key.dp_rank,
+            s.overlap_blocks,
+            s.cost,
+            outcome.trace
         );
-        state.loads.entry(primary_key).or_default().active_requests += 1;
-        let picked = |key: RankKey| -> PickedRank {
-            let worker = &state.workers[&key.worker_id];
-            let rank = worker
-                .ranks
-                .iter()
-                .find(|r| r.dp_rank == key.dp_rank)
-                .expect("candidate rank exists");
-            PickedRank {
-                key,
-                worker_name: worker.spec.name.clone(),
-                endpoint: rank.endpoint,
-                multiplexed: rank.multiplexed,
-            }
-        };
-        let primary = picked(primary_key);
-        // Fallbacks are distinct endpoints: multiplexed ranks of one pod share an address.
-        let mut fallbacks: Vec<PickedRank> = Vec::new();
-        for &i in &decision.ranking[1..] {
-            if fallbacks.len() == request.fallbacks {
-                break;
-            }
-            let next = picked(candidates[i].key);
-            if next.endpoint != primary.endpoint
-                && fallbacks.iter().all(|f| f.endpoint != next.endpoint)
-            {
-                fallbacks.push(next);
-            }
+        let mut trace = self.trace.lock();
+        if trace.len() >= self.config.trace_decisions {
+            trace.remove(0);
         }
-        self.metrics
-            .inflight
-            .with_label_values(&[&primary.worker_name, &primary_key.dp_rank.to_string()])
-            .inc();
-        self.metrics.inflight_total.inc();
-        drop(state);
-        Ok(Reservation {
-            core: Arc::clone(self),
-            selection: Selection {
-                booking_id,
-                primary,
-                fallbacks,
-            },
-            armed: true,
-        })
+        trace.push(line);
+    }
+
+    /// The decision trace (when `trace_decisions > 0`).
+    pub fn decision_trace(&self) -> Vec<String> {
+        self.trace.lock().clone()
     }
 
     /// Marks the booking's prefill as done (first response byte). Unknown ids are ignored.
     pub fn mark_prefill_complete(&self, booking_id: &str) -> bool {
-        let mut state = self.state.lock();
-        match state.bookings.get_mut(booking_id) {
-            Some(b) => {
-                b.prefill_complete = true;
-                true
-            }
-            None => false,
-        }
+        let Some(partition) = self.bookings.get(booking_id).map(|p| Arc::clone(&p)) else {
+            return false;
+        };
+        partition.prefill_complete(booking_id, &self.metrics)
     }
 
     /// Frees a booking exactly once; unknown or repeated frees are no-ops returning false.
     pub fn free(&self, booking_id: &str) -> bool {
-        let mut state = self.state.lock();
-        let Some(booking) = state.bookings.remove(booking_id) else {
+        let Some((_, partition)) = self.bookings.remove(booking_id) else {
             return false;
         };
-        self.release_load(&mut state, booking.rank);
-        true
+        partition.free(booking_id, &self.metrics)
     }
 
-    fn release_load(&self, state: &mut CoreState, rank: RankKey) {
-        if let Some(load) = state.loads.get_mut(&rank) {
-            load.active_requests = load.active_requests.saturating_sub(1);
-            self.metrics.inflight_total.dec();
-            if let Some(worker) = state.workers.get(&rank.worker_id) {
-                self.metrics
-                    .inflight
-                    .with_label_values(&[&worker.spec.name, &rank.dp_rank.to_string()])
-                    .dec();
+    /// Moves a booking to the endpoint that actually served it (Envoy may fall back).
+    pub fn move_booking(&self, booking_id: &str, served: SocketAddr) -> bool {
+        let Some(partition) = self.bookings.get(booking_id).map(|p| Arc::clone(&p)) else {
+            return false;
+        };
+        partition.move_booking(booking_id, served, &self.metrics)
+    }
+
+    /// Reaps bookings older than `booking_ttl` and expired index entries; returns bookings reaped.
+    pub fn reap_expired(&self, now: Instant) -> usize {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        let mut reaped = 0;
+        for p in partitions {
+            for id in p.reap(now, self.config.booking_ttl, &self.metrics) {
+                self.bookings.remove(&id);
+                reaped += 1;
             }
         }
-    }
-
-    /// Moves a booking to the endpoint that actually served it (Envoy may fall back). Returns
-    /// whether the booking moved.
-    pub fn move_booking(&self, booking_id: &str, served: SocketAddr) -> bool {
-        let mut state = self.state.lock();
-        let Some(current) = state.bookings.get(booking_id).map(|b| b.rank) else {
-            return false;
-        };
-        let target = state.workers.values().find_map(|w| {
-            w.ranks
-                .iter()
-                .find(|r| r.endpoint == served)
-                .map(|r| RankKey {
-                    worker_id: w.id,
-                    dp_rank: r.dp_rank,
-                })
-        });
-        let Some(target) = target else { return false };
-        let same_endpoint = state
-            .workers
-            .get(&current.worker_id)
-            .and_then(|w| w.ranks.iter().find(|r| r.dp_rank == current.dp_rank))
-            .is_some_and(|r| r.endpoint == served);
-        if same_endpoint || target == current {
-            return false;
-        }
-        self.release_load(&mut state, current);
-        state.loads.entry(target).or_default().active_requests += 1;
-        self.metrics.inflight_total.inc();
-        let name = state.workers[&target.worker_id].spec.name.clone();
-        self.metrics
-            .inflight
-            .with_label_values(&[&name, &target.dp_rank.to_string()])
-            .inc();
-        state.bookings.get_mut(booking_id).expect("checked").rank = target;
-        true
-    }
-
-    /// Reaps bookings older than `booking_ttl`; returns how many.
-    pub fn reap_expired(&self, now: Instant) -> usize {
-        let ttl = self.config.booking_ttl;
-        let mut state = self.state.lock();
-        let expired: Vec<(String, RankKey)> = state
-            .bookings
-            .iter()
-            .filter(|(_, b)| now.duration_since(b.created) >= ttl)
-            .map(|(id, b)| (id.clone(), b.rank))
-            .collect();
-        for (id, rank) in &expired {
-            state.bookings.remove(id);
-            self.release_load(&mut state, *rank);
-        }
-        self.metrics.bookings_expired.inc_by(expired.len() as u64);
-        expired.len()
+        self.metrics.bookings_expired.inc_by(reaped as u64);
+        reaped
     }
 
     /// Number of live bookings.
     pub fn live_bookings(&self) -> usize {
-        self.state.lock().bookings.len()
+        self.bookings.len()
     }
 
     /// The catalog with per-rank load, sorted by worker name.
     pub fn list_workers(&self, model: Option<&str>) -> Vec<WorkerView> {
-        let state = self.state.lock();
-        let mut views: Vec<WorkerView> = state
-            .workers
+        let records: Vec<WorkerRecord> = self
+            .catalog
+            .lock()
+            .records
             .values()
             .filter(|w| model.is_none_or(|m| w.spec.serves(m)))
-            .map(|w| WorkerView {
-                active_requests: w
+            .cloned()
+            .collect();
+        let mut views: Vec<WorkerView> = records
+            .into_iter()
+            .map(|record| {
+                let partition = self.partitions.read().get(&record.partition_key()).cloned();
+                let loads = record
                     .ranks
                     .iter()
                     .map(|r| {
-                        state
-                            .loads
-                            .get(&RankKey {
-                                worker_id: w.id,
-                                dp_rank: r.dp_rank,
+                        partition
+                            .as_ref()
+                            .and_then(|p| {
+                                p.load_of(RankKey {
+                                    worker_id: record.id,
+                                    dp_rank: r.dp_rank,
+                                })
                             })
-                            .map_or(0, |l| l.active_requests)
+                            .unwrap_or_default()
                     })
-                    .collect(),
-                record: w.clone(),
+                    .collect();
+                WorkerView { record, loads }
             })
             .collect();
         views.sort_by(|a, b| a.record.spec.name.cmp(&b.record.spec.name));
         views
+    }
+
+    /// Records that `rank` holds `seq_hashes` in the partition `key` (KV events, warm-up, tests).
+    pub fn insert_blocks(
+        &self,
+        key: &PartitionKey,
+        rank: RankKey,
+        seq_hashes: &[u64],
+        tier: crate::index::Tier,
+        expires: Option<Instant>,
+    ) {
+        self.partition(key)
+            .insert_blocks(rank, seq_hashes, tier, expires);
+    }
+
+    /// The block size of a model's partition (default until a worker declares one).
+    pub fn block_size(&self, key: &PartitionKey) -> u32 {
+        self.partitions
+            .read()
+            .get(key)
+            .map_or(DEFAULT_BLOCK_SIZE, |p| p.block_size())
+    }
+
+    /// Per-rank overlap (GPU-tier blocks) of a prompt in a model's partition, for the API.
+    pub fn overlap_scores(
+        &self,
+        request: &SelectionRequest,
+    ) -> Result<(u32, Vec<(PickedRank, TierDepths)>), SelectError> {
+        let partition = self.resolve_partition(request)?;
+        Ok(partition.overlaps(request))
+    }
+}
+
+fn record_for(id: u64, spec: WorkerSpec) -> WorkerRecord {
+    let ranks = spec.rank_endpoints();
+    let (lifecycle, reason) = if ranks.is_empty() {
+        (Lifecycle::Incomplete, "no ranks".to_string())
+    } else {
+        (Lifecycle::Schedulable, String::new())
+    };
+    WorkerRecord {
+        id,
+        spec,
+        ranks,
+        lifecycle,
+        reason,
     }
 }
 

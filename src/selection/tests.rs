@@ -1,5 +1,7 @@
 use super::*;
 use crate::catalog::RankLayout;
+use crate::index::hash::{prompt_hashes, BASE_SEED};
+use crate::index::Tier;
 
 fn spec(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
     WorkerSpec {
@@ -15,23 +17,48 @@ fn spec(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
     }
 }
 
-fn core() -> Arc<SelectionCore> {
+fn ports(p: &[u16]) -> RankLayout {
+    RankLayout::PerPort(p.to_vec())
+}
+
+fn core_with(config: CoreConfig) -> Arc<SelectionCore> {
     SelectionCore::new(
         CoreConfig {
             seed: Some(7),
-            ..CoreConfig::default()
+            ..config
         },
         Metrics::new(),
     )
+}
+
+fn core() -> Arc<SelectionCore> {
+    core_with(CoreConfig::default())
 }
 
 fn request(id: &str, model: Option<&str>) -> SelectionRequest {
     SelectionRequest {
         request_id: id.into(),
         model: model.map(str::to_string),
-        subset: None,
-        fallbacks: 0,
-        on_duplicate: DuplicateId::Suffix,
+        ..Default::default()
+    }
+}
+
+fn key(model: &str) -> PartitionKey {
+    PartitionKey {
+        model: model.into(),
+        routing_group: String::new(),
+    }
+}
+
+fn rank_of(core: &SelectionCore, name: &str, dp_rank: u32) -> RankKey {
+    let w = core
+        .list_workers(None)
+        .into_iter()
+        .find(|w| w.record.spec.name == name)
+        .unwrap();
+    RankKey {
+        worker_id: w.record.id,
+        dp_rank,
     }
 }
 
@@ -42,23 +69,101 @@ fn not_synced_is_unavailable() {
         .select_and_reserve(&request("r", Some("m")))
         .err()
         .unwrap();
-    assert_eq!(err.http_status(), 503);
+    assert_eq!(
+        err,
+        SelectError::Unavailable("catalog not synced yet".into())
+    );
     assert!(!*core.readiness().borrow());
+}
+
+#[test]
+fn worked_example_through_the_core() {
+    // Prefill 10 blocks of 16 on three workers, overlaps 2/5/8, decode 10/5/9 -> the second.
+    let core = core();
+    core.apply_snapshot(vec![
+        spec("a", "m", ports(&[1])),
+        spec("b", "m", ports(&[2])),
+        spec("c", "m", ports(&[3])),
+    ])
+    .unwrap();
+    let tokens: Vec<u32> = (0..160).collect();
+    let hashes = prompt_hashes(&tokens, 16, BASE_SEED);
+    for (name, overlap, decode) in [("a", 2usize, 10u32), ("b", 5, 5), ("c", 8, 9)] {
+        let rank = rank_of(&core, name, 0);
+        core.insert_blocks(&key("m"), rank, &hashes[..overlap], Tier::Gpu, None);
+        // Build the decode load with held bookings of `decode` blocks each (16 tokens, 1 block),
+        // pinned to the rank through the subset filter; they cache nothing of the prompt.
+        for i in 0..decode {
+            let mut r = request(&format!("{name}-load-{i}"), Some("m"));
+            r.subset = Some(EndpointFilter::parse([format!(
+                "127.0.0.1:{}",
+                rank_port(name)
+            )
+            .as_str()]));
+            r.prompt = PromptInput::Tokens(vec![1_000_000 + i; 16]);
+            core.select_and_reserve(&r).unwrap().detach();
+            core.mark_prefill_complete(&format!("{name}-load-{i}"));
+        }
+    }
+    let mut r = request("x", Some("m"));
+    r.prompt = PromptInput::Tokens(tokens);
+    let pick = core.select(&r).unwrap();
+    assert_eq!(pick.primary.worker_name, "b");
+    assert_eq!(pick.cost, 10.0);
+    assert_eq!(pick.overlap_blocks, 5);
+    assert_eq!(pick.prompt_blocks, 10);
+}
+
+fn rank_port(name: &str) -> u16 {
+    match name {
+        "a" => 1,
+        "b" => 2,
+        _ => 3,
+    }
+}
+
+#[test]
+fn load_is_derived_from_bookings() {
+    let core = core();
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+        .unwrap();
+    let mut r = request("r1", Some("m"));
+    r.prompt = PromptInput::Tokens((0..40).collect());
+    let pick = core.select_and_reserve(&r).unwrap();
+    let load = core.list_workers(None)[0].loads[0];
+    assert_eq!(
+        load,
+        RankLoad {
+            active_prefill_tokens: 40,
+            active_decode_blocks: 3,
+            active_requests: 1
+        }
+    );
+    pick.mark_prefill_complete();
+    assert_eq!(core.list_workers(None)[0].loads[0].active_prefill_tokens, 0);
+    // The same prompt again: its 2 complete blocks are now cached (approximate mode), so only
+    // the 8 uncached tokens are queued prefill.
+    let mut again = request("r2", Some("m"));
+    again.prompt = PromptInput::Tokens((0..40).collect());
+    let second = core.select_and_reserve(&again).unwrap();
+    assert_eq!(second.selection().overlap_blocks, 2);
+    assert_eq!(core.list_workers(None)[0].loads[0].active_prefill_tokens, 8);
+    drop(pick);
+    drop(second);
+    assert_eq!(core.list_workers(None)[0].loads[0], RankLoad::default());
+    assert_eq!(core.metrics().inflight_total.get(), 0);
 }
 
 #[test]
 fn least_loaded_rank_wins_and_bookings_free_on_drop() {
     let core = core();
-    core.apply_snapshot(vec![spec("a", "m", RankLayout::PerPort(vec![1, 2]))])
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1, 2]))])
         .unwrap();
     assert!(*core.readiness().borrow());
     let first = core.select_and_reserve(&request("r1", Some("m"))).unwrap();
     let second = core.select_and_reserve(&request("r2", Some("m"))).unwrap();
-    assert_ne!(
-        first.selection().primary.endpoint,
-        second.selection().primary.endpoint,
-        "second request avoids the busy rank"
-    );
+    // No prompt: costs tie on prefill; decode blocks are 0 too, so use the active-request weight.
+    let _ = (&first, &second);
     assert_eq!(core.live_bookings(), 2);
     assert_eq!(core.metrics().inflight_total.get(), 2);
     drop(first);
@@ -69,11 +174,30 @@ fn least_loaded_rank_wins_and_bookings_free_on_drop() {
 }
 
 #[test]
+fn active_request_weight_spreads_promptless_requests() {
+    let core = core_with(CoreConfig {
+        cost: CostParams {
+            decode_active_request_weight: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1, 2]))])
+        .unwrap();
+    let first = core.select_and_reserve(&request("r1", Some("m"))).unwrap();
+    let second = core.select_and_reserve(&request("r2", Some("m"))).unwrap();
+    assert_ne!(
+        first.selection().primary.endpoint,
+        second.selection().primary.endpoint
+    );
+}
+
+#[test]
 fn model_and_subset_filter_with_clear_errors() {
     let core = core();
     core.apply_snapshot(vec![
-        spec("a", "m", RankLayout::PerPort(vec![1])),
-        spec("b", "other", RankLayout::PerPort(vec![2])),
+        spec("a", "m", ports(&[1])),
+        spec("b", "other", ports(&[2])),
     ])
     .unwrap();
     let err = core
@@ -87,16 +211,138 @@ fn model_and_subset_filter_with_clear_errors() {
     let mut req = request("r", Some("m"));
     req.subset = Some(EndpointFilter::parse(["127.0.0.1:2"]));
     let err = core.select_and_reserve(&req).err().unwrap();
-    assert_eq!(err.http_status(), 503);
+    assert_eq!(
+        err,
+        SelectError::Unavailable("subset hint matches no eligible endpoint".into())
+    );
     req.subset = Some(EndpointFilter::parse(["127.0.0.1", "garbage"]));
     let pick = core.select_and_reserve(&req).unwrap();
     assert_eq!(pick.selection().primary.endpoint.port(), 1);
+    assert_eq!(
+        core.live_bookings(),
+        1,
+        "failed selections leave no claim behind"
+    );
+}
+
+#[test]
+fn eligibility_order_pins_lora_and_busy_thresholds() {
+    let core = core_with(CoreConfig {
+        allow_pins: true,
+        busy: BusyThresholds {
+            active_decode_blocks: Some(2),
+            active_prefill_tokens: None,
+        },
+        ..Default::default()
+    });
+    let mut lora_worker = spec("b", "m", ports(&[2, 3]));
+    lora_worker.lora_adapters = vec!["sql".into()];
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1])), lora_worker])
+        .unwrap();
+    let a = rank_of(&core, "a", 0);
+    let b = rank_of(&core, "b", 0);
+
+    // LoRA narrowing: only b has the adapter.
+    for i in 0..4 {
+        let pick = core
+            .select(&request(&format!("l{i}"), Some("sql")))
+            .unwrap();
+        assert_eq!(pick.primary.worker_name, "b");
+        assert_eq!(pick.partition, key("m"));
+    }
+    // Pins: rank out of range -> 400; unknown worker -> 503; pin outside subset -> 503.
+    let mut pinned = request("p", Some("m"));
+    pinned.pin = Some(Pin {
+        worker_id: b.worker_id,
+        dp_rank: Some(5),
+    });
+    assert_eq!(core.select(&pinned).err().unwrap().http_status(), 400);
+    pinned.pin = Some(Pin {
+        worker_id: 12345,
+        dp_rank: None,
+    });
+    assert_eq!(core.select(&pinned).err().unwrap().http_status(), 503);
+    pinned.pin = Some(Pin {
+        worker_id: b.worker_id,
+        dp_rank: Some(1),
+    });
+    pinned.subset = Some(EndpointFilter::parse(["127.0.0.1:1"]));
+    assert_eq!(core.select(&pinned).err().unwrap().http_status(), 503);
+    pinned.subset = None;
+    assert_eq!(core.select(&pinned).unwrap().primary.endpoint.port(), 3);
+    // A pin for a LoRA the pinned worker lacks -> 503.
+    let mut lora_pin = request("lp", Some("sql"));
+    lora_pin.pin = Some(Pin {
+        worker_id: a.worker_id,
+        dp_rank: None,
+    });
+    assert_eq!(core.select(&lora_pin).err().unwrap().http_status(), 503);
+
+    // Busy: fill a's rank to 2 decode blocks -> pinned to a is 429, never rerouted.
+    for i in 0..2 {
+        let mut r = request(&format!("busy{i}"), Some("m"));
+        r.pin = Some(Pin {
+            worker_id: a.worker_id,
+            dp_rank: None,
+        });
+        r.prompt = PromptInput::Tokens(vec![9; 16]);
+        core.select_and_reserve(&r).unwrap().detach();
+    }
+    let mut r = request("over", Some("m"));
+    r.pin = Some(Pin {
+        worker_id: a.worker_id,
+        dp_rank: None,
+    });
+    assert_eq!(
+        core.select(&r).err().unwrap(),
+        SelectError::Overloaded("pinned worker is over its busy threshold".into())
+    );
+    // Unpinned requests avoid the busy rank.
+    for i in 0..5 {
+        assert_ne!(
+            core.select(&request(&format!("u{i}"), Some("m")))
+                .unwrap()
+                .primary
+                .key,
+            a
+        );
+    }
+    // Everything busy -> 429.
+    for (i, port) in [2u16, 2, 3, 3].iter().enumerate() {
+        let mut r = request(&format!("fill{i}"), Some("m"));
+        r.subset = Some(EndpointFilter::parse(
+            [format!("127.0.0.1:{port}").as_str()],
+        ));
+        r.prompt = PromptInput::Tokens(vec![8; 16]);
+        core.select_and_reserve(&r).unwrap().detach();
+    }
+    assert_eq!(
+        core.select(&request("all", Some("m")))
+            .err()
+            .unwrap()
+            .http_status(),
+        429
+    );
+    // Pins are ignored unless allowed.
+    let strict = core_with(CoreConfig::default());
+    strict
+        .apply_snapshot(vec![
+            spec("a", "m", ports(&[1])),
+            spec("c", "m", ports(&[4])),
+        ])
+        .unwrap();
+    let mut r = request("np", Some("m"));
+    r.pin = Some(Pin {
+        worker_id: 999,
+        dp_rank: None,
+    });
+    assert!(strict.select(&r).is_ok());
 }
 
 #[test]
 fn duplicate_ids_are_suffixed_or_rejected() {
     let core = core();
-    core.apply_snapshot(vec![spec("a", "m", RankLayout::PerPort(vec![1]))])
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
         .unwrap();
     let a = core
         .select_and_reserve(&request("same", Some("m")))
@@ -122,7 +368,7 @@ fn fallbacks_are_distinct_endpoints() {
     let core = core();
     core.apply_snapshot(vec![
         spec("a", "m", RankLayout::Multiplexed { port: 1, size: 4 }),
-        spec("b", "m", RankLayout::PerPort(vec![2])),
+        spec("b", "m", ports(&[2])),
     ])
     .unwrap();
     let mut req = request("r", Some("m"));
@@ -140,15 +386,10 @@ fn fallbacks_are_distinct_endpoints() {
 #[test]
 fn snapshot_rules() {
     let core = core();
-    let a = spec("a", "m", RankLayout::PerPort(vec![1, 2]));
-    let b = spec("b", "m", RankLayout::PerPort(vec![3]));
-    assert_eq!(
-        core.apply_snapshot(vec![a.clone(), b.clone()]).unwrap(),
-        ApplyReport {
-            added: 2,
-            ..Default::default()
-        }
-    );
+    let a = spec("a", "m", ports(&[1, 2]));
+    let b = spec("b", "m", ports(&[3]));
+    let report = core.apply_snapshot(vec![a.clone(), b.clone()]).unwrap();
+    assert_eq!((report.added, report.partitions_published), (2, 1));
     // Duplicates are rejected before anything changes.
     assert!(core.apply_snapshot(vec![a.clone(), a.clone()]).is_err());
     assert_eq!(core.list_workers(None).len(), 2);
@@ -156,19 +397,23 @@ fn snapshot_rules() {
     let mut req = request("r", Some("m"));
     req.subset = Some(EndpointFilter::parse(["127.0.0.1:1"]));
     let held = core.select_and_reserve(&req).unwrap();
-    // Metadata change that keeps rank 0 keeps its booking.
+    // A metadata change that keeps rank 0's endpoint keeps its booking.
     let mut a2 = a.clone();
     a2.lora_adapters = vec!["l".into()];
     let report = core.apply_snapshot(vec![a2.clone(), b.clone()]).unwrap();
     assert_eq!(
-        report,
-        ApplyReport {
-            updated: 1,
-            unchanged: 1,
-            ..Default::default()
-        }
+        (
+            report.updated,
+            report.unchanged,
+            report.partitions_published
+        ),
+        (1, 1, 1)
     );
     assert_eq!(core.live_bookings(), 1);
+    assert_eq!(core.list_workers(None)[0].loads[0].active_requests, 1);
+    // Unchanged snapshot: nothing published.
+    let report = core.apply_snapshot(vec![a2.clone(), b.clone()]).unwrap();
+    assert_eq!((report.unchanged, report.partitions_published), (2, 0));
     // Removing the worker drops its bookings; the guard's later free is a no-op.
     let report = core.apply_snapshot(vec![b.clone()]).unwrap();
     assert_eq!(report.removed, 1);
@@ -189,25 +434,101 @@ fn snapshot_rules() {
 }
 
 #[test]
+fn moving_partitions_block_size_conflicts_and_kept_index() {
+    let core = core();
+    let mut a = spec("a", "m", ports(&[1]));
+    a.block_size = Some(32);
+    let mut b = spec("b", "m", ports(&[2]));
+    b.block_size = Some(64);
+    let report = core.apply_snapshot(vec![a.clone(), b.clone()]).unwrap();
+    assert_eq!(report.failed.len(), 1, "{report:?}");
+    let views = core.list_workers(None);
+    let failed = views
+        .iter()
+        .find(|v| v.record.lifecycle == Lifecycle::Unschedulable)
+        .unwrap();
+    assert!(
+        failed.record.reason.contains("conflicts with block size"),
+        "{}",
+        failed.record.reason
+    );
+    assert_eq!(core.block_size(&key("m")), 32);
+    // Only the consistent worker serves.
+    for i in 0..10 {
+        let pick = core.select(&request(&format!("{i}"), Some("m"))).unwrap();
+        assert_eq!(
+            pick.primary.worker_name,
+            failed_other(&failed.record.spec.name)
+        );
+    }
+
+    // A routed prompt is remembered; the worker moves to another model; moving back finds it.
+    let tokens: Vec<u32> = (0..64).collect();
+    let mut r = request("warm", Some("m"));
+    r.prompt = PromptInput::Tokens(tokens.clone());
+    let winner = core
+        .select_and_reserve(&r)
+        .unwrap()
+        .detach()
+        .primary
+        .worker_name;
+    core.free("warm");
+    let only = if winner == "a" { a.clone() } else { b.clone() };
+    let mut moved = only.clone();
+    moved.model = "m2".into();
+    core.apply_snapshot(vec![moved]).unwrap();
+    assert_eq!(
+        core.select(&request("x", Some("m")))
+            .err()
+            .unwrap()
+            .http_status(),
+        503
+    );
+    assert!(core.select(&request("x", Some("m2"))).is_ok());
+    core.apply_snapshot(vec![only]).unwrap();
+    let mut again = request("again", Some("m"));
+    again.prompt = PromptInput::Tokens(tokens);
+    assert_eq!(
+        core.select(&again).unwrap().overlap_blocks,
+        2,
+        "the emptied partition kept its index"
+    );
+}
+
+fn failed_other(failed: &str) -> &'static str {
+    if failed == "a" {
+        "b"
+    } else {
+        "a"
+    }
+}
+
+#[test]
 fn served_endpoint_moves_the_booking() {
     let core = core();
-    core.apply_snapshot(vec![spec("a", "m", RankLayout::PerPort(vec![1, 2]))])
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1, 2]))])
         .unwrap();
     let mut req = request("r", Some("m"));
     req.subset = Some(EndpointFilter::parse(["127.0.0.1:1"]));
+    req.prompt = PromptInput::Tokens(vec![3; 32]);
     let pick = core.select_and_reserve(&req).unwrap();
     assert!(pick.served_by("127.0.0.1:2".parse().unwrap()));
-    let loads: Vec<u64> = core.list_workers(None)[0].active_requests.clone();
+    let loads: Vec<u64> = core.list_workers(None)[0]
+        .loads
+        .iter()
+        .map(|l| l.active_requests)
+        .collect();
     assert_eq!(loads, vec![0, 1]);
+    assert_eq!(core.list_workers(None)[0].loads[1].active_decode_blocks, 2);
     assert!(!pick.served_by("127.0.0.1:2".parse().unwrap()));
     drop(pick);
-    assert_eq!(core.list_workers(None)[0].active_requests, vec![0, 0]);
+    assert_eq!(core.list_workers(None)[0].loads[1], RankLoad::default());
 }
 
 #[test]
 fn expired_bookings_are_reaped() {
     let core = core();
-    core.apply_snapshot(vec![spec("a", "m", RankLayout::PerPort(vec![1]))])
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
         .unwrap();
     let pick = core.select_and_reserve(&request("r", Some("m"))).unwrap();
     assert_eq!(core.reap_expired(Instant::now()), 0);
@@ -217,8 +538,73 @@ fn expired_bookings_are_reaped() {
     );
     assert_eq!(core.live_bookings(), 0);
     assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().bookings_expired.get(), 1);
     drop(pick);
     assert_eq!(core.metrics().inflight_total.get(), 0);
+}
+
+#[tokio::test]
+async fn a_selection_dropped_at_an_await_frees_its_booking() {
+    let core = core();
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+        .unwrap();
+    let (entered_tx, entered_rx) = tokio::sync::oneshot::channel();
+    let c = Arc::clone(&core);
+    let task = tokio::spawn(async move {
+        let reservation = c.select_and_reserve(&request("r", Some("m"))).unwrap();
+        entered_tx.send(()).unwrap();
+        // Waiting for a response that never comes.
+        std::future::pending::<()>().await;
+        drop(reservation);
+    });
+    entered_rx.await.unwrap();
+    assert_eq!(core.live_bookings(), 1);
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    assert_eq!(core.live_bookings(), 0);
+    assert_eq!(core.metrics().inflight_total.get(), 0);
+}
+
+#[test]
+fn same_seed_same_decisions_and_trace() {
+    let run = || {
+        let core = core_with(CoreConfig {
+            trace_decisions: 100,
+            ..Default::default()
+        });
+        core.apply_snapshot(vec![
+            spec("a", "m", ports(&[1, 2])),
+            spec("b", "m", ports(&[3])),
+        ])
+        .unwrap();
+        for i in 0..20u32 {
+            let mut r = request(&format!("r{i}"), Some("m"));
+            r.prompt = PromptInput::Tokens((0..(16 * (i % 4 + 1))).collect());
+            core.select_and_reserve(&r).unwrap().detach();
+        }
+        core.decision_trace()
+    };
+    let (a, b) = (run(), run());
+    assert_eq!(a.len(), 20);
+    assert_eq!(a, b);
+}
+
+#[test]
+fn api_source_merges_with_the_catalog() {
+    let core = core();
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+        .unwrap();
+    let mut api = spec("x", "m", ports(&[9]));
+    api.namespace = "api".into();
+    core.upsert_source_worker("api", api).unwrap();
+    assert_eq!(core.list_workers(None).len(), 2);
+    // A file reload keeps API workers.
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+        .unwrap();
+    assert_eq!(core.list_workers(None).len(), 2);
+    assert!(core.delete_source_worker("api", "x").unwrap());
+    assert!(!core.delete_source_worker("api", "x").unwrap());
+    assert_eq!(core.list_workers(None).len(), 1);
 }
 
 #[test]

@@ -1,0 +1,45 @@
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "kvpick.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Fully qualified name for the objects: fullnameOverride, else the release name when it already
+contains the chart name (`helm install kvpick ...` gives `kvpick`), else `<release>-<chart>`.
+*/}}
+{{- define "kvpick.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The catalog ConfigMap's name. */}}
+{{- define "kvpick.catalogName" -}}
+{{- printf "%s-catalog" (include "kvpick.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvpick.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels that select the pods (stable across upgrades). */}}
+{{- define "kvpick.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvpick.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: endpoint-picker
+{{- end }}
+
+{{/* Labels on every object. */}}
+{{- define "kvpick.labels" -}}
+helm.sh/chart: {{ include "kvpick.chart" . }}
+{{ include "kvpick.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}

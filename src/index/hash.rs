@@ -1,0 +1,110 @@
+//! Block hashing of token ids (DESIGN §8), shared by requests and KV events so both sides key the
+//! index identically: `local_hash` per complete block (xxh3-64 over u32 little-endian tokens,
+//! seed 1337 salted by LoRA name and cache salt), chained into position-aware `seq_hash`es.
+
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+pub const BASE_SEED: u64 = 1337;
+
+/// The seed for a request's block hashes: 1337, salted by LoRA adapter and `cache_salt`.
+pub fn block_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
+    let mut seed = BASE_SEED;
+    if let Some(lora) = lora_name {
+        seed = seed.wrapping_add(xxh3_64_with_seed(lora.as_bytes(), 0));
+    }
+    if let Some(salt) = cache_salt {
+        seed = seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), 1));
+    }
+    seed
+}
+
+/// Hashes of every complete block of `tokens` (a partial tail is not hashed).
+pub fn local_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
+    let mut bytes = Vec::with_capacity(block_size * 4);
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            bytes.clear();
+            for t in block {
+                bytes.extend_from_slice(&t.to_le_bytes());
+            }
+            xxh3_64_with_seed(&bytes, seed)
+        })
+        .collect()
+}
+
+/// Chains local hashes so equal blocks at different prefixes never alias:
+/// `seq[0] = local[0]`, `seq[i] = xxh3(seq[i-1] ‖ local[i], 1337)`.
+pub fn sequence_hashes(local: &[u64]) -> Vec<u64> {
+    let mut out = Vec::with_capacity(local.len());
+    let mut prev: Option<u64> = None;
+    for &h in local {
+        let next = match prev {
+            None => h,
+            Some(p) => chain(p, h),
+        };
+        out.push(next);
+        prev = Some(next);
+    }
+    out
+}
+
+/// One chaining step.
+pub fn chain(parent: u64, local: u64) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&parent.to_le_bytes());
+    buf[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&buf, BASE_SEED)
+}
+
+/// Sequence hashes of a token prompt in one call.
+pub fn prompt_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
+    sequence_hashes(&local_hashes(tokens, block_size, seed))
+}
+
+/// A stable 64-bit id for a text fragment (used where no token ids exist).
+pub fn text_id(bytes: &[u8]) -> u64 {
+    xxh3_64(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partial_tail_is_not_hashed() {
+        let tokens: Vec<u32> = (0..40).collect();
+        assert_eq!(local_hashes(&tokens, 16, BASE_SEED).len(), 2);
+    }
+
+    #[test]
+    fn equal_blocks_at_different_prefixes_differ() {
+        let a: Vec<u32> = [vec![1; 16], vec![7; 16]].concat();
+        let b: Vec<u32> = [vec![2; 16], vec![7; 16]].concat();
+        let (ha, hb) = (
+            prompt_hashes(&a, 16, BASE_SEED),
+            prompt_hashes(&b, 16, BASE_SEED),
+        );
+        assert_ne!(ha[1], hb[1]);
+        let la = local_hashes(&a, 16, BASE_SEED);
+        let lb = local_hashes(&b, 16, BASE_SEED);
+        assert_eq!(la[1], lb[1], "local hashes only see the block");
+    }
+
+    #[test]
+    fn salts_change_every_hash_and_shared_prefixes_share_hashes() {
+        let t: Vec<u32> = (0..64).collect();
+        let plain = prompt_hashes(&t, 16, block_seed(None, None));
+        assert_ne!(
+            plain[0],
+            prompt_hashes(&t, 16, block_seed(Some("lora"), None))[0]
+        );
+        assert_ne!(
+            plain[0],
+            prompt_hashes(&t, 16, block_seed(None, Some("salt")))[0]
+        );
+        let longer: Vec<u32> = (0..96).collect();
+        assert_eq!(&prompt_hashes(&longer, 16, BASE_SEED)[..4], &plain[..]);
+        assert_eq!(block_seed(None, None), BASE_SEED);
+    }
+}

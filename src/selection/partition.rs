@@ -1,0 +1,668 @@
+//! One partition, `(model, routing_group)`: its ranks as scheduled, their load (derived only from
+//! bookings), its KV index and its bookings, all behind one lock so a decision and its booking are
+//! atomic. Owned by the core; hosts never see it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::{
+    decide, BusyThresholds, Candidate, CoreConfig, Lifecycle, PickedRank, PromptInput, RankKey,
+    RankLoad, SelectError, Selection, SelectionRequest, WorkerRecord, DEFAULT_BLOCK_SIZE,
+};
+use crate::index::{hash, PrefixIndex, Tier, TierDepths};
+use crate::metrics::Metrics;
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PartitionKey {
+    pub model: String,
+    pub routing_group: String,
+}
+
+#[derive(Debug)]
+struct Slot {
+    worker_name: String,
+    endpoint: SocketAddr,
+    multiplexed: bool,
+    lora_adapters: Arc<[String]>,
+    schedulable: bool,
+    kv_events: bool,
+    load: RankLoad,
+}
+
+#[derive(Debug)]
+struct Booking {
+    rank: RankKey,
+    prefill_tokens: u64,
+    decode_blocks: u64,
+    prefill_complete: bool,
+    created: Instant,
+}
+
+struct State {
+    /// Block size once a worker declared one; until then [`DEFAULT_BLOCK_SIZE`].
+    declared_block_size: Option<u32>,
+    ranks: BTreeMap<RankKey, Slot>,
+    index: PrefixIndex,
+    bookings: HashMap<String, Booking>,
+    rng: StdRng,
+}
+
+pub(super) struct BatchResult {
+    pub failed: Vec<(u64, String)>,
+    pub dropped_bookings: Vec<String>,
+}
+
+pub(super) struct SelectOutcome {
+    pub selection: Selection,
+    /// Candidate costs, `worker:rank=cost` in rank order, for decision traces.
+    pub trace: String,
+}
+
+pub(super) struct Partition {
+    key: PartitionKey,
+    schedulable: AtomicUsize,
+    block_size: AtomicU32,
+    state: Mutex<State>,
+}
+
+/// The prompt reduced to what the index and cost function need.
+struct PromptBlocks {
+    tokens: u64,
+    seq_hashes: Vec<u64>,
+}
+
+fn prompt_blocks(prompt: &PromptInput, block_size: u32, seed: u64) -> PromptBlocks {
+    let bs = block_size as usize;
+    match prompt {
+        PromptInput::None => PromptBlocks {
+            tokens: 0,
+            seq_hashes: Vec::new(),
+        },
+        PromptInput::Tokens(tokens) => PromptBlocks {
+            tokens: tokens.len() as u64,
+            seq_hashes: hash::prompt_hashes(tokens, bs, seed),
+        },
+        PromptInput::BlockHashes {
+            seq_hashes,
+            prompt_tokens,
+        } => PromptBlocks {
+            tokens: *prompt_tokens,
+            seq_hashes: seq_hashes.clone(),
+        },
+        PromptInput::Text(bytes) => {
+            let pseudo: Vec<u32> = bytes
+                .chunks(4)
+                .map(|c| {
+                    let mut word = [0u8; 4];
+                    word[..c.len()].copy_from_slice(c);
+                    u32::from_le_bytes(word)
+                })
+                .collect();
+            PromptBlocks {
+                tokens: pseudo.len() as u64,
+                seq_hashes: hash::prompt_hashes(&pseudo, bs, seed),
+            }
+        }
+    }
+}
+
+fn is_busy(load: &RankLoad, busy: &BusyThresholds) -> bool {
+    busy.active_decode_blocks
+        .is_some_and(|t| load.active_decode_blocks >= t)
+        || busy
+            .active_prefill_tokens
+            .is_some_and(|t| load.active_prefill_tokens >= t)
+}
+
+impl Partition {
+    pub fn new(key: PartitionKey, config: &CoreConfig) -> Self {
+        let rng = match config.seed {
+            Some(seed) => {
+                let salt =
+                    hash::text_id(format!("{}\0{}", key.model, key.routing_group).as_bytes());
+                StdRng::seed_from_u64(seed ^ salt)
+            }
+            None => StdRng::from_os_rng(),
+        };
+        Partition {
+            key,
+            schedulable: AtomicUsize::new(0),
+            block_size: AtomicU32::new(DEFAULT_BLOCK_SIZE),
+            state: Mutex::new(State {
+                declared_block_size: None,
+                ranks: BTreeMap::new(),
+                index: PrefixIndex::new(config.index_max_blocks),
+                bookings: HashMap::new(),
+                rng,
+            }),
+        }
+    }
+
+    pub fn schedulable_ranks(&self) -> usize {
+        self.schedulable.load(Ordering::Relaxed)
+    }
+
+    pub fn routing_group_is(&self, group: &str) -> bool {
+        self.key.routing_group == group
+    }
+
+    pub fn serves_adapter(&self, model: &str) -> bool {
+        let state = self.state.lock();
+        state
+            .ranks
+            .values()
+            .any(|s| s.schedulable && s.lora_adapters.iter().any(|a| a == model))
+    }
+
+    /// Applies one batch of catalog changes under one lock (one publish).
+    pub fn apply_batch(
+        &self,
+        gone: &[WorkerRecord],
+        upserts: &[WorkerRecord],
+        metrics: &Metrics,
+    ) -> BatchResult {
+        let mut result = BatchResult {
+            failed: Vec::new(),
+            dropped_bookings: Vec::new(),
+        };
+        let mut state = self.state.lock();
+        for record in gone {
+            let keys: Vec<RankKey> = state
+                .ranks
+                .keys()
+                .filter(|k| k.worker_id == record.id)
+                .copied()
+                .collect();
+            for key in keys {
+                Self::drop_rank(&mut state, key, metrics, &mut result.dropped_bookings);
+            }
+        }
+        for record in upserts {
+            let others_declare =
+                |state: &State| state.ranks.keys().any(|k| k.worker_id != record.id);
+            if let Some(declared) = record.spec.block_size {
+                match state.declared_block_size {
+                    Some(current) if current != declared && others_declare(&state) => {
+                        result.failed.push((
+                            record.id,
+                            format!(
+                                "block_size {declared} conflicts with block size {current} of partition {}",
+                                self.key.model
+                            ),
+                        ));
+                        let keys: Vec<RankKey> = state
+                            .ranks
+                            .keys()
+                            .filter(|k| k.worker_id == record.id)
+                            .copied()
+                            .collect();
+                        for key in keys {
+                            Self::drop_rank(&mut state, key, metrics, &mut result.dropped_bookings);
+                        }
+                        continue;
+                    }
+                    Some(current) if current == declared => {}
+                    _ => {
+                        // First declaration (or the only worker changed it): hashes of another
+                        // block size never match, so start the index afresh.
+                        if state.declared_block_size.is_some() || declared != DEFAULT_BLOCK_SIZE {
+                            state.index = PrefixIndex::new(state.index_capacity());
+                        }
+                        state.declared_block_size = Some(declared);
+                        self.block_size.store(declared, Ordering::Relaxed);
+                    }
+                }
+            }
+            let wanted: HashMap<u32, _> = record.ranks.iter().map(|r| (r.dp_rank, *r)).collect();
+            let existing: Vec<RankKey> = state
+                .ranks
+                .keys()
+                .filter(|k| k.worker_id == record.id)
+                .copied()
+                .collect();
+            for key in existing {
+                let keep = wanted
+                    .get(&key.dp_rank)
+                    .is_some_and(|r| state.ranks[&key].endpoint == r.endpoint);
+                if !keep {
+                    Self::drop_rank(&mut state, key, metrics, &mut result.dropped_bookings);
+                }
+            }
+            let lora: Arc<[String]> = record.spec.lora_adapters.clone().into();
+            for rank in &record.ranks {
+                let key = RankKey {
+                    worker_id: record.id,
+                    dp_rank: rank.dp_rank,
+                };
+                let slot = state.ranks.entry(key).or_insert_with(|| Slot {
+                    worker_name: record.spec.name.clone(),
+                    endpoint: rank.endpoint,
+                    multiplexed: rank.multiplexed,
+                    lora_adapters: Arc::clone(&lora),
+                    schedulable: false,
+                    kv_events: false,
+                    load: RankLoad::default(),
+                });
+                slot.worker_name = record.spec.name.clone();
+                slot.multiplexed = rank.multiplexed;
+                slot.lora_adapters = Arc::clone(&lora);
+                slot.schedulable = record.lifecycle == Lifecycle::Schedulable;
+                slot.kv_events = record.spec.kv_events.is_some();
+            }
+        }
+        let n = state.ranks.values().filter(|s| s.schedulable).count();
+        self.schedulable.store(n, Ordering::Relaxed);
+        result
+    }
+
+    fn drop_rank(state: &mut State, key: RankKey, metrics: &Metrics, dropped: &mut Vec<String>) {
+        let Some(slot) = state.ranks.remove(&key) else {
+            return;
+        };
+        state.bookings.retain(|id, b| {
+            if b.rank == key {
+                dropped.push(id.clone());
+                false
+            } else {
+                true
+            }
+        });
+        metrics.inflight_total.sub(slot.load.active_requests as i64);
+        let labels = [slot.worker_name.as_str(), &key.dp_rank.to_string()];
+        let _ = metrics.inflight.remove_label_values(&labels);
+        let _ = metrics.active_prefill_tokens.remove_label_values(&labels);
+        let _ = metrics.active_decode_blocks.remove_label_values(&labels);
+    }
+
+    fn publish_load(slot: &Slot, key: RankKey, metrics: &Metrics) {
+        let labels = [slot.worker_name.as_str(), &key.dp_rank.to_string()];
+        metrics
+            .inflight
+            .with_label_values(&labels)
+            .set(slot.load.active_requests as i64);
+        metrics
+            .active_prefill_tokens
+            .with_label_values(&labels)
+            .set(slot.load.active_prefill_tokens as i64);
+        metrics
+            .active_decode_blocks
+            .with_label_values(&labels)
+            .set(slot.load.active_decode_blocks as i64);
+    }
+
+    fn seed_for(&self, request: &SelectionRequest) -> u64 {
+        let lora = request.model.as_deref().filter(|m| *m != self.key.model);
+        hash::block_seed(lora, request.cache_salt.as_deref())
+    }
+
+    /// Eligibility (DESIGN §5 order), overlap lookup, decision, and (with `booking_id`) the
+    /// booking, all under the partition lock.
+    pub fn select(
+        &self,
+        request: &SelectionRequest,
+        booking_id: Option<&str>,
+        config: &CoreConfig,
+        metrics: &Metrics,
+    ) -> Result<SelectOutcome, SelectError> {
+        let block_size = self.block_size.load(Ordering::Relaxed);
+        let prompt = prompt_blocks(&request.prompt, block_size, self.seed_for(request));
+        let now = Instant::now();
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+
+        // 1. Subset hint / allowed set.
+        let mut eligible: Vec<RankKey> = state
+            .ranks
+            .iter()
+            .filter(|(_, s)| s.schedulable)
+            .filter(|(_, s)| {
+                request
+                    .subset
+                    .as_ref()
+                    .is_none_or(|f| f.matches(&s.endpoint))
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        if eligible.is_empty() {
+            return Err(SelectError::Unavailable(if request.subset.is_some() {
+                "subset hint matches no eligible endpoint".into()
+            } else {
+                format!(
+                    "no ready worker serves model {}",
+                    super::clip(&self.key.model)
+                )
+            }));
+        }
+        // 2. Pin, which must be inside the allowed set.
+        let pinned = config.allow_pins && request.pin.is_some();
+        if let (true, Some(pin)) = (config.allow_pins, request.pin) {
+            let ranks: Vec<RankKey> = state
+                .ranks
+                .iter()
+                .filter(|(k, s)| k.worker_id == pin.worker_id && s.schedulable)
+                .map(|(k, _)| *k)
+                .collect();
+            if ranks.is_empty() {
+                return Err(SelectError::Unavailable(format!(
+                    "pinned worker {} is not available",
+                    pin.worker_id
+                )));
+            }
+            if let Some(rank) = pin.dp_rank {
+                if !ranks.iter().any(|k| k.dp_rank == rank) {
+                    return Err(SelectError::BadRequest(format!(
+                        "dp rank {rank} is out of range for worker {}",
+                        pin.worker_id
+                    )));
+                }
+            }
+            eligible.retain(|k| {
+                k.worker_id == pin.worker_id && pin.dp_rank.is_none_or(|r| r == k.dp_rank)
+            });
+            if eligible.is_empty() {
+                return Err(SelectError::Unavailable(
+                    "pinned worker is outside the allowed endpoints".into(),
+                ));
+            }
+        }
+        // 3. LoRA narrowing: a request for an adapter goes where the adapter is loaded.
+        if let Some(model) = request.model.as_deref().filter(|m| *m != self.key.model) {
+            eligible.retain(|k| state.ranks[k].lora_adapters.iter().any(|a| a == model));
+            if eligible.is_empty() {
+                return Err(SelectError::Unavailable(format!(
+                    "no eligible worker has adapter {} loaded",
+                    super::clip(model)
+                )));
+            }
+        }
+        // 4. Busy thresholds.
+        eligible.retain(|k| !is_busy(&state.ranks[k].load, &config.busy));
+        if eligible.is_empty() {
+            return Err(SelectError::Overloaded(if pinned {
+                "pinned worker is over its busy threshold".into()
+            } else {
+                "all eligible workers are over their busy thresholds".into()
+            }));
+        }
+
+        let matches = if prompt.seq_hashes.is_empty() {
+            HashMap::new()
+        } else {
+            state.index.find_matches(&prompt.seq_hashes, now)
+        };
+        let candidates: Vec<Candidate> = eligible
+            .iter()
+            .map(|k| {
+                let load = state.ranks[k].load;
+                Candidate {
+                    key: *k,
+                    active_prefill_tokens: load.active_prefill_tokens,
+                    active_decode_blocks: load.active_decode_blocks,
+                    active_requests: load.active_requests,
+                    overlap: matches.get(k).copied().unwrap_or_default(),
+                }
+            })
+            .collect();
+        let temperature = request
+            .temperature
+            .unwrap_or(config.cost.router_temperature);
+        let decision = decide(
+            &candidates,
+            prompt.tokens,
+            block_size,
+            &config.cost,
+            temperature,
+            &mut state.rng,
+        );
+        let best = decision.ranking[0];
+        let primary_key = candidates[best].key;
+        let picked = |key: RankKey| {
+            let s = &state.ranks[&key];
+            PickedRank {
+                key,
+                worker_name: s.worker_name.clone(),
+                endpoint: s.endpoint,
+                multiplexed: s.multiplexed,
+            }
+        };
+        let primary = picked(primary_key);
+        // Fallbacks are distinct endpoints: multiplexed ranks of one pod share an address.
+        let mut fallbacks: Vec<PickedRank> = Vec::new();
+        for &i in &decision.ranking[1..] {
+            if fallbacks.len() == request.fallbacks {
+                break;
+            }
+            let next = picked(candidates[i].key);
+            if next.endpoint != primary.endpoint
+                && fallbacks.iter().all(|f| f.endpoint != next.endpoint)
+            {
+                fallbacks.push(next);
+            }
+        }
+        let overlap = candidates[best].overlap;
+        let prompt_block_count = prompt.seq_hashes.len() as u32;
+        let trace = candidates
+            .iter()
+            .zip(&decision.costs)
+            .map(|(c, cost)| format!("{}:{}={:.3}", c.key.worker_id, c.key.dp_rank, cost))
+            .collect::<Vec<_>>()
+            .join(",");
+        let selection = Selection {
+            booking_id: booking_id.unwrap_or_default().to_string(),
+            partition: self.key.clone(),
+            primary,
+            fallbacks,
+            overlap_blocks: overlap.gpu,
+            prompt_blocks: prompt_block_count,
+            prompt_tokens: prompt.tokens,
+            cost: decision.costs[best],
+        };
+
+        if let Some(id) = booking_id {
+            let cached_tokens = (overlap.gpu as u64 * block_size as u64).min(prompt.tokens);
+            let booking = Booking {
+                rank: primary_key,
+                prefill_tokens: prompt.tokens - cached_tokens,
+                decode_blocks: prompt.tokens.div_ceil(block_size as u64),
+                prefill_complete: false,
+                created: now,
+            };
+            let slot = state.ranks.get_mut(&primary_key).expect("candidate exists");
+            slot.load.active_prefill_tokens += booking.prefill_tokens;
+            slot.load.active_decode_blocks += booking.decode_blocks;
+            slot.load.active_requests += 1;
+            let ttl = if config.kv_events && slot.kv_events {
+                config.predicted_ttl
+            } else {
+                config.approx_ttl
+            };
+            Self::publish_load(slot, primary_key, metrics);
+            metrics.inflight_total.inc();
+            state.bookings.insert(id.to_string(), booking);
+            if !prompt.seq_hashes.is_empty() {
+                state
+                    .index
+                    .insert(primary_key, &prompt.seq_hashes, Tier::Gpu, Some(now + ttl));
+                metrics
+                    .index_blocks
+                    .with_label_values(&[&self.key.model, &self.key.routing_group])
+                    .set(state.index.len() as i64);
+            }
+            if prompt_block_count > 0 {
+                metrics
+                    .predicted_overlap
+                    .observe(overlap.gpu as f64 / prompt_block_count as f64);
+            }
+        }
+        Ok(SelectOutcome { selection, trace })
+    }
+
+    fn release(state: &mut State, booking: &Booking, metrics: &Metrics) {
+        if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+            if !booking.prefill_complete {
+                slot.load.active_prefill_tokens = slot
+                    .load
+                    .active_prefill_tokens
+                    .saturating_sub(booking.prefill_tokens);
+            }
+            slot.load.active_decode_blocks = slot
+                .load
+                .active_decode_blocks
+                .saturating_sub(booking.decode_blocks);
+            slot.load.active_requests = slot.load.active_requests.saturating_sub(1);
+            Self::publish_load(slot, booking.rank, metrics);
+            metrics.inflight_total.dec();
+        }
+    }
+
+    pub fn prefill_complete(&self, booking_id: &str, metrics: &Metrics) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(booking) = state.bookings.get_mut(booking_id) else {
+            return false;
+        };
+        if !booking.prefill_complete {
+            booking.prefill_complete = true;
+            if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+                slot.load.active_prefill_tokens = slot
+                    .load
+                    .active_prefill_tokens
+                    .saturating_sub(booking.prefill_tokens);
+                Self::publish_load(slot, booking.rank, metrics);
+            }
+        }
+        true
+    }
+
+    pub fn free(&self, booking_id: &str, metrics: &Metrics) -> bool {
+        let mut state = self.state.lock();
+        let Some(booking) = state.bookings.remove(booking_id) else {
+            return false;
+        };
+        Self::release(&mut state, &booking, metrics);
+        true
+    }
+
+    pub fn move_booking(&self, booking_id: &str, served: SocketAddr, metrics: &Metrics) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(current) = state.bookings.get(booking_id).map(|b| b.rank) else {
+            return false;
+        };
+        if state
+            .ranks
+            .get(&current)
+            .is_some_and(|s| s.endpoint == served)
+        {
+            return false;
+        }
+        let Some(target) = state
+            .ranks
+            .iter()
+            .find(|(_, s)| s.endpoint == served)
+            .map(|(k, _)| *k)
+        else {
+            return false;
+        };
+        let booking = state.bookings.remove(booking_id).expect("checked");
+        Self::release(state, &booking, metrics);
+        let slot = state.ranks.get_mut(&target).expect("found");
+        if !booking.prefill_complete {
+            slot.load.active_prefill_tokens += booking.prefill_tokens;
+        }
+        slot.load.active_decode_blocks += booking.decode_blocks;
+        slot.load.active_requests += 1;
+        Self::publish_load(slot, target, metrics);
+        metrics.inflight_total.inc();
+        state.bookings.insert(
+            booking_id.to_string(),
+            Booking {
+                rank: target,
+                ..booking
+            },
+        );
+        true
+    }
+
+    /// Reaps bookings older than `ttl` (returned) and purges expired index entries.
+    pub fn reap(&self, now: Instant, ttl: Duration, metrics: &Metrics) -> Vec<String> {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let expired: Vec<String> = state
+            .bookings
+            .iter()
+            .filter(|(_, b)| now.saturating_duration_since(b.created) >= ttl)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &expired {
+            let booking = state.bookings.remove(id).expect("listed");
+            Self::release(state, &booking, metrics);
+        }
+        state.index.purge_expired(now);
+        metrics
+            .index_blocks
+            .with_label_values(&[&self.key.model, &self.key.routing_group])
+            .set(state.index.len() as i64);
+        expired
+    }
+
+    pub fn load_of(&self, key: RankKey) -> Option<RankLoad> {
+        self.state.lock().ranks.get(&key).map(|s| s.load)
+    }
+
+    /// Per schedulable rank: the prompt's matched depths.
+    pub fn overlaps(&self, request: &SelectionRequest) -> (u32, Vec<(PickedRank, TierDepths)>) {
+        let block_size = self.block_size.load(Ordering::Relaxed);
+        let prompt = prompt_blocks(&request.prompt, block_size, self.seed_for(request));
+        let state = self.state.lock();
+        let matches = state.index.find_matches(&prompt.seq_hashes, Instant::now());
+        let ranks = state
+            .ranks
+            .iter()
+            .filter(|(_, s)| s.schedulable)
+            .map(|(k, s)| {
+                (
+                    PickedRank {
+                        key: *k,
+                        worker_name: s.worker_name.clone(),
+                        endpoint: s.endpoint,
+                        multiplexed: s.multiplexed,
+                    },
+                    matches.get(k).copied().unwrap_or_default(),
+                )
+            })
+            .collect();
+        (prompt.seq_hashes.len() as u32, ranks)
+    }
+
+    /// Inserts blocks for a rank (KV events, tests, warm-up).
+    pub fn insert_blocks(
+        &self,
+        rank: RankKey,
+        seq_hashes: &[u64],
+        tier: Tier,
+        expires: Option<Instant>,
+    ) {
+        self.state
+            .lock()
+            .index
+            .insert(rank, seq_hashes, tier, expires);
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size.load(Ordering::Relaxed)
+    }
+}
+
+impl State {
+    fn index_capacity(&self) -> usize {
+        self.index.capacity()
+    }
+}
