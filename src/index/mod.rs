@@ -40,8 +40,64 @@ struct Holder {
 
 #[derive(Debug, Default)]
 struct Block {
+    /// Sorted by `(rank, tier)`.
     holders: Vec<Holder>,
     touched: u64,
+    /// XOR of the holders' `(rank, tier)` fingerprints: equal ids = (almost surely) equal sets,
+    /// which lets a lookup skip blocks whose holders are those of the previous block.
+    set_id: u64,
+    /// No holder expires before this (`None`: none expires). Conservative: may be earlier.
+    min_expiry: Option<Instant>,
+}
+
+fn fingerprint(rank: RankKey, tier: Tier) -> u64 {
+    // splitmix64 finalizer over the packed key.
+    let mut z = rank
+        .worker_id
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(((rank.dp_rank as u64) << 2) | tier as u64);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+impl Block {
+    fn upsert(&mut self, rank: RankKey, tier: Tier, expires: Option<Instant>) {
+        let at = self
+            .holders
+            .partition_point(|x| (x.rank, x.tier) < (rank, tier));
+        match self.holders.get_mut(at) {
+            Some(existing) if existing.rank == rank && existing.tier == tier => {
+                existing.expires = match (existing.expires, expires) {
+                    (None, _) | (_, None) => None,
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                };
+            }
+            _ => {
+                self.holders.insert(
+                    at,
+                    Holder {
+                        rank,
+                        tier,
+                        expires,
+                    },
+                );
+                self.set_id ^= fingerprint(rank, tier);
+                if let Some(e) = expires {
+                    self.min_expiry = Some(self.min_expiry.map_or(e, |m| m.min(e)));
+                }
+            }
+        }
+    }
+
+    fn retain(&mut self, keep: impl FnMut(&Holder) -> bool) {
+        self.holders.retain(keep);
+        self.set_id = self
+            .holders
+            .iter()
+            .fold(0, |id, h| id ^ fingerprint(h.rank, h.tier));
+        self.min_expiry = self.holders.iter().filter_map(|h| h.expires).min();
+    }
 }
 
 /// Per-partition block index.
@@ -97,32 +153,10 @@ impl PrefixIndex {
         expires: Option<Instant>,
     ) {
         for &h in seq_hashes {
-            let block = self.blocks.entry(h).or_default();
-            match block
-                .holders
-                .iter_mut()
-                .find(|x| x.rank == rank && x.tier == tier)
-            {
-                Some(existing) => {
-                    existing.expires = match (existing.expires, expires) {
-                        (None, _) | (_, None) => None,
-                        (Some(a), Some(b)) => Some(a.max(b)),
-                    }
-                }
-                None => {
-                    let at = block
-                        .holders
-                        .partition_point(|x| (x.rank, x.tier) < (rank, tier));
-                    block.holders.insert(
-                        at,
-                        Holder {
-                            rank,
-                            tier,
-                            expires,
-                        },
-                    );
-                }
-            }
+            self.blocks
+                .entry(h)
+                .or_default()
+                .upsert(rank, tier, expires);
             self.touch(h);
         }
         self.evict_over_capacity();
@@ -131,9 +165,7 @@ impl PrefixIndex {
     /// Forgets that `rank` holds `seq_hash` in `tier`.
     pub fn remove(&mut self, rank: RankKey, seq_hash: u64, tier: Tier) {
         if let Some(block) = self.blocks.get_mut(&seq_hash) {
-            block
-                .holders
-                .retain(|x| !(x.rank == rank && x.tier == tier));
+            block.retain(|x| !(x.rank == rank && x.tier == tier));
             if block.holders.is_empty() {
                 let touched = block.touched;
                 self.blocks.remove(&seq_hash);
@@ -146,7 +178,7 @@ impl PrefixIndex {
     pub fn clear_rank(&mut self, rank: RankKey) {
         let lru = &mut self.lru;
         self.blocks.retain(|_, block| {
-            block.holders.retain(|x| x.rank != rank);
+            block.retain(|x| x.rank != rank);
             if block.holders.is_empty() {
                 lru.remove(&block.touched);
                 false
@@ -169,7 +201,9 @@ impl PrefixIndex {
     pub fn purge_expired(&mut self, now: Instant) {
         let lru = &mut self.lru;
         self.blocks.retain(|_, block| {
-            block.holders.retain(|x| x.expires.is_none_or(|e| e > now));
+            if block.min_expiry.is_some_and(|e| e <= now) {
+                block.retain(|x| x.expires.is_none_or(|e| e > now));
+            }
             if block.holders.is_empty() {
                 lru.remove(&block.touched);
                 false
@@ -179,31 +213,47 @@ impl PrefixIndex {
         });
     }
 
-    /// Longest consecutive matched prefix per rank, per tier. Ranks with no match are absent.
+    /// Longest consecutive matched prefix per rank, per tier, sorted by rank. Ranks with no
+    /// match are absent.
     ///
-    /// Holders are kept sorted by `(rank, tier)`, so each block is a merge-join against the ranks
-    /// still matching: O(blocks × (live ranks + holders)), no allocation per block.
-    pub fn find_matches(&self, seq_hashes: &[u64], now: Instant) -> HashMap<RankKey, TierDepths> {
-        let mut live: Vec<(RankKey, TierDepths, [bool; 3])> = Vec::new();
-        let mut finished: HashMap<RankKey, TierDepths> = HashMap::new();
+    /// Holders are sorted by `(rank, tier)`, so a block is a merge-join against the ranks still
+    /// matching; a block whose holder set equals the previous block's (a shared prefix) and has
+    /// nothing expired is skipped in O(1). A rank's depth in a tier is the block index at which
+    /// it stopped matching there.
+    pub fn find_matches(&self, seq_hashes: &[u64], now: Instant) -> Vec<(RankKey, TierDepths)> {
+        const OPEN: u32 = u32::MAX;
+        // Per rank seen at block 0: where each tier stopped matching (OPEN = still matching).
+        let mut entries: Vec<(RankKey, [u32; 3])> = Vec::new();
+        // Positions in `entries` still matching in some tier, in rank order.
+        let mut live: Vec<usize> = Vec::new();
+        let mut depth = 0u32;
+        let mut prev_set = 0u64;
         for (i, h) in seq_hashes.iter().enumerate() {
             let Some(block) = self.blocks.get(h) else {
                 break;
             };
-            let mut groups = RankGroups {
-                holders: &block.holders,
-                pos: 0,
-                now,
-            };
+            let i = i as u32;
+            let fresh = block.min_expiry.is_none_or(|e| e > now);
             if i == 0 {
+                let mut groups = RankGroups {
+                    holders: &block.holders,
+                    pos: 0,
+                    now,
+                };
                 while let Some((rank, tiers)) = groups.next_group() {
-                    if tiers[2] {
-                        live.push((rank, TierDepths::default(), tiers));
-                    }
+                    let ends = tiers.map(|present| if present { OPEN } else { 0 });
+                    entries.push((rank, ends));
+                    live.push(entries.len() - 1);
                 }
-            } else {
+            } else if !(fresh && block.set_id == prev_set) {
+                let mut groups = RankGroups {
+                    holders: &block.holders,
+                    pos: 0,
+                    now,
+                };
                 let mut pending = groups.next_group();
-                for (rank, _, alive) in live.iter_mut() {
+                live.retain(|&at| {
+                    let (rank, ends) = &mut entries[at];
                     while pending.is_some_and(|(r, _)| r < *rank) {
                         pending = groups.next_group();
                     }
@@ -212,30 +262,34 @@ impl PrefixIndex {
                         _ => [false; 3],
                     };
                     for t in 0..3 {
-                        alive[t] &= here[t];
+                        if ends[t] == OPEN && !here[t] {
+                            ends[t] = i;
+                        }
                     }
-                }
+                    ends[2] == OPEN
+                });
             }
-            live.retain(|(rank, depths, alive)| {
-                if alive[2] {
-                    true
-                } else {
-                    finished.insert(*rank, *depths);
-                    false
-                }
-            });
-            for (_, depths, alive) in live.iter_mut() {
-                depths.gpu += alive[0] as u32;
-                depths.host += alive[1] as u32;
-                depths.disk += 1;
-            }
+            prev_set = block.set_id;
             if live.is_empty() {
                 break;
             }
+            depth = i + 1;
         }
-        finished.extend(live.into_iter().map(|(rank, depths, _)| (rank, depths)));
-        finished.retain(|_, d| d.disk > 0);
-        finished
+        entries
+            .into_iter()
+            .map(|(rank, ends)| {
+                let d = ends.map(|e| e.min(depth));
+                (
+                    rank,
+                    TierDepths {
+                        gpu: d[0],
+                        host: d[1],
+                        disk: d[2],
+                    },
+                )
+            })
+            .filter(|(_, d)| d.disk > 0)
+            .collect()
     }
 }
 
@@ -274,6 +328,10 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    fn matches(idx: &PrefixIndex, hashes: &[u64], now: Instant) -> HashMap<RankKey, TierDepths> {
+        idx.find_matches(hashes, now).into_iter().collect()
+    }
+
     fn rank(w: u64) -> RankKey {
         RankKey {
             worker_id: w,
@@ -289,7 +347,7 @@ mod tests {
         idx.insert(rank(2), &[10, 11], Tier::Gpu, None);
         idx.insert(rank(2), &[12, 13], Tier::Host, None);
         idx.insert(rank(3), &[10, 12, 13], Tier::Gpu, None); // hole at 11
-        let m = idx.find_matches(&[10, 11, 12, 13, 14], now);
+        let m = matches(&idx, &[10, 11, 12, 13, 14], now);
         assert_eq!(
             m[&rank(1)],
             TierDepths {
@@ -315,9 +373,81 @@ mod tests {
             }
         );
         assert!(
-            idx.find_matches(&[99, 10], now).is_empty(),
+            matches(&idx, &[99, 10], now).is_empty(),
             "no match at block 0"
         );
+    }
+
+    /// The obvious definition, block by block, for comparison.
+    fn naive(idx: &PrefixIndex, hashes: &[u64], now: Instant) -> HashMap<RankKey, TierDepths> {
+        let present = |h: u64, rank: RankKey, tier: usize| {
+            idx.blocks.get(&h).is_some_and(|b| {
+                b.holders.iter().any(|x| {
+                    x.rank == rank && (x.tier as usize) <= tier && x.expires.is_none_or(|e| e > now)
+                })
+            })
+        };
+        let mut out = HashMap::new();
+        let ranks: std::collections::BTreeSet<RankKey> = idx
+            .blocks
+            .values()
+            .flat_map(|b| b.holders.iter().map(|h| h.rank))
+            .collect();
+        for rank in ranks {
+            let depth = |tier| {
+                hashes
+                    .iter()
+                    .take_while(|h| present(**h, rank, tier))
+                    .count() as u32
+            };
+            let d = TierDepths {
+                gpu: depth(0),
+                host: depth(1),
+                disk: depth(2),
+            };
+            if d.disk > 0 {
+                out.insert(rank, d);
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn matches_the_naive_definition_on_random_indexes() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let now = Instant::now();
+        for _ in 0..300 {
+            let mut idx = PrefixIndex::new(10_000);
+            let chain: Vec<u64> = (0..24).map(|_| rng.random_range(0..40)).collect();
+            for _ in 0..rng.random_range(1..30) {
+                let rank = RankKey {
+                    worker_id: rng.random_range(0..6),
+                    dp_rank: rng.random_range(0..2),
+                };
+                let start = rng.random_range(0..chain.len());
+                let end = rng.random_range(start..=chain.len());
+                let tier = [Tier::Gpu, Tier::Host, Tier::Disk][rng.random_range(0..3)];
+                let expires = match rng.random_range(0..3) {
+                    0 => None,
+                    1 => Some(now - Duration::from_secs(1)),
+                    _ => Some(now + Duration::from_secs(1)),
+                };
+                idx.insert(rank, &chain[start..end], tier, expires);
+            }
+            if rng.random_bool(0.2) {
+                idx.clear_rank(RankKey {
+                    worker_id: 1,
+                    dp_rank: 0,
+                });
+            }
+            let got = idx.find_matches(&chain, now);
+            assert!(got.windows(2).all(|w| w[0].0 < w[1].0), "sorted by rank");
+            assert_eq!(
+                got.into_iter().collect::<HashMap<_, _>>(),
+                naive(&idx, &chain, now)
+            );
+        }
     }
 
     #[test]
@@ -330,7 +460,7 @@ mod tests {
             Tier::Gpu,
             Some(now + Duration::from_secs(2)),
         );
-        assert_eq!(idx.find_matches(&[1, 2], now)[&rank(1)].gpu, 2);
+        assert_eq!(matches(&idx, &[1, 2], now)[&rank(1)].gpu, 2);
         assert!(idx
             .find_matches(&[1, 2], now + Duration::from_secs(2))
             .is_empty());
@@ -339,7 +469,7 @@ mod tests {
         idx.purge_expired(now + Duration::from_secs(3));
         assert_eq!(idx.len(), 1);
         assert_eq!(
-            idx.find_matches(&[1, 2], now + Duration::from_secs(9))[&rank(1)].gpu,
+            matches(&idx, &[1, 2], now + Duration::from_secs(9))[&rank(1)].gpu,
             1
         );
     }
@@ -353,13 +483,13 @@ mod tests {
         assert_eq!(idx.len(), 3);
         let now = Instant::now();
         assert_eq!(
-            idx.find_matches(&[1, 2, 3], now)[&rank(1)].gpu,
+            matches(&idx, &[1, 2, 3], now)[&rank(1)].gpu,
             1,
             "block 2 evicted"
         );
         idx.clear_rank(rank(2));
         assert_eq!(idx.len(), 2);
         idx.remove(rank(1), 1, Tier::Gpu);
-        assert!(idx.find_matches(&[1], now).is_empty());
+        assert!(matches(&idx, &[1], now).is_empty());
     }
 }

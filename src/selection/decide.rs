@@ -69,13 +69,15 @@ pub fn cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostPar
 }
 
 /// Temperature 0: lowest cost, ties uniformly at random. Temperature T > 0: sample with
-/// `p_i ∝ exp(-(c_i - c_min) / ((c_max - c_min) * T))`; the rest ranked by cost after the sample.
+/// `p_i ∝ exp(-(c_i - c_min) / ((c_max - c_min) * T))`. `ranking` holds the best `top`
+/// candidates (the pick first, then by cost); O(n) in the candidates, no full sort.
 pub fn decide<R: Rng + ?Sized>(
     candidates: &[Candidate],
     prompt_tokens: u64,
     block_size: u32,
     params: &CostParams,
     temperature: f64,
+    top: usize,
     rng: &mut R,
 ) -> Decision {
     assert!(
@@ -92,30 +94,38 @@ pub fn decide<R: Rng + ?Sized>(
         .enumerate()
         .map(|(i, &c)| (c, rng.random::<u64>(), i))
         .collect();
-    order.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let by_cost =
+        |a: &(f64, u64, usize), b: &(f64, u64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+    let top = top.clamp(1, order.len());
+    if order.len() > top {
+        order.select_nth_unstable_by(top - 1, by_cost);
+        order.truncate(top);
+    }
+    order.sort_unstable_by(by_cost);
     let mut ranking: Vec<usize> = order.iter().map(|&(_, _, i)| i).collect();
     if temperature > 0.0 && candidates.len() > 1 {
-        let min = order[0].0;
-        let max = order[order.len() - 1].0;
-        let chosen = if max > min {
+        let (min, max) = costs
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &c| {
+                (lo.min(c), hi.max(c))
+            });
+        if max > min {
             let scale = (max - min) * temperature;
             let weights: Vec<f64> = costs.iter().map(|&c| (-(c - min) / scale).exp()).collect();
             let total: f64 = weights.iter().sum();
             let mut x = rng.random::<f64>() * total;
-            let mut pick = weights.len() - 1;
+            let mut chosen = weights.len() - 1;
             for (i, w) in weights.iter().enumerate() {
                 if x < *w {
-                    pick = i;
+                    chosen = i;
                     break;
                 }
                 x -= w;
             }
-            pick
-        } else {
-            ranking[0]
-        };
-        ranking.retain(|&i| i != chosen);
-        ranking.insert(0, chosen);
+            ranking.retain(|&i| i != chosen);
+            ranking.insert(0, chosen);
+            ranking.truncate(top);
+        }
     }
     Decision { ranking, costs }
 }
@@ -148,7 +158,7 @@ mod tests {
         // Prefill 10 blocks (160 tokens of 16) on three workers, overlaps 2/5/8, decode 10/5/9.
         let cs = [cand(1, 10, 2), cand(2, 5, 5), cand(3, 9, 8)];
         let mut rng = StdRng::seed_from_u64(0);
-        let d = decide(&cs, 160, 16, &CostParams::default(), 0.0, &mut rng);
+        let d = decide(&cs, 160, 16, &CostParams::default(), 0.0, 3, &mut rng);
         assert_eq!(d.costs, vec![18.0, 10.0, 11.0]);
         assert_eq!(d.ranking, vec![1, 2, 0]);
     }
@@ -185,7 +195,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(42);
         let mut counts = [0usize; 4];
         for _ in 0..8000 {
-            counts[decide(&cs, 16, 16, &CostParams::default(), 0.0, &mut rng).ranking[0]] += 1;
+            counts[decide(&cs, 16, 16, &CostParams::default(), 0.0, 1, &mut rng).ranking[0]] += 1;
         }
         // Expected 2000 each; 5 sigma ≈ 194.
         for c in counts {
@@ -201,7 +211,7 @@ mod tests {
         let mut counts = [0f64; 3];
         let n = 30_000;
         for _ in 0..n {
-            let d = decide(&cs, 0, 16, &CostParams::default(), 1.0, &mut rng);
+            let d = decide(&cs, 0, 16, &CostParams::default(), 1.0, 1, &mut rng);
             counts[d.ranking[0]] += 1.0;
         }
         let w = [1.0f64, (-0.5f64).exp(), (-1.0f64).exp()];
@@ -215,7 +225,7 @@ mod tests {
         // Temperature 0 never picks a costlier rank.
         for _ in 0..100 {
             assert_eq!(
-                decide(&cs, 0, 16, &CostParams::default(), 0.0, &mut rng).ranking[0],
+                decide(&cs, 0, 16, &CostParams::default(), 0.0, 1, &mut rng).ranking[0],
                 0
             );
         }

@@ -149,7 +149,6 @@ pub struct SelectionRequest {
     pub on_duplicate: DuplicateId,
 }
 
-
 /// One picked rank, with everything a host needs to route to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PickedRank {

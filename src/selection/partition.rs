@@ -2,7 +2,7 @@
 //! bookings), its KV index and its bookings, all behind one lock so a decision and its booking are
 //! atomic. Owned by the core; hosts never see it.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -45,10 +45,79 @@ struct Booking {
     created: Instant,
 }
 
+/// The partition's ranks: a vector sorted by `RankKey` (the hot path walks it by index, in the
+/// same order as index matches) plus a key -> position map. Mutations during a catalog batch may
+/// leave it unsorted; [`RankTable::finish`] restores order once per batch.
+#[derive(Debug, Default)]
+struct RankTable {
+    slots: Vec<(RankKey, Slot)>,
+    positions: HashMap<RankKey, usize>,
+}
+
+impl RankTable {
+    fn get(&self, key: &RankKey) -> Option<&Slot> {
+        self.positions.get(key).map(|&i| &self.slots[i].1)
+    }
+
+    fn get_mut(&mut self, key: &RankKey) -> Option<&mut Slot> {
+        self.positions.get(key).map(|&i| &mut self.slots[i].1)
+    }
+
+    fn keys(&self) -> impl Iterator<Item = &RankKey> {
+        self.slots.iter().map(|(k, _)| k)
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&RankKey, &Slot)> {
+        self.slots.iter().map(|(k, s)| (k, s))
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Slot> {
+        self.slots.iter().map(|(_, s)| s)
+    }
+
+    fn get_or_insert_with(&mut self, key: RankKey, make: impl FnOnce() -> Slot) -> &mut Slot {
+        let i = match self.positions.get(&key) {
+            Some(&i) => i,
+            None => {
+                self.slots.push((key, make()));
+                self.positions.insert(key, self.slots.len() - 1);
+                self.slots.len() - 1
+            }
+        };
+        &mut self.slots[i].1
+    }
+
+    fn remove(&mut self, key: &RankKey) -> Option<Slot> {
+        let i = self.positions.remove(key)?;
+        let (_, slot) = self.slots.swap_remove(i);
+        if i < self.slots.len() {
+            self.positions.insert(self.slots[i].0, i);
+        }
+        Some(slot)
+    }
+
+    fn finish(&mut self) {
+        self.slots.sort_unstable_by_key(|(k, _)| *k);
+        self.positions = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, (k, _))| (*k, i))
+            .collect();
+    }
+}
+
+impl std::ops::Index<&RankKey> for RankTable {
+    type Output = Slot;
+    fn index(&self, key: &RankKey) -> &Slot {
+        self.get(key).expect("rank exists")
+    }
+}
+
 struct State {
     /// Block size once a worker declared one; until then [`DEFAULT_BLOCK_SIZE`].
     declared_block_size: Option<u32>,
-    ranks: BTreeMap<RankKey, Slot>,
+    ranks: RankTable,
     index: PrefixIndex,
     bookings: HashMap<String, Booking>,
     rng: StdRng,
@@ -137,7 +206,7 @@ impl Partition {
             block_size: AtomicU32::new(DEFAULT_BLOCK_SIZE),
             state: Mutex::new(State {
                 declared_block_size: None,
-                ranks: BTreeMap::new(),
+                ranks: RankTable::default(),
                 index: PrefixIndex::new(config.index_max_blocks),
                 bookings: HashMap::new(),
                 rng,
@@ -155,10 +224,11 @@ impl Partition {
 
     pub fn serves_adapter(&self, model: &str) -> bool {
         let state = self.state.lock();
-        state
+        let serves = state
             .ranks
             .values()
-            .any(|s| s.schedulable && s.lora_adapters.iter().any(|a| a == model))
+            .any(|s| s.schedulable && s.lora_adapters.iter().any(|a| a == model));
+        serves
     }
 
     /// Applies one batch of catalog changes under one lock (one publish).
@@ -241,7 +311,7 @@ impl Partition {
                     worker_id: record.id,
                     dp_rank: rank.dp_rank,
                 };
-                let slot = state.ranks.entry(key).or_insert_with(|| Slot {
+                let slot = state.ranks.get_or_insert_with(key, || Slot {
                     worker_name: record.spec.name.clone(),
                     endpoint: rank.endpoint,
                     multiplexed: rank.multiplexed,
@@ -257,6 +327,7 @@ impl Partition {
                 slot.kv_events = record.spec.kv_events.is_some();
             }
         }
+        state.ranks.finish();
         let n = state.ranks.values().filter(|s| s.schedulable).count();
         self.schedulable.store(n, Ordering::Relaxed);
         result
@@ -317,18 +388,17 @@ impl Partition {
         let mut guard = self.state.lock();
         let state = &mut *guard;
 
-        // 1. Subset hint / allowed set.
-        let mut eligible: Vec<RankKey> = state
-            .ranks
-            .iter()
-            .filter(|(_, s)| s.schedulable)
-            .filter(|(_, s)| {
-                request
-                    .subset
-                    .as_ref()
-                    .is_none_or(|f| f.matches(&s.endpoint))
+        let slots = &state.ranks.slots;
+        // 1. Subset hint / allowed set. `eligible` holds positions in `slots`, in rank order.
+        let mut eligible: Vec<usize> = (0..slots.len())
+            .filter(|&i| {
+                let s = &slots[i].1;
+                s.schedulable
+                    && request
+                        .subset
+                        .as_ref()
+                        .is_none_or(|f| f.matches(&s.endpoint))
             })
-            .map(|(k, _)| *k)
             .collect();
         if eligible.is_empty() {
             return Err(SelectError::Unavailable(if request.subset.is_some() {
@@ -343,8 +413,7 @@ impl Partition {
         // 2. Pin, which must be inside the allowed set.
         let pinned = config.allow_pins && request.pin.is_some();
         if let (true, Some(pin)) = (config.allow_pins, request.pin) {
-            let ranks: Vec<RankKey> = state
-                .ranks
+            let ranks: Vec<RankKey> = slots
                 .iter()
                 .filter(|(k, s)| k.worker_id == pin.worker_id && s.schedulable)
                 .map(|(k, _)| *k)
@@ -363,7 +432,8 @@ impl Partition {
                     )));
                 }
             }
-            eligible.retain(|k| {
+            eligible.retain(|&i| {
+                let k = slots[i].0;
                 k.worker_id == pin.worker_id && pin.dp_rank.is_none_or(|r| r == k.dp_rank)
             });
             if eligible.is_empty() {
@@ -374,7 +444,7 @@ impl Partition {
         }
         // 3. LoRA narrowing: a request for an adapter goes where the adapter is loaded.
         if let Some(model) = request.model.as_deref().filter(|m| *m != self.key.model) {
-            eligible.retain(|k| state.ranks[k].lora_adapters.iter().any(|a| a == model));
+            eligible.retain(|&i| slots[i].1.lora_adapters.iter().any(|a| a == model));
             if eligible.is_empty() {
                 return Err(SelectError::Unavailable(format!(
                     "no eligible worker has adapter {} loaded",
@@ -383,7 +453,7 @@ impl Partition {
             }
         }
         // 4. Busy thresholds.
-        eligible.retain(|k| !is_busy(&state.ranks[k].load, &config.busy));
+        eligible.retain(|&i| !is_busy(&slots[i].1.load, &config.busy));
         if eligible.is_empty() {
             return Err(SelectError::Overloaded(if pinned {
                 "pinned worker is over its busy threshold".into()
@@ -393,20 +463,29 @@ impl Partition {
         }
 
         let matches = if prompt.seq_hashes.is_empty() {
-            HashMap::new()
+            Vec::new()
         } else {
             state.index.find_matches(&prompt.seq_hashes, now)
         };
+        // Both `eligible` and `matches` are in rank order: merge them.
+        let mut next_match = matches.iter().peekable();
         let candidates: Vec<Candidate> = eligible
             .iter()
-            .map(|k| {
-                let load = state.ranks[k].load;
+            .map(|&i| {
+                let (key, slot) = &slots[i];
+                while next_match.peek().is_some_and(|(k, _)| k < key) {
+                    next_match.next();
+                }
+                let overlap = match next_match.peek() {
+                    Some((k, d)) if k == key => *d,
+                    _ => TierDepths::default(),
+                };
                 Candidate {
-                    key: *k,
-                    active_prefill_tokens: load.active_prefill_tokens,
-                    active_decode_blocks: load.active_decode_blocks,
-                    active_requests: load.active_requests,
-                    overlap: matches.get(k).copied().unwrap_or_default(),
+                    key: *key,
+                    active_prefill_tokens: slot.load.active_prefill_tokens,
+                    active_decode_blocks: slot.load.active_decode_blocks,
+                    active_requests: slot.load.active_requests,
+                    overlap,
                 }
             })
             .collect();
@@ -419,27 +498,29 @@ impl Partition {
             block_size,
             &config.cost,
             temperature,
+            // Enough runners-up to find distinct fallback endpoints among multiplexed ranks.
+            1 + request.fallbacks.saturating_mul(8),
             &mut state.rng,
         );
         let best = decision.ranking[0];
         let primary_key = candidates[best].key;
-        let picked = |key: RankKey| {
-            let s = &state.ranks[&key];
+        let picked = |candidate: usize| {
+            let (key, s) = &slots[eligible[candidate]];
             PickedRank {
-                key,
+                key: *key,
                 worker_name: s.worker_name.clone(),
                 endpoint: s.endpoint,
                 multiplexed: s.multiplexed,
             }
         };
-        let primary = picked(primary_key);
+        let primary = picked(best);
         // Fallbacks are distinct endpoints: multiplexed ranks of one pod share an address.
         let mut fallbacks: Vec<PickedRank> = Vec::new();
         for &i in &decision.ranking[1..] {
             if fallbacks.len() == request.fallbacks {
                 break;
             }
-            let next = picked(candidates[i].key);
+            let next = picked(i);
             if next.endpoint != primary.endpoint
                 && fallbacks.iter().all(|f| f.endpoint != next.endpoint)
             {
@@ -448,12 +529,16 @@ impl Partition {
         }
         let overlap = candidates[best].overlap;
         let prompt_block_count = prompt.seq_hashes.len() as u32;
-        let trace = candidates
-            .iter()
-            .zip(&decision.costs)
-            .map(|(c, cost)| format!("{}:{}={:.3}", c.key.worker_id, c.key.dp_rank, cost))
-            .collect::<Vec<_>>()
-            .join(",");
+        let trace = if config.trace_decisions > 0 {
+            candidates
+                .iter()
+                .zip(&decision.costs)
+                .map(|(c, cost)| format!("{}:{}={:.3}", c.key.worker_id, c.key.dp_rank, cost))
+                .collect::<Vec<_>>()
+                .join(",")
+        } else {
+            String::new()
+        };
         let selection = Selection {
             booking_id: booking_id.unwrap_or_default().to_string(),
             partition: self.key.clone(),
@@ -622,7 +707,11 @@ impl Partition {
         let block_size = self.block_size.load(Ordering::Relaxed);
         let prompt = prompt_blocks(&request.prompt, block_size, self.seed_for(request));
         let state = self.state.lock();
-        let matches = state.index.find_matches(&prompt.seq_hashes, Instant::now());
+        let matches: HashMap<RankKey, TierDepths> = state
+            .index
+            .find_matches(&prompt.seq_hashes, Instant::now())
+            .into_iter()
+            .collect();
         let ranks = state
             .ranks
             .iter()

@@ -1,0 +1,170 @@
+//! Decision latency of the selection core with warm state (DESIGN §5, issue "selection core"):
+//! 8, 64, 1,024 and 8,192 ranks, an 8k-token prompt (512 blocks of 16), tokenization excluded
+//! (the prompt arrives as precomputed block hashes; a second series includes hashing the tokens).
+//!
+//! Warm state: every rank holds its own 32-block history and a shared 8-block system prefix; every
+//! 97th rank also holds a deeper part of this prompt. Criterion reports medians; a second pass
+//! times single decisions to report p50/p99, printed and written to
+//! `target/bench-selection.json`. Without `--bench` (as under `cargo test`) it runs one smoke
+//! decision per size.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use criterion::{BenchmarkId, Criterion};
+use kvpick::catalog::{RankLayout, WorkerSpec};
+use kvpick::index::hash::{prompt_hashes, BASE_SEED};
+use kvpick::index::Tier;
+use kvpick::metrics::Metrics;
+use kvpick::selection::{
+    CoreConfig, PartitionKey, PromptInput, RankKey, SelectionCore, SelectionRequest,
+};
+
+const SIZES: [usize; 4] = [8, 64, 1_024, 8_192];
+const RANKS_PER_WORKER: usize = 8;
+const PROMPT_TOKENS: u32 = 8_192;
+const BLOCK: usize = 16;
+
+struct Fixture {
+    core: Arc<SelectionCore>,
+    hashes_request: SelectionRequest,
+    tokens_request: SelectionRequest,
+}
+
+fn fixture(ranks: usize) -> Fixture {
+    let core = SelectionCore::new(
+        CoreConfig {
+            seed: Some(1),
+            index_max_blocks: 4 << 20,
+            ..CoreConfig::default()
+        },
+        Metrics::new(),
+    );
+    let workers = ranks.div_ceil(RANKS_PER_WORKER);
+    let specs: Vec<WorkerSpec> = (0..workers)
+        .map(|w| WorkerSpec {
+            namespace: "bench".into(),
+            name: format!("w{w}"),
+            model: "m".into(),
+            routing_group: String::new(),
+            address: format!("10.{}.{}.{}", w / 65536, (w / 256) % 256, w % 256)
+                .parse()
+                .unwrap(),
+            ranks: RankLayout::PerPort(
+                (0..RANKS_PER_WORKER.min(ranks - w * RANKS_PER_WORKER))
+                    .map(|r| 8000 + r as u16)
+                    .collect(),
+            ),
+            block_size: Some(BLOCK as u32),
+            kv_events: None,
+            lora_adapters: vec![],
+        })
+        .collect();
+    core.apply_snapshot(specs).unwrap();
+    let key = PartitionKey {
+        model: "m".into(),
+        routing_group: String::new(),
+    };
+    let tokens: Vec<u32> = (0..PROMPT_TOKENS)
+        .map(|t| t.wrapping_mul(2_654_435_761))
+        .collect();
+    let prompt = prompt_hashes(&tokens, BLOCK, BASE_SEED);
+    let views = core.list_workers(None);
+    let mut i = 0usize;
+    for view in &views {
+        for r in &view.record.ranks {
+            let rank = RankKey {
+                worker_id: view.record.id,
+                dp_rank: r.dp_rank,
+            };
+            let own: Vec<u32> = (0..32 * BLOCK as u32)
+                .map(|t| t ^ (i as u32) << 16)
+                .collect();
+            core.insert_blocks(
+                &key,
+                rank,
+                &prompt_hashes(&own, BLOCK, BASE_SEED),
+                Tier::Gpu,
+                None,
+            );
+            let depth = if i % 97 == 0 { 8 + (i * 31) % 504 } else { 8 };
+            core.insert_blocks(&key, rank, &prompt[..depth], Tier::Gpu, None);
+            i += 1;
+        }
+    }
+    let base = SelectionRequest {
+        request_id: "bench".into(),
+        model: Some("m".into()),
+        ..Default::default()
+    };
+    Fixture {
+        hashes_request: SelectionRequest {
+            prompt: PromptInput::BlockHashes {
+                seq_hashes: prompt,
+                prompt_tokens: PROMPT_TOKENS as u64,
+            },
+            ..base.clone()
+        },
+        tokens_request: SelectionRequest {
+            prompt: PromptInput::Tokens(tokens),
+            ..base
+        },
+        core,
+    }
+}
+
+fn percentiles(f: &Fixture, request: &SelectionRequest, n: usize) -> (f64, f64) {
+    let mut samples: Vec<f64> = (0..n)
+        .map(|_| {
+            let t = Instant::now();
+            std::hint::black_box(f.core.select(request).unwrap());
+            t.elapsed().as_secs_f64() * 1e6
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    (samples[n / 2], samples[n * 99 / 100])
+}
+
+fn main() {
+    let benching = std::env::args().any(|a| a == "--bench");
+    let fixtures: Vec<(usize, Fixture)> = SIZES.iter().map(|&n| (n, fixture(n))).collect();
+    if !benching {
+        for (n, f) in &fixtures {
+            let pick = f.core.select(&f.hashes_request).unwrap();
+            assert!(pick.overlap_blocks >= 8, "{n} ranks: warm prefix found");
+        }
+        println!("selection bench smoke: ok (run `cargo bench --bench selection` to measure)");
+        return;
+    }
+    let mut c = Criterion::default().configure_from_args();
+    {
+        let mut group = c.benchmark_group("decision");
+        for (n, f) in &fixtures {
+            group.bench_with_input(BenchmarkId::new("block_hashes", n), f, |b, f| {
+                b.iter(|| f.core.select(&f.hashes_request).unwrap())
+            });
+            group.bench_with_input(BenchmarkId::new("with_hashing", n), f, |b, f| {
+                b.iter(|| f.core.select(&f.tokens_request).unwrap())
+            });
+        }
+        group.finish();
+    }
+    c.final_summary();
+
+    let mut rows = Vec::new();
+    println!("\n| ranks | p50 µs (hashes) | p99 µs (hashes) | p50 µs (with hashing) | p99 µs (with hashing) |");
+    println!("|---|---|---|---|---|");
+    for (n, f) in &fixtures {
+        let iterations = if *n >= 1024 { 2_000 } else { 20_000 };
+        let (p50, p99) = percentiles(f, &f.hashes_request, iterations);
+        let (hp50, hp99) = percentiles(f, &f.tokens_request, iterations);
+        println!("| {n} | {p50:.1} | {p99:.1} | {hp50:.1} | {hp99:.1} |");
+        rows.push(serde_json::json!({
+            "ranks": n, "p50_us": p50, "p99_us": p99,
+            "with_hashing_p50_us": hp50, "with_hashing_p99_us": hp99,
+        }));
+    }
+    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-selection.json");
+    std::fs::write(&out, serde_json::to_string_pretty(&rows).unwrap()).unwrap();
+    println!("written to {}", out.display());
+}
