@@ -87,7 +87,11 @@ fn fixture(ranks: usize) -> Fixture {
                 Tier::Gpu,
                 None,
             );
-            let depth = if i.is_multiple_of(97) { 8 + (i * 31) % 504 } else { 8 };
+            let depth = if i.is_multiple_of(97) {
+                8 + (i * 31) % 504
+            } else {
+                8
+            };
             core.insert_blocks(&key, rank, &prompt[..depth], Tier::Gpu, None);
             i += 1;
         }

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # Runs every test kvpick has: Rust unit + integration tests, then the end-to-end suite that puts
-# a real Envoy 1.40 in front of kvpick and real upstream processes. Installs what it needs.
+# a real Envoy 1.40 in front of kvpick and real upstream processes, and the offline check of the
+# Kubernetes manifests and Helm chart. Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh
 cargo build --locked --bins
 cargo test --locked --all-targets
+bash e2e/check-manifests.sh
 KVPICK_BIN="$PWD/target/debug/kvpick" .venv/bin/python -m pytest e2e/tests -q -p no:cacheprovider "$@"
