@@ -14,6 +14,7 @@ use crate::proto::{
     ListWorkersResponse, LoadsRequest, LoadsResponse, OverlapScore, OverlapScoresResponse,
     RankLoad, SelectRequest, SelectResponse, Worker, WorkerSpec,
 };
+use crate::selection::session::MAX_SESSION_ID_BYTES;
 use crate::selection::{
     self, DuplicateId, EndpointFilter, PickedRank, Pin, PromptInput, SelectError, SelectionCore,
     SelectionRequest, WorkerView,
@@ -64,6 +65,11 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
     if req.model.is_empty() {
         return Err(Status::invalid_argument("model is required"));
     }
+    if req.session_id.len() > MAX_SESSION_ID_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "session_id longer than {MAX_SESSION_ID_BYTES} bytes"
+        )));
+    }
     if req.pin_dp_rank.is_some() && req.pin_worker_id.is_none() {
         return Err(Status::invalid_argument("pin_dp_rank needs pin_worker_id"));
     }
@@ -97,6 +103,7 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         fallbacks: req.fallbacks as usize,
         temperature: req.temperature,
         priority: req.priority,
+        session_id: (!req.session_id.is_empty()).then_some(req.session_id),
         on_duplicate: DuplicateId::Reject,
     })
 }

@@ -38,6 +38,12 @@ pub struct Metrics {
     pub predicted_overlap: Histogram,
     /// Blocks in the KV index per partition (model).
     pub index_blocks: IntGaugeVec,
+    /// Live session bindings.
+    pub sessions_live: IntGauge,
+    /// Session outcomes: created, reused, table_full, expired.
+    pub session_events: IntCounterVec,
+    /// Session bindings dropped, by reason.
+    pub session_invalidated: IntCounterVec,
 }
 
 fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> T {
@@ -194,7 +200,36 @@ impl Metrics {
             )
             .unwrap(),
         );
+        let sessions_live = register(
+            &registry,
+            IntGauge::new("kvpick_session_bindings", "Live session bindings").unwrap(),
+        );
+        let session_events = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "kvpick_session_events_total",
+                    "Session affinity outcomes (created, reused, table_full, expired)",
+                ),
+                &["event"],
+            )
+            .unwrap(),
+        );
+        let session_invalidated = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "kvpick_session_invalidated_total",
+                    "Session bindings dropped, by reason",
+                ),
+                &["reason"],
+            )
+            .unwrap(),
+        );
         Metrics {
+            sessions_live,
+            session_events,
+            session_invalidated,
             active_prefill_tokens,
             active_decode_blocks,
             predicted_overlap,

@@ -5,7 +5,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::Context;
 use axum::routing::get;
@@ -17,7 +17,9 @@ use crate::api::SelectionApi;
 use crate::catalog::static_file;
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::metrics::Metrics;
-use crate::selection::{BusyThresholds, CoreConfig, CostParams, SelectionCore};
+use crate::selection::{
+    AffinityMode, BusyThresholds, CoreConfig, CostParams, SelectionCore, SessionConfig,
+};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
 pub enum LogFormat {
@@ -134,6 +136,49 @@ pub struct ServeArgs {
     )]
     pub approx_ttl: u64,
 
+    /// Session affinity: `hard` keeps a session on its rank while that rank is schedulable and
+    /// allowed; `soft` lets the cost function move it under overload.
+    #[arg(long, value_enum, default_value_t = AffinityMode::Hard, help_heading = "Sessions")]
+    pub session_affinity_mode: AffinityMode,
+
+    /// Idle seconds after which a session binding expires (1 .. 31536000); the clock starts when
+    /// the session's last in-flight request ends.
+    #[arg(
+        long,
+        default_value_t = 300,
+        value_name = "SECONDS",
+        help_heading = "Sessions"
+    )]
+    pub session_ttl: u64,
+
+    /// Most session bindings kept; past it new sessions are routed without affinity (and counted).
+    #[arg(
+        long,
+        default_value_t = 65_536,
+        value_name = "N",
+        help_heading = "Sessions"
+    )]
+    pub session_max_entries: usize,
+
+    /// Request headers carrying a session id, in order of preference.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "x-dynamo-session-id,x-session-id,x-claude-code-session-id",
+        value_name = "H1,H2",
+        help_heading = "Sessions"
+    )]
+    pub session_headers: Vec<String>,
+
+    /// Soft mode: keep the bound rank while its cost is within this many blocks of the best.
+    #[arg(
+        long,
+        default_value_t = 64.0,
+        value_name = "BLOCKS",
+        help_heading = "Sessions"
+    )]
+    pub session_soft_margin: f64,
+
     /// Most blocks kept in each model's KV index (least recently used evicted).
     #[arg(long, default_value_t = 1 << 20, value_name = "N", help_heading = "Scheduling")]
     pub index_max_blocks: usize,
@@ -200,6 +245,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             args.decode_active_request_weight,
         ),
         ("--router-temperature", args.router_temperature),
+        ("--session-soft-margin", args.session_soft_margin),
     ] {
         if !value.is_finite() || value < 0.0 {
             anyhow::bail!("{name} must be a finite number >= 0, got {value}");
@@ -220,6 +266,16 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             active_prefill_tokens: args.active_prefill_tokens_threshold,
         },
         allow_pins: args.allow_pins,
+        sessions: {
+            let sessions = SessionConfig {
+                mode: args.session_affinity_mode,
+                ttl: Duration::from_secs(args.session_ttl),
+                max_entries: args.session_max_entries,
+                soft_margin_blocks: args.session_soft_margin,
+            };
+            sessions.validate().map_err(anyhow::Error::msg)?;
+            sessions
+        },
         approx_ttl: Duration::from_secs(args.approx_ttl),
         index_max_blocks: args.index_max_blocks,
         ..CoreConfig::default()
@@ -263,7 +319,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let mut tick = tokio::time::interval(Duration::from_secs(10));
             loop {
                 tick.tick().await;
-                let n = core.reap_expired(Instant::now());
+                let n = core.reap_expired(tokio::time::Instant::now());
                 if n > 0 {
                     tracing::warn!(reaped = n, "expired bookings reaped");
                 }
@@ -298,6 +354,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             max_body_bytes: args.max_body_bytes,
             fallbacks: args.fallbacks,
             conformance_test_mode: args.conformance_test_mode,
+            session_headers: args
+                .session_headers
+                .iter()
+                .map(|h| h.trim().to_ascii_lowercase())
+                .filter(|h| !h.is_empty())
+                .collect(),
         },
     );
     let drained = || {

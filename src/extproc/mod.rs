@@ -25,7 +25,16 @@ pub struct ExtProcSettings {
     pub max_body_bytes: usize,
     pub fallbacks: usize,
     pub conformance_test_mode: bool,
+    /// Request headers carrying a session id, in order of preference (lower-case).
+    pub session_headers: Vec<String>,
 }
+
+/// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
+pub const DEFAULT_SESSION_HEADERS: [&str; 3] = [
+    "x-dynamo-session-id",
+    "x-session-id",
+    "x-claude-code-session-id",
+];
 
 impl Default for ExtProcSettings {
     fn default() -> Self {
@@ -33,6 +42,7 @@ impl Default for ExtProcSettings {
             max_body_bytes: 32 << 20,
             fallbacks: 0,
             conformance_test_mode: false,
+            session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
         }
     }
 }

@@ -19,6 +19,7 @@ use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
 use crate::request::{parse_request_body, BodyError, ParsedBody, Prompt};
+use crate::selection::session::{SessionOutcome, MAX_SESSION_ID_BYTES};
 use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
@@ -83,10 +84,8 @@ pub struct StreamMachine {
     priority: i32,
     /// A client error found in the headers, answered (400) once the request would be routed.
     header_error: Option<String>,
+    session_id: Option<String>,
 }
-
-/// Longest session id accepted (DESIGN §7).
-pub const MAX_SESSION_ID_BYTES: usize = 256;
 
 impl StreamMachine {
     pub fn new(core: Arc<SelectionCore>, settings: Arc<ExtProcSettings>) -> Self {
@@ -109,6 +108,7 @@ impl StreamMachine {
             pin: None,
             priority: 0,
             header_error: None,
+            session_id: None,
         }
     }
 
@@ -197,11 +197,12 @@ impl StreamMachine {
             ));
         }
         let (mut worker_pin, mut rank_pin) = (None, None);
+        let mut session: Option<(usize, String)> = None;
         for h in headers.headers.iter().flat_map(|m| m.headers.iter()) {
             let name = h.key.to_ascii_lowercase();
             let value = header_value(h);
             match name.as_str() {
-                "content-type" => self.content_type = Some(value.into_owned()),
+                "content-type" => self.content_type = Some(value.to_string()),
                 "x-request-id" if !value.is_empty() => {
                     self.request_id = Some(value.chars().take(256).collect())
                 }
@@ -218,15 +219,26 @@ impl StreamMachine {
                         });
                     }
                 },
-                "x-dynamo-session-id" if value.len() > MAX_SESSION_ID_BYTES => {
-                    self.header_error.get_or_insert_with(|| {
-                        format!("session id longer than {MAX_SESSION_ID_BYTES} bytes")
-                    });
-                }
                 _ => {}
+            }
+            if let Some(preference) = self
+                .settings
+                .session_headers
+                .iter()
+                .position(|h| *h == name)
+            {
+                if value.len() > MAX_SESSION_ID_BYTES {
+                    self.header_error.get_or_insert_with(|| {
+                        format!("session id ({name}) longer than {MAX_SESSION_ID_BYTES} bytes")
+                    });
+                } else if !value.is_empty() && session.as_ref().is_none_or(|(p, _)| preference < *p)
+                {
+                    session = Some((preference, value.to_string()));
+                }
             }
             self.header_names.push(name);
         }
+        self.session_id = session.map(|(_, id)| id);
         if self.core.config().allow_pins {
             self.read_pin(worker_pin, rank_pin);
         }
@@ -336,6 +348,7 @@ impl StreamMachine {
             fallbacks: self.settings.fallbacks,
             temperature: None,
             priority: self.priority,
+            session_id: self.session_id.clone(),
             on_duplicate: DuplicateId::Suffix,
         };
         let reservation = match self.core.select_and_reserve(&request) {
@@ -440,6 +453,14 @@ impl StreamMachine {
         if let (Some(served), Some(reservation)) = (&self.served_endpoint, &self.reservation) {
             if let Ok(addr) = served.parse() {
                 reservation.served_by(addr);
+            }
+        }
+        if let (Some(id), Some(r)) = (&self.session_id, &self.reservation) {
+            if matches!(
+                r.selection().session,
+                Some(SessionOutcome::Created | SessionOutcome::Reused)
+            ) {
+                set.push(set_header("x-dynamo-session-id", id));
             }
         }
         if self.settings.conformance_test_mode {

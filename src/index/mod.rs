@@ -9,7 +9,7 @@
 pub mod hash;
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::Instant;
+use tokio::time::Instant;
 
 use crate::selection::RankKey;
 

@@ -9,11 +9,14 @@
 mod decide;
 mod partition;
 pub mod reconcile;
+pub mod session;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use dashmap::DashMap;
 use parking_lot::{Mutex, RwLock};
@@ -22,6 +25,7 @@ use tokio::sync::watch;
 pub use decide::{cost, decide, overlap_score, Candidate, CostParams, Decision};
 pub use partition::PartitionKey;
 use partition::{Partition, SelectOutcome};
+pub use session::{AffinityMode, SessionConfig, SessionOutcome};
 
 use crate::catalog::{RankEndpoint, WorkerSpec};
 use crate::index::TierDepths;
@@ -146,6 +150,8 @@ pub struct SelectionRequest {
     pub temperature: Option<f64>,
     /// Negative = sheddable.
     pub priority: i32,
+    /// Session for affinity (at most 256 bytes; hosts reject longer ids).
+    pub session_id: Option<String>,
     pub on_duplicate: DuplicateId,
 }
 
@@ -171,6 +177,8 @@ pub struct Selection {
     pub prompt_blocks: u32,
     pub prompt_tokens: u64,
     pub cost: f64,
+    /// What session affinity did, when the request had a session id.
+    pub session: Option<SessionOutcome>,
 }
 
 /// Why a pick failed; maps to an HTTP status (and a gRPC code on the API).
@@ -271,6 +279,7 @@ pub struct CoreConfig {
     pub index_max_blocks: usize,
     /// Keep a trace of the last N decisions (differential tests, debugging); 0 = off.
     pub trace_decisions: usize,
+    pub sessions: SessionConfig,
 }
 
 impl Default for CoreConfig {
@@ -286,6 +295,7 @@ impl Default for CoreConfig {
             kv_events: false,
             index_max_blocks: 1 << 20,
             trace_decisions: 0,
+            sessions: SessionConfig::default(),
         }
     }
 }
@@ -687,7 +697,12 @@ impl SelectionCore {
         let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
         let mut reaped = 0;
         for p in partitions {
-            for id in p.reap(now, self.config.booking_ttl, &self.metrics) {
+            for id in p.reap(
+                now,
+                self.config.booking_ttl,
+                self.config.sessions.ttl,
+                &self.metrics,
+            ) {
                 self.bookings.remove(&id);
                 reaped += 1;
             }

@@ -6,12 +6,15 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+use super::session::{AffinityMode, Invalidation, SessionOutcome, SessionTable};
 use super::{
     decide, BusyThresholds, Candidate, CoreConfig, Lifecycle, PickedRank, PromptInput, RankKey,
     RankLoad, SelectError, Selection, SelectionRequest, WorkerRecord, DEFAULT_BLOCK_SIZE,
@@ -43,6 +46,8 @@ struct Booking {
     decode_blocks: u64,
     prefill_complete: bool,
     created: Instant,
+    /// The session whose lease this booking holds.
+    session: Option<String>,
 }
 
 /// The partition's ranks: a vector sorted by `RankKey` (the hot path walks it by index, in the
@@ -120,6 +125,7 @@ struct State {
     ranks: RankTable,
     index: PrefixIndex,
     bookings: HashMap<String, Booking>,
+    sessions: SessionTable,
     rng: StdRng,
 }
 
@@ -209,6 +215,7 @@ impl Partition {
                 ranks: RankTable::default(),
                 index: PrefixIndex::new(config.index_max_blocks),
                 bookings: HashMap::new(),
+                sessions: SessionTable::default(),
                 rng,
             }),
         }
@@ -337,14 +344,19 @@ impl Partition {
         let Some(slot) = state.ranks.remove(&key) else {
             return;
         };
+        let mut leases = Vec::new();
         state.bookings.retain(|id, b| {
             if b.rank == key {
                 dropped.push(id.clone());
+                leases.extend(b.session.take());
                 false
             } else {
                 true
             }
         });
+        for sid in leases {
+            state.sessions.release(&sid, Instant::now());
+        }
         metrics.inflight_total.sub(slot.load.active_requests as i64);
         let labels = [slot.worker_name.as_str(), &key.dp_rank.to_string()];
         let _ = metrics.inflight.remove_label_values(&labels);
@@ -385,20 +397,50 @@ impl Partition {
         let block_size = self.block_size.load(Ordering::Relaxed);
         let prompt = prompt_blocks(&request.prompt, block_size, self.seed_for(request));
         let now = Instant::now();
+        let mutating = booking_id.is_some();
         let mut guard = self.state.lock();
         let state = &mut *guard;
+        let adapter = request.model.as_deref().filter(|m| *m != self.key.model);
+        let in_subset = |s: &Slot| {
+            request
+                .subset
+                .as_ref()
+                .is_none_or(|f| f.matches(&s.endpoint))
+        };
+        let has_adapter = |s: &Slot| adapter.is_none_or(|a| s.lora_adapters.iter().any(|l| l == a));
 
+        // 0. Session binding: still valid for this request?
+        let sessions_cfg = &config.sessions;
+        let session_id = request.session_id.as_deref();
+        let mut bound: Option<RankKey> = None;
+        if let Some(sid) = session_id {
+            let lookup = state.sessions.bound_rank(sid, now, sessions_cfg.ttl);
+            if lookup.expired {
+                metrics.sessions_live.dec();
+                metrics.session_events.with_label_values(&["expired"]).inc();
+            }
+            if let Some(rank) = lookup.rank {
+                let invalid = match state.ranks.get(&rank) {
+                    None => Some(Invalidation::Gone),
+                    Some(s) if !s.schedulable => Some(Invalidation::Unschedulable),
+                    Some(s) if !in_subset(s) => Some(Invalidation::OutsideSubset),
+                    Some(s) if !has_adapter(s) => Some(Invalidation::Adapter),
+                    Some(_) => None,
+                };
+                match invalid {
+                    None => bound = Some(rank),
+                    Some(reason) if mutating => {
+                        Self::invalidate_session(state, sid, reason, metrics);
+                    }
+                    Some(_) => {}
+                }
+            }
+        }
         let slots = &state.ranks.slots;
+
         // 1. Subset hint / allowed set. `eligible` holds positions in `slots`, in rank order.
         let mut eligible: Vec<usize> = (0..slots.len())
-            .filter(|&i| {
-                let s = &slots[i].1;
-                s.schedulable
-                    && request
-                        .subset
-                        .as_ref()
-                        .is_none_or(|f| f.matches(&s.endpoint))
-            })
+            .filter(|&i| slots[i].1.schedulable && in_subset(&slots[i].1))
             .collect();
         if eligible.is_empty() {
             return Err(SelectError::Unavailable(if request.subset.is_some() {
@@ -410,9 +452,9 @@ impl Partition {
                 )
             }));
         }
-        // 2. Pin, which must be inside the allowed set.
-        let pinned = config.allow_pins && request.pin.is_some();
-        if let (true, Some(pin)) = (config.allow_pins, request.pin) {
+        // 2. Pin, which must be inside the allowed set and agree with a hard binding.
+        let pin = request.pin.filter(|_| config.allow_pins);
+        if let Some(pin) = pin {
             let ranks: Vec<RankKey> = slots
                 .iter()
                 .filter(|(k, s)| k.worker_id == pin.worker_id && s.schedulable)
@@ -432,10 +474,19 @@ impl Partition {
                     )));
                 }
             }
-            eligible.retain(|&i| {
-                let k = slots[i].0;
+            let pin_matches = |k: &RankKey| {
                 k.worker_id == pin.worker_id && pin.dp_rank.is_none_or(|r| r == k.dp_rank)
-            });
+            };
+            if let Some(b) = bound.filter(|b| !pin_matches(b)) {
+                if sessions_cfg.mode == AffinityMode::Hard {
+                    return Err(SelectError::BadRequest(format!(
+                        "pin to worker {} contradicts the session's binding to worker {} rank {}",
+                        pin.worker_id, b.worker_id, b.dp_rank
+                    )));
+                }
+                bound = None;
+            }
+            eligible.retain(|&i| pin_matches(&slots[i].0));
             if eligible.is_empty() {
                 return Err(SelectError::Unavailable(
                     "pinned worker is outside the allowed endpoints".into(),
@@ -443,8 +494,8 @@ impl Partition {
             }
         }
         // 3. LoRA narrowing: a request for an adapter goes where the adapter is loaded.
-        if let Some(model) = request.model.as_deref().filter(|m| *m != self.key.model) {
-            eligible.retain(|&i| slots[i].1.lora_adapters.iter().any(|a| a == model));
+        if let Some(model) = adapter {
+            eligible.retain(|&i| has_adapter(&slots[i].1));
             if eligible.is_empty() {
                 return Err(SelectError::Unavailable(format!(
                     "no eligible worker has adapter {} loaded",
@@ -452,10 +503,13 @@ impl Partition {
                 )));
             }
         }
-        // 4. Busy thresholds.
-        eligible.retain(|&i| !is_busy(&slots[i].1.load, &config.busy));
+        // 4. Busy thresholds. A hard-bound rank keeps its session even when busy.
+        let hard_bound = bound.filter(|_| sessions_cfg.mode == AffinityMode::Hard);
+        eligible.retain(|&i| {
+            !is_busy(&slots[i].1.load, &config.busy) || Some(slots[i].0) == hard_bound
+        });
         if eligible.is_empty() {
-            return Err(SelectError::Overloaded(if pinned {
+            return Err(SelectError::Overloaded(if pin.is_some() {
                 "pinned worker is over its busy threshold".into()
             } else {
                 "all eligible workers are over their busy thresholds".into()
@@ -492,7 +546,7 @@ impl Partition {
         let temperature = request
             .temperature
             .unwrap_or(config.cost.router_temperature);
-        let decision = decide(
+        let mut decision = decide(
             &candidates,
             prompt.tokens,
             block_size,
@@ -502,6 +556,29 @@ impl Partition {
             1 + request.fallbacks.saturating_mul(8),
             &mut state.rng,
         );
+        // 5. Affinity: hard keeps the bound rank; soft keeps it while it is not busy and its cost
+        // is within the margin of the best.
+        let mut session_outcome = None;
+        let mut overridden = false;
+        if let Some(b) = bound {
+            let position = candidates.iter().position(|c| c.key == b);
+            let keep = match (sessions_cfg.mode, position) {
+                (AffinityMode::Hard, Some(_)) => true,
+                (AffinityMode::Soft, Some(p)) => {
+                    decision.costs[p]
+                        <= decision.costs[decision.ranking[0]] + sessions_cfg.soft_margin_blocks
+                }
+                (_, None) => false,
+            };
+            match (keep, position) {
+                (true, Some(p)) => {
+                    decision.ranking.retain(|&i| i != p);
+                    decision.ranking.insert(0, p);
+                    session_outcome = Some(SessionOutcome::Reused);
+                }
+                _ => overridden = true,
+            }
+        }
         let best = decision.ranking[0];
         let primary_key = candidates[best].key;
         let picked = |candidate: usize| {
@@ -539,18 +616,39 @@ impl Partition {
         } else {
             String::new()
         };
-        let selection = Selection {
-            booking_id: booking_id.unwrap_or_default().to_string(),
-            partition: self.key.clone(),
-            primary,
-            fallbacks,
-            overlap_blocks: overlap.gpu,
-            prompt_blocks: prompt_block_count,
-            prompt_tokens: prompt.tokens,
-            cost: decision.costs[best],
-        };
+        let cost = decision.costs[best];
 
-        if let Some(id) = booking_id {
+        if let (Some(id), true) = (booking_id, mutating) {
+            // Session bookkeeping happens with the booking, in the same critical section.
+            let mut leased_session = None;
+            if let Some(sid) = session_id {
+                if overridden {
+                    Self::invalidate_session(state, sid, Invalidation::SoftOverride, metrics);
+                }
+                let outcome = match session_outcome {
+                    Some(reused) => reused,
+                    None if state.sessions.bind(
+                        sid,
+                        primary_key,
+                        now,
+                        sessions_cfg.max_entries,
+                    ) =>
+                    {
+                        metrics.sessions_live.inc();
+                        SessionOutcome::Created
+                    }
+                    None => SessionOutcome::TableFull,
+                };
+                metrics
+                    .session_events
+                    .with_label_values(&[outcome.as_str()])
+                    .inc();
+                if outcome != SessionOutcome::TableFull {
+                    state.sessions.acquire(sid);
+                    leased_session = Some(sid.to_string());
+                }
+                session_outcome = Some(outcome);
+            }
             let cached_tokens = (overlap.gpu as u64 * block_size as u64).min(prompt.tokens);
             let booking = Booking {
                 rank: primary_key,
@@ -558,6 +656,7 @@ impl Partition {
                 decode_blocks: prompt.tokens.div_ceil(block_size as u64),
                 prefill_complete: false,
                 created: now,
+                session: leased_session,
             };
             let slot = state.ranks.get_mut(&primary_key).expect("candidate exists");
             slot.load.active_prefill_tokens += booking.prefill_tokens;
@@ -586,10 +685,41 @@ impl Partition {
                     .observe(overlap.gpu as f64 / prompt_block_count as f64);
             }
         }
+        let selection = Selection {
+            booking_id: booking_id.unwrap_or_default().to_string(),
+            partition: self.key.clone(),
+            primary,
+            fallbacks,
+            overlap_blocks: overlap.gpu,
+            prompt_blocks: prompt_block_count,
+            prompt_tokens: prompt.tokens,
+            cost,
+            session: session_outcome,
+        };
         Ok(SelectOutcome { selection, trace })
     }
 
+    fn invalidate_session(state: &mut State, sid: &str, reason: Invalidation, metrics: &Metrics) {
+        if state.sessions.invalidate(sid).is_some() {
+            metrics.sessions_live.dec();
+            metrics
+                .session_invalidated
+                .with_label_values(&[reason.as_str()])
+                .inc();
+            // In-flight requests of the session keep their bookings; their leases were on the
+            // old binding, which is gone, so the new binding starts without them.
+            for booking in state.bookings.values_mut() {
+                if booking.session.as_deref() == Some(sid) {
+                    booking.session = None;
+                }
+            }
+        }
+    }
+
     fn release(state: &mut State, booking: &Booking, metrics: &Metrics) {
+        if let Some(sid) = &booking.session {
+            state.sessions.release(sid, Instant::now());
+        }
         if let Some(slot) = state.ranks.get_mut(&booking.rank) {
             if !booking.prefill_complete {
                 slot.load.active_prefill_tokens = slot
@@ -677,7 +807,13 @@ impl Partition {
     }
 
     /// Reaps bookings older than `ttl` (returned) and purges expired index entries.
-    pub fn reap(&self, now: Instant, ttl: Duration, metrics: &Metrics) -> Vec<String> {
+    pub fn reap(
+        &self,
+        now: Instant,
+        ttl: Duration,
+        ttl_sessions: Duration,
+        metrics: &Metrics,
+    ) -> Vec<String> {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         let expired: Vec<String> = state
@@ -691,6 +827,12 @@ impl Partition {
             Self::release(state, &booking, metrics);
         }
         state.index.purge_expired(now);
+        let idle = state.sessions.reap(now, ttl_sessions);
+        metrics.sessions_live.sub(idle as i64);
+        metrics
+            .session_events
+            .with_label_values(&["expired"])
+            .inc_by(idle as u64);
         metrics
             .index_blocks
             .with_label_values(&[&self.key.model, &self.key.routing_group])

@@ -2,6 +2,7 @@ use super::*;
 use crate::catalog::RankLayout;
 use crate::index::hash::{prompt_hashes, BASE_SEED};
 use crate::index::Tier;
+use std::collections::HashMap;
 
 fn spec(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
     WorkerSpec {
@@ -612,4 +613,301 @@ fn clip_keeps_messages_short() {
     let long = "é".repeat(200);
     assert!(clip(&long).len() <= 131);
     assert_eq!(clip("short"), "short");
+}
+
+fn session_request(id: &str, session: &str, tokens: Vec<u32>) -> SelectionRequest {
+    SelectionRequest {
+        request_id: id.into(),
+        model: Some("m".into()),
+        session_id: Some(session.into()),
+        prompt: PromptInput::Tokens(tokens),
+        ..Default::default()
+    }
+}
+
+fn session_core(sessions: SessionConfig, busy: BusyThresholds) -> Arc<SelectionCore> {
+    let core = core_with(CoreConfig {
+        sessions,
+        busy,
+        allow_pins: true,
+        ..Default::default()
+    });
+    core.apply_snapshot(vec![
+        spec("a", "m", ports(&[1, 2])),
+        spec("b", "m", ports(&[3, 4])),
+    ])
+    .unwrap();
+    core
+}
+
+fn events(core: &SelectionCore, event: &str) -> u64 {
+    core.metrics()
+        .session_events
+        .with_label_values(&[event])
+        .get()
+}
+
+#[test]
+fn hard_sessions_stick_even_against_load_and_cache() {
+    let core = session_core(SessionConfig::default(), BusyThresholds::default());
+    let first = core
+        .select_and_reserve(&session_request("t0", "s1", vec![1; 64]))
+        .unwrap();
+    let home = first.selection().primary.key;
+    assert_eq!(first.selection().session, Some(SessionOutcome::Created));
+    // Load the home rank heavily and warm another rank with the next prompt: still home.
+    let mut held = vec![first];
+    for turn in 1..20 {
+        let pick = core
+            .select_and_reserve(&session_request(&format!("t{turn}"), "s1", vec![turn; 64]))
+            .unwrap();
+        assert_eq!(pick.selection().primary.key, home, "turn {turn}");
+        assert_eq!(pick.selection().session, Some(SessionOutcome::Reused));
+        held.push(pick);
+    }
+    assert_eq!(events(&core, "created"), 1);
+    assert_eq!(events(&core, "reused"), 19);
+    assert_eq!(core.metrics().sessions_live.get(), 1);
+}
+
+#[test]
+fn concurrent_first_requests_converge_on_one_rank() {
+    let core = session_core(SessionConfig::default(), BusyThresholds::default());
+    let picks: Vec<RankKey> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..50)
+            .map(|i| {
+                let core = Arc::clone(&core);
+                scope.spawn(move || {
+                    core.select_and_reserve(&session_request(
+                        &format!("c{i}"),
+                        "burst",
+                        vec![i; 32],
+                    ))
+                    .unwrap()
+                    .detach()
+                    .primary
+                    .key
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(picks.iter().all(|k| *k == picks[0]), "{picks:?}");
+    assert_eq!(events(&core, "created"), 1);
+}
+
+#[test]
+fn removed_rank_moves_its_sessions_once_and_they_stick() {
+    let core = session_core(SessionConfig::default(), BusyThresholds::default());
+    let mut homes = HashMap::new();
+    for s in 0..40 {
+        let sid = format!("s{s}");
+        let k = core
+            .select_and_reserve(&session_request(&format!("{sid}-0"), &sid, vec![s; 16]))
+            .unwrap()
+            .selection()
+            .primary
+            .key;
+        homes.insert(sid, k);
+    }
+    let a = rank_of(&core, "a", 0);
+    let on_a: Vec<String> = homes
+        .iter()
+        .filter(|(_, k)| k.worker_id == a.worker_id)
+        .map(|(s, _)| s.clone())
+        .collect();
+    assert!(!on_a.is_empty());
+    core.apply_snapshot(vec![spec("b", "m", ports(&[3, 4]))])
+        .unwrap();
+    for turn in 1..4 {
+        for (sid, old) in &homes {
+            let k = core
+                .select_and_reserve(&session_request(&format!("{sid}-{turn}"), sid, vec![7; 16]))
+                .unwrap()
+                .selection()
+                .primary
+                .key;
+            assert_ne!(k.worker_id, a.worker_id);
+            if old.worker_id != a.worker_id {
+                assert_eq!(k, *old, "sessions on surviving ranks do not move");
+            }
+        }
+    }
+    let invalidated = core
+        .metrics()
+        .session_invalidated
+        .with_label_values(&["gone"])
+        .get();
+    assert_eq!(
+        invalidated as usize,
+        on_a.len(),
+        "each moved session moved exactly once"
+    );
+}
+
+#[test]
+fn subset_pins_and_full_tables() {
+    let core = session_core(
+        SessionConfig {
+            max_entries: 2,
+            ..Default::default()
+        },
+        BusyThresholds::default(),
+    );
+    let home = core
+        .select_and_reserve(&session_request("p0", "s", vec![1; 16]))
+        .unwrap()
+        .detach()
+        .primary;
+    // A pin that contradicts the hard binding -> 400.
+    let other = core
+        .list_workers(None)
+        .into_iter()
+        .find(|w| w.record.id != home.key.worker_id)
+        .unwrap()
+        .record
+        .id;
+    let mut pinned = session_request("p1", "s", vec![1; 16]);
+    pinned.pin = Some(Pin {
+        worker_id: other,
+        dp_rank: None,
+    });
+    assert_eq!(
+        core.select_and_reserve(&pinned)
+            .err()
+            .unwrap()
+            .http_status(),
+        400
+    );
+    // Outside the subset hint -> invalidated and rebound inside it.
+    let mut hinted = session_request("p2", "s", vec![1; 16]);
+    let elsewhere = if home.endpoint.port() == 1 {
+        "127.0.0.1:4"
+    } else {
+        "127.0.0.1:1"
+    };
+    hinted.subset = Some(EndpointFilter::parse([elsewhere]));
+    let moved = core.select_and_reserve(&hinted).unwrap().detach();
+    assert_eq!(moved.primary.endpoint.to_string(), elsewhere);
+    assert_eq!(
+        core.metrics()
+            .session_invalidated
+            .with_label_values(&["outside_subset"])
+            .get(),
+        1
+    );
+    let again = core
+        .select_and_reserve(&session_request("p3", "s", vec![1; 16]))
+        .unwrap()
+        .detach();
+    assert_eq!(
+        again.primary.endpoint.to_string(),
+        elsewhere,
+        "sticks to the new rank"
+    );
+    // Table of 2: the third session is routed without affinity, and counted.
+    core.select_and_reserve(&session_request("q0", "s2", vec![2; 16]))
+        .unwrap()
+        .detach();
+    let third = core
+        .select_and_reserve(&session_request("q1", "s3", vec![3; 16]))
+        .unwrap()
+        .detach();
+    assert_eq!(third.session, Some(SessionOutcome::TableFull));
+    assert_eq!(events(&core, "table_full"), 1);
+    // Partitions do not share sessions: the same id in another model is a new session.
+    core.apply_snapshot(vec![
+        spec("a", "m", ports(&[1, 2])),
+        spec("b", "m", ports(&[3, 4])),
+        spec("c", "m2", ports(&[5])),
+    ])
+    .unwrap();
+    let mut other_model = session_request("x", "s", vec![1; 16]);
+    other_model.model = Some("m2".into());
+    assert_eq!(
+        core.select_and_reserve(&other_model)
+            .unwrap()
+            .selection()
+            .session,
+        Some(SessionOutcome::Created)
+    );
+}
+
+#[test]
+fn soft_sessions_yield_to_overload() {
+    let core = session_core(
+        SessionConfig {
+            mode: AffinityMode::Soft,
+            soft_margin_blocks: 4.0,
+            ..Default::default()
+        },
+        BusyThresholds::default(),
+    );
+    let home = core
+        .select_and_reserve(&session_request("s0", "soft", vec![1; 16]))
+        .unwrap()
+        .detach()
+        .primary
+        .key;
+    // Within the margin: stays.
+    let pick = core
+        .select_and_reserve(&session_request("s1", "soft", vec![2; 16]))
+        .unwrap()
+        .detach();
+    assert_eq!(pick.primary.key, home);
+    // Pile 10 blocks onto home: its cost exceeds the best by more than 4 blocks -> moves once.
+    for i in 0..10u32 {
+        let mut r = request(&format!("load{i}"), Some("m"));
+        r.pin = Some(Pin {
+            worker_id: home.worker_id,
+            dp_rank: Some(home.dp_rank),
+        });
+        r.prompt = PromptInput::Tokens(vec![100 + i; 16]);
+        core.select_and_reserve(&r).unwrap().detach();
+    }
+    let moved = core
+        .select_and_reserve(&session_request("s2", "soft", vec![3; 16]))
+        .unwrap()
+        .detach();
+    assert_ne!(moved.primary.key, home);
+    assert_eq!(
+        core.metrics()
+            .session_invalidated
+            .with_label_values(&["soft_override"])
+            .get(),
+        1
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn session_ttl_expiry_frees_entries() {
+    let core = session_core(
+        SessionConfig {
+            ttl: Duration::from_secs(30),
+            ..Default::default()
+        },
+        BusyThresholds::default(),
+    );
+    let held = core
+        .select_and_reserve(&session_request("e0", "ttl", vec![1; 16]))
+        .unwrap();
+    tokio::time::advance(Duration::from_secs(120)).await;
+    core.reap_expired(Instant::now());
+    assert_eq!(
+        core.metrics().sessions_live.get(),
+        1,
+        "a leased session never expires"
+    );
+    drop(held);
+    tokio::time::advance(Duration::from_secs(29)).await;
+    core.reap_expired(Instant::now());
+    assert_eq!(core.metrics().sessions_live.get(), 1);
+    tokio::time::advance(Duration::from_secs(1)).await;
+    core.reap_expired(Instant::now());
+    assert_eq!(core.metrics().sessions_live.get(), 0);
+    assert_eq!(events(&core, "expired"), 1);
+    let next = core
+        .select_and_reserve(&session_request("e1", "ttl", vec![1; 16]))
+        .unwrap();
+    assert_eq!(next.selection().session, Some(SessionOutcome::Created));
 }
