@@ -29,6 +29,8 @@ struct Fixture {
     core: Arc<SelectionCore>,
     hashes_request: SelectionRequest,
     tokens_request: SelectionRequest,
+    /// The hashes request with a session already bound (hard affinity).
+    session_request: SelectionRequest,
 }
 
 fn fixture(ranks: usize) -> Fixture {
@@ -101,14 +103,22 @@ fn fixture(ranks: usize) -> Fixture {
         model: Some("m".into()),
         ..Default::default()
     };
-    Fixture {
-        hashes_request: SelectionRequest {
-            prompt: PromptInput::BlockHashes {
-                seq_hashes: prompt,
-                prompt_tokens: PROMPT_TOKENS as u64,
-            },
-            ..base.clone()
+    let hashes_request = SelectionRequest {
+        prompt: PromptInput::BlockHashes {
+            seq_hashes: prompt,
+            prompt_tokens: PROMPT_TOKENS as u64,
         },
+        ..base.clone()
+    };
+    let session_request = SelectionRequest {
+        request_id: "bind".into(),
+        session_id: Some("bench-session".into()),
+        ..hashes_request.clone()
+    };
+    core.select_and_reserve(&session_request).unwrap().detach();
+    Fixture {
+        hashes_request,
+        session_request,
         tokens_request: SelectionRequest {
             prompt: PromptInput::Tokens(tokens),
             ..base
@@ -136,6 +146,11 @@ fn main() {
         for (n, f) in &fixtures {
             let pick = f.core.select(&f.hashes_request).unwrap();
             assert!(pick.overlap_blocks >= 8, "{n} ranks: warm prefix found");
+            let bound = f.core.select(&f.session_request).unwrap();
+            assert_eq!(
+                bound.session,
+                Some(kvpick::selection::SessionOutcome::Reused)
+            );
         }
         println!("selection bench smoke: ok (run `cargo bench --bench selection` to measure)");
         return;
@@ -150,22 +165,27 @@ fn main() {
             group.bench_with_input(BenchmarkId::new("with_hashing", n), f, |b, f| {
                 b.iter(|| f.core.select(&f.tokens_request).unwrap())
             });
+            group.bench_with_input(BenchmarkId::new("bound_session", n), f, |b, f| {
+                b.iter(|| f.core.select(&f.session_request).unwrap())
+            });
         }
         group.finish();
     }
     c.final_summary();
 
     let mut rows = Vec::new();
-    println!("\n| ranks | p50 µs (hashes) | p99 µs (hashes) | p50 µs (with hashing) | p99 µs (with hashing) |");
-    println!("|---|---|---|---|---|");
+    println!("\n| ranks | p50 µs (hashes) | p99 µs (hashes) | p50 µs (with hashing) | p99 µs (with hashing) | p50 µs (bound session) | p99 µs (bound session) |");
+    println!("|---|---|---|---|---|---|---|");
     for (n, f) in &fixtures {
         let iterations = if *n >= 1024 { 2_000 } else { 20_000 };
         let (p50, p99) = percentiles(f, &f.hashes_request, iterations);
         let (hp50, hp99) = percentiles(f, &f.tokens_request, iterations);
-        println!("| {n} | {p50:.1} | {p99:.1} | {hp50:.1} | {hp99:.1} |");
+        let (sp50, sp99) = percentiles(f, &f.session_request, iterations);
+        println!("| {n} | {p50:.1} | {p99:.1} | {hp50:.1} | {hp99:.1} | {sp50:.1} | {sp99:.1} |");
         rows.push(serde_json::json!({
             "ranks": n, "p50_us": p50, "p99_us": p99,
             "with_hashing_p50_us": hp50, "with_hashing_p99_us": hp99,
+            "bound_session_p50_us": sp50, "bound_session_p99_us": sp99,
         }));
     }
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-selection.json");

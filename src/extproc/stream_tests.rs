@@ -580,3 +580,106 @@ fn served_endpoint_metadata_moves_booking_and_conformance_echo() {
         .collect();
     assert_eq!(loads, vec![0, 1], "booking moved to the served endpoint");
 }
+
+fn response_session_header(step: &Step) -> Option<String> {
+    let R::ResponseHeaders(h) = step.responses[0].response.as_ref().unwrap() else {
+        panic!("not response headers")
+    };
+    h.response
+        .as_ref()
+        .and_then(|c| c.header_mutation.as_ref())
+        .and_then(|m| set_value(m, "x-dynamo-session-id"))
+}
+
+fn session_turn(core: &Arc<SelectionCore>, extra: &[(&str, &str)]) -> (String, Option<String>) {
+    let mut pairs = vec![(":method", "POST"), ("content-type", "application/json")];
+    pairs.extend_from_slice(extra);
+    let mut m = StreamMachine::new(Arc::clone(core), Arc::new(ExtProcSettings::default()));
+    m.handle(headers(&pairs, false)).unwrap();
+    let step = m.handle(body(CHAT, true)).unwrap();
+    let dest = set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).unwrap();
+    let echoed = response_session_header(&m.handle(response_headers("application/json")).unwrap());
+    (dest, echoed)
+}
+
+#[test]
+fn session_headers_bind_echo_and_prefer_dynamo() {
+    let pool = vec![
+        worker("a", "m", RankLayout::PerPort(vec![8000, 8001])),
+        worker("b", "m", RankLayout::PerPort(vec![9000, 9001])),
+    ];
+    let (core, _) = setup(pool, ExtProcSettings::default());
+    let (home, echoed) = session_turn(&core, &[("x-session-id", "s1")]);
+    assert_eq!(echoed.as_deref(), Some("s1"));
+    for _ in 0..10 {
+        assert_eq!(session_turn(&core, &[("x-session-id", "s1")]).0, home);
+        // x-dynamo-session-id outranks the fallbacks.
+        let (dest, echoed) = session_turn(
+            &core,
+            &[
+                ("x-claude-code-session-id", "other"),
+                ("x-dynamo-session-id", "s1"),
+            ],
+        );
+        assert_eq!(dest, home);
+        assert_eq!(echoed.as_deref(), Some("s1"));
+    }
+    // No session: no echo.
+    assert_eq!(session_turn(&core, &[]).1, None);
+}
+
+#[test]
+fn overlong_session_id_is_400() {
+    let (_core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    let long = "s".repeat(257);
+    m.handle(headers(
+        &[(":method", "POST"), ("x-claude-code-session-id", &long)],
+        false,
+    ))
+    .unwrap();
+    let (code, msg) = immediate_status(&m.handle(body(CHAT, true)).unwrap());
+    assert_eq!(code, 400);
+    assert!(msg.contains("longer than 256 bytes"), "{msg}");
+    let (_core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    m.handle(headers(
+        &[
+            (":method", "POST"),
+            ("x-dynamo-session-id", &"s".repeat(256)),
+        ],
+        false,
+    ))
+    .unwrap();
+    assert!(!m.handle(body(CHAT, true)).unwrap().finished);
+}
+
+#[test]
+fn bad_pins_and_priorities_are_400() {
+    let core = SelectionCore::new(
+        CoreConfig {
+            allow_pins: true,
+            ..Default::default()
+        },
+        Metrics::new(),
+    );
+    core.apply_snapshot(default_pool()).unwrap();
+    for (pairs, text) in [
+        (
+            vec![("x-dynamo-dp-rank", "1")],
+            "needs x-dynamo-worker-instance-id",
+        ),
+        (
+            vec![("x-dynamo-worker-instance-id", "abc")],
+            "decimal worker id",
+        ),
+        (
+            vec![("x-dynamo-request-priority", "high")],
+            "must be an integer",
+        ),
+    ] {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
+        m.handle(headers(&pairs, false)).unwrap();
+        let (code, msg) = immediate_status(&m.handle(body(CHAT, true)).unwrap());
+        assert_eq!(code, 400, "{pairs:?}");
+        assert!(msg.contains(text), "{msg}");
+    }
+}
