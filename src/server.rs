@@ -123,6 +123,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "TOKENS", help_heading = "Scheduling")]
     pub active_prefill_tokens_threshold: Option<u64>,
 
+    /// Sheddable requests (negative `x-dynamo-request-priority`) see the busy thresholds scaled
+    /// by this, so they get 429 before critical requests do.
+    #[arg(
+        long,
+        default_value_t = 0.8,
+        value_name = "F",
+        help_heading = "Scheduling"
+    )]
+    pub sheddable_threshold_fraction: f64,
+
     /// Honour explicit pins (`x-dynamo-worker-instance-id` [+ `x-dynamo-dp-rank`]); off = ignored.
     #[arg(long, help_heading = "Scheduling")]
     pub allow_pins: bool,
@@ -264,6 +274,13 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         busy: BusyThresholds {
             active_decode_blocks: args.active_decode_blocks_threshold,
             active_prefill_tokens: args.active_prefill_tokens_threshold,
+            sheddable_fraction: {
+                let f = args.sheddable_threshold_fraction;
+                if !(f > 0.0 && f <= 1.0) {
+                    anyhow::bail!("--sheddable-threshold-fraction must be in (0, 1], got {f}");
+                }
+                f
+            },
         },
         allow_pins: args.allow_pins,
         sessions: {

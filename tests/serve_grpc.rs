@@ -210,3 +210,172 @@ fn bad_catalog_fails_start_up_with_a_clear_message() {
     assert!(stderr.contains("missing `ports`"), "{stderr}");
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[tokio::test]
+async fn every_selection_rpc_over_the_wire() {
+    use kvpick::proto::{DeleteWorkerRequest, LoadsRequest, WorkerSpec};
+    let serve =
+        start("workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001]}\n");
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+    let mut api = SelectionClient::connect(format!("http://127.0.0.1:{}", serve.grpc))
+        .await
+        .unwrap();
+    let prompt: Vec<u32> = (0..64).collect();
+    let request = |id: &str| SelectRequest {
+        request_id: id.into(),
+        model: "m".into(),
+        token_ids: prompt.clone(),
+        ..Default::default()
+    };
+    let active = |workers: &[kvpick::proto::Worker]| -> Vec<(u64, u64)> {
+        workers[0]
+            .ranks
+            .iter()
+            .map(|r| (r.active_requests, r.active_prefill_tokens))
+            .collect()
+    };
+
+    // Select books nothing.
+    let query = api.select(request("q")).await.unwrap().into_inner();
+    assert_eq!(query.prompt_blocks, 4);
+    let loads = api
+        .loads(LoadsRequest {
+            model: "m".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(active(&loads.workers), vec![(0, 0), (0, 0)]);
+
+    // SelectAndReserve books prefill + decode; PrefillComplete releases the prefill part.
+    let pick = api
+        .select_and_reserve(request("r1"))
+        .await
+        .unwrap()
+        .into_inner();
+    let rank = pick.primary.as_ref().unwrap().dp_rank as usize;
+    let loads = api
+        .loads(LoadsRequest {
+            model: "m".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(active(&loads.workers)[rank], (1, 64));
+    assert_eq!(loads.workers[0].ranks[rank].active_decode_blocks, 4);
+    assert!(
+        api.prefill_complete(BookingRef {
+            request_id: "r1".into()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .found
+    );
+    let loads = api
+        .loads(LoadsRequest {
+            model: "m".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(active(&loads.workers)[rank], (1, 0));
+
+    // The routed prompt is now cached on the picked rank (approximate mode).
+    let scores = api.overlap_scores(request("o")).await.unwrap().into_inner();
+    assert_eq!(scores.prompt_blocks, 4);
+    let cached: Vec<(u32, u32)> = scores
+        .scores
+        .iter()
+        .map(|s| (s.rank.as_ref().unwrap().dp_rank, s.gpu_blocks))
+        .collect();
+    assert!(cached.contains(&(rank as u32, 4)), "{cached:?}");
+    assert!(cached.contains(&(1 - rank as u32, 0)), "{cached:?}");
+
+    // UpsertWorker / DeleteWorker manage the "api" source beside the file.
+    let bad = api
+        .upsert_worker(WorkerSpec {
+            name: "x".into(),
+            model: "m".into(),
+            address: "not-an-ip".into(),
+            port: 9000,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(bad.message().contains("IP address"), "{}", bad.message());
+    let ack = api
+        .upsert_worker(WorkerSpec {
+            name: "x".into(),
+            model: "m".into(),
+            address: "127.0.0.1".into(),
+            port: 9000,
+            data_parallel_size: 2,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let workers = api
+        .list_workers(ListWorkersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    let x = workers.iter().find(|w| w.name == "x").unwrap();
+    assert_eq!(
+        (x.worker_id, x.namespace.as_str(), x.ranks.len()),
+        (ack.worker_id, "api", 2)
+    );
+    assert!(
+        api.delete_worker(DeleteWorkerRequest { name: "x".into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .found
+    );
+    assert!(
+        !api.delete_worker(DeleteWorkerRequest { name: "x".into() })
+            .await
+            .unwrap()
+            .into_inner()
+            .found
+    );
+    let workers = api
+        .list_workers(ListWorkersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers;
+    assert_eq!(workers.len(), 1);
+
+    // Error codes follow the HTTP table.
+    let missing = api
+        .select(SelectRequest {
+            model: String::new(),
+            ..request("e")
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(missing.code(), tonic::Code::InvalidArgument);
+    let unknown = api
+        .select(SelectRequest {
+            model: "nope".into(),
+            ..request("e")
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(unknown.code(), tonic::Code::Unavailable);
+    let long_session = api
+        .select(SelectRequest {
+            session_id: "s".repeat(257),
+            ..request("e")
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(long_session.code(), tonic::Code::InvalidArgument);
+}

@@ -253,10 +253,23 @@ pub struct WorkerView {
 }
 
 /// Busy thresholds (DESIGN §5); a rank at or over either is not eligible.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct BusyThresholds {
     pub active_decode_blocks: Option<u64>,
     pub active_prefill_tokens: Option<u64>,
+    /// Sheddable requests (priority < 0) see the thresholds scaled by this (0..1], so they are
+    /// refused with 429 before critical requests are.
+    pub sheddable_fraction: f64,
+}
+
+impl Default for BusyThresholds {
+    fn default() -> Self {
+        BusyThresholds {
+            active_decode_blocks: None,
+            active_prefill_tokens: None,
+            sheddable_fraction: 0.8,
+        }
+    }
 }
 
 /// Core settings that are not per request.

@@ -188,12 +188,15 @@ fn prompt_blocks(prompt: &PromptInput, block_size: u32, seed: u64) -> PromptBloc
     }
 }
 
-fn is_busy(load: &RankLoad, busy: &BusyThresholds) -> bool {
+/// Whether a rank is at or over a busy threshold, each scaled by `fraction` (sheddable requests
+/// see lower thresholds, so they are shed before critical ones).
+fn is_busy(load: &RankLoad, busy: &BusyThresholds, fraction: f64) -> bool {
+    let over = |value: u64, threshold: u64| value as f64 >= threshold as f64 * fraction;
     busy.active_decode_blocks
-        .is_some_and(|t| load.active_decode_blocks >= t)
+        .is_some_and(|t| over(load.active_decode_blocks, t))
         || busy
             .active_prefill_tokens
-            .is_some_and(|t| load.active_prefill_tokens >= t)
+            .is_some_and(|t| over(load.active_prefill_tokens, t))
 }
 
 impl Partition {
@@ -505,12 +508,21 @@ impl Partition {
         }
         // 4. Busy thresholds. A hard-bound rank keeps its session even when busy.
         let hard_bound = bound.filter(|_| sessions_cfg.mode == AffinityMode::Hard);
+        let sheddable = request.priority < 0;
+        let busy_fraction = if sheddable {
+            config.busy.sheddable_fraction
+        } else {
+            1.0
+        };
         eligible.retain(|&i| {
-            !is_busy(&slots[i].1.load, &config.busy) || Some(slots[i].0) == hard_bound
+            !is_busy(&slots[i].1.load, &config.busy, busy_fraction)
+                || Some(slots[i].0) == hard_bound
         });
         if eligible.is_empty() {
             return Err(SelectError::Overloaded(if pin.is_some() {
                 "pinned worker is over its busy threshold".into()
+            } else if sheddable {
+                "sheddable request shed: every eligible worker is near its busy threshold".into()
             } else {
                 "all eligible workers are over their busy thresholds".into()
             }));

@@ -233,6 +233,7 @@ fn eligibility_order_pins_lora_and_busy_thresholds() {
         busy: BusyThresholds {
             active_decode_blocks: Some(2),
             active_prefill_tokens: None,
+            ..Default::default()
         },
         ..Default::default()
     });
@@ -910,4 +911,27 @@ async fn session_ttl_expiry_frees_entries() {
         .select_and_reserve(&session_request("e1", "ttl", vec![1; 16]))
         .unwrap();
     assert_eq!(next.selection().session, Some(SessionOutcome::Created));
+}
+
+#[test]
+fn sheddable_requests_are_shed_before_critical_ones() {
+    let core = core_with(CoreConfig {
+        busy: BusyThresholds {
+            active_decode_blocks: Some(10),
+            active_prefill_tokens: None,
+            sheddable_fraction: 0.5,
+        },
+        ..Default::default()
+    });
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+        .unwrap();
+    let mut load = request("load", Some("m"));
+    load.prompt = PromptInput::Tokens(vec![5; 16 * 6]);
+    core.select_and_reserve(&load).unwrap().detach(); // 6 of 10 blocks
+    let mut sheddable = request("low", Some("m"));
+    sheddable.priority = -1;
+    let err = core.select(&sheddable).err().unwrap();
+    assert_eq!(err.http_status(), 429);
+    assert!(err.to_string().contains("sheddable"), "{err}");
+    assert!(core.select(&request("critical", Some("m"))).is_ok());
 }
