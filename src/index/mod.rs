@@ -9,6 +9,7 @@
 pub mod hash;
 
 use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 use tokio::time::Instant;
 
 use crate::selection::RankKey;
@@ -100,10 +101,30 @@ impl Block {
     }
 }
 
+/// Block keys are already xxh3 outputs (uniformly distributed), so hashing them again (SipHash)
+/// only costs time on the lookup path: use the key itself.
+#[derive(Default)]
+struct PreHashed(u64);
+
+impl Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed here; fold anything else in so it is still correct.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ *b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
 /// Per-partition block index.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    blocks: HashMap<u64, Block>,
+    blocks: HashMap<u64, Block, BuildHasherDefault<PreHashed>>,
     /// touch tick -> block hash, for LRU eviction.
     lru: BTreeMap<u64, u64>,
     tick: u64,
@@ -113,7 +134,7 @@ pub struct PrefixIndex {
 impl PrefixIndex {
     pub fn new(max_blocks: usize) -> Self {
         PrefixIndex {
-            blocks: HashMap::new(),
+            blocks: HashMap::default(),
             lru: BTreeMap::new(),
             tick: 0,
             max_blocks: max_blocks.max(1),
