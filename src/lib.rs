@@ -6,6 +6,7 @@
 
 pub mod api;
 pub mod catalog;
+pub mod events;
 pub mod extproc;
 pub mod health;
 pub mod index;
