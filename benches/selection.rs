@@ -59,6 +59,7 @@ fn fixture(ranks: usize) -> Fixture {
             ),
             block_size: Some(BLOCK as u32),
             kv_events: None,
+            kv_replay: None,
             lora_adapters: vec![],
         })
         .collect();

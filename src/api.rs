@@ -237,6 +237,7 @@ impl Selection for SelectionApi {
             data_parallel_size: (w.data_parallel_size != 0).then_some(w.data_parallel_size),
             block_size: (w.block_size != 0).then_some(w.block_size),
             kv_events: (!w.kv_events.is_empty()).then_some(w.kv_events),
+            kv_replay: None,
             lora_adapters: w.lora_adapters,
         };
         let spec =

@@ -38,6 +38,16 @@ pub struct Metrics {
     pub predicted_overlap: Histogram,
     /// Blocks in the KV index per partition (model).
     pub index_blocks: IntGaugeVec,
+    /// KV events by result (applied, dropped, decode_error).
+    pub kv_events: IntCounterVec,
+    /// Sequence gaps seen on KV-event streams.
+    pub kv_event_gaps: IntCounter,
+    /// Replays by result (ok, incomplete, failed).
+    pub kv_replays: IntCounterVec,
+    /// Ranks cleared because their publisher restarted (sequence went backwards).
+    pub kv_resets: IntCounter,
+    /// KV-event subscriptions currently connected.
+    pub kv_subscriptions: IntGauge,
     /// Live session bindings.
     pub sessions_live: IntGauge,
     /// Session outcomes: created, reused, table_full, expired.
@@ -200,6 +210,46 @@ impl Metrics {
             )
             .unwrap(),
         );
+        let kv_events = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new("kvpick_kv_events_total", "KV events by result"),
+                &["result"],
+            )
+            .unwrap(),
+        );
+        let kv_event_gaps = register(
+            &registry,
+            IntCounter::new(
+                "kvpick_kv_event_gaps_total",
+                "Sequence gaps on KV-event streams",
+            )
+            .unwrap(),
+        );
+        let kv_replays = register(
+            &registry,
+            IntCounterVec::new(
+                Opts::new("kvpick_kv_replays_total", "KV-event replays by result"),
+                &["result"],
+            )
+            .unwrap(),
+        );
+        let kv_resets = register(
+            &registry,
+            IntCounter::new(
+                "kvpick_kv_resets_total",
+                "Ranks cleared because their publisher restarted",
+            )
+            .unwrap(),
+        );
+        let kv_subscriptions = register(
+            &registry,
+            IntGauge::new(
+                "kvpick_kv_subscriptions",
+                "KV-event subscriptions currently connected",
+            )
+            .unwrap(),
+        );
         let sessions_live = register(
             &registry,
             IntGauge::new("kvpick_session_bindings", "Live session bindings").unwrap(),
@@ -227,6 +277,11 @@ impl Metrics {
             .unwrap(),
         );
         Metrics {
+            kv_events,
+            kv_event_gaps,
+            kv_replays,
+            kv_resets,
+            kv_subscriptions,
             sessions_live,
             session_events,
             session_invalidated,

@@ -33,6 +33,7 @@ fn catalog() -> Vec<WorkerSpec> {
         ranks: layout,
         block_size: Some(16),
         kv_events: None,
+        kv_replay: None,
         lora_adapters: vec![],
     };
     vec![

@@ -29,6 +29,8 @@ pub struct WorkerSpec {
     pub ranks: RankLayout,
     pub block_size: Option<u32>,
     pub kv_events: Option<String>,
+    /// Replay (ROUTER) endpoint of rank 0, offset by rank like `kv_events`.
+    pub kv_replay: Option<String>,
     pub lora_adapters: Vec<String>,
 }
 
@@ -109,6 +111,7 @@ mod tests {
             },
             block_size: None,
             kv_events: None,
+            kv_replay: None,
             lora_adapters: vec!["lora-a".into()],
         };
         let ranks = spec.rank_endpoints();

@@ -42,6 +42,8 @@ pub struct StaticWorker {
     #[serde(default)]
     pub kv_events: Option<String>,
     #[serde(default)]
+    pub kv_replay: Option<String>,
+    #[serde(default)]
     pub lora_adapters: Vec<String>,
 }
 
@@ -110,6 +112,7 @@ pub fn to_spec(w: StaticWorker, namespace: &str) -> anyhow::Result<WorkerSpec> {
         ranks,
         block_size: w.block_size,
         kv_events: w.kv_events,
+        kv_replay: w.kv_replay,
         lora_adapters: w.lora_adapters,
     })
 }

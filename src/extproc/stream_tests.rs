@@ -17,6 +17,7 @@ fn worker(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
         ranks: layout,
         block_size: None,
         kv_events: None,
+        kv_replay: None,
         lora_adapters: vec![],
     }
 }

@@ -23,7 +23,7 @@ use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 
 pub use decide::{cost, decide, overlap_score, Candidate, CostParams, Decision};
-pub use partition::PartitionKey;
+pub use partition::{EventStats, PartitionKey};
 use partition::{Partition, SelectOutcome};
 pub use session::{AffinityMode, SessionConfig, SessionOutcome};
 
@@ -778,6 +778,79 @@ impl SelectionCore {
             .insert_blocks(rank, seq_hashes, tier, expires);
     }
 
+    /// Applies KV events published by one rank. Returns what was applied / dropped.
+    pub fn apply_kv_events(
+        &self,
+        rank: RankKey,
+        events: &[crate::events::decode::KvEvent],
+    ) -> EventStats {
+        let Some(partition) = self.partition_of_worker(rank.worker_id) else {
+            return EventStats {
+                applied: 0,
+                dropped: events.len() as u64,
+            };
+        };
+        let stats = partition.apply_events(rank, events);
+        self.metrics
+            .kv_events
+            .with_label_values(&["applied"])
+            .inc_by(stats.applied);
+        self.metrics
+            .kv_events
+            .with_label_values(&["dropped"])
+            .inc_by(stats.dropped);
+        let key = &partition.key;
+        self.metrics
+            .index_blocks
+            .with_label_values(&[&key.model, &key.routing_group])
+            .set(partition.index_len() as i64);
+        stats
+    }
+
+    /// Forgets a rank's blocks (its engine restarted).
+    pub fn clear_rank(&self, rank: RankKey) {
+        if let Some(partition) = self.partition_of_worker(rank.worker_id) {
+            partition.clear_rank(rank);
+        }
+    }
+
+    fn partition_of_worker(&self, worker_id: u64) -> Option<Arc<Partition>> {
+        let key = self.catalog.lock().records.get(&worker_id)?.partition_key();
+        self.partitions.read().get(&key).cloned()
+    }
+
+    /// KV-event subscriptions the catalog asks for: one per rank of every schedulable-or-not
+    /// worker that declares an endpoint, `(rank, events endpoint, replay endpoint)`.
+    pub fn kv_event_endpoints(&self) -> Vec<(RankKey, String, Option<String>)> {
+        let catalog = self.catalog.lock();
+        let mut out = Vec::new();
+        for record in catalog.records.values() {
+            let Some(base) = &record.spec.kv_events else {
+                continue;
+            };
+            for rank in &record.ranks {
+                let Some(events) = offset_endpoint(base, rank.dp_rank) else {
+                    continue;
+                };
+                let replay = record
+                    .spec
+                    .kv_replay
+                    .as_deref()
+                    .and_then(|r| offset_endpoint(r, rank.dp_rank));
+                out.push((
+                    RankKey {
+                        worker_id: record.id,
+                        dp_rank: rank.dp_rank,
+                    },
+                    events,
+                    replay,
+                ));
+            }
+        }
+        out.sort();
+        out
+    }
+
     /// The block size of a model's partition (default until a worker declares one).
     pub fn block_size(&self, key: &PartitionKey) -> u32 {
         self.partitions
@@ -794,6 +867,15 @@ impl SelectionCore {
         let partition = self.resolve_partition(request)?;
         Ok(partition.overlaps(request))
     }
+}
+
+/// `tcp://host:port` for rank 0 becomes `tcp://host:(port + rank)` (vLLM and SGLang offset their
+/// KV-event ports by data-parallel rank).
+pub fn offset_endpoint(base: &str, rank: u32) -> Option<String> {
+    let (head, port) = base.rsplit_once(':')?;
+    let port: u32 = port.parse().ok()?;
+    let port = u16::try_from(port + rank).ok()?;
+    Some(format!("{head}:{port}"))
 }
 
 fn record_for(id: u64, spec: WorkerSpec) -> WorkerRecord {

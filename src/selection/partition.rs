@@ -19,6 +19,7 @@ use super::{
     decide, BusyThresholds, Candidate, CoreConfig, Lifecycle, PickedRank, PromptInput, RankKey,
     RankLoad, SelectError, Selection, SelectionRequest, WorkerRecord, DEFAULT_BLOCK_SIZE,
 };
+use crate::events::decode::{KvEvent, Medium};
 use crate::index::{hash, PrefixIndex, Tier, TierDepths};
 use crate::metrics::Metrics;
 
@@ -126,6 +127,8 @@ struct State {
     index: PrefixIndex,
     bookings: HashMap<String, Booking>,
     sessions: SessionTable,
+    /// Per rank: engine block hash -> our hash (KV events).
+    engines: HashMap<RankKey, EngineMap>,
     rng: StdRng,
 }
 
@@ -141,7 +144,7 @@ pub(super) struct SelectOutcome {
 }
 
 pub(super) struct Partition {
-    key: PartitionKey,
+    pub(super) key: PartitionKey,
     schedulable: AtomicUsize,
     block_size: AtomicU32,
     state: Mutex<State>,
@@ -219,6 +222,7 @@ impl Partition {
                 index: PrefixIndex::new(config.index_max_blocks),
                 bookings: HashMap::new(),
                 sessions: SessionTable::default(),
+                engines: HashMap::new(),
                 rng,
             }),
         }
@@ -347,6 +351,7 @@ impl Partition {
         let Some(slot) = state.ranks.remove(&key) else {
             return;
         };
+        state.engines.remove(&key);
         let mut leases = Vec::new();
         state.bookings.retain(|id, b| {
             if b.rank == key {
@@ -907,5 +912,161 @@ impl Partition {
 impl State {
     fn index_capacity(&self) -> usize {
         self.index.capacity()
+    }
+}
+
+/// What happened to a batch of KV events.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct EventStats {
+    pub applied: u64,
+    /// Events that could not be applied (unknown parent or block, block-size mismatch, unknown rank).
+    pub dropped: u64,
+}
+
+/// Engine block hash -> our chained hash for one rank, with how many times each tier stored it
+/// (engines can store the same block twice).
+#[derive(Debug, Default)]
+pub(super) struct EngineMap {
+    entries: HashMap<u64, EngineEntry>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct EngineEntry {
+    seq: u64,
+    counts: [u32; 3],
+}
+
+fn tier_of(medium: &Medium) -> Tier {
+    match medium {
+        Medium::Gpu => Tier::Gpu,
+        Medium::Cpu => Tier::Host,
+        Medium::Disk | Medium::Other(_) => Tier::Disk,
+    }
+}
+
+impl Partition {
+    /// Applies one rank's KV events to the index. The router recomputes block hashes from the
+    /// events' token ids (engine hashes are only keys for removal and tokenless stores).
+    pub fn apply_events(&self, rank: RankKey, events: &[KvEvent]) -> EventStats {
+        let block_size = self.block_size.load(Ordering::Relaxed) as usize;
+        let mut stats = EventStats::default();
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        if state.ranks.get(&rank).is_none() {
+            stats.dropped = events.len() as u64;
+            return stats;
+        }
+        let map = state.engines.entry(rank).or_default();
+        for event in events {
+            let ok = match event {
+                KvEvent::AllBlocksCleared => {
+                    state.index.clear_rank(rank);
+                    map.entries.clear();
+                    true
+                }
+                KvEvent::BlockRemoved {
+                    block_hashes,
+                    medium,
+                    ..
+                } => {
+                    let tier = tier_of(medium);
+                    let mut all_known = true;
+                    for h in block_hashes {
+                        let Some(entry) = map.entries.get_mut(h) else {
+                            all_known = false;
+                            continue;
+                        };
+                        let count = &mut entry.counts[tier as usize];
+                        if *count > 0 {
+                            *count -= 1;
+                            if *count == 0 {
+                                state.index.remove(rank, entry.seq, tier);
+                            }
+                        }
+                        if entry.counts == [0; 3] {
+                            map.entries.remove(h);
+                        }
+                    }
+                    all_known
+                }
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size: event_block_size,
+                    medium,
+                    lora_name,
+                    ..
+                } => {
+                    let tier = tier_of(medium);
+                    let seed = hash::block_seed(lora_name.as_deref(), None);
+                    let mut parent = match parent_block_hash {
+                        None => None,
+                        Some(h) => match map.entries.get(h) {
+                            Some(e) => Some(e.seq),
+                            None if token_ids.is_empty() => None,
+                            // A chain we never saw the start of cannot be hashed like requests.
+                            None => {
+                                stats.dropped += 1;
+                                continue;
+                            }
+                        },
+                    };
+                    if !token_ids.is_empty() && *event_block_size as usize != block_size {
+                        stats.dropped += 1;
+                        continue;
+                    }
+                    let mut ok = true;
+                    for (i, engine_hash) in block_hashes.iter().enumerate() {
+                        let seq = if token_ids.is_empty() {
+                            match map.entries.get(engine_hash) {
+                                Some(e) => e.seq,
+                                None => {
+                                    ok = false;
+                                    continue;
+                                }
+                            }
+                        } else {
+                            let Some(block) = token_ids.get(i * block_size..(i + 1) * block_size)
+                            else {
+                                ok = false;
+                                break;
+                            };
+                            let local = hash::local_hashes(block, block_size, seed)[0];
+                            match parent {
+                                None => local,
+                                Some(p) => hash::chain(p, local),
+                            }
+                        };
+                        let entry = map.entries.entry(*engine_hash).or_insert(EngineEntry {
+                            seq,
+                            counts: [0; 3],
+                        });
+                        entry.seq = seq;
+                        entry.counts[tier as usize] += 1;
+                        state.index.insert(rank, &[seq], tier, None);
+                        parent = Some(seq);
+                    }
+                    ok
+                }
+            };
+            if ok {
+                stats.applied += 1;
+            } else {
+                stats.dropped += 1;
+            }
+        }
+        stats
+    }
+
+    /// Forgets every block of a rank (engine restart).
+    pub fn clear_rank(&self, rank: RankKey) {
+        let mut state = self.state.lock();
+        state.index.clear_rank(rank);
+        state.engines.remove(&rank);
+    }
+
+    pub fn index_len(&self) -> usize {
+        self.state.lock().index.len()
     }
 }

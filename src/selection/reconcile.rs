@@ -75,6 +75,7 @@ mod tests {
             ranks: RankLayout::PerPort(vec![1]),
             block_size: None,
             kv_events: None,
+            kv_replay: None,
             lora_adapters: vec![],
         }
     }

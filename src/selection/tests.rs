@@ -14,6 +14,7 @@ fn spec(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
         ranks: layout,
         block_size: None,
         kv_events: None,
+        kv_replay: None,
         lora_adapters: vec![],
     }
 }
@@ -934,4 +935,210 @@ fn sheddable_requests_are_shed_before_critical_ones() {
     assert_eq!(err.http_status(), 429);
     assert!(err.to_string().contains("sheddable"), "{err}");
     assert!(core.select(&request("critical", Some("m"))).is_ok());
+}
+
+mod kv_events {
+    use super::*;
+    use crate::events::decode::{KvEvent, Medium};
+
+    fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, medium: Medium) -> KvEvent {
+        KvEvent::BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: parent,
+            token_ids: tokens,
+            block_size: 16,
+            lora_id: None,
+            medium,
+            lora_name: None,
+            group_idx: None,
+        }
+    }
+
+    fn removed(hashes: &[u64], medium: Medium) -> KvEvent {
+        KvEvent::BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium,
+            group_idx: None,
+        }
+    }
+
+    fn overlap_on(core: &SelectionCore, rank: RankKey, tokens: &[u32]) -> TierDepths {
+        let mut r = request("q", Some("m"));
+        r.prompt = PromptInput::Tokens(tokens.to_vec());
+        let (_, scores) = core.overlap_scores(&r).unwrap();
+        scores.into_iter().find(|(p, _)| p.key == rank).unwrap().1
+    }
+
+    #[test]
+    fn stored_chains_route_requests_to_the_rank_that_holds_them() {
+        let core = core();
+        core.apply_snapshot(vec![
+            spec("a", "m", ports(&[1])),
+            spec("b", "m", ports(&[2])),
+        ])
+        .unwrap();
+        let b = rank_of(&core, "b", 0);
+        let tokens: Vec<u32> = (0..64).collect();
+        // Two events: blocks 0-1, then 2-3 chained on engine hash 11.
+        let stats = core.apply_kv_events(
+            b,
+            &[
+                stored(&[10, 11], None, tokens[..32].to_vec(), Medium::Gpu),
+                stored(&[12, 13], Some(11), tokens[32..].to_vec(), Medium::Gpu),
+            ],
+        );
+        assert_eq!(
+            stats,
+            EventStats {
+                applied: 2,
+                dropped: 0
+            }
+        );
+        assert_eq!(overlap_on(&core, b, &tokens).gpu, 4);
+        let mut r = request("x", Some("m"));
+        r.prompt = PromptInput::Tokens([tokens.clone(), vec![9; 16]].concat());
+        assert_eq!(core.select(&r).unwrap().primary.key, b);
+        assert_eq!(
+            core.metrics()
+                .kv_events
+                .with_label_values(&["applied"])
+                .get(),
+            2
+        );
+    }
+
+    #[test]
+    fn removal_counts_references_and_tiers() {
+        let core = core();
+        core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+            .unwrap();
+        let a = rank_of(&core, "a", 0);
+        let tokens: Vec<u32> = (100..132).collect();
+        let store = stored(&[1, 2], None, tokens.clone(), Medium::Gpu);
+        core.apply_kv_events(a, &[store.clone(), store]);
+        core.apply_kv_events(a, &[removed(&[2], Medium::Gpu)]);
+        assert_eq!(
+            overlap_on(&core, a, &tokens).gpu,
+            2,
+            "stored twice, removed once"
+        );
+        // Offload block 2 to CPU without tokens, then drop it from GPU.
+        core.apply_kv_events(
+            a,
+            &[
+                stored(&[2], Some(1), vec![], Medium::Cpu),
+                removed(&[2], Medium::Gpu),
+            ],
+        );
+        assert_eq!(
+            overlap_on(&core, a, &tokens),
+            TierDepths {
+                gpu: 1,
+                host: 2,
+                disk: 2
+            }
+        );
+        core.apply_kv_events(a, &[KvEvent::AllBlocksCleared]);
+        assert_eq!(overlap_on(&core, a, &tokens), TierDepths::default());
+    }
+
+    #[test]
+    fn unusable_events_are_dropped_not_fatal() {
+        let core = core();
+        core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+            .unwrap();
+        let a = rank_of(&core, "a", 0);
+        let mut wrong_size = stored(&[5], None, vec![1; 32], Medium::Gpu);
+        if let KvEvent::BlockStored { block_size, .. } = &mut wrong_size {
+            *block_size = 32;
+        }
+        let stats = core.apply_kv_events(
+            a,
+            &[
+                stored(&[7], Some(999), vec![1; 16], Medium::Gpu), // unknown parent
+                wrong_size,
+                removed(&[12345], Medium::Gpu), // never stored
+                stored(&[8], None, vec![2; 16], Medium::Gpu),
+            ],
+        );
+        assert_eq!(
+            stats,
+            EventStats {
+                applied: 1,
+                dropped: 3
+            }
+        );
+        let unknown_rank = RankKey {
+            worker_id: 77,
+            dp_rank: 0,
+        };
+        assert_eq!(
+            core.apply_kv_events(unknown_rank, &[KvEvent::AllBlocksCleared])
+                .dropped,
+            1
+        );
+    }
+
+    #[test]
+    fn lora_stores_match_adapter_requests_only() {
+        let core = core();
+        let mut a = spec("a", "m", ports(&[1]));
+        a.lora_adapters = vec!["sql".into()];
+        core.apply_snapshot(vec![a]).unwrap();
+        let rank = rank_of(&core, "a", 0);
+        let tokens: Vec<u32> = (0..16).collect();
+        let mut store = stored(&[1], None, tokens.clone(), Medium::Gpu);
+        if let KvEvent::BlockStored { lora_name, .. } = &mut store {
+            *lora_name = Some("sql".into());
+        }
+        core.apply_kv_events(rank, &[store]);
+        assert_eq!(
+            overlap_on(&core, rank, &tokens).gpu,
+            0,
+            "base-model prompt differs"
+        );
+        let mut r = request("q", Some("sql"));
+        r.prompt = PromptInput::Tokens(tokens);
+        let (_, scores) = core.overlap_scores(&r).unwrap();
+        assert_eq!(scores[0].1.gpu, 1);
+    }
+
+    #[test]
+    fn endpoints_offset_by_rank() {
+        assert_eq!(
+            offset_endpoint("tcp://10.0.0.1:5557", 3).as_deref(),
+            Some("tcp://10.0.0.1:5560")
+        );
+        assert_eq!(
+            offset_endpoint("tcp://[::1]:5557", 1).as_deref(),
+            Some("tcp://[::1]:5558")
+        );
+        assert_eq!(offset_endpoint("garbage", 1), None);
+        let core = core();
+        let mut a = spec("a", "m", ports(&[1, 2]));
+        a.kv_events = Some("tcp://127.0.0.1:5557".into());
+        a.kv_replay = Some("tcp://127.0.0.1:5600".into());
+        core.apply_snapshot(vec![a, spec("b", "m", ports(&[3]))])
+            .unwrap();
+        let eps: Vec<(u32, String, Option<String>)> = core
+            .kv_event_endpoints()
+            .into_iter()
+            .map(|(k, e, r)| (k.dp_rank, e, r))
+            .collect();
+        assert_eq!(
+            eps,
+            vec![
+                (
+                    0,
+                    "tcp://127.0.0.1:5557".into(),
+                    Some("tcp://127.0.0.1:5600".into())
+                ),
+                (
+                    1,
+                    "tcp://127.0.0.1:5558".into(),
+                    Some("tcp://127.0.0.1:5601".into())
+                ),
+            ]
+        );
+    }
 }
