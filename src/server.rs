@@ -189,6 +189,21 @@ pub struct ServeArgs {
     )]
     pub session_soft_margin: f64,
 
+    /// Subscribe to the engines' KV events (workers with a `kv_events` endpoint) for precise
+    /// routing; `off` routes every worker in approximate mode from kvpick's own decisions.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"], help_heading = "KV cache")]
+    pub kv_events: String,
+
+    /// Seconds a predicted block (inserted at pick time for workers with KV events) lives until
+    /// the engine's own event confirms it.
+    #[arg(
+        long,
+        default_value_t = 2,
+        value_name = "SECONDS",
+        help_heading = "KV cache"
+    )]
+    pub predicted_ttl: u64,
+
     /// Most blocks kept in each model's KV index (least recently used evicted).
     #[arg(long, default_value_t = 1 << 20, value_name = "N", help_heading = "Scheduling")]
     pub index_max_blocks: usize,
@@ -294,6 +309,8 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             sessions
         },
         approx_ttl: Duration::from_secs(args.approx_ttl),
+        predicted_ttl: Duration::from_secs(args.predicted_ttl),
+        kv_events: args.kv_events == "on",
         index_max_blocks: args.index_max_blocks,
         ..CoreConfig::default()
     })
@@ -328,6 +345,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         "static-file",
         catalog_rx,
     ));
+
+    if core.config().kv_events {
+        tokio::spawn(crate::events::ingest::manage(
+            Arc::clone(&core),
+            core.catalog_changes(),
+        ));
+    }
 
     // Booking reaper.
     {

@@ -1,9 +1,9 @@
-//! KV events: decoding the engines' ZeroMQ KV-event messages (vLLM, SGLang, TensorRT-LLM) into
-//! typed events.
+//! KV events from the engines (vLLM, SGLang, TensorRT-LLM) over ZeroMQ.
 //!
-//! This module owns the wire format only (DESIGN.md §8): the `[topic, seq, payload]` frames and
-//! every msgpack encoding of an `EventBatch` the engines send. It must not touch the KV index or
-//! the network: subscribing, replay, gap handling and applying events live elsewhere and consume
-//! [`decode::EventBatch`].
+//! `decode` owns the wire format (DESIGN.md §8): the `[topic, seq, payload]` frames and every
+//! msgpack encoding of an `EventBatch`. `ingest` owns the sockets: one SUB per rank, sequence
+//! tracking, replay over DEALER, restarts. Neither touches the KV index directly: decoded events
+//! go to the selection core, which owns the index.
 
 pub mod decode;
+pub mod ingest;

@@ -331,13 +331,17 @@ pub struct SelectionCore {
     /// Live booking ids -> the partition holding them (claims are made before scheduling).
     bookings: DashMap<String, Arc<Partition>>,
     ready_tx: watch::Sender<bool>,
+    /// Bumped after every applied catalog snapshot (KV-event subscriptions follow it).
+    catalog_tx: watch::Sender<u64>,
     trace: Mutex<Vec<String>>,
 }
 
 impl SelectionCore {
     pub fn new(config: CoreConfig, metrics: Metrics) -> Arc<Self> {
         let (ready_tx, _) = watch::channel(false);
+        let (catalog_tx, _) = watch::channel(0);
         Arc::new(SelectionCore {
+            catalog_tx,
             config,
             metrics,
             catalog: Mutex::new(Catalog {
@@ -358,6 +362,11 @@ impl SelectionCore {
 
     pub fn config(&self) -> &CoreConfig {
         &self.config
+    }
+
+    /// Ticks after every applied catalog snapshot.
+    pub fn catalog_changes(&self) -> watch::Receiver<u64> {
+        self.catalog_tx.subscribe()
     }
 
     /// Ready = the catalog has synced and at least one worker is schedulable.
@@ -413,6 +422,7 @@ impl SelectionCore {
             .any(|w| w.lifecycle == Lifecycle::Schedulable);
         drop(catalog);
         self.ready_tx.send_replace(ready);
+        self.catalog_tx.send_modify(|v| *v += 1);
         Ok(report)
     }
 

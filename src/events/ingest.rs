@@ -1,0 +1,322 @@
+//! KV-event ingestion: one ZeroMQ SUB per rank at the endpoint the catalog gives, decoded batches
+//! applied to the selection core in sequence order. Tracks the publisher's sequence: a gap is
+//! filled from the engine's replay (DEALER -> ROUTER) socket when one is configured, a sequence
+//! that goes backwards means the engine restarted and clears the rank. A bad message is counted
+//! and skipped; nothing here can stop ingestion for good.
+//!
+//! This module owns sockets and sequence bookkeeping only; what an event means for the index is
+//! the selection core's business.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+
+use super::decode::{decode_batch, decode_message, decode_seq, EventBatch, REPLAY_END_SEQ};
+use crate::selection::{RankKey, SelectionCore};
+
+const BACKOFF_START: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(5);
+/// How long a replay may go without a reply before it is abandoned as incomplete.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Sequence bookkeeping of one publisher, separate from sockets so it is unit-testable.
+#[derive(Debug, Default)]
+pub struct SequenceTracker {
+    last: Option<u64>,
+    /// Right after a replay from `n`, queued live messages with `n <= seq <= last` are duplicates;
+    /// the window closes at the next applied message.
+    replayed_from: Option<u64>,
+}
+
+/// What to do with a message of sequence `seq`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SeqAction {
+    Apply,
+    /// Already applied (seen live and in a replay).
+    Duplicate,
+    /// Messages `from ..< seq` were lost: replay them if possible, then apply.
+    Gap {
+        from: u64,
+    },
+    /// The publisher restarted: clear the rank, then apply.
+    Restart,
+}
+
+impl SequenceTracker {
+    pub fn classify(&self, seq: u64) -> SeqAction {
+        match self.last {
+            None => SeqAction::Apply,
+            Some(last) if seq == last + 1 => SeqAction::Apply,
+            Some(last) if seq > last => SeqAction::Gap { from: last + 1 },
+            Some(_) if self.replayed_from.is_some_and(|from| seq >= from) => SeqAction::Duplicate,
+            Some(last) if seq == last => SeqAction::Duplicate,
+            Some(_) => SeqAction::Restart,
+        }
+    }
+
+    /// A message was applied. A live message past the replayed range closes the window in
+    /// which older sequence numbers count as duplicates (after it, going backwards is a restart).
+    pub fn applied(&mut self, seq: u64) {
+        self.last = Some(seq);
+        self.replayed_from = None;
+    }
+
+    pub fn restarted(&mut self) {
+        self.last = None;
+        self.replayed_from = None;
+    }
+
+    pub fn replayed(&mut self, from: u64) {
+        self.replayed_from = Some(from);
+    }
+
+    pub fn last(&self) -> Option<u64> {
+        self.last
+    }
+}
+
+struct RankStream {
+    core: Arc<SelectionCore>,
+    rank: RankKey,
+    endpoint: String,
+    replay: Option<String>,
+    seq: SequenceTracker,
+}
+
+impl RankStream {
+    fn apply(&mut self, seq: u64, batch: &EventBatch) {
+        self.core.apply_kv_events(self.rank, &batch.events);
+        self.seq.applied(seq);
+    }
+
+    /// Handles one live message.
+    async fn handle(&mut self, seq: u64, batch: EventBatch) {
+        let metrics = self.core.metrics().clone();
+        match self.seq.classify(seq) {
+            SeqAction::Apply => self.apply(seq, &batch),
+            SeqAction::Duplicate => {}
+            SeqAction::Restart => {
+                tracing::info!(endpoint = %self.endpoint, seq, "KV-event publisher restarted; clearing rank");
+                metrics.kv_resets.inc();
+                self.core.clear_rank(self.rank);
+                self.seq.restarted();
+                if seq > 0 && self.replay.is_some() {
+                    // Messages of the new run that arrived while we reconnected.
+                    self.replay_from(0).await;
+                }
+                if self.seq.classify(seq) != SeqAction::Duplicate {
+                    self.apply(seq, &batch);
+                }
+            }
+            SeqAction::Gap { from } => {
+                metrics.kv_event_gaps.inc();
+                if self.replay.is_some() {
+                    self.replay_from(from).await;
+                } else {
+                    tracing::warn!(endpoint = %self.endpoint, from, seq, "KV-event gap and no replay endpoint");
+                }
+                if self.seq.classify(seq) != SeqAction::Duplicate {
+                    self.apply(seq, &batch);
+                }
+            }
+        }
+    }
+
+    /// Asks the engine's replay socket for every message from `from` on and applies the new ones.
+    /// Live messages queue in the SUB socket meanwhile and are deduplicated afterwards.
+    async fn replay_from(&mut self, from: u64) {
+        let Some(endpoint) = self.replay.clone() else {
+            return;
+        };
+        let metrics = self.core.metrics().clone();
+        let result =
+            tokio::time::timeout(REPLAY_TIMEOUT * 4, self.replay_inner(&endpoint, from)).await;
+        let outcome = match result {
+            Ok(Ok(true)) => "ok",
+            Ok(Ok(false)) => "incomplete",
+            Ok(Err(err)) => {
+                tracing::warn!(%endpoint, %err, "KV-event replay failed");
+                "failed"
+            }
+            Err(_) => "incomplete",
+        };
+        metrics.kv_replays.with_label_values(&[outcome]).inc();
+        self.seq.replayed(from);
+    }
+
+    /// Returns whether the replay reached its end marker with no missing sequence numbers.
+    async fn replay_inner(&mut self, endpoint: &str, from: u64) -> Result<bool, String> {
+        let mut dealer = DealerSocket::new();
+        dealer.connect(endpoint).await.map_err(|e| e.to_string())?;
+        let mut request = ZmqMessage::from(Vec::<u8>::new());
+        request.push_back(from.to_be_bytes().to_vec().into());
+        dealer.send(request).await.map_err(|e| e.to_string())?;
+        let mut complete = true;
+        loop {
+            let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
+                .await
+                .map_err(|_| "replay timed out".to_string())?
+                .map_err(|e| e.to_string())?;
+            let mut frames: Vec<&[u8]> = reply.iter().map(|f| f.as_ref()).collect();
+            // Replies are [b"", (topic,) seq, payload]; drop the delimiter and any topic.
+            if frames.first().is_some_and(|f| f.is_empty()) {
+                frames.remove(0);
+            }
+            if frames.len() > 2 {
+                frames.drain(..frames.len() - 2);
+            }
+            let [seq_frame, payload] = frames[..] else {
+                return Err(format!("replay reply with {} frames", frames.len()));
+            };
+            let seq = decode_seq(seq_frame).map_err(|e| e.to_string())?;
+            if seq == REPLAY_END_SEQ {
+                return Ok(complete);
+            }
+            match decode_batch(payload) {
+                Ok(batch) => {
+                    if let Some(last) = self.seq.last() {
+                        if seq <= last {
+                            continue;
+                        }
+                        if seq > last + 1 {
+                            complete = false;
+                        }
+                    }
+                    self.apply(seq, &batch);
+                }
+                Err(err) => {
+                    self.core
+                        .metrics()
+                        .kv_events
+                        .with_label_values(&["decode_error"])
+                        .inc();
+                    tracing::debug!(%err, "undecodable replayed KV-event message");
+                    complete = false;
+                }
+            }
+        }
+    }
+
+    /// Subscribes (retrying with backoff) and applies messages until cancelled.
+    async fn run(mut self) {
+        let metrics = self.core.metrics().clone();
+        let mut backoff = BACKOFF_START;
+        let mut first = true;
+        loop {
+            let mut sub = SubSocket::new();
+            let connected = async {
+                sub.connect(&self.endpoint).await?;
+                sub.subscribe("").await
+            }
+            .await;
+            if let Err(err) = connected {
+                tracing::debug!(endpoint = %self.endpoint, %err, "KV-event subscribe failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                continue;
+            }
+            backoff = BACKOFF_START;
+            metrics.kv_subscriptions.inc();
+            tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, "subscribed to KV events");
+            if first && self.replay.is_some() {
+                // Catch up on what the engine already holds.
+                self.replay_from(self.seq.last().map_or(0, |l| l + 1)).await;
+            }
+            first = false;
+            loop {
+                let message = match sub.recv().await {
+                    Ok(m) => m,
+                    Err(err) => {
+                        tracing::warn!(endpoint = %self.endpoint, %err, "KV-event stream broke; resubscribing");
+                        break;
+                    }
+                };
+                let frames: Vec<&[u8]> = message.iter().map(|f| f.as_ref()).collect();
+                match decode_message(&frames) {
+                    Ok((_, seq, batch)) => self.handle(seq, batch).await,
+                    Err(err) => {
+                        metrics.kv_events.with_label_values(&["decode_error"]).inc();
+                        tracing::debug!(endpoint = %self.endpoint, %err, "undecodable KV-event message");
+                    }
+                }
+            }
+            metrics.kv_subscriptions.dec();
+        }
+    }
+}
+
+/// Keeps one subscription per rank that declares a KV-event endpoint, following catalog changes:
+/// new ranks are subscribed, removed or re-addressed ones stopped, unchanged ones left alone.
+pub async fn manage(core: Arc<SelectionCore>, mut catalog_changes: watch::Receiver<u64>) {
+    let mut running: HashMap<RankKey, (String, Option<String>, JoinHandle<()>)> = HashMap::new();
+    loop {
+        let desired: HashMap<RankKey, (String, Option<String>)> = core
+            .kv_event_endpoints()
+            .into_iter()
+            .map(|(rank, events, replay)| (rank, (events, replay)))
+            .collect();
+        running.retain(|rank, (events, replay, task)| {
+            let keep = desired
+                .get(rank)
+                .is_some_and(|(e, r)| e == events && r == replay);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for (rank, (events, replay)) in desired {
+            if running.contains_key(&rank) {
+                continue;
+            }
+            let stream = RankStream {
+                core: Arc::clone(&core),
+                rank,
+                endpoint: events.clone(),
+                replay: replay.clone(),
+                seq: SequenceTracker::default(),
+            };
+            running.insert(rank, (events, replay, tokio::spawn(stream.run())));
+        }
+        if catalog_changes.changed().await.is_err() {
+            for (_, (_, _, task)) in running {
+                task.abort();
+            }
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sequence_rules() {
+        let mut t = SequenceTracker::default();
+        assert_eq!(t.classify(5), SeqAction::Apply, "first message at any seq");
+        t.applied(5);
+        assert_eq!(t.classify(6), SeqAction::Apply);
+        assert_eq!(t.classify(5), SeqAction::Duplicate);
+        assert_eq!(t.classify(9), SeqAction::Gap { from: 6 });
+        assert_eq!(t.classify(0), SeqAction::Restart);
+        assert_eq!(t.classify(3), SeqAction::Restart);
+        // A replay from 3 applied 3..=8; live copies of 3..=8 still queued are duplicates.
+        t.applied(8);
+        t.replayed(3);
+        assert_eq!(
+            t.classify(4),
+            SeqAction::Duplicate,
+            "queued live copy of a replayed message"
+        );
+        assert_eq!(t.classify(2), SeqAction::Restart);
+        // Once the live stream moves past the replay, going backwards means a restart again.
+        t.applied(9);
+        assert_eq!(t.classify(4), SeqAction::Restart);
+        t.restarted();
+        assert_eq!(t.classify(0), SeqAction::Apply);
+    }
+}
