@@ -18,18 +18,26 @@ pub fn block_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
     seed
 }
 
+/// Hash of one block of tokens (u32 little-endian), without allocating for blocks of up to 64
+/// tokens.
+pub fn block_hash(block: &[u32], seed: u64) -> u64 {
+    let mut stack = [0u8; 256];
+    if block.len() * 4 <= stack.len() {
+        for (i, t) in block.iter().enumerate() {
+            stack[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
+        }
+        xxh3_64_with_seed(&stack[..block.len() * 4], seed)
+    } else {
+        let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+        xxh3_64_with_seed(&bytes, seed)
+    }
+}
+
 /// Hashes of every complete block of `tokens` (a partial tail is not hashed).
 pub fn local_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
-    let mut bytes = Vec::with_capacity(block_size * 4);
     tokens
         .chunks_exact(block_size)
-        .map(|block| {
-            bytes.clear();
-            for t in block {
-                bytes.extend_from_slice(&t.to_le_bytes());
-            }
-            xxh3_64_with_seed(&bytes, seed)
-        })
+        .map(|block| block_hash(block, seed))
         .collect()
 }
 
@@ -70,6 +78,15 @@ pub fn text_id(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn block_hash_matches_the_byte_definition() {
+        for len in [1usize, 16, 64, 65, 200] {
+            let block: Vec<u32> = (0..len as u32).map(|t| t.wrapping_mul(0x9E37_79B9)).collect();
+            let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
+            assert_eq!(block_hash(&block, 7), xxh3_64_with_seed(&bytes, 7), "{len}");
+        }
+    }
 
     #[test]
     fn partial_tail_is_not_hashed() {

@@ -8,7 +8,7 @@
 
 pub mod hash;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use tokio::time::Instant;
 
@@ -125,8 +125,6 @@ impl Hasher for PreHashed {
 #[derive(Debug)]
 pub struct PrefixIndex {
     blocks: HashMap<u64, Block, BuildHasherDefault<PreHashed>>,
-    /// touch tick -> block hash, for LRU eviction.
-    lru: BTreeMap<u64, u64>,
     tick: u64,
     max_blocks: usize,
 }
@@ -135,7 +133,6 @@ impl PrefixIndex {
     pub fn new(max_blocks: usize) -> Self {
         PrefixIndex {
             blocks: HashMap::default(),
-            lru: BTreeMap::new(),
             tick: 0,
             max_blocks: max_blocks.max(1),
         }
@@ -153,16 +150,6 @@ impl PrefixIndex {
         self.blocks.is_empty()
     }
 
-    fn touch(&mut self, hash: u64) {
-        self.tick += 1;
-        let tick = self.tick;
-        if let Some(block) = self.blocks.get_mut(&hash) {
-            self.lru.remove(&block.touched);
-            block.touched = tick;
-            self.lru.insert(tick, hash);
-        }
-    }
-
     /// Records that `rank` holds the blocks `seq_hashes` (a prefix chain) in `tier`. With an
     /// expiry, an existing entry's expiry is extended, never shortened, and a permanent entry
     /// stays permanent.
@@ -174,11 +161,10 @@ impl PrefixIndex {
         expires: Option<Instant>,
     ) {
         for &h in seq_hashes {
-            self.blocks
-                .entry(h)
-                .or_default()
-                .upsert(rank, tier, expires);
-            self.touch(h);
+            self.tick += 1;
+            let block = self.blocks.entry(h).or_default();
+            block.upsert(rank, tier, expires);
+            block.touched = self.tick;
         }
         self.evict_over_capacity();
     }
@@ -188,49 +174,41 @@ impl PrefixIndex {
         if let Some(block) = self.blocks.get_mut(&seq_hash) {
             block.retain(|x| !(x.rank == rank && x.tier == tier));
             if block.holders.is_empty() {
-                let touched = block.touched;
                 self.blocks.remove(&seq_hash);
-                self.lru.remove(&touched);
             }
         }
     }
 
     /// Forgets every block of `rank` (rank left, engine restarted, `AllBlocksCleared`).
     pub fn clear_rank(&mut self, rank: RankKey) {
-        let lru = &mut self.lru;
         self.blocks.retain(|_, block| {
             block.retain(|x| x.rank != rank);
-            if block.holders.is_empty() {
-                lru.remove(&block.touched);
-                false
-            } else {
-                true
-            }
+            !block.holders.is_empty()
         });
     }
 
+    /// Evicts the least recently touched blocks once over capacity. Eviction works in batches
+    /// (down to 63/64 of capacity) so its O(blocks) scan is paid once per many inserts, and no
+    /// ordered structure has to be maintained on every touch.
     fn evict_over_capacity(&mut self) {
-        while self.blocks.len() > self.max_blocks {
-            let Some((_, hash)) = self.lru.pop_first() else {
-                break;
-            };
-            self.blocks.remove(&hash);
+        if self.blocks.len() <= self.max_blocks {
+            return;
         }
+        let target = self.max_blocks - self.max_blocks / 64;
+        let excess = self.blocks.len() - target;
+        let mut ticks: Vec<u64> = self.blocks.values().map(|b| b.touched).collect();
+        let (_, cutoff, _) = ticks.select_nth_unstable(excess - 1);
+        let cutoff = *cutoff;
+        self.blocks.retain(|_, b| b.touched > cutoff);
     }
 
     /// Drops expired entries.
     pub fn purge_expired(&mut self, now: Instant) {
-        let lru = &mut self.lru;
         self.blocks.retain(|_, block| {
             if block.min_expiry.is_some_and(|e| e <= now) {
                 block.retain(|x| x.expires.is_none_or(|e| e > now));
             }
-            if block.holders.is_empty() {
-                lru.remove(&block.touched);
-                false
-            } else {
-                true
-            }
+            !block.holders.is_empty()
         });
     }
 

@@ -1032,7 +1032,7 @@ impl Partition {
                                 ok = false;
                                 break;
                             };
-                            let local = hash::local_hashes(block, block_size, seed)[0];
+                            let local = hash::block_hash(block, seed);
                             match parent {
                                 None => local,
                                 Some(p) => hash::chain(p, local),
