@@ -82,7 +82,9 @@ mod tests {
     #[test]
     fn block_hash_matches_the_byte_definition() {
         for len in [1usize, 16, 64, 65, 200] {
-            let block: Vec<u32> = (0..len as u32).map(|t| t.wrapping_mul(0x9E37_79B9)).collect();
+            let block: Vec<u32> = (0..len as u32)
+                .map(|t| t.wrapping_mul(0x9E37_79B9))
+                .collect();
             let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
             assert_eq!(block_hash(&block, 7), xxh3_64_with_seed(&bytes, 7), "{len}");
         }
