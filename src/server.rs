@@ -14,6 +14,7 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::api::SelectionApi;
+use crate::catalog::kube as kube_source;
 use crate::catalog::static_file;
 use crate::extproc::{ExtProcService, ExtProcSettings};
 use crate::metrics::Metrics;
@@ -38,6 +39,37 @@ pub struct ServeArgs {
         env = "KVPICK_CONFIG"
     )]
     pub config: Option<PathBuf>,
+
+    /// Kubernetes source: the InferencePool (`inference.networking.k8s.io/v1`) whose pods are the
+    /// workers. Excludes --config.
+    #[arg(long, value_name = "NAME", help_heading = "Kubernetes")]
+    pub pool_name: Option<String>,
+
+    /// Namespace of the pool (or of the pods, with --endpoint-selector); default: env `NAMESPACE`.
+    #[arg(long, value_name = "NS", help_heading = "Kubernetes")]
+    pub pool_namespace: Option<String>,
+
+    /// Kubernetes source without the CRD: pods matching `k=v,...` are the workers (with --target-ports).
+    #[arg(long, value_name = "K=V,...", help_heading = "Kubernetes")]
+    pub endpoint_selector: Option<String>,
+
+    /// With --endpoint-selector: the model-server ports, one per data-parallel rank (1..=8).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        value_name = "PORT,...",
+        help_heading = "Kubernetes"
+    )]
+    pub target_ports: Vec<u16>,
+
+    /// Model served by every selected pod; default: each pod's `kvpick.io/model` label.
+    #[arg(long, value_name = "NAME", help_heading = "Kubernetes")]
+    pub model: Option<String>,
+
+    /// For tests and local use only: talk to this Kubernetes API URL (e.g. `http://127.0.0.1:8001`
+    /// from `kubectl proxy`) without credentials, instead of the in-cluster/kubeconfig default.
+    #[arg(long, value_name = "URL", hide = true)]
+    pub kube_api_url: Option<String>,
 
     /// Address every port binds to.
     #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
@@ -322,29 +354,20 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     // Catalog source first: a bad catalog fails start-up with a clear message.
-    let Some(config_path) = args.config.clone() else {
-        anyhow::bail!(
-            "no catalog source: pass --config FILE (a static catalog YAML with a `workers:` list)"
-        );
-    };
-    let initial_text = std::fs::read_to_string(&config_path)
-        .with_context(|| format!("cannot read catalog file {}", config_path.display()))?;
-    let initial = static_file::parse_catalog(&initial_text)
-        .with_context(|| format!("in catalog file {}", config_path.display()))?;
-    let (catalog_tx, catalog_rx) = watch::channel(Some(initial));
-    let reloads = metrics.catalog_reloads.clone();
-    tokio::spawn(static_file::watch_catalog(
-        config_path,
-        initial_text,
-        Duration::from_millis(args.catalog_poll_ms),
-        catalog_tx,
-        move |_| reloads.with_label_values(&["invalid"]).inc(),
-    ));
-    tokio::spawn(crate::selection::reconcile::run(
-        Arc::clone(&core),
-        "static-file",
-        catalog_rx,
-    ));
+    match catalog_source(&args, std::env::var("NAMESPACE").ok())? {
+        CatalogSource::Static(config_path) => start_static_source(&args, &core, config_path)?,
+        CatalogSource::Kubernetes(config) => {
+            let client = kube_client(args.kube_api_url.as_deref()).await?;
+            let (catalog_tx, catalog_rx) = watch::channel(None);
+            tracing::info!(namespace = %config.namespace, target = ?config.target, "watching Kubernetes");
+            tokio::spawn(kube_source::run(client, config, catalog_tx));
+            tokio::spawn(crate::selection::reconcile::run(
+                Arc::clone(&core),
+                "kubernetes",
+                catalog_rx,
+            ));
+        }
+    }
 
     if core.config().kv_events {
         tokio::spawn(crate::events::ingest::manage(
@@ -486,4 +509,126 @@ fn write_port_file(path: &std::path::Path, ports: (u16, u16, u16)) -> anyhow::Re
     std::fs::write(&tmp, body).with_context(|| format!("cannot write {}", tmp.display()))?;
     std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
     Ok(())
+}
+
+fn start_static_source(
+    args: &ServeArgs,
+    core: &Arc<SelectionCore>,
+    config_path: PathBuf,
+) -> anyhow::Result<()> {
+    let initial_text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("cannot read catalog file {}", config_path.display()))?;
+    let initial = static_file::parse_catalog(&initial_text)
+        .with_context(|| format!("in catalog file {}", config_path.display()))?;
+    let (catalog_tx, catalog_rx) = watch::channel(Some(initial));
+    let reloads = core.metrics().catalog_reloads.clone();
+    tokio::spawn(static_file::watch_catalog(
+        config_path,
+        initial_text,
+        Duration::from_millis(args.catalog_poll_ms),
+        catalog_tx,
+        move |_| reloads.with_label_values(&["invalid"]).inc(),
+    ));
+    tokio::spawn(crate::selection::reconcile::run(
+        Arc::clone(core),
+        "static-file",
+        catalog_rx,
+    ));
+    Ok(())
+}
+
+/// Where the workers come from.
+#[derive(Debug)]
+pub enum CatalogSource {
+    Static(PathBuf),
+    Kubernetes(kube_source::KubeSourceConfig),
+}
+
+/// Period of the Kubernetes source's forced re-publication of its full state.
+pub const KUBE_RESYNC: Duration = Duration::from_secs(30);
+
+/// Picks exactly one catalog source from the flags (`namespace_env`: env `NAMESPACE`).
+pub fn catalog_source(
+    args: &ServeArgs,
+    namespace_env: Option<String>,
+) -> anyhow::Result<CatalogSource> {
+    let kube_flags = args.pool_name.is_some() || args.endpoint_selector.is_some();
+    match (&args.config, kube_flags) {
+        (Some(_), true) => anyhow::bail!(
+            "choose one catalog source: --config (static file) or --pool-name / --endpoint-selector (Kubernetes), not both"
+        ),
+        (None, false) => anyhow::bail!(
+            "no catalog source: pass --config FILE (a static catalog YAML), --pool-name NAME (an InferencePool), or --endpoint-selector K=V,... with --target-ports"
+        ),
+        (Some(path), false) => {
+            for (set, flag) in [
+                (!args.target_ports.is_empty(), "--target-ports"),
+                (args.model.is_some(), "--model"),
+                (args.pool_namespace.is_some(), "--pool-namespace"),
+            ] {
+                if set {
+                    anyhow::bail!("{flag} only applies to the Kubernetes source, not --config");
+                }
+            }
+            Ok(CatalogSource::Static(path.clone()))
+        }
+        (None, true) => {
+            let namespace = match args.pool_namespace.clone().or(namespace_env) {
+                Some(ns) if !ns.is_empty() => ns,
+                _ => anyhow::bail!(
+                    "--pool-namespace is required (or set env NAMESPACE) with the Kubernetes source"
+                ),
+            };
+            if args.model.as_deref() == Some("") {
+                anyhow::bail!("--model must not be empty");
+            }
+            let target = match (&args.pool_name, &args.endpoint_selector) {
+                (Some(_), Some(_)) => anyhow::bail!(
+                    "--pool-name and --endpoint-selector exclude each other (the pool has its own selector)"
+                ),
+                (Some(name), None) => {
+                    if !args.target_ports.is_empty() {
+                        anyhow::bail!("--target-ports goes with --endpoint-selector; with --pool-name the pool's targetPorts apply");
+                    }
+                    kube_source::Target::Pool { name: name.clone() }
+                }
+                (None, Some(selector)) => {
+                    let selector = kube_source::parse_selector(selector)
+                        .context("invalid --endpoint-selector")?;
+                    if args.target_ports.is_empty() {
+                        anyhow::bail!("--endpoint-selector needs --target-ports PORT[,PORT...]");
+                    }
+                    kube_source::Target::Selector(
+                        kube_source::PoolView::new(selector, args.target_ports.clone())
+                            .context("invalid --target-ports")?,
+                    )
+                }
+                (None, None) => unreachable!("kube_flags"),
+            };
+            Ok(CatalogSource::Kubernetes(kube_source::KubeSourceConfig {
+                namespace,
+                target,
+                model: args.model.clone(),
+                resync: KUBE_RESYNC,
+            }))
+        }
+    }
+}
+
+/// The Kubernetes client: in-cluster service account or kubeconfig, or (tests, local use) a
+/// plain URL without credentials.
+async fn kube_client(api_url: Option<&str>) -> anyhow::Result<kube::Client> {
+    match api_url {
+        Some(url) => {
+            let uri: axum::http::Uri = url
+                .parse()
+                .with_context(|| format!("invalid --kube-api-url {url:?}"))?;
+            let mut config = kube::Config::new(uri);
+            config.accept_invalid_certs = true;
+            kube::Client::try_from(config).context("cannot build the Kubernetes client")
+        }
+        None => kube::Client::try_default().await.context(
+            "cannot configure the Kubernetes client (no in-cluster service account or kubeconfig)",
+        ),
+    }
 }

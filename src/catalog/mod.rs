@@ -1,7 +1,8 @@
-//! Worker catalog records and the sources that produce them (static YAML file now; the Kubernetes
-//! reflector later). A source only ever produces *complete desired snapshots*; applying them is the
+//! Worker catalog records and the sources that produce them (static YAML file, Kubernetes
+//! InferencePool/pod reflector). A source only ever produces *complete desired snapshots*; applying them is the
 //! selection core's job, so this module never touches bookings, load or scheduling state.
 
+pub mod kube;
 pub mod static_file;
 
 use std::net::{IpAddr, SocketAddr};

@@ -1,0 +1,651 @@
+//! The Kubernetes catalog source: watches one `InferencePool` (`inference.networking.k8s.io/v1`)
+//! — or, without the CRD, a fixed label selector and target ports — and the pods it selects, and
+//! publishes complete desired snapshots (`Vec<WorkerSpec>`) into a `watch` channel for the
+//! CatalogReconciler (DESIGN §4, §10).
+//!
+//! It owns: the InferencePool type, the pod reflector (kube-rs `watcher` + `reflector`,
+//! server-side label selector, `managed_fields` dropped, default backoff, relist on 410), and the
+//! pure (pool, pods) → snapshot conversion with both data-parallel shapes. It must not touch the
+//! selection core, bookings, KV events or scheduling state: it only ever sends snapshots.
+//!
+//! Guarantees: nothing (`None`) is published until the pool and the pods have completed their
+//! first full list, so readiness waits for the first sync; watch failures keep the last good
+//! state (the reflector store keeps it while kube-rs retries with backoff); a deleted or missing
+//! pool fails closed (`Some(vec![])`); a selector change restarts the pod watcher with the new
+//! server-side selector (the old state stays published until the new list completes).
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use futures::stream::BoxStream;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::runtime::reflector::{self, Store};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::{Api, Client, ResourceExt};
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::{RankLayout, WorkerSpec, MAX_DP_RANKS};
+
+/// Pod annotation restricting the live ranks to some of the pool's target ports.
+pub const ACTIVE_PORTS_ANNOTATION: &str = "inference.networking.k8s.io/active-ports";
+/// Pod annotation or label: number of data-parallel ranks multiplexed behind the first target port.
+pub const DP_SIZE_KEY: &str = "kvpick.io/data-parallel-size";
+/// Pod label naming the served model (when `--model` is not given).
+pub const MODEL_LABEL: &str = "kvpick.io/model";
+/// Pod annotation overriding the KV-event port of rank 0 (`off` or `0` disables KV events).
+pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvpick.io/kv-events-port";
+/// Pod annotation setting the replay (ROUTER) port of rank 0.
+pub const KV_REPLAY_PORT_ANNOTATION: &str = "kvpick.io/kv-replay-port";
+/// Default KV-event port of rank 0 (vLLM's default).
+pub const DEFAULT_KV_EVENTS_PORT: u16 = 5557;
+/// Most target ports an InferencePool may list.
+pub const MAX_TARGET_PORTS: usize = 8;
+
+/// `inference.networking.k8s.io/v1` InferencePool (only the fields kvpick reads; unknown fields
+/// are ignored so newer servers still parse).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct InferencePool {
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: InferencePoolSpec,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct InferencePoolSpec {
+    #[serde(default)]
+    pub selector: PoolSelector,
+    #[serde(default)]
+    pub target_ports: Vec<PortNumber>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint_picker_ref: Option<EndpointPickerRef>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolSelector {
+    #[serde(default)]
+    pub match_labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct PortNumber {
+    pub number: i32,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct EndpointPickerRef {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<PortNumber>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_mode: Option<String>,
+}
+
+impl kube::Resource for InferencePool {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        "InferencePool".into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        "inference.networking.k8s.io".into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        "inferencepools".into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// What selects the workers: the pool's selector and ports, or the flag-given equivalents.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PoolView {
+    pub selector: BTreeMap<String, String>,
+    pub target_ports: Vec<u16>,
+}
+
+impl PoolView {
+    /// Validates a pool's spec (1–8 target ports in 1..=65535).
+    pub fn from_pool(pool: &InferencePool) -> anyhow::Result<PoolView> {
+        let ports = pool
+            .spec
+            .target_ports
+            .iter()
+            .map(|p| {
+                u16::try_from(p.number)
+                    .ok()
+                    .filter(|n| *n != 0)
+                    .with_context(|| format!("targetPorts: {} is not a port number", p.number))
+            })
+            .collect::<anyhow::Result<Vec<u16>>>()?;
+        PoolView::new(pool.spec.selector.match_labels.clone(), ports)
+    }
+
+    pub fn new(selector: BTreeMap<String, String>, target_ports: Vec<u16>) -> anyhow::Result<Self> {
+        if target_ports.is_empty() || target_ports.len() > MAX_TARGET_PORTS {
+            bail!("targetPorts must list 1..={MAX_TARGET_PORTS} ports");
+        }
+        if target_ports.contains(&0) {
+            bail!("targetPorts must not contain 0");
+        }
+        Ok(PoolView {
+            selector,
+            target_ports,
+        })
+    }
+
+    /// The server-side label selector (`k=v,k2=v2`).
+    pub fn label_selector(&self) -> String {
+        self.selector
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    fn matches(&self, pod: &Pod) -> bool {
+        let labels = pod.labels();
+        self.selector
+            .iter()
+            .all(|(k, v)| labels.get(k).is_some_and(|l| l == v))
+    }
+}
+
+/// Parses `k=v,k2=v2` (the `--endpoint-selector` flag).
+pub fn parse_selector(text: &str) -> anyhow::Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    for part in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let Some((k, v)) = part.split_once('=') else {
+            bail!("selector term {part:?} is not key=value");
+        };
+        let (k, v) = (k.trim(), v.trim());
+        if k.is_empty() {
+            bail!("selector term {part:?} has an empty key");
+        }
+        out.insert(k.to_string(), v.to_string());
+    }
+    if out.is_empty() {
+        bail!("the selector must have at least one key=value term");
+    }
+    Ok(out)
+}
+
+/// Why a pod is not a worker (`Ok(None)` = not selected / not ready, silently skipped).
+fn pod_to_spec(
+    pool: &PoolView,
+    pod: &Pod,
+    model: Option<&str>,
+) -> anyhow::Result<Option<WorkerSpec>> {
+    if pod.metadata.deletion_timestamp.is_some() || !pool.matches(pod) {
+        return Ok(None);
+    }
+    let Some(status) = &pod.status else {
+        return Ok(None);
+    };
+    let ready = status
+        .conditions
+        .iter()
+        .flatten()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    if !ready {
+        return Ok(None);
+    }
+    let Some(ip) = status.pod_ip.as_deref().filter(|ip| !ip.is_empty()) else {
+        return Ok(None);
+    };
+    let address: IpAddr = ip
+        .parse()
+        .with_context(|| format!("podIP {ip:?} is not an IP address"))?;
+    let labels = pod.labels();
+    let annotations = pod.annotations();
+    let model = match model {
+        Some(m) => m.to_string(),
+        None => match labels.get(MODEL_LABEL) {
+            Some(m) if !m.is_empty() => m.clone(),
+            _ => bail!("no model: pass --model or label the pod {MODEL_LABEL}"),
+        },
+    };
+
+    let dp_size = annotations
+        .get(DP_SIZE_KEY)
+        .or_else(|| labels.get(DP_SIZE_KEY));
+    let ranks = if let Some(size) = dp_size {
+        let size: u32 = size
+            .trim()
+            .parse()
+            .ok()
+            .filter(|n| (1..=MAX_DP_RANKS).contains(n))
+            .with_context(|| format!("{DP_SIZE_KEY} must be 1..={MAX_DP_RANKS}, got {size:?}"))?;
+        let port = pool.target_ports[0];
+        if size == 1 {
+            RankLayout::PerPort(vec![port])
+        } else {
+            RankLayout::Multiplexed { port, size }
+        }
+    } else {
+        let ports = match annotations.get(ACTIVE_PORTS_ANNOTATION) {
+            None => pool.target_ports.clone(),
+            Some(active) => {
+                let active = active
+                    .split(',')
+                    .map(str::trim)
+                    .filter(|p| !p.is_empty())
+                    .map(|p| p.parse::<u16>())
+                    .collect::<Result<Vec<u16>, _>>()
+                    .with_context(|| {
+                        format!("{ACTIVE_PORTS_ANNOTATION} must list port numbers, got {active:?}")
+                    })?;
+                pool.target_ports
+                    .iter()
+                    .copied()
+                    .filter(|p| active.contains(p))
+                    .collect()
+            }
+        };
+        if ports.is_empty() {
+            return Ok(None);
+        }
+        RankLayout::PerPort(ports)
+    };
+
+    let port_annotation = |key: &str| -> anyhow::Result<Option<u16>> {
+        match annotations.get(key).map(|v| v.trim()) {
+            None => Ok(None),
+            Some("off") | Some("0") => Ok(Some(0)),
+            Some(v) => v
+                .parse::<u16>()
+                .map(Some)
+                .with_context(|| format!("{key} must be a port number, got {v:?}")),
+        }
+    };
+    let endpoint = |port: u16| format!("tcp://{}", SocketAddr::new(address, port));
+    let kv_events = match port_annotation(KV_EVENTS_PORT_ANNOTATION)? {
+        None => Some(endpoint(DEFAULT_KV_EVENTS_PORT)),
+        Some(0) => None,
+        Some(p) => Some(endpoint(p)),
+    };
+    let kv_replay = port_annotation(KV_REPLAY_PORT_ANNOTATION)?
+        .filter(|p| *p != 0)
+        .map(endpoint);
+
+    Ok(Some(WorkerSpec {
+        namespace: pod.namespace().unwrap_or_default(),
+        name: pod.name_any(),
+        model,
+        routing_group: String::new(),
+        address,
+        ranks,
+        block_size: None,
+        kv_events,
+        kv_replay,
+        lora_adapters: Vec::new(),
+    }))
+}
+
+/// The complete desired snapshot for `pool` from the current pods, sorted by namespace/name. A
+/// pod is a worker iff it matches the selector, is Ready=True, is not terminating and has an IP;
+/// a pod with invalid kvpick annotations is skipped with a warning.
+pub fn snapshot<'a>(
+    pool: &PoolView,
+    pods: impl IntoIterator<Item = &'a Pod>,
+    model: Option<&str>,
+) -> Vec<WorkerSpec> {
+    let mut specs: Vec<WorkerSpec> = pods
+        .into_iter()
+        .filter_map(|pod| match pod_to_spec(pool, pod, model) {
+            Ok(spec) => spec,
+            Err(err) => {
+                tracing::warn!(pod = %pod.name_any(), err = format!("{err:#}"), "pod is not a worker");
+                None
+            }
+        })
+        .collect();
+    specs.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
+    specs
+}
+
+/// Which pods to watch.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// Follow one InferencePool's selector and target ports.
+    Pool { name: String },
+    /// No CRD: a fixed selector and ports from flags.
+    Selector(PoolView),
+}
+
+#[derive(Debug, Clone)]
+pub struct KubeSourceConfig {
+    pub namespace: String,
+    pub target: Target,
+    /// Model served by every selected pod; `None` = pod label `kvpick.io/model`.
+    pub model: Option<String>,
+    /// Period of the forced re-publication of the current state.
+    pub resync: Duration,
+}
+
+type PodEvents = BoxStream<'static, Result<Event<Pod>, watcher::Error>>;
+type PoolEvents = BoxStream<'static, Result<Event<InferencePool>, watcher::Error>>;
+
+struct PodWatch {
+    selector: BTreeMap<String, String>,
+    store: Store<Pod>,
+    events: PodEvents,
+    synced: bool,
+}
+
+fn pod_watch(api: &Api<Pod>, view: &PoolView) -> PodWatch {
+    let (store, writer) = reflector::store();
+    let config = watcher::Config::default().labels(&view.label_selector());
+    let events = watcher::watcher(api.clone(), config)
+        .default_backoff()
+        .modify(|pod: &mut Pod| pod.managed_fields_mut().clear())
+        .reflect(writer)
+        .boxed();
+    PodWatch {
+        selector: view.selector.clone(),
+        store,
+        events,
+        synced: false,
+    }
+}
+
+/// Publishes `snapshot` if it differs from the current one (or always, when `force`).
+fn publish(tx: &watch::Sender<Option<Vec<WorkerSpec>>>, snapshot: Vec<WorkerSpec>, force: bool) {
+    tx.send_if_modified(|current| {
+        if !force && current.as_ref() == Some(&snapshot) {
+            return false;
+        }
+        tracing::debug!(workers = snapshot.len(), "kubernetes snapshot published");
+        *current = Some(snapshot);
+        true
+    });
+}
+
+/// Runs the source until every receiver of `tx` is gone.
+pub async fn run(
+    client: Client,
+    config: KubeSourceConfig,
+    tx: watch::Sender<Option<Vec<WorkerSpec>>>,
+) {
+    let pod_api: Api<Pod> = Api::namespaced(client.clone(), &config.namespace);
+    let model = config.model.as_deref();
+
+    // The pool side: either a fixed view, or a watcher on the named pool.
+    let (mut view, mut pool_events): (Option<PoolView>, Option<PoolEvents>) = match &config.target {
+        Target::Selector(view) => (Some(view.clone()), None),
+        Target::Pool { name } => {
+            let api: Api<InferencePool> = Api::namespaced(client.clone(), &config.namespace);
+            let wc = watcher::Config::default().fields(&format!("metadata.name={name}"));
+            let events = watcher::watcher(api, wc)
+                .default_backoff()
+                .modify(|p: &mut InferencePool| p.managed_fields_mut().clear())
+                .boxed();
+            (None, Some(events))
+        }
+    };
+    let pool_name = match &config.target {
+        Target::Pool { name } => name.clone(),
+        Target::Selector(_) => String::new(),
+    };
+    let mut pool_synced = pool_events.is_none();
+    let mut pool_buffer: Option<InferencePool> = None;
+    let mut pool: Option<InferencePool> = None;
+    let mut pods: Option<PodWatch> = view.as_ref().map(|v| pod_watch(&pod_api, v));
+
+    let mut resync = tokio::time::interval(config.resync);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    resync.tick().await;
+
+    loop {
+        let mut force = false;
+        tokio::select! {
+            event = async { pool_events.as_mut().unwrap().next().await }, if pool_events.is_some() => {
+                let mut pool_changed = false;
+                match event {
+                    Some(Ok(Event::Init)) => pool_buffer = None,
+                    Some(Ok(Event::InitApply(p))) => pool_buffer = Some(p),
+                    Some(Ok(Event::InitDone)) => {
+                        pool = pool_buffer.take();
+                        pool_synced = true;
+                        pool_changed = true;
+                    }
+                    Some(Ok(Event::Apply(p))) => {
+                        pool = Some(p);
+                        pool_changed = true;
+                    }
+                    Some(Ok(Event::Delete(_))) => {
+                        pool = None;
+                        pool_changed = true;
+                    }
+                    Some(Err(err)) => {
+                        tracing::warn!(pool = %pool_name, %err, "InferencePool watch failed; keeping the last state, retrying");
+                    }
+                    None => return,
+                }
+                if pool_changed {
+                    let new_view = match &pool {
+                        None => {
+                            tracing::warn!(pool = %pool_name, namespace = %config.namespace, "InferencePool not found: failing closed (empty catalog)");
+                            None
+                        }
+                        Some(p) => match PoolView::from_pool(p) {
+                            Ok(v) => Some(v),
+                            Err(err) => {
+                                tracing::error!(pool = %pool_name, err = format!("{err:#}"), "invalid InferencePool: failing closed (empty catalog)");
+                                None
+                            }
+                        },
+                    };
+                    if new_view != view {
+                        tracing::info!(pool = %pool_name, ?new_view, "InferencePool selection changed");
+                    }
+                    view = new_view;
+                    match &view {
+                        None => pods = None,
+                        Some(v) => {
+                            if pods.as_ref().is_none_or(|p| p.selector != v.selector) {
+                                pods = Some(pod_watch(&pod_api, v));
+                            }
+                        }
+                    }
+                }
+            }
+            event = async { pods.as_mut().unwrap().events.next().await }, if pods.is_some() => {
+                match event {
+                    Some(Ok(Event::InitDone)) => {
+                        if let Some(p) = pods.as_mut() {
+                            p.synced = true;
+                        }
+                    }
+                    Some(Ok(_)) => {}
+                    Some(Err(err)) => {
+                        tracing::warn!(%err, "pod watch failed; keeping the last state, retrying");
+                        continue;
+                    }
+                    None => return,
+                }
+            }
+            _ = resync.tick() => force = true,
+            _ = tx.closed() => return,
+        }
+
+        if !pool_synced {
+            continue;
+        }
+        match (&view, &pods) {
+            (None, _) => publish(&tx, Vec::new(), force),
+            (Some(v), Some(p)) if p.synced => {
+                let state = p.store.state();
+                publish(&tx, snapshot(v, state.iter().map(|p| &**p), model), force);
+            }
+            // The pod list for a new selector is not complete yet: keep what is published.
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(name: &str, ready: bool, ip: Option<&str>, extra: serde_json::Value) -> Pod {
+        let mut v = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ns", "labels": {"app": "vllm"}},
+            "status": {
+                "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}],
+            },
+        });
+        if let Some(ip) = ip {
+            v["status"]["podIP"] = ip.into();
+        }
+        if let serde_json::Value::Object(extra) = extra {
+            for (k, val) in extra {
+                if let serde_json::Value::Object(m) = val {
+                    for (k2, v2) in m {
+                        v["metadata"][&k][&k2] = v2;
+                    }
+                } else {
+                    v["metadata"][&k] = val;
+                }
+            }
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    fn view() -> PoolView {
+        PoolView::new(
+            [("app".to_string(), "vllm".to_string())].into(),
+            vec![8000, 8001],
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn worker_iff_ready_with_ip_matching_and_not_terminating() {
+        let pods = [
+            pod("a", true, Some("10.0.0.1"), serde_json::json!({})),
+            pod("b", false, Some("10.0.0.2"), serde_json::json!({})),
+            pod("c", true, None, serde_json::json!({})),
+            pod(
+                "d",
+                true,
+                Some("10.0.0.4"),
+                serde_json::json!({"deletionTimestamp": "2025-01-01T00:00:00Z"}),
+            ),
+            pod(
+                "e",
+                true,
+                Some("10.0.0.5"),
+                serde_json::json!({"labels": {"app": "other"}}),
+            ),
+        ];
+        let specs = snapshot(&view(), &pods, Some("m"));
+        assert_eq!(specs.len(), 1);
+        let a = &specs[0];
+        assert_eq!((a.namespace.as_str(), a.name.as_str()), ("ns", "a"));
+        assert_eq!(a.ranks, RankLayout::PerPort(vec![8000, 8001]));
+        assert_eq!(a.kv_events.as_deref(), Some("tcp://10.0.0.1:5557"));
+        assert_eq!(a.kv_replay, None);
+        assert_eq!(a.worker_id(), super::super::worker_id("ns", "a"));
+    }
+
+    #[test]
+    fn dp_shapes_active_ports_model_and_kv_ports() {
+        let pods = [
+            pod(
+                "mux",
+                true,
+                Some("10.0.0.1"),
+                serde_json::json!({"labels": {"kvpick.io/data-parallel-size": "4", "kvpick.io/model": "lm"}}),
+            ),
+            pod(
+                "active",
+                true,
+                Some("10.0.0.2"),
+                serde_json::json!({
+                    "labels": {"kvpick.io/model": "lm"},
+                    "annotations": {
+                        "inference.networking.k8s.io/active-ports": "8001",
+                        "kvpick.io/kv-events-port": "6000",
+                        "kvpick.io/kv-replay-port": "6100",
+                    },
+                }),
+            ),
+            pod("nomodel", true, Some("10.0.0.3"), serde_json::json!({})),
+            pod(
+                "v6",
+                true,
+                Some("fd00::1"),
+                serde_json::json!({"labels": {"kvpick.io/model": "lm"}, "annotations": {"kvpick.io/kv-events-port": "off"}}),
+            ),
+        ];
+        let specs = snapshot(&view(), &pods, None);
+        let names: Vec<_> = specs.iter().map(|s| s.name.as_str()).collect();
+        assert_eq!(names, ["active", "mux", "v6"]);
+        assert_eq!(specs[0].ranks, RankLayout::PerPort(vec![8001]));
+        assert_eq!(specs[0].kv_events.as_deref(), Some("tcp://10.0.0.2:6000"));
+        assert_eq!(specs[0].kv_replay.as_deref(), Some("tcp://10.0.0.2:6100"));
+        assert_eq!(
+            specs[1].ranks,
+            RankLayout::Multiplexed {
+                port: 8000,
+                size: 4
+            }
+        );
+        assert_eq!(specs[1].model, "lm");
+        assert_eq!(specs[2].kv_events, None);
+    }
+
+    #[test]
+    fn pool_parses_and_validates() {
+        let pool: InferencePool = serde_json::from_value(serde_json::json!({
+            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
+            "metadata": {"name": "p", "namespace": "ns"},
+            "spec": {
+                "selector": {"matchLabels": {"app": "vllm"}},
+                "targetPorts": [{"number": 8000}, {"number": 8001}],
+                "endpointPickerRef": {"name": "kvpick", "port": {"number": 9002}, "failureMode": "FailClose"},
+            },
+        }))
+        .unwrap();
+        let v = PoolView::from_pool(&pool).unwrap();
+        assert_eq!(v, view());
+        assert_eq!(v.label_selector(), "app=vllm");
+        assert_eq!(
+            pool.spec
+                .endpoint_picker_ref
+                .unwrap()
+                .failure_mode
+                .as_deref(),
+            Some("FailClose")
+        );
+        let mut bad = InferencePool::default();
+        bad.spec.target_ports = vec![PortNumber { number: 70000 }];
+        assert!(PoolView::from_pool(&bad).is_err());
+        assert!(parse_selector("a=b, c=d").unwrap().len() == 2);
+        assert!(parse_selector("a").is_err());
+    }
+}
