@@ -702,6 +702,18 @@ async fn pool_pods_lifecycle_dp_shapes_readiness_and_latency() {
         ],
     )
     .await;
+    // The live active port keeps its rank number (targetPorts[1] is rank 1).
+    let act = api
+        .list_workers(ListWorkersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers
+        .into_iter()
+        .find(|w| w.name == "act")
+        .unwrap();
+    assert_eq!(act.ranks.len(), 1);
+    assert_eq!(act.ranks[0].dp_rank, 1);
     let workers = api
         .list_workers(ListWorkersRequest::default())
         .await

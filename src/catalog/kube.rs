@@ -245,8 +245,8 @@ fn pod_to_spec(
             RankLayout::Multiplexed { port, size }
         }
     } else {
-        let ports = match annotations.get(ACTIVE_PORTS_ANNOTATION) {
-            None => pool.target_ports.clone(),
+        match annotations.get(ACTIVE_PORTS_ANNOTATION) {
+            None => RankLayout::PerPort(pool.target_ports.clone()),
             Some(active) => {
                 let active = active
                     .split(',')
@@ -257,17 +257,24 @@ fn pod_to_spec(
                     .with_context(|| {
                         format!("{ACTIVE_PORTS_ANNOTATION} must list port numbers, got {active:?}")
                     })?;
-                pool.target_ports
+                // Rank i stays rank i (targetPorts[i]) when other ranks are inactive.
+                let live: Vec<(u32, u16)> = pool
+                    .target_ports
                     .iter()
-                    .copied()
-                    .filter(|p| active.contains(p))
-                    .collect()
+                    .enumerate()
+                    .filter(|(_, p)| active.contains(p))
+                    .map(|(i, p)| (i as u32, *p))
+                    .collect();
+                if live.is_empty() {
+                    return Ok(None);
+                }
+                if live.len() == pool.target_ports.len() {
+                    RankLayout::PerPort(pool.target_ports.clone())
+                } else {
+                    RankLayout::Sparse(live)
+                }
             }
-        };
-        if ports.is_empty() {
-            return Ok(None);
         }
-        RankLayout::PerPort(ports)
     };
 
     let port_annotation = |key: &str| -> anyhow::Result<Option<u16>> {
@@ -605,7 +612,12 @@ mod tests {
         let specs = snapshot(&view(), &pods, None);
         let names: Vec<_> = specs.iter().map(|s| s.name.as_str()).collect();
         assert_eq!(names, ["active", "mux", "v6"]);
-        assert_eq!(specs[0].ranks, RankLayout::PerPort(vec![8001]));
+        assert_eq!(specs[0].ranks, RankLayout::Sparse(vec![(1, 8001)]));
+        assert_eq!(
+            specs[0].rank_endpoints()[0].dp_rank,
+            1,
+            "rank keeps its number"
+        );
         assert_eq!(specs[0].kv_events.as_deref(), Some("tcp://10.0.0.2:6000"));
         assert_eq!(specs[0].kv_replay.as_deref(), Some("tcp://10.0.0.2:6100"));
         assert_eq!(

@@ -17,6 +17,9 @@ pub enum RankLayout {
     PerPort(Vec<u16>),
     /// Every rank shares one port; the pick names the rank in `X-data-parallel-rank`.
     Multiplexed { port: u16, size: u32 },
+    /// Rank per port with only some ranks live (GIE `active-ports`): `(dp_rank, port)` pairs, so
+    /// a rank keeps its number (and its KV-event port offset) when others are inactive.
+    Sparse(Vec<(u32, u16)>),
 }
 
 /// One model server (pod) as a catalog source describes it.
@@ -57,6 +60,14 @@ impl WorkerSpec {
                 .map(|(rank, port)| RankEndpoint {
                     dp_rank: rank as u32,
                     endpoint: SocketAddr::new(self.address, *port),
+                    multiplexed: false,
+                })
+                .collect(),
+            RankLayout::Sparse(ranks) => ranks
+                .iter()
+                .map(|&(dp_rank, port)| RankEndpoint {
+                    dp_rank,
+                    endpoint: SocketAddr::new(self.address, port),
                     multiplexed: false,
                 })
                 .collect(),
