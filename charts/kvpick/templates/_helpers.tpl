@@ -20,9 +20,32 @@ contains the chart name (`helm install kvpick ...` gives `kvpick`), else `<relea
 {{- end }}
 {{- end }}
 
-{{/* The catalog ConfigMap's name. */}}
-{{- define "kvpick.catalogName" -}}
-{{- printf "%s-catalog" (include "kvpick.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{/* The config ConfigMap's name. */}}
+{{- define "kvpick.configName" -}}
+{{- printf "%s-config" (include "kvpick.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* The InferencePool's name (pool mode). */}}
+{{- define "kvpick.poolName" -}}
+{{- required "pool.name is required with mode=pool" .Values.pool.name }}
+{{- end }}
+
+{{/* `k=v,...` from pool.selector.matchLabels (selector mode's --endpoint-selector). */}}
+{{- define "kvpick.endpointSelector" -}}
+{{- $pairs := list }}
+{{- range $k, $v := .Values.pool.selector.matchLabels }}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
+{{/* `P,...` from pool.targetPorts (selector mode's --target-ports). */}}
+{{- define "kvpick.targetPorts" -}}
+{{- $ports := list }}
+{{- range .Values.pool.targetPorts }}
+{{- $ports = append $ports (toString (int .number)) }}
+{{- end }}
+{{- join "," $ports }}
 {{- end }}
 
 {{- define "kvpick.chart" -}}
