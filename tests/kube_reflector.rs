@@ -6,8 +6,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -22,8 +21,6 @@ use kvpick::proto::ListWorkersRequest;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
 
 const NS: &str = "ns";
 const POOL: &str = "pool";
@@ -448,98 +445,19 @@ fn pool_object(selector: Value, ports: &[u16]) -> Value {
 // kvpick process and assertions
 // ---------------------------------------------------------------------------------------------
 
-struct Serve {
-    child: Child,
-    dir: PathBuf,
-    grpc: u16,
-    health: u16,
-}
+mod common;
 
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            let log = std::fs::read_to_string(self.dir.join("kvpick.log")).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(60).collect();
-            eprintln!("--- kvpick log (last lines) ---");
-            for l in tail.iter().rev() {
-                eprintln!("{l}");
-            }
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+use common::{readiness, wait_readiness, Serve};
 
 fn start(fake: &Fake, extra: &[&str]) -> Serve {
-    let dir = std::env::temp_dir().join(format!("kvpick-kube-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let port_file = dir.join("ports.json");
-    let log = std::fs::File::create(dir.join("kvpick.log")).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args(["serve", "--bind", "127.0.0.1", "--grpc-port", "0"])
-        .args(["--grpc-health-port", "0", "--metrics-port", "0"])
-        .args(["--secure-serving=false", "--kv-events", "off"])
-        .args(["--kube-api-url", &fake.url, "--pool-namespace", NS])
-        .args(extra)
-        .arg("--port-file")
-        .arg(&port_file)
-        .env("RUST_LOG", "info,kvpick=debug")
-        .env_remove("NAMESPACE")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .expect("kvpick binary runs");
-    let mut serve = Serve {
-        child,
-        dir,
-        grpc: 0,
-        health: 0,
-    };
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let ports = loop {
-        if let Ok(text) = std::fs::read_to_string(&port_file) {
-            break text;
-        }
-        if let Ok(Some(status)) = serve.child.try_wait() {
-            panic!("kvpick exited early: {status}");
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kvpick did not write its port file"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let ports: Value = serde_json::from_str(&ports).unwrap();
-    serve.grpc = ports["grpc"].as_u64().unwrap() as u16;
-    serve.health = ports["health"].as_u64().unwrap() as u16;
-    serve
-}
-
-async fn readiness(port: u16) -> ServingStatus {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = HealthClient::new(channel);
-    let status = client
-        .check(HealthCheckRequest {
-            service: "readiness".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
-    ServingStatus::try_from(status).unwrap()
-}
-
-async fn wait_readiness(port: u16, want: ServingStatus) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while readiness(port).await != want {
-        assert!(Instant::now() < deadline, "readiness never became {want:?}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let url = fake.url.clone();
+    common::start_with(common::temp_dir("kvpick-kube"), |c| {
+        c.args(["--secure-serving=false", "--kv-events", "off"])
+            .args(["--kube-api-url", &url, "--pool-namespace", NS])
+            .args(extra)
+            .env("RUST_LOG", "info,kvpick=debug")
+            .env_remove("NAMESPACE");
+    })
 }
 
 type Api = SelectionClient<tonic::transport::Channel>;

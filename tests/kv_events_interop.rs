@@ -4,7 +4,7 @@
 //! by replay, clear, and a publisher restart (seq back to 0) clearing stale blocks.
 
 use std::io::{BufRead, BufReader, Write};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -104,70 +104,15 @@ fn engine_hashes(seed: u32, blocks: usize) -> Vec<u64> {
         .collect()
 }
 
-struct Kvpick {
-    child: Child,
-    dir: PathBuf,
-    grpc: u16,
-}
+mod common;
 
-impl Drop for Kvpick {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn start_kvpick(events: &str, replay: &str) -> Kvpick {
-    let dir = std::env::temp_dir().join(format!("kvpick-kv-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(
-        dir.join("catalog.yaml"),
-        format!(
+fn start_kvpick(events: &str, replay: &str) -> common::Serve {
+    common::start_static(
+        &format!(
             "workers:\n  - {{name: w, model: m, address: 127.0.0.1, ports: [8000], block_size: 16, kv_events: \"{events}\", kv_replay: \"{replay}\"}}\n"
         ),
+        &[],
     )
-    .unwrap();
-    let port_file = dir.join("ports.json");
-    let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args([
-            "serve",
-            "--bind",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-        ])
-        .args(["--metrics-port", "0", "--secure-serving=false"])
-        .arg("--config")
-        .arg(dir.join("catalog.yaml"))
-        .arg("--port-file")
-        .arg(&port_file)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let ports: Value = serde_json::from_str(&wait_for_file(&port_file)).unwrap();
-    Kvpick {
-        child,
-        dir,
-        grpc: ports["grpc"].as_u64().unwrap() as u16,
-    }
-}
-
-fn wait_for_file(path: &Path) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            return text;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kvpick did not write its port file"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 async fn cached_blocks(api: &mut SelectionClient<Channel>, tokens: &[u32]) -> u32 {

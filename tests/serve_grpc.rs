@@ -1,110 +1,18 @@
 //! Runs the real `kvpick serve` binary on loopback (port 0, h2c) and talks to it over gRPC: the
 //! selection API and health follow the catalog file as it changes.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
 
 use kvpick::proto::selection_client::SelectionClient;
 use kvpick::proto::{BookingRef, ListWorkersRequest, SelectRequest};
 use tonic_health::pb::health_check_response::ServingStatus;
-use tonic_health::pb::health_client::HealthClient;
-use tonic_health::pb::HealthCheckRequest;
 
-struct Serve {
-    child: Child,
-    dir: PathBuf,
-    grpc: u16,
-    health: u16,
-}
+mod common;
 
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
+use common::{readiness, start_static, wait_readiness};
 
-fn start(catalog: &str) -> Serve {
-    let dir = std::env::temp_dir().join(format!("kvpick-it-{}", uuid::Uuid::new_v4()));
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("catalog.yaml"), catalog).unwrap();
-    let port_file = dir.join("ports.json");
-    let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args([
-            "serve",
-            "--bind",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-        ])
-        .args([
-            "--metrics-port",
-            "0",
-            "--secure-serving=false",
-            "--catalog-poll-ms",
-            "50",
-        ])
-        .arg("--config")
-        .arg(dir.join("catalog.yaml"))
-        .arg("--port-file")
-        .arg(&port_file)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvpick binary runs");
-    let ports = wait_for_file(&port_file);
-    let ports: serde_json::Value = serde_json::from_str(&ports).unwrap();
-    Serve {
-        child,
-        dir,
-        grpc: ports["grpc"].as_u64().unwrap() as u16,
-        health: ports["health"].as_u64().unwrap() as u16,
-    }
-}
-
-/// The port file is kvpick's readiness signal; a bounded wait for it to appear.
-fn wait_for_file(path: &Path) -> String {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Ok(text) = std::fs::read_to_string(path) {
-            return text;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "kvpick did not write its port file"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-async fn readiness(port: u16) -> ServingStatus {
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = HealthClient::new(channel);
-    let status = client
-        .check(HealthCheckRequest {
-            service: "readiness".into(),
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .status;
-    ServingStatus::try_from(status).unwrap()
-}
-
-async fn wait_readiness(port: u16, want: ServingStatus) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while readiness(port).await != want {
-        assert!(Instant::now() < deadline, "readiness never became {want:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+fn start(catalog: &str) -> common::Serve {
+    start_static(catalog, &[])
 }
 
 #[tokio::test]

@@ -2,21 +2,12 @@
 //! and picks up a replaced pair without a restart.
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustls::pki_types::{CertificateDer, ServerName};
 
-struct Guard(Child, std::path::PathBuf);
-
-impl Drop for Guard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-        let _ = std::fs::remove_dir_all(&self.1);
-    }
-}
+mod common;
 
 fn write_pair(dir: &Path, name: &str) -> CertificateDer<'static> {
     let cert = rcgen::generate_simple_self_signed(vec![name.to_string()]).unwrap();
@@ -55,43 +46,16 @@ async fn handshake(
 
 #[tokio::test]
 async fn serves_and_reloads_the_certificate_in_cert_path() {
-    let dir = std::env::temp_dir().join(format!("kvpick-tls-{}", uuid::Uuid::new_v4()));
+    let dir = common::temp_dir("kvpick-tls");
     let certs = dir.join("certs");
     std::fs::create_dir_all(&certs).unwrap();
     let first = write_pair(&certs, "first.kvpick.test");
     std::fs::write(dir.join("catalog.yaml"), "workers: []\n").unwrap();
-    let port_file = dir.join("ports.json");
-    let child = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args([
-            "serve",
-            "--bind",
-            "127.0.0.1",
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-        ])
-        .args(["--metrics-port", "0"])
-        .arg("--cert-path")
-        .arg(&certs)
-        .arg("--config")
-        .arg(dir.join("catalog.yaml"))
-        .arg("--port-file")
-        .arg(&port_file)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _guard = Guard(child, dir.clone());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let ports = loop {
-        if let Ok(text) = std::fs::read_to_string(&port_file) {
-            break serde_json::from_str::<serde_json::Value>(&text).unwrap();
-        }
-        assert!(Instant::now() < deadline, "no port file");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let port = ports["grpc"].as_u64().unwrap() as u16;
+    let config = dir.join("catalog.yaml");
+    let serve = common::start_with(dir, |c| {
+        c.arg("--cert-path").arg(&certs).arg("--config").arg(config);
+    });
+    let port = serve.grpc;
 
     assert_eq!(
         handshake(port, "first.kvpick.test", &first).await.unwrap(),

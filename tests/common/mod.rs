@@ -1,0 +1,125 @@
+//! Shared by the integration tests: run the real `kvpick serve` binary on 127.0.0.1 with every
+//! port 0, wait for its port file (its readiness signal), and ask gRPC health. The process is
+//! killed and its directory removed on drop; a failing test prints the tail of kvpick's log.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::HealthCheckRequest;
+
+pub struct Serve {
+    pub child: Child,
+    pub dir: PathBuf,
+    pub grpc: u16,
+    pub health: u16,
+    pub metrics: u16,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        if std::thread::panicking() {
+            let log = std::fs::read_to_string(self.dir.join("kvpick.log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            eprintln!("--- kvpick log (last lines) ---");
+            for l in tail.iter().rev() {
+                eprintln!("{l}");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A fresh directory under the system temp dir.
+pub fn temp_dir(prefix: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("{prefix}-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Starts `kvpick serve` with its ports on 127.0.0.1:0 and its log in `dir/kvpick.log`;
+/// `configure` adds the test's own flags and environment.
+pub fn start_with(dir: PathBuf, configure: impl FnOnce(&mut Command)) -> Serve {
+    let port_file = dir.join("ports.json");
+    let log = std::fs::File::create(dir.join("kvpick.log")).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvpick"));
+    command
+        .args(["serve", "--bind", "127.0.0.1", "--grpc-port", "0"])
+        .args(["--grpc-health-port", "0", "--metrics-port", "0"])
+        .arg("--port-file")
+        .arg(&port_file)
+        .stdout(Stdio::null())
+        .stderr(log);
+    configure(&mut command);
+    let child = command.spawn().expect("kvpick binary runs");
+    let mut serve = Serve {
+        child,
+        dir,
+        grpc: 0,
+        health: 0,
+        metrics: 0,
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ports = loop {
+        if let Ok(text) = std::fs::read_to_string(&port_file) {
+            break text;
+        }
+        if let Ok(Some(status)) = serve.child.try_wait() {
+            panic!("kvpick exited early: {status}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "kvpick did not write its port file"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let ports: serde_json::Value = serde_json::from_str(&ports).unwrap();
+    serve.grpc = ports["grpc"].as_u64().unwrap() as u16;
+    serve.health = ports["health"].as_u64().unwrap() as u16;
+    serve.metrics = ports["metrics"].as_u64().unwrap() as u16;
+    serve
+}
+
+/// `kvpick serve --config <dir>/catalog.yaml` over h2c, with `catalog` as the file's content.
+pub fn start_static(catalog: &str, extra: &[&str]) -> Serve {
+    let dir = temp_dir("kvpick-it");
+    std::fs::write(dir.join("catalog.yaml"), catalog).unwrap();
+    let config = dir.join("catalog.yaml");
+    start_with(dir, |c| {
+        c.args(["--secure-serving=false", "--catalog-poll-ms", "50"])
+            .args(extra)
+            .arg("--config")
+            .arg(config);
+    })
+}
+
+pub async fn readiness(port: u16) -> ServingStatus {
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{port}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let status = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: "readiness".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .status;
+    ServingStatus::try_from(status).unwrap()
+}
+
+/// Polls readiness until it is `want` (bounded: 30 s).
+pub async fn wait_readiness(port: u16, want: ServingStatus) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while readiness(port).await != want {
+        assert!(Instant::now() < deadline, "readiness never became {want:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
