@@ -258,15 +258,7 @@ impl Partition {
         };
         let mut state = self.state.lock();
         for record in gone {
-            let keys: Vec<RankKey> = state
-                .ranks
-                .keys()
-                .filter(|k| k.worker_id == record.id)
-                .copied()
-                .collect();
-            for key in keys {
-                Self::drop_rank(&mut state, key, metrics, &mut result.dropped_bookings);
-            }
+            Self::drop_worker(&mut state, record.id, metrics, &mut result.dropped_bookings);
         }
         for record in upserts {
             let others_declare =
@@ -281,15 +273,12 @@ impl Partition {
                                 self.key.model
                             ),
                         ));
-                        let keys: Vec<RankKey> = state
-                            .ranks
-                            .keys()
-                            .filter(|k| k.worker_id == record.id)
-                            .copied()
-                            .collect();
-                        for key in keys {
-                            Self::drop_rank(&mut state, key, metrics, &mut result.dropped_bookings);
-                        }
+                        Self::drop_worker(
+                            &mut state,
+                            record.id,
+                            metrics,
+                            &mut result.dropped_bookings,
+                        );
                         continue;
                     }
                     Some(current) if current == declared => {}
@@ -345,6 +334,24 @@ impl Partition {
         let n = state.ranks.values().filter(|s| s.schedulable).count();
         self.schedulable.store(n, Ordering::Relaxed);
         result
+    }
+
+    /// Drops every rank of a worker (and their bookings).
+    fn drop_worker(
+        state: &mut State,
+        worker_id: u64,
+        metrics: &Metrics,
+        dropped: &mut Vec<String>,
+    ) {
+        let keys: Vec<RankKey> = state
+            .ranks
+            .keys()
+            .filter(|k| k.worker_id == worker_id)
+            .copied()
+            .collect();
+        for key in keys {
+            Self::drop_rank(state, key, metrics, dropped);
+        }
     }
 
     fn drop_rank(state: &mut State, key: RankKey, metrics: &Metrics, dropped: &mut Vec<String>) {
