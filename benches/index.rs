@@ -158,7 +158,7 @@ fn core_with(ranks: usize) -> (Arc<SelectionCore>, Vec<RankKey>) {
 
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
-    let mut requests = trace();
+    let mut requests = trace(benching);
     if !benching {
         requests.truncate(20);
     }
