@@ -1,9 +1,10 @@
 """kvpick demo: upstream model-server ranks + kvpick + a real Envoy, traffic through it, a result table.
 
 Until the simulator lands (`kvpick sim`), the ranks are the e2e suite's fake upstreams: they answer
-immediately and can hold SSE streams open. The demo shows (1) 300 chat requests routed through Envoy
-and which rank served each, (2) 12 concurrent held streams spread over the ranks by in-flight load,
-and (3) kvpick's own pick latency from its metrics.
+immediately and can hold SSE streams open. The demo shows (1) 300 chat requests with unrelated
+prompts spread over the ranks, (2) 40 agent-style requests sharing a long system prompt following the
+rank that already holds it, (3) 12 concurrent held streams spread by load, and (4) kvpick's own pick
+latency from its metrics.
 """
 
 from __future__ import annotations
@@ -37,7 +38,16 @@ def main() -> int:
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             served = list(pool.map(one, range(300)))
 
-        # 2. Twelve streams held open at once: least-loaded spreads them evenly.
+        # 2. Requests sharing a long system prompt follow the rank that served it first.
+        system = "You are a coding agent. " + "Follow the repository conventions carefully. " * 60
+        def shared(i: int) -> int:
+            body = {"model": "m1", "messages": [{"role": "system", "content": system},
+                                                {"role": "user", "content": f"task {i}"}]}
+            with post(url, body) as r:
+                return json.loads(r.read())["port"]
+        prefix_served = [shared(i) for i in range(40)]
+
+        # 3. Twelve streams held open at once: their KV blocks make busy ranks costlier.
         gates = [harness.Gate() for _ in range(12)]
         responses = []
         for g in gates:
@@ -63,16 +73,17 @@ def main() -> int:
         print()
         print("kvpick demo: client -> Envoy 1.40 -> ext_proc kvpick -> picked rank")
         print()
-        print("| rank (worker/dp) | endpoint | of 300 requests | of 12 concurrent streams |")
-        print("|---|---|---|---|")
+        print("| rank (worker/dp) | endpoint | of 300 unrelated requests | of 40 shared-prefix requests | of 12 concurrent streams |")
+        print("|---|---|---|---|---|")
         names = ["vllm-0/0", "vllm-0/1", "vllm-1/0"]
         for name, u in zip(names, ups):
-            print(f"| {name} | {u.endpoint} | {served.count(u.port)} | {int(held[u.port])} |")
+            print(f"| {name} | {u.endpoint} | {served.count(u.port)} | {prefix_served.count(u.port)} "
+                  f"| {int(held[u.port])} |")
         print()
         print(f"kvpick pick latency over {int(count)} picks: p50 ~{p50:.0f} us, p99 ~{p99:.0f} us "
               "(from kvpick_pick_latency_seconds)")
-        print("policy: least in-flight requests per rank (KV-aware scoring arrives with the "
-              "selection-core milestone)")
+        print("policy: KV-aware cost (cached prefix vs. queued prefill vs. active KV blocks); without "
+              "engine KV events kvpick remembers its own routing decisions (approximate mode)")
         return 0
     finally:
         stack.stop()
