@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Fuzzes the KV-event decoder (src/events/decode.rs) with cargo-fuzz / libFuzzer.
 #
-#   bash fuzz/run.sh [SECONDS]     # default 600 (the 10-minute acceptance run)
+#   bash fuzz/run.sh [SECONDS] [TARGET]   # default 600 s, target kv_event_decoder
+#
+# Targets: kv_event_decoder (src/events/decode.rs), request_body (src/request.rs + src/usage.rs).
 #
 # Installs cargo-fuzz if missing. cargo-fuzz needs nightly-only rustc flags (sanitizers); on a
 # stable toolchain RUSTC_BOOTSTRAP=1 unlocks them. The corpus lives in the repo
@@ -11,12 +13,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-600}"
+target="${2:-kv_event_decoder}"
 if ! cargo fuzz --version >/dev/null 2>&1; then
   cargo install cargo-fuzz --locked
 fi
 export RUSTC_BOOTSTRAP=1
-mkdir -p fuzz/corpus/kv_event_decoder
+mkdir -p "fuzz/corpus/$target"
 # -rss_limit_mb: the decoder caps payloads at 4 MiB; 2 GiB is ample and catches runaway growth.
 # -max_len: real payloads are KiBs; 64 KiB keeps mutations meaningful.
-exec cargo fuzz run kv_event_decoder fuzz/corpus/kv_event_decoder -- \
+exec cargo fuzz run "$target" "fuzz/corpus/$target" -- \
   -max_total_time="$secs" -max_len=65536 -rss_limit_mb=2048 -print_final_stats=1
