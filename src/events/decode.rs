@@ -119,6 +119,9 @@ pub struct EventBatch {
     pub events: Vec<KvEvent>,
     /// Data-parallel rank of the publisher, when it says.
     pub data_parallel_rank: Option<u32>,
+    /// Events with a tag this decoder does not know (a newer engine), skipped so the rest of the
+    /// batch still applies.
+    pub skipped_unknown: u32,
 }
 
 /// Why a message was rejected. Messages are short: they end up in logs and metrics labels.
@@ -216,17 +219,24 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         .or_else(|| fields.get(2, "attn_dp_rank"));
     let data_parallel_rank = rank.map(|v| as_u32(v, "data_parallel_rank")).transpose()?;
     let mut events = Vec::with_capacity(list.len());
+    let mut skipped_unknown = 0;
     for (index, event) in list.iter().enumerate() {
-        let event = decode_event(event).map_err(|e| DecodeError::Event {
-            index,
-            source: Box::new(e),
-        })?;
-        events.push(event);
+        match decode_event(event) {
+            Ok(event) => events.push(event),
+            Err(DecodeError::UnknownEventType(_)) => skipped_unknown += 1,
+            Err(e) => {
+                return Err(DecodeError::Event {
+                    index,
+                    source: Box::new(e),
+                })
+            }
+        }
     }
     Ok(EventBatch {
         ts,
         events,
         data_parallel_rank,
+        skipped_unknown,
     })
 }
 
@@ -529,6 +539,7 @@ mod tests {
             ts,
             events,
             data_parallel_rank: rank,
+            skipped_unknown: 0,
         }
     }
 
@@ -984,10 +995,9 @@ mod tests {
         assert_eq!(one(Value::from(1)), w("event", "array or map"));
         assert_eq!(one(arr(vec![])), e0(DecodeError::Missing("event tag")));
         assert_eq!(one(arr(vec![Value::from(1)])), w("event tag", "string"));
-        assert_eq!(
-            one(arr(vec![s("BlockUpdated")])),
-            e0(DecodeError::UnknownEventType("BlockUpdated".into()))
-        );
+        // An unknown tag (a newer engine) skips that event only.
+        let skipped = one(arr(vec![s("BlockUpdated")])).unwrap();
+        assert_eq!((skipped.events.len(), skipped.skipped_unknown), (0, 1));
         assert_eq!(
             one(Value::Map(vec![(s("block_hashes"), arr(vec![]))])),
             e0(DecodeError::Missing("type"))
@@ -1013,21 +1023,26 @@ mod tests {
             ])),
             w("group_idx", "u32")
         );
-        // The error names the failing event's index.
+        // The error names the failing event's index; unknown tags around it are skipped.
         let bad = decode_batch(&enc(&arr(vec![
             Value::F64(1.0),
-            arr(vec![arr(vec![s("AllBlocksCleared")]), arr(vec![s("Nope")])]),
+            arr(vec![
+                arr(vec![s("AllBlocksCleared")]),
+                arr(vec![s("Nope")]),
+                arr(vec![s("BlockRemoved")]),
+            ]),
         ])));
         assert_eq!(
             bad.unwrap_err().to_string(),
-            "event 1: unknown event type \"Nope\""
+            "event 2: block_hashes missing"
         );
-        // Unknown tags are echoed truncated.
-        let long = "X".repeat(1000);
-        assert_eq!(
-            one(arr(vec![s(&long)])),
-            e0(DecodeError::UnknownEventType("X".repeat(MAX_ECHO)))
-        );
+        let mixed = decode_batch(&enc(&arr(vec![
+            Value::F64(1.0),
+            arr(vec![arr(vec![s("Nope")]), arr(vec![s("AllBlocksCleared")])]),
+        ])))
+        .unwrap();
+        assert_eq!(mixed.events, vec![KvEvent::AllBlocksCleared]);
+        assert_eq!(mixed.skipped_unknown, 1);
     }
 
     #[test]

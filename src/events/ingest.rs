@@ -89,6 +89,13 @@ struct RankStream {
 
 impl RankStream {
     fn apply(&mut self, seq: u64, batch: &EventBatch) {
+        if batch.skipped_unknown > 0 {
+            self.core
+                .metrics()
+                .kv_events
+                .with_label_values(&["unknown_type"])
+                .inc_by(batch.skipped_unknown as u64);
+        }
         self.core.apply_kv_events(self.rank, &batch.events);
         self.seq.applied(seq);
     }
