@@ -13,6 +13,7 @@ pub mod session;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -319,7 +320,6 @@ pub type SourceName = &'static str;
 struct Catalog {
     sources: BTreeMap<SourceName, Vec<WorkerSpec>>,
     records: HashMap<u64, WorkerRecord>,
-    synced: bool,
 }
 
 /// The selection core shared by every host.
@@ -327,6 +327,8 @@ pub struct SelectionCore {
     config: CoreConfig,
     metrics: Metrics,
     catalog: Mutex<Catalog>,
+    /// Set once the first catalog snapshot has been applied.
+    synced: AtomicBool,
     partitions: RwLock<BTreeMap<PartitionKey, Arc<Partition>>>,
     /// Live booking ids -> the partition holding them (claims are made before scheduling).
     bookings: DashMap<String, Arc<Partition>>,
@@ -347,8 +349,8 @@ impl SelectionCore {
             catalog: Mutex::new(Catalog {
                 sources: BTreeMap::new(),
                 records: HashMap::new(),
-                synced: false,
             }),
+            synced: AtomicBool::new(false),
             partitions: RwLock::new(BTreeMap::new()),
             bookings: DashMap::new(),
             ready_tx,
@@ -414,7 +416,7 @@ impl SelectionCore {
             .map(|s| (s.worker_id(), s.clone()))
             .collect();
         let report = self.reconcile(&mut catalog, desired);
-        catalog.synced = true;
+        self.synced.store(true, Ordering::Release);
         self.publish_catalog_metrics(&catalog);
         let ready = catalog
             .records
@@ -600,7 +602,8 @@ impl SelectionCore {
     }
 
     fn ensure_synced(&self) -> Result<(), SelectError> {
-        if self.catalog.lock().synced {
+        // Read on every pick: an atomic, not the catalog lock.
+        if self.synced.load(Ordering::Acquire) {
             Ok(())
         } else {
             Err(SelectError::Unavailable("catalog not synced yet".into()))
