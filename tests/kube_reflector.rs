@@ -16,8 +16,6 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures::StreamExt;
-use kvpick::proto::selection_client::SelectionClient;
-use kvpick::proto::ListWorkersRequest;
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -460,22 +458,15 @@ fn start(fake: &Fake, extra: &[&str]) -> Serve {
     })
 }
 
-type Api = SelectionClient<tonic::transport::Channel>;
+use common::Api;
 
 async fn api(serve: &Serve) -> Api {
-    SelectionClient::connect(format!("http://127.0.0.1:{}", serve.grpc))
-        .await
-        .unwrap()
+    common::api(serve.grpc).await
 }
 
 /// The catalog as `name addr addr...` lines (one address per rank, in rank order), sorted.
 async fn catalog(api: &mut Api) -> Vec<String> {
-    let workers = api
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = common::list_workers(api).await;
     let mut out: Vec<String> = workers
         .iter()
         .map(|w| {
@@ -621,23 +612,14 @@ async fn pool_pods_lifecycle_dp_shapes_readiness_and_latency() {
     )
     .await;
     // The live active port keeps its rank number (targetPorts[1] is rank 1).
-    let act = api
-        .list_workers(ListWorkersRequest::default())
+    let act = common::list_workers(&mut api)
         .await
-        .unwrap()
-        .into_inner()
-        .workers
         .into_iter()
         .find(|w| w.name == "act")
         .unwrap();
     assert_eq!(act.ranks.len(), 1);
     assert_eq!(act.ranks[0].dp_rank, 1);
-    let workers = api
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = common::list_workers(&mut api).await;
     let kv: BTreeMap<&str, &str> = workers
         .iter()
         .map(|w| (w.name.as_str(), w.kv_events.as_str()))
@@ -792,12 +774,7 @@ async fn endpoint_selector_without_the_crd() {
         &["a 10.0.0.1:8000 10.0.0.1:8001"],
     )
     .await;
-    let w = api
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let w = common::list_workers(&mut api).await;
     assert_eq!(w[0].model, "flag-model");
     wait_readiness(serve.health, ServingStatus::Serving).await;
     fake.put_pod(pod("b", "10.0.0.2").build());

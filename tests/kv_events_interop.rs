@@ -8,10 +8,8 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvpick::proto::selection_client::SelectionClient;
 use kvpick::proto::SelectRequest;
 use serde_json::{json, Value};
-use tonic::transport::Channel;
 
 const BLOCK: usize = 16;
 
@@ -115,7 +113,7 @@ fn start_kvpick(events: &str, replay: &str) -> common::Serve {
     )
 }
 
-async fn cached_blocks(api: &mut SelectionClient<Channel>, tokens: &[u32]) -> u32 {
+async fn cached_blocks(api: &mut common::Api, tokens: &[u32]) -> u32 {
     let scores = api
         .overlap_scores(SelectRequest {
             model: "m".into(),
@@ -130,12 +128,8 @@ async fn cached_blocks(api: &mut SelectionClient<Channel>, tokens: &[u32]) -> u3
 
 /// Polls the index until `check` holds, calling `nudge` between polls (e.g. to publish a probe
 /// that makes kvpick notice a restart). Bounded: fails after 20 s.
-async fn eventually<F, N>(
-    api: &mut SelectionClient<Channel>,
-    what: &str,
-    mut check: F,
-    mut nudge: N,
-) where
+async fn eventually<F, N>(api: &mut common::Api, what: &str, mut check: F, mut nudge: N)
+where
     F: FnMut(&[u32]) -> bool,
     N: FnMut(),
 {
@@ -162,9 +156,7 @@ async fn eventually<F, N>(
 async fn index_follows_a_real_vllm_style_publisher() {
     let mut publisher = Publisher::start();
     let kv = start_kvpick(&publisher.endpoint, &publisher.replay);
-    let mut api = SelectionClient::connect(format!("http://127.0.0.1:{}", kv.grpc))
-        .await
-        .unwrap();
+    let mut api = common::api(kv.grpc).await;
 
     // 1. Store prompt 1 (4 blocks) in two chained events. Whether kvpick subscribed before or
     //    after, it converges (live delivery or replay on subscribe).

@@ -3,8 +3,7 @@
 
 use std::process::Command;
 
-use kvpick::proto::selection_client::SelectionClient;
-use kvpick::proto::{BookingRef, ListWorkersRequest, SelectRequest};
+use kvpick::proto::{BookingRef, SelectRequest};
 use tonic_health::pb::health_check_response::ServingStatus;
 
 mod common;
@@ -22,9 +21,7 @@ async fn selection_api_and_health_follow_the_catalog() {
     // The same health service is on the ext_proc port too.
     assert_eq!(readiness(serve.grpc).await, ServingStatus::NotServing);
 
-    let mut api = SelectionClient::connect(format!("http://127.0.0.1:{}", serve.grpc))
-        .await
-        .unwrap();
+    let mut api = common::api(serve.grpc).await;
     // Distinct 16-token prompts: one KV block each, nothing shared, so load decides.
     let select = |id: &str| SelectRequest {
         request_id: id.into(),
@@ -42,12 +39,7 @@ async fn selection_api_and_health_follow_the_catalog() {
     .unwrap();
     wait_readiness(serve.health, ServingStatus::Serving).await;
 
-    let workers = api
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = common::list_workers(&mut api).await;
     assert_eq!(workers.len(), 2);
     assert_eq!(workers[0].name, "a");
     assert_eq!(workers[0].ranks.len(), 2);
@@ -121,13 +113,11 @@ fn bad_catalog_fails_start_up_with_a_clear_message() {
 
 #[tokio::test]
 async fn every_selection_rpc_over_the_wire() {
-    use kvpick::proto::{DeleteWorkerRequest, LoadsRequest, WorkerSpec};
+    use kvpick::proto::{DeleteWorkerRequest, WorkerSpec};
     let serve =
         start("workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001]}\n");
     wait_readiness(serve.health, ServingStatus::Serving).await;
-    let mut api = SelectionClient::connect(format!("http://127.0.0.1:{}", serve.grpc))
-        .await
-        .unwrap();
+    let mut api = common::api(serve.grpc).await;
     let prompt: Vec<u32> = (0..64).collect();
     let request = |id: &str| SelectRequest {
         request_id: id.into(),
@@ -146,15 +136,8 @@ async fn every_selection_rpc_over_the_wire() {
     // Select books nothing.
     let query = api.select(request("q")).await.unwrap().into_inner();
     assert_eq!(query.prompt_blocks, 4);
-    let loads = api
-        .loads(LoadsRequest {
-            model: "m".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(active(&loads.workers), vec![(0, 0), (0, 0)]);
+    let loads = common::loads(&mut api, "m").await;
+    assert_eq!(active(&loads), vec![(0, 0), (0, 0)]);
 
     // SelectAndReserve books prefill + decode; PrefillComplete releases the prefill part.
     let pick = api
@@ -163,16 +146,9 @@ async fn every_selection_rpc_over_the_wire() {
         .unwrap()
         .into_inner();
     let rank = pick.primary.as_ref().unwrap().dp_rank as usize;
-    let loads = api
-        .loads(LoadsRequest {
-            model: "m".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(active(&loads.workers)[rank], (1, 64));
-    assert_eq!(loads.workers[0].ranks[rank].active_decode_blocks, 4);
+    let loads = common::loads(&mut api, "m").await;
+    assert_eq!(active(&loads)[rank], (1, 64));
+    assert_eq!(loads[0].ranks[rank].active_decode_blocks, 4);
     assert!(
         api.prefill_complete(BookingRef {
             request_id: "r1".into()
@@ -182,15 +158,8 @@ async fn every_selection_rpc_over_the_wire() {
         .into_inner()
         .found
     );
-    let loads = api
-        .loads(LoadsRequest {
-            model: "m".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner();
-    assert_eq!(active(&loads.workers)[rank], (1, 0));
+    let loads = common::loads(&mut api, "m").await;
+    assert_eq!(active(&loads)[rank], (1, 0));
 
     // The routed prompt is now cached on the picked rank (approximate mode).
     let scores = api.overlap_scores(request("o")).await.unwrap().into_inner();
@@ -228,12 +197,7 @@ async fn every_selection_rpc_over_the_wire() {
         .await
         .unwrap()
         .into_inner();
-    let workers = api
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = common::list_workers(&mut api).await;
     let x = workers.iter().find(|w| w.name == "x").unwrap();
     assert_eq!(
         (x.worker_id, x.namespace.as_str(), x.ranks.len()),
@@ -253,12 +217,7 @@ async fn every_selection_rpc_over_the_wire() {
             .into_inner()
             .found
     );
-    let workers = api
-        .list_workers(ListWorkersRequest::default())
-        .await
-        .unwrap()
-        .into_inner()
-        .workers;
+    let workers = common::list_workers(&mut api).await;
     assert_eq!(workers.len(), 1);
 
     // Error codes follow the HTTP table.

@@ -123,3 +123,33 @@ pub async fn wait_readiness(port: u16, want: ServingStatus) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+pub type Api = kvpick::proto::selection_client::SelectionClient<tonic::transport::Channel>;
+
+/// A selection-API client for the h2c gRPC port.
+pub async fn api(port: u16) -> Api {
+    Api::connect(format!("http://127.0.0.1:{port}"))
+        .await
+        .unwrap()
+}
+
+/// `ListWorkers` for every model.
+pub async fn list_workers(api: &mut Api) -> Vec<kvpick::proto::Worker> {
+    api.list_workers(kvpick::proto::ListWorkersRequest::default())
+        .await
+        .unwrap()
+        .into_inner()
+        .workers
+}
+
+/// `Loads` of model `m`.
+pub async fn loads(api: &mut Api, model: &str) -> Vec<kvpick::proto::Worker> {
+    api.loads(kvpick::proto::LoadsRequest {
+        model: model.into(),
+        ..Default::default()
+    })
+    .await
+    .unwrap()
+    .into_inner()
+    .workers
+}
