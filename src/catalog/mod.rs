@@ -87,6 +87,25 @@ impl WorkerSpec {
     }
 }
 
+impl WorkerSpec {
+    /// A static worker on 127.0.0.1 with nothing optional set, for tests.
+    #[cfg(test)]
+    pub(crate) fn for_test(name: &str, model: &str, ranks: RankLayout) -> WorkerSpec {
+        WorkerSpec {
+            namespace: "static".into(),
+            name: name.into(),
+            model: model.into(),
+            routing_group: String::new(),
+            address: "127.0.0.1".parse().unwrap(),
+            ranks,
+            block_size: None,
+            kv_events: None,
+            kv_replay: None,
+            lora_adapters: vec![],
+        }
+    }
+}
+
 /// A stable 53-bit hash of `namespace/name`, so ids survive restarts and fit a JSON number.
 pub fn worker_id(namespace: &str, name: &str) -> u64 {
     let mut key = Vec::with_capacity(namespace.len() + name.len() + 1);

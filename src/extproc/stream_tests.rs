@@ -8,18 +8,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{HttpTrailers, ProtocolConfig
 use processing_response::Response as R;
 
 fn worker(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
-    WorkerSpec {
-        namespace: "static".into(),
-        name: name.into(),
-        model: model.into(),
-        routing_group: String::new(),
-        address: "127.0.0.1".parse().unwrap(),
-        ranks: layout,
-        block_size: None,
-        kv_events: None,
-        kv_replay: None,
-        lora_adapters: vec![],
-    }
+    WorkerSpec::for_test(name, model, layout)
 }
 
 fn setup(

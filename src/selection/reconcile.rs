@@ -66,18 +66,7 @@ mod tests {
     use crate::selection::CoreConfig;
 
     fn spec(name: &str) -> WorkerSpec {
-        WorkerSpec {
-            namespace: "static".into(),
-            name: name.into(),
-            model: "m".into(),
-            routing_group: String::new(),
-            address: "127.0.0.1".parse().unwrap(),
-            ranks: RankLayout::PerPort(vec![1]),
-            block_size: None,
-            kv_events: None,
-            kv_replay: None,
-            lora_adapters: vec![],
-        }
+        WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![1]))
     }
 
     fn count(core: &SelectionCore, result: &str) -> u64 {

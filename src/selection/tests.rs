@@ -5,18 +5,7 @@ use crate::index::Tier;
 use std::collections::HashMap;
 
 fn spec(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
-    WorkerSpec {
-        namespace: "static".into(),
-        name: name.into(),
-        model: model.into(),
-        routing_group: String::new(),
-        address: "127.0.0.1".parse().unwrap(),
-        ranks: layout,
-        block_size: None,
-        kv_events: None,
-        kv_replay: None,
-        lora_adapters: vec![],
-    }
+    WorkerSpec::for_test(name, model, layout)
 }
 
 fn ports(p: &[u16]) -> RankLayout {
