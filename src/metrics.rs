@@ -38,6 +38,8 @@ pub struct Metrics {
     pub predicted_overlap: Histogram,
     /// Blocks in the KV index per partition (model).
     pub index_blocks: IntGaugeVec,
+    /// Heap bytes of the KV index plus engine-hash maps per partition.
+    pub index_bytes: IntGaugeVec,
     /// KV events by result (applied, dropped, decode_error).
     pub kv_events: IntCounterVec,
     /// Sequence gaps seen on KV-event streams.
@@ -210,6 +212,18 @@ impl Metrics {
             )
             .unwrap(),
         );
+        let index_bytes = register(
+            &registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_index_bytes",
+                    "Heap bytes of the KV index and its engine-hash maps per partition \
+                     (estimated from capacities, refreshed every 10 s)",
+                ),
+                &["model", "routing_group"],
+            )
+            .unwrap(),
+        );
         let kv_events = register(
             &registry,
             IntCounterVec::new(
@@ -289,6 +303,7 @@ impl Metrics {
             active_decode_blocks,
             predicted_overlap,
             index_blocks,
+            index_bytes,
             registry,
             requests,
             pick_latency,

@@ -1,8 +1,15 @@
 //! The KV index: which ranks hold which blocks, per tier, keyed by chained sequence hashes.
 //! `find_matches` returns, per rank, the longest consecutive matched prefix in each tier. Entries
 //! may carry an expiry (approximate / predicted entries inserted from routing decisions); expired
-//! entries count as absent and are purged lazily. Memory is bounded by `max_blocks` with eviction
-//! of the least recently touched blocks.
+//! entries count as absent and are purged lazily. Entries from KV events are permanent and
+//! reference-counted (an engine may store the same block twice). Memory is bounded by
+//! `max_blocks` with eviction of the least recently touched blocks.
+//!
+//! Layout, for memory (DESIGN §8: ≤ 64 bytes per indexed (block, rank) pair): ranks are interned
+//! to dense `u32` ids, a holder is 8 bytes (`id << 2 | tier`, then a refcount or an expiry in
+//! milliseconds since the index's epoch), and a block held by one rank — the common case — is a
+//! single 24-byte table entry with its holder inline. Blocks with several holders keep them in a
+//! slab of sorted holder lists.
 //!
 //! This module knows nothing about requests, bookings or workers beyond `RankKey`.
 
@@ -10,6 +17,7 @@ pub mod hash;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
+use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::selection::RankKey;
@@ -31,74 +39,118 @@ pub struct TierDepths {
     pub disk: u32,
 }
 
-#[derive(Debug, Clone, Copy)]
+/// `state` flag: a permanent holder; the low bits are its reference count.
+const PERMANENT: u32 = 1 << 31;
+/// `who` of an entry whose holders live in the slab (`Entry::multi`).
+const MULTI: u32 = u32::MAX;
+/// Largest expiry time unit (ms since epoch + 1) before the epoch is moved forward.
+const REBASE_AT: u32 = 1 << 30;
+
+/// One (rank, tier) holding a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Holder {
-    rank: RankKey,
-    tier: Tier,
-    /// `None` = held until removed (KV events); `Some` = approximate/predicted entry.
-    expires: Option<Instant>,
+    /// `rank_id << 2 | tier`; holder lists sort by it (rank, then tier).
+    who: u32,
+    /// `PERMANENT | refcount`, or the expiry in time units (always ≥ 1).
+    state: u32,
 }
 
+impl Holder {
+    fn rank_id(self) -> u32 {
+        self.who >> 2
+    }
+    fn tier(self) -> usize {
+        (self.who & 3) as usize
+    }
+    fn is_permanent(self) -> bool {
+        self.state & PERMANENT != 0
+    }
+    fn live(self, now: u32) -> bool {
+        self.is_permanent() || self.state > now
+    }
+    fn expiry(self) -> Option<u32> {
+        (!self.is_permanent()).then_some(self.state)
+    }
+    /// Adds an insert to this holder: a permanent insert counts a reference (an expiring holder
+    /// becomes permanent); an expiring insert extends the expiry of an expiring holder.
+    fn absorb(&mut self, state: u32) {
+        match (self.is_permanent(), state & PERMANENT != 0) {
+            (true, true) => {
+                self.state = PERMANENT | (self.state & !PERMANENT).saturating_add(1).min(!PERMANENT)
+            }
+            (false, true) => self.state = PERMANENT | 1,
+            (true, false) => {}
+            (false, false) => self.state = self.state.max(state),
+        }
+    }
+}
+
+/// A block's table entry: 20 bytes with its key.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    /// The only holder, or `who == MULTI` when the holders are in the slab at index `state`.
+    holder: Holder,
+    /// LRU clock at the last insert touching this block.
+    touched: u32,
+}
+
+impl Entry {
+    fn multi(&self) -> u32 {
+        debug_assert_eq!(self.holder.who, MULTI);
+        self.holder.state
+    }
+}
+
+/// A block key stored with 4-byte alignment, so a table entry packs into 20 bytes, not 24.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BlockKey([u32; 2]);
+
+impl BlockKey {
+    fn new(h: u64) -> Self {
+        BlockKey([h as u32, (h >> 32) as u32])
+    }
+    #[cfg(test)]
+    fn get(self) -> u64 {
+        self.0[0] as u64 | ((self.0[1] as u64) << 32)
+    }
+}
+
+impl std::hash::Hash for BlockKey {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.0[0] as u64 | ((self.0[1] as u64) << 32));
+    }
+}
+
+/// Holders of a block held by several (rank, tier)s, sorted by `who`.
 #[derive(Debug, Default)]
-struct Block {
-    /// Sorted by `(rank, tier)`.
-    holders: Vec<Holder>,
-    touched: u64,
-    /// XOR of the holders' `(rank, tier)` fingerprints: equal ids = (almost surely) equal sets,
-    /// which lets a lookup skip blocks whose holders are those of the previous block.
+struct Multi {
+    /// XOR of the holders' fingerprints: equal ids = (almost surely) equal holder sets.
     set_id: u64,
-    /// No holder expires before this (`None`: none expires). Conservative: may be earlier.
-    min_expiry: Option<Instant>,
+    /// No holder expires before this (0: none expires). Conservative: may be earlier.
+    min_expiry: u32,
+    holders: Vec<Holder>,
 }
 
-fn fingerprint(rank: RankKey, tier: Tier) -> u64 {
-    // splitmix64 finalizer over the packed key.
-    let mut z = rank
-        .worker_id
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        .wrapping_add(((rank.dp_rank as u64) << 2) | tier as u64);
+impl Multi {
+    fn refresh(&mut self) {
+        self.set_id = self.holders.iter().fold(0, |id, h| id ^ fingerprint(h.who));
+        self.min_expiry = self
+            .holders
+            .iter()
+            .filter_map(|h| h.expiry())
+            .min()
+            .unwrap_or(0);
+    }
+}
+
+fn fingerprint(who: u32) -> u64 {
+    // splitmix64 finalizer.
+    let mut z = (who as u64)
+        .wrapping_add(1)
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
-}
-
-impl Block {
-    fn upsert(&mut self, rank: RankKey, tier: Tier, expires: Option<Instant>) {
-        let at = self
-            .holders
-            .partition_point(|x| (x.rank, x.tier) < (rank, tier));
-        match self.holders.get_mut(at) {
-            Some(existing) if existing.rank == rank && existing.tier == tier => {
-                existing.expires = match (existing.expires, expires) {
-                    (None, _) | (_, None) => None,
-                    (Some(a), Some(b)) => Some(a.max(b)),
-                };
-            }
-            _ => {
-                self.holders.insert(
-                    at,
-                    Holder {
-                        rank,
-                        tier,
-                        expires,
-                    },
-                );
-                self.set_id ^= fingerprint(rank, tier);
-                if let Some(e) = expires {
-                    self.min_expiry = Some(self.min_expiry.map_or(e, |m| m.min(e)));
-                }
-            }
-        }
-    }
-
-    fn retain(&mut self, keep: impl FnMut(&Holder) -> bool) {
-        self.holders.retain(keep);
-        self.set_id = self
-            .holders
-            .iter()
-            .fold(0, |id, h| id ^ fingerprint(h.rank, h.tier));
-        self.min_expiry = self.holders.iter().filter_map(|h| h.expires).min();
-    }
 }
 
 /// Block keys are already xxh3 outputs (uniformly distributed), so hashing them again (SipHash)
@@ -121,18 +173,61 @@ impl Hasher for PreHashed {
     }
 }
 
+type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>>;
+
+/// Hashes `u64` keys of unknown distribution (engine block hashes: sometimes small integers)
+/// with one splitmix64 finalizer instead of SipHash.
+#[derive(Default)]
+pub struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        let mut z = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ *b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+/// A `u64`-keyed map hashed with [`MixHasher`].
+pub type MixedMap<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
+
 /// Per-partition block index.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    blocks: HashMap<u64, Block, BuildHasherDefault<PreHashed>>,
-    tick: u64,
+    blocks: PreHashedMap<Entry>,
+    slab: Vec<Multi>,
+    free_slab: Vec<u32>,
+    rank_ids: HashMap<RankKey, u32>,
+    /// Interned id -> rank (`None`: free id, reusable).
+    ranks: Vec<Option<RankKey>>,
+    free_ranks: Vec<u32>,
+    /// Time unit 1 = this instant; units are milliseconds.
+    epoch: Instant,
+    tick: u32,
     max_blocks: usize,
 }
 
 impl PrefixIndex {
     pub fn new(max_blocks: usize) -> Self {
+        let now = Instant::now();
         PrefixIndex {
             blocks: HashMap::default(),
+            slab: Vec::new(),
+            free_slab: Vec::new(),
+            rank_ids: HashMap::new(),
+            ranks: Vec::new(),
+            free_ranks: Vec::new(),
+            // Slightly in the past, so instants a little before creation still order correctly.
+            epoch: now.checked_sub(Duration::from_secs(3600)).unwrap_or(now),
             tick: 0,
             max_blocks: max_blocks.max(1),
         }
@@ -150,9 +245,56 @@ impl PrefixIndex {
         self.blocks.is_empty()
     }
 
+    /// Heap bytes held by the index (table, holder slab, rank interning), from capacities.
+    pub fn heap_bytes(&self) -> usize {
+        let buckets = if self.blocks.capacity() == 0 {
+            0
+        } else {
+            (self.blocks.capacity() * 8 / 7).next_power_of_two()
+        };
+        let table = buckets * (std::mem::size_of::<(BlockKey, Entry)>() + 1);
+        let slab = self.slab.capacity() * std::mem::size_of::<Multi>()
+            + self
+                .slab
+                .iter()
+                .map(|m| m.holders.capacity() * std::mem::size_of::<Holder>())
+                .sum::<usize>();
+        let interning = self.ranks.capacity() * std::mem::size_of::<Option<RankKey>>()
+            + self.rank_ids.capacity() * (std::mem::size_of::<(RankKey, u32)>() + 1);
+        table + slab + interning
+    }
+
+    /// Time units of `t`: milliseconds since the epoch, plus one (0 never occurs), saturating.
+    fn units(&self, t: Instant) -> u32 {
+        let ms = t.saturating_duration_since(self.epoch).as_millis();
+        ms.saturating_add(1).min((PERMANENT - 1) as u128) as u32
+    }
+
+    fn intern(&mut self, rank: RankKey) -> u32 {
+        if let Some(&id) = self.rank_ids.get(&rank) {
+            return id;
+        }
+        let id = match self.free_ranks.pop() {
+            Some(id) => {
+                self.ranks[id as usize] = Some(rank);
+                id
+            }
+            None => {
+                self.ranks.push(Some(rank));
+                (self.ranks.len() - 1) as u32
+            }
+        };
+        self.rank_ids.insert(rank, id);
+        id
+    }
+
+    fn rank_of(&self, id: u32) -> RankKey {
+        self.ranks[id as usize].expect("interned rank id in use")
+    }
+
     /// Records that `rank` holds the blocks `seq_hashes` (a prefix chain) in `tier`. With an
     /// expiry, an existing entry's expiry is extended, never shortened, and a permanent entry
-    /// stays permanent.
+    /// stays permanent; without one, the entry is permanent and counts one more reference.
     pub fn insert(
         &mut self,
         rank: RankKey,
@@ -160,31 +302,113 @@ impl PrefixIndex {
         tier: Tier,
         expires: Option<Instant>,
     ) {
-        for &h in seq_hashes {
-            self.tick += 1;
-            let block = self.blocks.entry(h).or_default();
-            block.upsert(rank, tier, expires);
-            block.touched = self.tick;
+        if seq_hashes.is_empty() {
+            return;
+        }
+        let who = (self.intern(rank) << 2) | tier as u32;
+        let state = match expires {
+            None => PERMANENT | 1,
+            Some(e) => self.units(e),
+        };
+        let n = seq_hashes.len().min(1 << 30) as u32;
+        if self.tick > u32::MAX - n {
+            self.halve_ticks();
+        }
+        // A chain's first block is its most shared one: it ends up most recently touched, so
+        // eviction takes chains from their tails, as engines do.
+        self.tick += n;
+        let holder = Holder { who, state };
+        for (i, &h) in seq_hashes.iter().enumerate() {
+            let touched = self.tick - (i as u32).min(n - 1);
+            match self.blocks.entry(BlockKey::new(h)) {
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(Entry { holder, touched });
+                }
+                std::collections::hash_map::Entry::Occupied(mut o) => {
+                    let entry = o.get_mut();
+                    entry.touched = touched;
+                    upsert(entry, &mut self.slab, &mut self.free_slab, holder);
+                }
+            }
         }
         self.evict_over_capacity();
     }
 
-    /// Forgets that `rank` holds `seq_hash` in `tier`.
+    fn halve_ticks(&mut self) {
+        for entry in self.blocks.values_mut() {
+            entry.touched /= 2;
+        }
+        self.tick /= 2;
+    }
+
+    /// Drops one reference of `rank` to `seq_hash` in `tier` (an engine's `BlockRemoved`); an
+    /// expiring holder is removed outright. Returns whether `rank` still holds the block
+    /// permanently in some tier.
+    pub fn release(&mut self, rank: RankKey, seq_hash: u64, tier: Tier) -> bool {
+        let Some(&id) = self.rank_ids.get(&rank) else {
+            return false;
+        };
+        let who = (id << 2) | tier as u32;
+        let Some(entry) = self.blocks.get_mut(&BlockKey::new(seq_hash)) else {
+            return false;
+        };
+        let drop_one = |h: &mut Holder| {
+            let count = h.state & !PERMANENT;
+            if h.is_permanent() && count > 1 {
+                h.state = PERMANENT | (count - 1);
+                false
+            } else {
+                true
+            }
+        };
+        if entry.holder.who != MULTI {
+            if entry.holder.who == who && drop_one(&mut entry.holder) {
+                self.blocks.remove(&BlockKey::new(seq_hash));
+                return false;
+            }
+            return entry.holder.rank_id() == id && entry.holder.is_permanent();
+        }
+        let multi = &mut self.slab[entry.multi() as usize];
+        if let Ok(at) = multi.holders.binary_search_by_key(&who, |h| h.who) {
+            if drop_one(&mut multi.holders[at]) {
+                multi.holders.remove(at);
+            }
+        }
+        let still = multi
+            .holders
+            .iter()
+            .any(|h| h.rank_id() == id && h.is_permanent());
+        retain_holders(entry, &mut self.slab, &mut self.free_slab, |_| true);
+        still
+    }
+
+    /// Forgets that `rank` holds `seq_hash` in `tier`, whatever its reference count.
     pub fn remove(&mut self, rank: RankKey, seq_hash: u64, tier: Tier) {
-        if let Some(block) = self.blocks.get_mut(&seq_hash) {
-            block.retain(|x| !(x.rank == rank && x.tier == tier));
-            if block.holders.is_empty() {
-                self.blocks.remove(&seq_hash);
+        let Some(&id) = self.rank_ids.get(&rank) else {
+            return;
+        };
+        let who = (id << 2) | tier as u32;
+        self.retain_in(seq_hash, |h| h.who != who);
+    }
+
+    fn retain_in(&mut self, seq_hash: u64, keep: impl FnMut(&Holder) -> bool) {
+        if let Some(entry) = self.blocks.get_mut(&BlockKey::new(seq_hash)) {
+            if !retain_holders(entry, &mut self.slab, &mut self.free_slab, keep) {
+                self.blocks.remove(&BlockKey::new(seq_hash));
             }
         }
     }
 
     /// Forgets every block of `rank` (rank left, engine restarted, `AllBlocksCleared`).
     pub fn clear_rank(&mut self, rank: RankKey) {
-        self.blocks.retain(|_, block| {
-            block.retain(|x| x.rank != rank);
-            !block.holders.is_empty()
-        });
+        let Some(id) = self.rank_ids.remove(&rank) else {
+            return;
+        };
+        let (slab, free) = (&mut self.slab, &mut self.free_slab);
+        self.blocks
+            .retain(|_, entry| retain_holders(entry, slab, free, |h| h.rank_id() != id));
+        self.ranks[id as usize] = None;
+        self.free_ranks.push(id);
     }
 
     /// Evicts the least recently touched blocks once over capacity. Eviction works in batches
@@ -195,47 +419,107 @@ impl PrefixIndex {
             return;
         }
         let target = self.max_blocks - self.max_blocks / 64;
-        let excess = self.blocks.len() - target;
-        let mut ticks: Vec<u64> = self.blocks.values().map(|b| b.touched).collect();
+        let mut excess = self.blocks.len() - target;
+        let mut ticks: Vec<u32> = self.blocks.values().map(|e| e.touched).collect();
         let (_, cutoff, _) = ticks.select_nth_unstable(excess - 1);
         let cutoff = *cutoff;
-        self.blocks.retain(|_, b| b.touched > cutoff);
+        drop(ticks);
+        let (slab, free) = (&mut self.slab, &mut self.free_slab);
+        self.blocks.retain(|_, entry| {
+            // Ties at the cutoff: evict only as many as needed.
+            if entry.touched < cutoff || (entry.touched == cutoff && excess > 0) {
+                excess = excess.saturating_sub(1);
+                if entry.holder.who == MULTI {
+                    release_slab(slab, free, entry.multi());
+                }
+                false
+            } else {
+                true
+            }
+        });
     }
 
-    /// Drops expired entries.
+    /// Drops expired entries; moves the time epoch forward when expiries near the end of their
+    /// range.
     pub fn purge_expired(&mut self, now: Instant) {
-        self.blocks.retain(|_, block| {
-            if block.min_expiry.is_some_and(|e| e <= now) {
-                block.retain(|x| x.expires.is_none_or(|e| e > now));
-            }
-            !block.holders.is_empty()
+        let now_units = self.units(now);
+        let (slab, free) = (&mut self.slab, &mut self.free_slab);
+        self.blocks.retain(|_, entry| {
+            let fresh = match entry.holder.who {
+                MULTI => {
+                    let m = &slab[entry.multi() as usize];
+                    m.min_expiry == 0 || m.min_expiry > now_units
+                }
+                _ => entry.holder.live(now_units),
+            };
+            fresh || retain_holders(entry, slab, free, |h| h.live(now_units))
         });
+        if now_units >= REBASE_AT {
+            self.rebase(now, now_units);
+        }
+    }
+
+    /// Moves the epoch to (about) `now`; every remaining expiring holder expires after `now`.
+    fn rebase(&mut self, now: Instant, now_units: u32) {
+        let new_epoch = now.checked_sub(Duration::from_secs(3600)).unwrap_or(now);
+        let shift = self.units(new_epoch) - 1;
+        let _ = now_units;
+        let shifted = |h: &mut Holder| {
+            if !h.is_permanent() {
+                h.state = h.state.saturating_sub(shift).max(1);
+            }
+        };
+        for entry in self.blocks.values_mut() {
+            if entry.holder.who != MULTI {
+                shifted(&mut entry.holder);
+            }
+        }
+        for m in &mut self.slab {
+            m.holders.iter_mut().for_each(shifted);
+            m.refresh();
+        }
+        self.epoch = new_epoch;
     }
 
     /// Longest consecutive matched prefix per rank, per tier, sorted by rank. Ranks with no
     /// match are absent.
     ///
-    /// Holders are sorted by `(rank, tier)`, so a block is a merge-join against the ranks still
-    /// matching; a block whose holder set equals the previous block's (a shared prefix) and has
-    /// nothing expired is skipped in O(1). A rank's depth in a tier is the block index at which
-    /// it stopped matching there.
+    /// Holders are sorted by `(rank id, tier)`, so a block is a merge-join against the ranks
+    /// still matching; a block whose holder set equals the previous block's (a shared prefix)
+    /// and has nothing expired is skipped in O(1). A rank's depth in a tier is the block index
+    /// at which it stopped matching there.
     pub fn find_matches(&self, seq_hashes: &[u64], now: Instant) -> Vec<(RankKey, TierDepths)> {
         const OPEN: u32 = u32::MAX;
+        let now = self.units(now);
         // Per rank seen at block 0: where each tier stopped matching (OPEN = still matching).
-        let mut entries: Vec<(RankKey, [u32; 3])> = Vec::new();
-        // Positions in `entries` still matching in some tier, in rank order.
+        let mut entries: Vec<(u32, [u32; 3])> = Vec::new();
+        // Positions in `entries` still matching in some tier, in rank-id order.
         let mut live: Vec<usize> = Vec::new();
         let mut depth = 0u32;
         let mut prev_set = 0u64;
         for (i, h) in seq_hashes.iter().enumerate() {
-            let Some(block) = self.blocks.get(h) else {
+            let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
                 break;
             };
             let i = i as u32;
-            let fresh = block.min_expiry.is_none_or(|e| e > now);
+            let (holders, set_id, fresh) = match entry.holder.who {
+                MULTI => {
+                    let m = &self.slab[entry.multi() as usize];
+                    (
+                        m.holders.as_slice(),
+                        m.set_id,
+                        m.min_expiry == 0 || m.min_expiry > now,
+                    )
+                }
+                who => (
+                    std::slice::from_ref(&entry.holder),
+                    fingerprint(who),
+                    entry.holder.live(now),
+                ),
+            };
             if i == 0 {
                 let mut groups = RankGroups {
-                    holders: &block.holders,
+                    holders,
                     pos: 0,
                     now,
                 };
@@ -244,9 +528,9 @@ impl PrefixIndex {
                     entries.push((rank, ends));
                     live.push(entries.len() - 1);
                 }
-            } else if !(fresh && block.set_id == prev_set) {
+            } else if !(fresh && set_id == prev_set) {
                 let mut groups = RankGroups {
-                    holders: &block.holders,
+                    holders,
                     pos: 0,
                     now,
                 };
@@ -268,18 +552,18 @@ impl PrefixIndex {
                     ends[2] == OPEN
                 });
             }
-            prev_set = block.set_id;
+            prev_set = set_id;
             if live.is_empty() {
                 break;
             }
             depth = i + 1;
         }
-        entries
+        let mut out: Vec<(RankKey, TierDepths)> = entries
             .into_iter()
-            .map(|(rank, ends)| {
+            .map(|(id, ends)| {
                 let d = ends.map(|e| e.min(depth));
                 (
-                    rank,
+                    self.rank_of(id),
                     TierDepths {
                         gpu: d[0],
                         host: d[1],
@@ -288,27 +572,114 @@ impl PrefixIndex {
                 )
             })
             .filter(|(_, d)| d.disk > 0)
-            .collect()
+            .collect();
+        out.sort_unstable_by_key(|(rank, _)| *rank);
+        out
     }
 }
 
-/// Walks a block's holders (sorted by rank, then tier) one rank at a time, yielding which tiers
-/// hold the block on that rank, counting a faster tier for every slower one, skipping expired.
+/// Adds `holder` to a block: merged into the same (rank, tier) if present, else inserted in order.
+fn upsert(entry: &mut Entry, slab: &mut Vec<Multi>, free: &mut Vec<u32>, holder: Holder) {
+    if entry.holder.who != MULTI {
+        if entry.holder.who == holder.who {
+            entry.holder.absorb(holder.state);
+            return;
+        }
+        let mut holders = vec![entry.holder, holder];
+        holders.sort_unstable_by_key(|h| h.who);
+        let mut multi = Multi {
+            holders,
+            ..Default::default()
+        };
+        multi.refresh();
+        let at = match free.pop() {
+            Some(at) => {
+                slab[at as usize] = multi;
+                at
+            }
+            None => {
+                slab.push(multi);
+                (slab.len() - 1) as u32
+            }
+        };
+        entry.holder = Holder {
+            who: MULTI,
+            state: at,
+        };
+        return;
+    }
+    let multi = &mut slab[entry.multi() as usize];
+    match multi.holders.binary_search_by_key(&holder.who, |h| h.who) {
+        // The expiry may now be later; `min_expiry` stays conservative.
+        Ok(at) => multi.holders[at].absorb(holder.state),
+        Err(at) => {
+            multi.holders.insert(at, holder);
+            multi.set_id ^= fingerprint(holder.who);
+            if let Some(e) = holder.expiry() {
+                multi.min_expiry = if multi.min_expiry == 0 {
+                    e
+                } else {
+                    multi.min_expiry.min(e)
+                };
+            }
+        }
+    }
+}
+
+/// Keeps the holders `keep` accepts; returns whether any is left. A slab list shrunk to one
+/// holder moves back inline.
+fn retain_holders(
+    entry: &mut Entry,
+    slab: &mut [Multi],
+    free: &mut Vec<u32>,
+    mut keep: impl FnMut(&Holder) -> bool,
+) -> bool {
+    if entry.holder.who != MULTI {
+        return keep(&entry.holder);
+    }
+    let at = entry.multi();
+    let multi = &mut slab[at as usize];
+    multi.holders.retain(|h| keep(h));
+    match multi.holders.len() {
+        0 => {
+            release_slab(slab, free, at);
+            false
+        }
+        1 => {
+            entry.holder = multi.holders[0];
+            release_slab(slab, free, at);
+            true
+        }
+        _ => {
+            multi.refresh();
+            true
+        }
+    }
+}
+
+fn release_slab(slab: &mut [Multi], free: &mut Vec<u32>, at: u32) {
+    slab[at as usize] = Multi::default();
+    free.push(at);
+}
+
+/// Walks a block's holders (sorted by rank id, then tier) one rank at a time, yielding which
+/// tiers hold the block on that rank, counting a faster tier for every slower one, skipping
+/// expired holders.
 struct RankGroups<'a> {
     holders: &'a [Holder],
     pos: usize,
-    now: Instant,
+    now: u32,
 }
 
 impl RankGroups<'_> {
-    fn next_group(&mut self) -> Option<(RankKey, [bool; 3])> {
+    fn next_group(&mut self) -> Option<(u32, [bool; 3])> {
         while self.pos < self.holders.len() {
-            let rank = self.holders[self.pos].rank;
+            let rank = self.holders[self.pos].rank_id();
             let mut tiers = [false; 3];
-            while self.pos < self.holders.len() && self.holders[self.pos].rank == rank {
-                let holder = &self.holders[self.pos];
-                if holder.expires.is_none_or(|e| e > self.now) {
-                    for t in tiers.iter_mut().skip(holder.tier as usize) {
+            while self.pos < self.holders.len() && self.holders[self.pos].rank_id() == rank {
+                let holder = self.holders[self.pos];
+                if holder.live(self.now) {
+                    for t in tiers.iter_mut().skip(holder.tier()) {
                         *t = true;
                     }
                 }
@@ -377,20 +748,33 @@ mod tests {
         );
     }
 
+    /// A block's holders as (rank, holder), whichever way they are stored.
+    fn holders(idx: &PrefixIndex, h: u64) -> Vec<(RankKey, Holder)> {
+        let Some(entry) = idx.blocks.get(&BlockKey::new(h)) else {
+            return vec![];
+        };
+        let list = match entry.holder.who {
+            MULTI => idx.slab[entry.multi() as usize].holders.clone(),
+            _ => vec![entry.holder],
+        };
+        list.into_iter()
+            .map(|x| (idx.rank_of(x.rank_id()), x))
+            .collect()
+    }
+
     /// The obvious definition, block by block, for comparison.
     fn naive(idx: &PrefixIndex, hashes: &[u64], now: Instant) -> HashMap<RankKey, TierDepths> {
+        let now = idx.units(now);
         let present = |h: u64, rank: RankKey, tier: usize| {
-            idx.blocks.get(&h).is_some_and(|b| {
-                b.holders.iter().any(|x| {
-                    x.rank == rank && (x.tier as usize) <= tier && x.expires.is_none_or(|e| e > now)
-                })
-            })
+            holders(idx, h)
+                .iter()
+                .any(|(r, x)| *r == rank && x.tier() <= tier && x.live(now))
         };
         let mut out = HashMap::new();
         let ranks: std::collections::BTreeSet<RankKey> = idx
             .blocks
-            .values()
-            .flat_map(|b| b.holders.iter().map(|h| h.rank))
+            .keys()
+            .flat_map(|h| holders(idx, h.get()).into_iter().map(|(r, _)| r))
             .collect();
         for rank in ranks {
             let depth = |tier| {
@@ -476,8 +860,8 @@ mod tests {
     #[test]
     fn bounded_with_lru_eviction_and_clear_rank() {
         let mut idx = PrefixIndex::new(3);
-        idx.insert(rank(1), &[1, 2, 3], Tier::Gpu, None);
-        idx.insert(rank(2), &[1], Tier::Gpu, None); // touches 1: 2 is now coldest
+        idx.insert(rank(1), &[1, 2, 3], Tier::Gpu, None); // a chain ages from its tail
+        idx.insert(rank(2), &[3], Tier::Gpu, None); // touches 3: 2 is now coldest
         idx.insert(rank(2), &[4], Tier::Gpu, None);
         assert_eq!(idx.len(), 3);
         let now = Instant::now();
@@ -490,5 +874,170 @@ mod tests {
         assert_eq!(idx.len(), 2);
         idx.remove(rank(1), 1, Tier::Gpu);
         assert!(matches(&idx, &[1], now).is_empty());
+    }
+
+    /// Random operation sequences against a plain map of (block, rank, tier) -> state.
+    #[test]
+    fn operations_match_a_plain_model() {
+        use rand::{Rng, SeedableRng};
+        #[derive(Clone, Copy, PartialEq, Debug)]
+        enum Model {
+            Refs(u32),
+            Until(Instant),
+        }
+        let tiers = [Tier::Gpu, Tier::Host, Tier::Disk];
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let base = Instant::now();
+        for round in 0..200 {
+            let mut idx = PrefixIndex::new(100_000);
+            let mut model: HashMap<(u64, RankKey, Tier), Model> = HashMap::new();
+            let chain: Vec<u64> = (0..12).map(|i| 1000 * round + i).collect();
+            let mut now = base;
+            for _ in 0..rng.random_range(1..80) {
+                let rank = RankKey {
+                    worker_id: rng.random_range(0..4),
+                    dp_rank: rng.random_range(0..2),
+                };
+                let tier = tiers[rng.random_range(0..3)];
+                let start = rng.random_range(0..chain.len());
+                let end = rng.random_range(start..=chain.len());
+                match rng.random_range(0..10) {
+                    0..=3 => {
+                        let expires = (rng.random_bool(0.5))
+                            .then(|| now + Duration::from_millis(rng.random_range(1..3000)));
+                        idx.insert(rank, &chain[start..end], tier, expires);
+                        for h in &chain[start..end] {
+                            let slot = model.entry((*h, rank, tier));
+                            match (slot, expires) {
+                                (std::collections::hash_map::Entry::Vacant(v), e) => {
+                                    v.insert(e.map_or(Model::Refs(1), Model::Until));
+                                }
+                                (std::collections::hash_map::Entry::Occupied(mut o), e) => {
+                                    let next = match (*o.get(), e) {
+                                        (Model::Refs(n), None) => Model::Refs(n + 1),
+                                        (Model::Refs(n), Some(_)) => Model::Refs(n),
+                                        (Model::Until(_), None) => Model::Refs(1),
+                                        (Model::Until(a), Some(b)) => Model::Until(a.max(b)),
+                                    };
+                                    o.insert(next);
+                                }
+                            }
+                        }
+                    }
+                    4..=5 => {
+                        let h = chain[start.min(chain.len() - 1)];
+                        let still = idx.release(rank, h, tier);
+                        match model.get(&(h, rank, tier)).copied() {
+                            Some(Model::Refs(n)) if n > 1 => {
+                                model.insert((h, rank, tier), Model::Refs(n - 1));
+                            }
+                            Some(_) => {
+                                model.remove(&(h, rank, tier));
+                            }
+                            None => {}
+                        }
+                        let expected = tiers
+                            .iter()
+                            .any(|t| matches!(model.get(&(h, rank, *t)), Some(Model::Refs(_))));
+                        assert_eq!(still, expected, "release reports what is still held");
+                    }
+                    6 => {
+                        let h = chain[start.min(chain.len() - 1)];
+                        idx.remove(rank, h, tier);
+                        model.remove(&(h, rank, tier));
+                    }
+                    7 => {
+                        idx.clear_rank(rank);
+                        model.retain(|(_, r, _), _| *r != rank);
+                    }
+                    8 => {
+                        now += Duration::from_millis(rng.random_range(0..1500));
+                        idx.purge_expired(now);
+                        model.retain(|_, m| match m {
+                            Model::Refs(_) => true,
+                            Model::Until(e) => *e > now,
+                        });
+                    }
+                    _ => now += Duration::from_millis(rng.random_range(0..1500)),
+                }
+                // Lookups agree with the model at every step.
+                let live = |h: u64, rank: RankKey, tier: usize| {
+                    tiers[..=tier]
+                        .iter()
+                        .any(|t| match model.get(&(h, rank, *t)) {
+                            Some(Model::Refs(_)) => true,
+                            Some(Model::Until(e)) => *e > now,
+                            None => false,
+                        })
+                };
+                let ranks: std::collections::BTreeSet<RankKey> =
+                    model.keys().map(|(_, r, _)| *r).collect();
+                let mut expected = HashMap::new();
+                for r in ranks {
+                    let depth = |t| chain.iter().take_while(|h| live(**h, r, t)).count() as u32;
+                    let d = TierDepths {
+                        gpu: depth(0),
+                        host: depth(1),
+                        disk: depth(2),
+                    };
+                    if d.disk > 0 {
+                        expected.insert(r, d);
+                    }
+                }
+                assert_eq!(matches(&idx, &chain, now), expected);
+                let blocks: std::collections::HashSet<u64> =
+                    model.keys().map(|(h, _, _)| *h).collect();
+                assert!(idx.len() >= blocks.len());
+            }
+        }
+    }
+
+    #[test]
+    fn expiries_survive_moving_the_epoch() {
+        let mut idx = PrefixIndex::new(100);
+        // Far enough ahead that time units near the end of their range.
+        let now = Instant::now() + Duration::from_secs(20 * 86_400);
+        idx.insert(rank(1), &[1], Tier::Gpu, Some(now + Duration::from_secs(2)));
+        idx.insert(rank(2), &[1, 2], Tier::Gpu, None);
+        idx.insert(rank(3), &[2], Tier::Gpu, Some(now + Duration::from_secs(5)));
+        let before = idx.epoch;
+        idx.purge_expired(now);
+        assert!(idx.epoch > before, "epoch moved");
+        let at = |secs| matches(&idx, &[1, 2], now + Duration::from_secs(secs));
+        assert_eq!(at(1)[&rank(1)].gpu, 1);
+        assert_eq!(at(1)[&rank(2)].gpu, 2);
+        assert!(!at(3).contains_key(&rank(1)), "expired at +2 s");
+        assert_eq!(
+            matches(&idx, &[2], now + Duration::from_secs(4))[&rank(3)].gpu,
+            1
+        );
+        assert!(!matches(&idx, &[2], now + Duration::from_secs(6)).contains_key(&rank(3)));
+    }
+
+    #[test]
+    fn lru_clock_wraps_without_losing_order() {
+        let mut idx = PrefixIndex::new(2);
+        idx.tick = u32::MAX - 3;
+        idx.insert(rank(1), &[1], Tier::Gpu, None);
+        idx.insert(rank(1), &[2], Tier::Gpu, None); // wraps: ticks halve
+        idx.insert(rank(1), &[3], Tier::Gpu, None);
+        assert_eq!(idx.len(), 2);
+        let now = Instant::now();
+        assert!(matches(&idx, &[1], now).is_empty(), "oldest evicted");
+        assert_eq!(matches(&idx, &[3], now)[&rank(1)].gpu, 1);
+    }
+
+    #[test]
+    fn a_single_holder_block_is_one_small_entry() {
+        assert_eq!(std::mem::size_of::<(BlockKey, Entry)>(), 20);
+        assert_eq!(std::mem::size_of::<Holder>(), 8);
+        let mut idx = PrefixIndex::new(100);
+        idx.insert(rank(1), &[1, 2], Tier::Gpu, None);
+        assert!(idx.slab.is_empty(), "no holder list for one holder");
+        idx.insert(rank(2), &[1], Tier::Gpu, None);
+        assert_eq!(idx.slab.len(), 1);
+        idx.clear_rank(rank(2));
+        assert_eq!(idx.free_slab.len(), 1, "list freed when one holder is left");
+        assert!(!idx.rank_ids.contains_key(&rank(2)), "rank id released");
     }
 }

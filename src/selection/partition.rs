@@ -20,7 +20,7 @@ use super::{
     RankLoad, SelectError, Selection, SelectionRequest, WorkerRecord, DEFAULT_BLOCK_SIZE,
 };
 use crate::events::decode::{KvEvent, Medium};
-use crate::index::{hash, PrefixIndex, Tier, TierDepths};
+use crate::index::{hash, MixedMap, PrefixIndex, Tier, TierDepths};
 use crate::metrics::Metrics;
 
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -861,6 +861,15 @@ impl Partition {
             .index_blocks
             .with_label_values(&[&self.key.model, &self.key.routing_group])
             .set(state.index.len() as i64);
+        let engine_bytes: usize = state
+            .engines
+            .values()
+            .map(|m| m.entries.capacity() * 8 / 7 * (std::mem::size_of::<(u64, u64)>() + 1))
+            .sum();
+        metrics
+            .index_bytes
+            .with_label_values(&[&self.key.model, &self.key.routing_group])
+            .set((state.index.heap_bytes() + engine_bytes) as i64);
         expired
     }
 
@@ -930,17 +939,11 @@ pub struct EventStats {
     pub dropped: u64,
 }
 
-/// Engine block hash -> our chained hash for one rank, with how many times each tier stored it
-/// (engines can store the same block twice).
+/// Engine block hash -> our chained hash, for one rank. Reference counts per tier live in the
+/// index's holders, so an entry is 16 bytes.
 #[derive(Debug, Default)]
 pub(super) struct EngineMap {
-    entries: HashMap<u64, EngineEntry>,
-}
-
-#[derive(Debug, Clone, Copy)]
-struct EngineEntry {
-    seq: u64,
-    counts: [u32; 3],
+    entries: MixedMap<u64>,
 }
 
 fn tier_of(medium: &Medium) -> Tier {
@@ -979,18 +982,11 @@ impl Partition {
                     let tier = tier_of(medium);
                     let mut all_known = true;
                     for h in block_hashes {
-                        let Some(entry) = map.entries.get_mut(h) else {
+                        let Some(&seq) = map.entries.get(h) else {
                             all_known = false;
                             continue;
                         };
-                        let count = &mut entry.counts[tier as usize];
-                        if *count > 0 {
-                            *count -= 1;
-                            if *count == 0 {
-                                state.index.remove(rank, entry.seq, tier);
-                            }
-                        }
-                        if entry.counts == [0; 3] {
+                        if !state.index.release(rank, seq, tier) {
                             map.entries.remove(h);
                         }
                     }
@@ -1010,7 +1006,7 @@ impl Partition {
                     let mut parent = match parent_block_hash {
                         None => None,
                         Some(h) => match map.entries.get(h) {
-                            Some(e) => Some(e.seq),
+                            Some(&seq) => Some(seq),
                             None if token_ids.is_empty() => None,
                             // A chain we never saw the start of cannot be hashed like requests.
                             None => {
@@ -1027,7 +1023,7 @@ impl Partition {
                     for (i, engine_hash) in block_hashes.iter().enumerate() {
                         let seq = if token_ids.is_empty() {
                             match map.entries.get(engine_hash) {
-                                Some(e) => e.seq,
+                                Some(&seq) => seq,
                                 None => {
                                     ok = false;
                                     continue;
@@ -1045,12 +1041,7 @@ impl Partition {
                                 Some(p) => hash::chain(p, local),
                             }
                         };
-                        let entry = map.entries.entry(*engine_hash).or_insert(EngineEntry {
-                            seq,
-                            counts: [0; 3],
-                        });
-                        entry.seq = seq;
-                        entry.counts[tier as usize] += 1;
+                        map.entries.insert(*engine_hash, seq);
                         state.index.insert(rank, &[seq], tier, None);
                         parent = Some(seq);
                     }

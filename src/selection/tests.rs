@@ -1032,6 +1032,34 @@ mod kv_events {
     }
 
     #[test]
+    fn index_size_is_published_per_partition() {
+        let core = core();
+        core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+            .unwrap();
+        let a = rank_of(&core, "a", 0);
+        let bytes = || {
+            core.metrics()
+                .index_bytes
+                .with_label_values(&["m", ""])
+                .get()
+        };
+        core.reap_expired(Instant::now());
+        let empty = bytes();
+        let tokens: Vec<u32> = (0..16 * 64).collect();
+        let hashes: Vec<u64> = (1..=64).collect();
+        core.apply_kv_events(a, &[stored(&hashes, None, tokens, Medium::Gpu)]);
+        core.reap_expired(Instant::now());
+        assert!(bytes() > empty + 64 * 16, "index and engine map counted");
+        assert_eq!(
+            core.metrics()
+                .index_blocks
+                .with_label_values(&["m", ""])
+                .get(),
+            64
+        );
+    }
+
+    #[test]
     fn unusable_events_are_dropped_not_fatal() {
         let core = core();
         core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
