@@ -707,7 +707,8 @@ def patch_envoy_config(cfg: dict[str, Any], *, kvpick_port: int, secure: bool,
 class Envoy:
     def __init__(self, *, kvpick_port: int, secure: bool = True,
                  subset_hints: dict[str, Any] | None = None, workdir: Path | None = None,
-                 config: dict[str, Any] | None = None, log_level: str | None = None) -> None:
+                 config: dict[str, Any] | None = None, log_level: str | None = None,
+                 concurrency: int = 1) -> None:
         self.workdir = workdir or new_workdir("envoy")
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path = self.workdir / "envoy.yaml"
@@ -724,7 +725,7 @@ class Envoy:
             "--admin-address-path", str(self.admin_path),
             "--use-dynamic-base-id",
             "--base-id-path", str(self.workdir / "base-id.txt"),
-            "--concurrency", "1",
+            "--concurrency", str(concurrency),
             "-l", level,
             "--component-log-level", os.environ.get("E2E_ENVOY_COMPONENT_LOG", "ext_proc:debug"),
             "--drain-time-s", "1",

@@ -1,0 +1,191 @@
+"""ext_proc overhead benchmark: the same load through a real Envoy with the ext_proc filter off
+(a plain round-robin cluster over the upstreams) and on (kvpick picks every request).
+
+Prompt sizes 1 KB / 32 KB / 220 KB, as token ids (`/v1/completions`, `prompt: [ids]`) and as chat
+text (`/v1/chat/completions`), at concurrency 1 / 16 / 150, against instant upstreams. Reports
+requests/s, latency p50/p99 in both modes and what kvpick adds, kvpick CPU-seconds per 1,000
+requests and kvpick's peak RSS. Every request is unique (`{n}` in the body), so kvpick hashes and
+indexes every prompt: its worst case.
+
+The load generator and the upstreams are `examples/loadgen.rs` (Rust, hyper, one keep-alive
+connection per client). Run through `bash e2e/bench-overhead` (builds everything in release).
+Writes target/bench-overhead.json and prints a Markdown table.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+LOADGEN = Path(os.environ.get("LOADGEN_BIN", REPO / "target" / "release" / "examples" / "loadgen"))
+SIZES = {"1KB": 1024, "32KB": 32 * 1024, "220KB": 220 * 1024}
+CONCURRENCY = [1, 16, 150]
+
+
+def token_body(size: int) -> bytes:
+    # `{n}` first: every prompt differs from its first block on (no shared prefixes).
+    ids = []
+    length = len('{"model":"m1","prompt":[{n}]}')
+    i = 0
+    while length < size:
+        tok = str(1000 + (i * 7919) % 120000)
+        ids.append(tok)
+        length += len(tok) + 1
+        i += 1
+    return ('{"model":"m1","prompt":[{n},' + ",".join(ids) + "]}").encode()
+
+
+def chat_body(size: int) -> bytes:
+    words = []
+    length = 120
+    i = 0
+    while length < size:
+        w = f"word{(i * 7919) % 5000}"
+        words.append(w)
+        length += len(w) + 1
+        i += 1
+    body = {"model": "m1", "messages": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "REQ " + " ".join(words)},
+    ]}
+    return json.dumps(body).replace("REQ", "{n}", 1).encode()
+
+
+def plain_envoy_config(upstream_ports: list[int]) -> dict:
+    """The reference config without the ext_proc filter, routing round-robin over the ranks."""
+    cfg = copy.deepcopy(harness.load_envoy_template())
+    listener = cfg["static_resources"]["listeners"][0]
+    hcm = harness._hcm(listener)
+    hcm["http_filters"] = [f for f in hcm["http_filters"]
+                           if f["name"] != "envoy.filters.http.ext_proc"]
+    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
+    route["route"]["cluster"] = "plain"
+    route.pop("request_headers_to_add", None)
+    cfg["static_resources"]["clusters"].append({
+        "name": "plain", "type": "STATIC", "lb_policy": "ROUND_ROBIN", "connect_timeout": "5s",
+        "per_connection_buffer_limit_bytes": 67108864,
+        "load_assignment": {"cluster_name": "plain", "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                         "port_value": p}}}}
+            for p in upstream_ports]}]},
+    })
+    return cfg
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def proc_status_kb(pid: int, key: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def load(url: str, body_path: Path, concurrency: int, requests: int) -> dict:
+    out = subprocess.run(
+        [str(LOADGEN), "run", "--url", url, "--body", str(body_path),
+         "--concurrency", str(concurrency), "--requests", str(requests),
+         "--warmup", str(min(requests // 10 + concurrency, 200))],
+        check=True, capture_output=True, text=True, timeout=900)
+    return json.loads(out.stdout)
+
+
+def requests_for(size: int, concurrency: int, quick: bool) -> int:
+    base = {1: 300, 16: 2000, 150: 3000}[concurrency]
+    if size > 100_000:
+        base //= 3
+    return max(base // 10, 30) if quick else base
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few requests per cell (smoke run)")
+    ap.add_argument("--out", default=str(REPO / "target" / "bench-overhead.json"))
+    ap.add_argument("--envoy-concurrency", type=int, default=2)
+    args = ap.parse_args()
+    os.environ.setdefault("E2E_ENVOY_COMPONENT_LOG", "ext_proc:warning")
+
+    up = subprocess.Popen([str(LOADGEN), "upstream", "--count", "4"], stdout=subprocess.PIPE,
+                          text=True, preexec_fn=harness._die_with_parent)
+    line = up.stdout.readline().split()
+    ports = [int(p) for p in line[1].split(",")]
+    kv = harness.Kvpick([harness.worker("w0", ports=ports)],
+                        extra_args=["--max-body-bytes", str(4 << 20)]).start()
+    on = harness.Envoy(kvpick_port=kv.grpc_port, log_level="warning",
+                       concurrency=args.envoy_concurrency).start()
+    off = harness.Envoy(kvpick_port=kv.grpc_port, config=plain_envoy_config(ports),
+                        log_level="warning", concurrency=args.envoy_concurrency).start()
+    workdir = harness.new_workdir("bench-overhead")
+    rows = []
+    try:
+        for size_name, size in SIZES.items():
+            for variant, make, path in (("token ids", token_body, "/v1/completions"),
+                                        ("chat text", chat_body, "/v1/chat/completions")):
+                body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
+                body_path.write_bytes(make(size))
+                for conc in CONCURRENCY:
+                    n = requests_for(size, conc, args.quick)
+                    base = load(off.url() + path, body_path, conc, n)
+                    cpu0 = proc_cpu_seconds(kv.process.pid)
+                    with_kv = load(on.url() + path, body_path, conc, n)
+                    cpu = proc_cpu_seconds(kv.process.pid) - cpu0
+                    total = with_kv["completed"] + with_kv["errors"]
+                    row = {
+                        "size": size_name, "variant": variant, "concurrency": conc,
+                        "requests": n,
+                        "rps_off": base["rps"], "rps_on": with_kv["rps"],
+                        "p50_off_ms": base["latency_ms"]["p50"],
+                        "p50_on_ms": with_kv["latency_ms"]["p50"],
+                        "p99_off_ms": base["latency_ms"]["p99"],
+                        "p99_on_ms": with_kv["latency_ms"]["p99"],
+                        "added_p50_ms": with_kv["latency_ms"]["p50"] - base["latency_ms"]["p50"],
+                        "added_p99_ms": with_kv["latency_ms"]["p99"] - base["latency_ms"]["p99"],
+                        # The warm-up requests ran inside the CPU window too.
+                        "kvpick_cpu_s_per_1k": 1000 * cpu / max(total + min(n // 10 + conc, 200), 1),
+                        "errors_off": base["errors"] + sum(v for k, v in base["statuses"].items() if k != "200"),
+                        "errors_on": with_kv["errors"] + sum(v for k, v in with_kv["statuses"].items() if k != "200"),
+                    }
+                    rows.append(row)
+                    print(f"  {size_name:>5} {variant:<9} c={conc:<3} rps {row['rps_off']:7.0f} -> "
+                          f"{row['rps_on']:7.0f}   p50 +{row['added_p50_ms']:.2f} ms   "
+                          f"p99 +{row['added_p99_ms']:.2f} ms   "
+                          f"{row['kvpick_cpu_s_per_1k']:.3f} CPU-s/1k", flush=True)
+        peak_rss_mb = proc_status_kb(kv.process.pid, "VmHWM") / 1024
+        inflight = kv.metric("kvpick_inflight_total")
+    finally:
+        off.stop()
+        on.stop()
+        kv.stop()
+        up.kill()
+    result = {"rows": rows, "kvpick_peak_rss_mb": peak_rss_mb, "kvpick_inflight_after": inflight,
+              "machine_cpus": os.cpu_count(), "quick": args.quick}
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print()
+    print("| prompt | variant | conc | req/s off | req/s on | p50 off | p50 on | added p50 | "
+          "p99 off | p99 on | added p99 | kvpick CPU-s / 1k req | errors off/on |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} | {r['variant']} | {r['concurrency']} | {r['rps_off']:.0f} | "
+              f"{r['rps_on']:.0f} | {r['p50_off_ms']:.2f} | {r['p50_on_ms']:.2f} | "
+              f"{r['added_p50_ms']:+.2f} | {r['p99_off_ms']:.2f} | {r['p99_on_ms']:.2f} | "
+              f"{r['added_p99_ms']:+.2f} | {r['kvpick_cpu_s_per_1k']:.3f} | "
+              f"{r['errors_off']}/{r['errors_on']} |")
+    print(f"\nkvpick peak RSS: {peak_rss_mb:.1f} MiB; in-flight bookings after the run: {inflight:.0f}")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
