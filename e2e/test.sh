@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh
-cargo build --locked --bins
+cargo build --locked --bins --examples
 cargo test --locked --all-targets
 bash e2e/check-manifests.sh
-KVPICK_BIN="$PWD/target/debug/kvpick" .venv/bin/python -m pytest e2e/tests -q -p no:cacheprovider "$@"
+KVPICK_BIN="$PWD/target/debug/kvpick" LOADGEN_BIN="$PWD/target/debug/examples/loadgen" \
+  .venv/bin/python -m pytest e2e/tests -q -p no:cacheprovider "$@"
