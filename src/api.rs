@@ -26,11 +26,33 @@ pub const API_SOURCE: &str = "api";
 #[derive(Clone)]
 pub struct SelectionApi {
     core: Arc<SelectionCore>,
+    worker_writes: bool,
 }
 
 impl SelectionApi {
+    /// An API that answers every RPC, including catalog writes (in-process hosts and tests).
     pub fn new(core: Arc<SelectionCore>) -> Self {
-        SelectionApi { core }
+        SelectionApi {
+            core,
+            worker_writes: true,
+        }
+    }
+
+    /// Whether `UpsertWorker` / `DeleteWorker` are accepted (`--worker-api`); refused with
+    /// `PERMISSION_DENIED` otherwise.
+    pub fn with_worker_writes(mut self, allowed: bool) -> Self {
+        self.worker_writes = allowed;
+        self
+    }
+
+    fn check_worker_writes(&self) -> Result<(), Status> {
+        if self.worker_writes {
+            Ok(())
+        } else {
+            Err(Status::permission_denied(
+                "catalog writes are disabled; start kvpick with --worker-api to allow them",
+            ))
+        }
     }
 
     pub fn into_server(self) -> SelectionServer<Self> {
@@ -212,6 +234,7 @@ impl Selection for SelectionApi {
         &self,
         request: Request<WorkerSpec>,
     ) -> Result<Response<CatalogAck>, Status> {
+        self.check_worker_writes()?;
         let w = request.into_inner();
         let ports = if w.ports.is_empty() {
             None
@@ -256,6 +279,7 @@ impl Selection for SelectionApi {
         &self,
         request: Request<DeleteWorkerRequest>,
     ) -> Result<Response<CatalogAck>, Status> {
+        self.check_worker_writes()?;
         let name = request.into_inner().name;
         let found = self
             .core

@@ -169,6 +169,11 @@ pub struct ServeArgs {
     #[arg(long, help_heading = "Scheduling")]
     pub allow_pins: bool,
 
+    /// Accept `UpsertWorker` / `DeleteWorker` on the gRPC selection API. Off by default: whoever
+    /// can reach the gRPC port could otherwise add endpoints that Envoy then sends traffic to.
+    #[arg(long)]
+    pub worker_api: bool,
+
     /// Seconds a routed prompt's blocks count as cached on its rank (no KV events).
     #[arg(
         long,
@@ -436,7 +441,11 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(health_service.clone())
         .add_service(extproc.into_server())
-        .add_service(SelectionApi::new(Arc::clone(&core)).into_server())
+        .add_service(
+            SelectionApi::new(Arc::clone(&core))
+                .with_worker_writes(args.worker_api)
+                .into_server(),
+        )
         .serve_with_incoming_shutdown(
             crate::net::incoming(grpc_listener, tls, shutdown_rx.clone()),
             drained(),

@@ -114,8 +114,10 @@ fn bad_catalog_fails_start_up_with_a_clear_message() {
 #[tokio::test]
 async fn every_selection_rpc_over_the_wire() {
     use kvpick::proto::{DeleteWorkerRequest, WorkerSpec};
-    let serve =
-        start("workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001]}\n");
+    let serve = start_static(
+        "workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001]}\n",
+        &["--worker-api"],
+    );
     wait_readiness(serve.health, ServingStatus::Serving).await;
     let mut api = common::api(serve.grpc).await;
     let prompt: Vec<u32> = (0..64).collect();
@@ -245,4 +247,38 @@ async fn every_selection_rpc_over_the_wire() {
         .await
         .unwrap_err();
     assert_eq!(long_session.code(), tonic::Code::InvalidArgument);
+}
+
+#[tokio::test]
+async fn catalog_writes_need_the_worker_api_flag() {
+    use kvpick::proto::{DeleteWorkerRequest, WorkerSpec};
+    let serve = start("workers:\n  - {name: a, model: m, address: 127.0.0.1, port: 8000}\n");
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+    let mut api = common::api(serve.grpc).await;
+    let denied = api
+        .upsert_worker(WorkerSpec {
+            name: "evil".into(),
+            model: "m".into(),
+            address: "10.9.9.9".into(),
+            port: 80,
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+    assert!(
+        denied.message().contains("--worker-api"),
+        "{}",
+        denied.message()
+    );
+    let denied = api
+        .delete_worker(DeleteWorkerRequest { name: "a".into() })
+        .await
+        .unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+    let workers = common::list_workers(&mut api).await;
+    assert_eq!(
+        workers.iter().map(|w| w.name.as_str()).collect::<Vec<_>>(),
+        ["a"]
+    );
 }
