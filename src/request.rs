@@ -60,7 +60,7 @@ struct Envelope<'a> {
 impl Envelope<'_> {
     fn prompt(&self) -> Prompt {
         if let Some(raw) = self.prompt {
-            if let Ok(ids) = serde_json::from_str::<Vec<u32>>(raw.get()) {
+            if let Some(ids) = token_ids(raw.get()) {
                 return Prompt::TokenIds(ids);
             }
             if let Ok(text) = serde_json::from_str::<String>(raw.get()) {
@@ -79,6 +79,55 @@ impl Envelope<'_> {
             Prompt::Absent
         } else {
             Prompt::Text(text)
+        }
+    }
+}
+
+/// A JSON array of u32 token ids, parsed directly: on long prompts serde's generic sequence path
+/// is most of a request's CPU. `raw` is already valid JSON (it came out of the envelope); whatever
+/// this loop does not recognise (signs, fractions, exponents, overflow, non-numbers) goes to
+/// serde, so the result is always exactly `serde_json::from_str::<Vec<u32>>(raw).ok()`.
+fn token_ids(raw: &str) -> Option<Vec<u32>> {
+    fast_token_ids(raw.as_bytes()).or_else(|| serde_json::from_str::<Vec<u32>>(raw).ok())
+}
+
+fn fast_token_ids(bytes: &[u8]) -> Option<Vec<u32>> {
+    let skip_ws = |mut i: usize| {
+        while i < bytes.len() && matches!(bytes[i], b' ' | b'\t' | b'\n' | b'\r') {
+            i += 1;
+        }
+        i
+    };
+    let mut i = skip_ws(0);
+    if bytes.get(i) != Some(&b'[') {
+        return None;
+    }
+    i = skip_ws(i + 1);
+    // Token ids average a few digits: a byte-length estimate avoids regrowing.
+    let mut ids = Vec::with_capacity(bytes.len() / 4);
+    if bytes.get(i) == Some(&b']') {
+        return (skip_ws(i + 1) == bytes.len()).then_some(ids);
+    }
+    loop {
+        let start = i;
+        let mut value: u64 = 0;
+        while i < bytes.len() && bytes[i].is_ascii_digit() {
+            value = value * 10 + (bytes[i] - b'0') as u64;
+            if value > u32::MAX as u64 {
+                return None;
+            }
+            i += 1;
+        }
+        // No digits, or a leading zero (not JSON): serde decides.
+        if i == start || (bytes[start] == b'0' && i - start > 1) {
+            return None;
+        }
+        ids.push(value as u32);
+        i = skip_ws(i);
+        match bytes.get(i) {
+            Some(b',') => i = skip_ws(i + 1),
+            Some(b']') => return (skip_ws(i + 1) == bytes.len()).then_some(ids),
+            _ => return None,
         }
     }
 }
@@ -136,6 +185,57 @@ fn short_json_error(e: &serde_json::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn token_id_fast_path_agrees_with_serde() {
+        use rand::{Rng, SeedableRng};
+        let cases = [
+            "[]",
+            "[ ]",
+            " [1,2,3] ",
+            "[0]",
+            "[4294967295]",
+            "[4294967296]",
+            "[1.0]",
+            "[1e3]",
+            "[-1]",
+            "[1,]",
+            "[,1]",
+            "[1 2]",
+            "[\"1\"]",
+            "[1,[2]]",
+            "[1]x",
+            "[\n1\r,\t2\n]",
+            "[00]",
+            "[18446744073709551616]",
+            "",
+            "[",
+            "]",
+            "[1,2",
+            "{}",
+        ];
+        for raw in cases {
+            assert_eq!(
+                token_ids(raw),
+                serde_json::from_str::<Vec<u32>>(raw).ok(),
+                "{raw:?}"
+            );
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let alphabet = b"0123456789 ,[]-.e\n\"";
+        for _ in 0..20_000 {
+            let len = rng.random_range(0..24);
+            let raw: String = (0..len)
+                .map(|_| alphabet[rng.random_range(0..alphabet.len())] as char)
+                .collect();
+            let raw = format!("[{raw}]");
+            assert_eq!(
+                token_ids(&raw),
+                serde_json::from_str::<Vec<u32>>(&raw).ok(),
+                "{raw:?}"
+            );
+        }
+    }
 
     #[test]
     fn extracts_model_stream_and_salt() {

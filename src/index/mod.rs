@@ -412,23 +412,46 @@ impl PrefixIndex {
     }
 
     /// Evicts the least recently touched blocks once over capacity. Eviction works in batches
-    /// (down to 63/64 of capacity) so its O(blocks) scan is paid once per many inserts, and no
-    /// ordered structure has to be maintained on every touch.
+    /// (down to 15/16 of capacity) so its O(blocks) pass is paid once per many inserts, and no
+    /// ordered structure has to be maintained on every touch. On big indexes the LRU cutoff is
+    /// estimated from a sample of ~4k blocks, exact when that misses.
     fn evict_over_capacity(&mut self) {
         if self.blocks.len() <= self.max_blocks {
             return;
         }
-        let target = self.max_blocks - self.max_blocks / 64;
-        let mut excess = self.blocks.len() - target;
+        let target = self.max_blocks - self.max_blocks / 16;
+        let len = self.blocks.len();
+        if len > 65_536 {
+            let step = len / 4096;
+            let mut sample: Vec<u32> = self
+                .blocks
+                .values()
+                .step_by(step)
+                .map(|e| e.touched)
+                .collect();
+            let k = ((len - target) * sample.len() / len).clamp(1, sample.len()) - 1;
+            let (_, cutoff, _) = sample.select_nth_unstable(k);
+            let cutoff = *cutoff;
+            self.evict_where(|touched| touched <= cutoff, usize::MAX);
+            if self.blocks.len() <= self.max_blocks {
+                return;
+            }
+        }
+        let excess = self.blocks.len() - target;
         let mut ticks: Vec<u32> = self.blocks.values().map(|e| e.touched).collect();
         let (_, cutoff, _) = ticks.select_nth_unstable(excess - 1);
         let cutoff = *cutoff;
         drop(ticks);
+        // Ties at the cutoff: evict only as many as needed.
+        self.evict_where(|touched| touched <= cutoff, excess);
+    }
+
+    /// Drops up to `limit` blocks whose LRU tick `evict` accepts.
+    fn evict_where(&mut self, evict: impl Fn(u32) -> bool, mut limit: usize) {
         let (slab, free) = (&mut self.slab, &mut self.free_slab);
         self.blocks.retain(|_, entry| {
-            // Ties at the cutoff: evict only as many as needed.
-            if entry.touched < cutoff || (entry.touched == cutoff && excess > 0) {
-                excess = excess.saturating_sub(1);
+            if limit > 0 && evict(entry.touched) {
+                limit -= 1;
                 if entry.holder.who == MULTI {
                     release_slab(slab, free, entry.multi());
                 }
@@ -1039,5 +1062,28 @@ mod tests {
         idx.clear_rank(rank(2));
         assert_eq!(idx.free_slab.len(), 1, "list freed when one holder is left");
         assert!(!idx.rank_ids.contains_key(&rank(2)), "rank id released");
+    }
+
+    #[test]
+    fn big_indexes_evict_by_sampled_cutoff_and_keep_the_recent() {
+        let cap = 100_000;
+        let mut idx = PrefixIndex::new(cap);
+        for h in 0..300_000u64 {
+            idx.insert(rank(1), &[h], Tier::Gpu, None);
+            assert!(idx.len() <= cap);
+        }
+        assert!(
+            idx.len() >= cap - cap / 16 - cap / 64,
+            "evicted about one batch at a time"
+        );
+        // Everything touched since the last eviction, and the newest 80k, are kept.
+        let kept = (220_000..300_000u64)
+            .filter(|h| idx.blocks.contains_key(&BlockKey::new(*h)))
+            .count();
+        assert_eq!(kept, 80_000);
+        let oldest = (0..100_000u64)
+            .filter(|h| idx.blocks.contains_key(&BlockKey::new(*h)))
+            .count();
+        assert_eq!(oldest, 0);
     }
 }
