@@ -175,14 +175,15 @@ fn prompt_blocks(prompt: &PromptInput, block_size: u32, seed: u64) -> PromptBloc
             seq_hashes: seq_hashes.clone(),
         },
         PromptInput::Text(bytes) => {
-            let pseudo: Vec<u32> = bytes
-                .chunks(4)
-                .map(|c| {
-                    let mut word = [0u8; 4];
-                    word[..c.len()].copy_from_slice(c);
-                    u32::from_le_bytes(word)
-                })
-                .collect();
+            let words = bytes.chunks_exact(4);
+            let tail = words.remainder();
+            let mut pseudo: Vec<u32> = Vec::with_capacity(bytes.len().div_ceil(4));
+            pseudo.extend(words.map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+            if !tail.is_empty() {
+                let mut word = [0u8; 4];
+                word[..tail.len()].copy_from_slice(tail);
+                pseudo.push(u32::from_le_bytes(word));
+            }
             PromptBlocks {
                 tokens: pseudo.len() as u64,
                 seq_hashes: hash::prompt_hashes(&pseudo, bs, seed),
