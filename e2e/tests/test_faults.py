@@ -23,7 +23,8 @@ import httpx
 import pytest
 
 import harness
-from harness import Envoy, Gate, Kvpick, ManagedProcess, chat_body, wait_until, worker
+from harness import (Envoy, Gate, Kvpick, ManagedProcess, chat_body, failopen_config, wait_until,
+                     worker)
 
 CHAT = "/v1/chat/completions"
 JSON_CT = {"content-type": "application/json"}
@@ -324,3 +325,122 @@ def wait_applied(kv: Kvpick, at_least: float, timeout: float) -> bool:
         return True
     except TimeoutError:
         return False
+
+
+# ------------------------------------------------------------------------------------------------
+# kvpick SIGKILLed and restarted under load, FailClose and FailOpen
+
+
+@dataclass
+class Outcome:
+    started: float
+    ended: float
+    status: int
+    routed_by_kvpick: bool
+    port: int | None
+    body: str
+
+
+def steady_load(url: str, stop: threading.Event, out: list[Outcome], lock: threading.Lock):
+    """One client sending requests back to back until ``stop``."""
+    with httpx.Client(trust_env=False, timeout=httpx.Timeout(20.0)) as c:
+        while not stop.is_set():
+            t0 = time.monotonic()
+            r = c.post(url + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
+            routed, port = False, None
+            if r.status_code == 200:
+                j = r.json()
+                port = j["port"]
+                routed = DEST in j["headers"]
+            with lock:
+                out.append(Outcome(t0, time.monotonic(), r.status_code, routed, port,
+                                   r.text[:200]))
+
+
+def kvpick_health(envoy: Envoy) -> str:
+    """healthy / unhealthy, from Envoy's admin /clusters for the kvpick host."""
+    _, text = harness.http_get(f"http://{envoy.admin}/clusters")
+    flags = [l for l in text.splitlines() if l.startswith("kvpick::") and "::health_flags::" in l]
+    assert len(flags) == 1, flags
+    return "healthy" if flags[0].endswith("::healthy") else "unhealthy"
+
+
+@pytest.mark.parametrize("fail_open", [False, True], ids=["FailClose", "FailOpen"])
+def test_kvpick_restart_under_load(make_upstream, fail_open):
+    a, b = make_upstream("a"), make_upstream("b")
+    workers = [worker("w0", ports=[a.port, b.port])]
+    port = free_port()
+    workdir = harness.new_workdir("restart")
+    kv1 = with_grpc_port(Kvpick(workers, workdir=workdir / "kvpick1", secure=False), port).start()
+    config = failopen_config([a.endpoint, b.endpoint]) if fail_open else None
+    envoy = Envoy(kvpick_port=port, secure=False, workdir=workdir / "envoy", config=config)
+    kv2 = with_grpc_port(Kvpick(workers, workdir=workdir / "kvpick2", secure=False), port)
+    out: list[Outcome] = []
+    lock = threading.Lock()
+    stop = threading.Event()
+    threads = []
+    try:
+        envoy.start()
+        threads = [threading.Thread(target=steady_load, args=(envoy.url(), stop, out, lock))
+                   for _ in range(2)]
+        for t in threads:
+            t.start()
+
+        def count(pred):
+            with lock:
+                return sum(1 for o in out if pred(o))
+
+        wait_until(lambda: count(lambda o: o.routed_by_kvpick) >= 10, 20,
+                   desc="requests routed by kvpick before the kill")
+        kv1.process.proc.kill()
+        kv1.process.proc.wait(timeout=10)
+        killed = time.monotonic()
+        if fail_open:
+            # FailOpen needs Envoy to know kvpick is down (see harness.failopen_config).
+            wait_until(lambda: kvpick_health(envoy) == "unhealthy", 10,
+                       desc="Envoy's health check marks kvpick down")
+            killed = time.monotonic()
+        # The outage: requests sent after kvpick died.
+        wait_until(lambda: count(lambda o: o.started > killed) >= 10, 20,
+                   desc="requests during the outage")
+        restarting = time.monotonic()
+        kv2.start()
+        wait_until(lambda: kv2.health("readiness") == "SERVING", 20, desc="kvpick back and ready")
+        if fail_open:
+            wait_until(lambda: kvpick_health(envoy) == "healthy", 10,
+                       desc="Envoy's health check marks kvpick up")
+        back = time.monotonic()
+        wait_until(lambda: count(lambda o: o.started > back) >= 10, 20,
+                   desc="requests after the restart")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=30)
+        envoy.stop()
+        kv1.stop()
+        kv2.stop()
+
+    outage = [o for o in out if o.started > killed and o.ended < restarting]
+    after = [o for o in out if o.started > back]
+    assert len(outage) >= 10 and len(after) >= 10
+    # Every request was answered (nothing hung) with 200 or Envoy's ext_proc failure 500.
+    assert {o.status for o in out} <= {200, 500}, sorted({o.status for o in out})
+    if fail_open:
+        # FailOpen: ext_proc is skipped and the fallback route balances over the pool itself.
+        for o in outage:
+            assert o.status == 200, o
+            assert not o.routed_by_kvpick and o.port in (a.port, b.port), o
+        assert {o.port for o in outage} == {a.port, b.port}, "least-request spreads the pool"
+        # Only requests in flight when kvpick died may fail (their ext_proc stream broke
+        # after the body was handed to it).
+        failed = [o for o in out if o.status != 200]
+        assert all(o.started <= killed for o in failed), failed
+    else:
+        # FailClose: Envoy answers every request of the outage itself with 500 (its local
+        # reply for an ext_proc stream that cannot be opened); none reaches an upstream.
+        for o in outage:
+            assert o.status == 500, o
+            assert not o.body.startswith("kvpick:"), o
+    # After the restart on the same port kvpick routes every request again.
+    for o in after:
+        assert o.status == 200 and o.routed_by_kvpick, o
