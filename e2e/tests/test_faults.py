@@ -444,3 +444,68 @@ def test_kvpick_restart_under_load(make_upstream, fail_open):
     # After the restart on the same port kvpick routes every request again.
     for o in after:
         assert o.status == 200 and o.routed_by_kvpick, o
+
+
+# ------------------------------------------------------------------------------------------------
+# SIGTERM with many open streams
+
+
+def test_sigterm_under_load_drains_every_open_stream(make_stack, make_upstream):
+    ups = [make_upstream("t0"), make_upstream("t1")]
+    stack = make_stack([worker("w0", ports=[u.port for u in ups])], secure=False,
+                       name="termload", extra_args=["--shutdown-grace", "30"])
+    kv = stack.kvpick
+    n = 12
+    gates = [Gate() for _ in range(n)]
+    bodies = [chat_body(stream=True) for _ in range(n)]
+
+    def stream(i: int) -> tuple[int, list[dict | str]]:
+        with httpx.Client(trust_env=False, timeout=httpx.Timeout(30.0)) as c:
+            with c.stream("POST", stack.url() + CHAT, content=json.dumps(bodies[i]),
+                          headers={**JSON_CT, **gates[i].headers()}) as r:
+                events: list[dict | str] = []
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        data = line[len("data:"):].strip()
+                        events.append(data if data == "[DONE]" else json.loads(data))
+                return r.status_code, events
+
+    with ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(stream, i) for i in range(n)]
+        for g in gates:
+            assert g.first_sent.wait(20), "every stream is open upstream"
+        wait_until(lambda: inflight(kv) == n, 15, desc=f"{n} bookings while streaming")
+
+        kv.process.proc.send_signal(signal.SIGTERM)
+        # New requests are refused cleanly while the open streams keep going: kvpick no longer
+        # accepts ext_proc streams, so Envoy (FailClose) answers 500 itself.
+        with httpx.Client(trust_env=False, timeout=httpx.Timeout(15.0)) as c:
+            def refused():
+                r = c.post(stack.url() + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
+                return r.status_code != 200 and r
+            r = wait_until(refused, 15, desc="new requests refused after SIGTERM")
+            assert r.status_code == 500, (r.status_code, r.text)
+            assert not r.text.startswith("kvpick:"), "Envoy's own reply, not a pick"
+            for _ in range(5):
+                again = c.post(stack.url() + CHAT, content=json.dumps(chat_body()),
+                               headers=JSON_CT)
+                assert again.status_code == 500, again.text
+        assert kv.process.alive(), "kvpick waits for the open streams"
+        assert not any(g.final_sent.is_set() for g in gates)
+
+        for g in gates:
+            g.release.set()
+        results = [f.result(timeout=30) for f in futures]
+
+    for i, (status, events) in enumerate(results):
+        assert status == 200
+        # The full body: all three events of the fake engine, in order, then [DONE].
+        assert [e["seq"] for e in events[:-1]] == [0, 1, 2], events
+        assert events[-1] == "[DONE]"
+        assert events[0]["len"] == len(json.dumps(bodies[i]).encode())
+    code = wait_until(lambda: kv.process.proc.poll() is not None and
+                      ("exited", kv.process.proc.returncode), 20, desc="kvpick exits once drained")
+    assert code == ("exited", 0)
+    log = kv.process.log_path.read_text()
+    assert "grace period over" not in log, "drained before the grace period ended"
+    assert "drained live_bookings=0" in log, "no booking left at exit"
