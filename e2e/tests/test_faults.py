@@ -509,3 +509,101 @@ def test_sigterm_under_load_drains_every_open_stream(make_stack, make_upstream):
     log = kv.process.log_path.read_text()
     assert "grace period over" not in log, "drained before the grace period ended"
     assert "drained live_bookings=0" in log, "no booking left at exit"
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input through the real Envoy (issue #9 item 4): a clear status, and no booking left
+
+
+def _nested(n: int) -> bytes:
+    return b'{"model":"m1","messages":' + b"[" * n
+
+
+@pytest.mark.parametrize("payload, status, text", [
+    (b'{"model":"m1","messages":[{"role":"user","content":"\xff\xfe"}]}', 400,
+     "malformed JSON"),
+    (_nested(100_000), 400, "malformed JSON"),
+    (b"\x00\xff\x13\x37" * 1000, 400, "malformed JSON"),
+    (b'{"model":1e999999}', 400, "malformed JSON"),
+], ids=["invalid-utf8", "nested-100k", "binary", "huge-number"])
+def test_bad_bodies_through_envoy(stack, client, payload, status, text):
+    kv = stack.kvpick
+    r = client.post(stack.url() + CHAT, content=payload, headers=JSON_CT)
+    assert r.status_code == status, r.text
+    assert r.text.startswith(f"kvpick: {status}: ") and text in r.text, r.text
+    assert len(r.text) < 300, "the error does not echo the body"
+    wait_until(lambda: inflight(kv) == 0, 10, desc="no booking after a refused request")
+
+
+def test_binary_and_oversized_headers_through_envoy(stack, upstreams, client):
+    kv = stack.kvpick
+    ports = {u.port for u in upstreams}
+    body = json.dumps(chat_body())
+
+    def post(headers):
+        return client.post(stack.url() + CHAT, content=body, headers={**JSON_CT, **headers})
+
+    # Bytes >= 0x80 (obs-text) pass Envoy's codec; a session id made of them is just an id.
+    r = post({"x-dynamo-session-id": b"\xff\xfe\x80 sess"})
+    assert r.status_code == 200 and r.json()["port"] in ports, r.text
+    # A numeric header that is bytes, and a session id over 256 bytes: kvpick's 400.
+    for headers, text in [({"x-dynamo-request-priority": b"\xff\xfe"}, "must be an integer"),
+                          ({"x-dynamo-session-id": "s" * 300}, "longer than 256 bytes")]:
+        r = post(headers)
+        assert r.status_code == 400 and r.text.startswith("kvpick: 400: ") and text in r.text, \
+            r.text
+    # Large values (under Envoy's 60 KiB header limit): the request id is bounded, the rest
+    # is passed through untouched.
+    r = post({"x-request-id": "r" * 30_000, "x-big": "b" * 20_000})
+    assert r.status_code == 200 and r.json()["port"] in ports, r.text
+    assert r.json()["headers"]["x-big"] == "b" * 20_000
+    wait_until(lambda: inflight(kv) == 0, 10, desc="no booking left by bad headers")
+
+
+def test_spoofed_routing_headers_and_pins_are_ignored(stack, upstreams, client):
+    """Item 5: a client cannot choose the endpoint. The destination / subset / inference headers
+    it sends are replaced or removed, and pin headers do nothing unless allow_pins is set."""
+    a, b = upstreams
+    victim = "10.255.0.9:8000"
+    seen = set()
+    for _ in range(20):
+        r = client.post(stack.url() + CHAT, content=json.dumps(chat_body()), headers={
+            **JSON_CT,
+            DEST: victim,
+            "x-gateway-destination-endpoint-subset": victim,
+            "x-gateway-inference-objective": "evil",
+            "x-dynamo-worker-instance-id": "12345",
+            "x-dynamo-dp-rank": "7",
+        })
+        assert r.status_code == 200, r.text
+        j = r.json()
+        h = j["headers"]
+        assert h[DEST] == f"127.0.0.1:{j['port']}" and j["port"] in (a.port, b.port)
+        assert "x-gateway-destination-endpoint-subset" not in h
+        assert "x-gateway-inference-objective" not in h
+        assert h["x-dynamo-worker-instance-id"] != "12345"
+        assert h["x-dynamo-dp-rank"] in ("0", "1")
+        seen.add(j["port"])
+    assert seen == {a.port, b.port}, "the pin header did not pin"
+
+
+def test_header_envoy_refuses_never_reaches_upstream(stack, upstreams, client):
+    """A NUL byte in a header value is an HTTP/1 protocol error for Envoy's codec: the request
+    is never routed (no upstream sees it, no booking) and kvpick keeps serving. (With ext_proc
+    on the response path Envoy closes the connection without sending its 400.)"""
+    kv = stack.kvpick
+    before = sum(u.count() for u in upstreams)
+    body = b'{"model":"m1","messages":[]}'
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+           b"x-dynamo-session-id: a\x00b\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+    port = stack.envoy.listener_ports[harness.MAIN_LISTENER]
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(raw)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    assert not reply.startswith(b"HTTP/1.1 2"), reply[:200]
+    assert sum(u.count() for u in upstreams) == before
+    assert inflight(kv) == 0
+    r = client.post(stack.url() + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
+    assert r.status_code == 200, r.text
