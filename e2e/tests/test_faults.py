@@ -109,7 +109,7 @@ def test_upstream_killed_mid_stream_frees_booking_and_catalog_removal_reroutes(
             dying.proc.wait(timeout=10)
             # The client sees the stream cut short: Envoy resets the downstream response
             # (HTTP/1.1: the connection closes without the terminating chunk).
-            with pytest.raises(httpx.RemoteProtocolError):
+            with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError)):
                 for _ in lines:
                     pass
         wait_until(lambda: inflight(kv) == 0, 15, desc="booking freed after the upstream died")
@@ -346,15 +346,18 @@ def steady_load(url: str, stop: threading.Event, out: list[Outcome], lock: threa
     with httpx.Client(trust_env=False, timeout=httpx.Timeout(20.0)) as c:
         while not stop.is_set():
             t0 = time.monotonic()
-            r = c.post(url + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
             routed, port = False, None
-            if r.status_code == 200:
-                j = r.json()
-                port = j["port"]
-                routed = DEST in j["headers"]
+            try:
+                r = c.post(url + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
+                status, text = r.status_code, r.text[:200]
+                if status == 200:
+                    j = r.json()
+                    port = j["port"]
+                    routed = DEST in j["headers"]
+            except httpx.TransportError as exc:  # a reset: status 0, judged by the test
+                status, text = 0, repr(exc)
             with lock:
-                out.append(Outcome(t0, time.monotonic(), r.status_code, routed, port,
-                                   r.text[:200]))
+                out.append(Outcome(t0, time.monotonic(), status, routed, port, text))
 
 
 def kvpick_health(envoy: Envoy) -> str:
@@ -401,7 +404,7 @@ def test_kvpick_restart_under_load(make_upstream, fail_open):
                        desc="Envoy's health check marks kvpick down")
             killed = time.monotonic()
         # The outage: requests sent after kvpick died.
-        wait_until(lambda: count(lambda o: o.started > killed) >= 10, 20,
+        wait_until(lambda: count(lambda o: o.started > killed) >= 30, 20,
                    desc="requests during the outage")
         restarting = time.monotonic()
         kv2.start()
@@ -422,9 +425,11 @@ def test_kvpick_restart_under_load(make_upstream, fail_open):
 
     outage = [o for o in out if o.started > killed and o.ended < restarting]
     after = [o for o in out if o.started > back]
-    assert len(outage) >= 10 and len(after) >= 10
-    # Every request was answered (nothing hung) with 200 or Envoy's ext_proc failure 500.
-    assert {o.status for o in out} <= {200, 500}, sorted({o.status for o in out})
+    assert len(outage) >= 28 and len(after) >= 10
+    # Every request was answered (nothing hung): 200 or Envoy's ext_proc failure 500. Only a
+    # request in flight at the very moment of the kill may also see its stream reset (0).
+    assert {o.status for o in out} <= {0, 200, 500}, sorted({o.status for o in out})
+    assert all(o.started <= killed for o in out if o.status == 0)
     if fail_open:
         # FailOpen: ext_proc is skipped and the fallback route balances over the pool itself.
         for o in outage:
