@@ -2,7 +2,8 @@
 (item 4): an upstream SIGKILLed mid-stream, a KV-event publisher SIGKILLed and restarted on the
 same ports, kvpick SIGKILLed and restarted under load behind Envoy with FailClose and with
 FailOpen, SIGTERM with many open streams, and malformed requests. Every wait is a poll on an
-observable condition with a deadline; nothing is retried."""
+observable condition with a deadline; no test is retried (the one repeated action is re-publishing
+an idempotent KV event until ZeroMQ's slow joiner has connected)."""
 
 from __future__ import annotations
 
