@@ -704,6 +704,70 @@ def patch_envoy_config(cfg: dict[str, Any], *, kvpick_port: int, secure: bool,
     return cfg
 
 
+FALLBACK_CLUSTER = "inference_pool_fallback"
+
+
+def failopen_config(pool_endpoints: list[str],
+                    cfg: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The FailOpen wiring (README "Failure modes"): ``failure_mode_allow: true`` on ext_proc, and
+    two routes instead of one. The first matches only when kvpick has set its pick in the
+    dynamic metadata ``envoy.lb`` (which clients cannot forge) and goes to the ORIGINAL_DST
+    cluster; kvpick's ``clear_route_cache`` makes Envoy re-match after the pick. The second,
+    taken when kvpick is down (ext_proc skipped), sends the request to ``inference_pool_fallback``,
+    a plain cluster over the pool's endpoints with Envoy's own least-request balancing, and drops
+    any client-supplied destination header. ``pool_endpoints``: ``ip:port`` of every rank."""
+    cfg = copy.deepcopy(cfg or load_envoy_template())
+    main = next(l for l in cfg["static_resources"]["listeners"] if l["name"] == MAIN_LISTENER)
+    hcm = _hcm(main)
+    ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    ext["typed_config"]["failure_mode_allow"] = True
+    vhost = hcm["route_config"]["virtual_hosts"][0]
+    picked = copy.deepcopy(vhost["routes"][0])
+    picked["match"]["dynamic_metadata"] = [{
+        "filter": "envoy.lb",
+        "path": [{"key": "x-gateway-destination-endpoint"}],
+        "value": {"present_match": True},
+    }]
+    fallback = {
+        "match": {"prefix": "/"},
+        "route": {"cluster": FALLBACK_CLUSTER, "timeout": "0s"},
+        "request_headers_to_remove": ["x-gateway-destination-endpoint"],
+    }
+    vhost["routes"] = [picked, fallback]
+    lb_endpoints = []
+    for ep in pool_endpoints:
+        host, port = ep.rsplit(":", 1)
+        lb_endpoints.append({"endpoint": {"address": {"socket_address": {
+            "address": host, "port_value": int(port)}}}})
+    # Envoy can fail open in FULL_DUPLEX_STREAMED only until it has streamed the first body chunk
+    # to kvpick, and it streams the body at once, before an asynchronous connect to a dead kvpick
+    # has failed. So Envoy must already KNOW kvpick is down when the request arrives: active gRPC
+    # health checks mark the host unhealthy, and with panic routing off (threshold 0) the
+    # ext_proc stream then fails synchronously, before any body is sent, and the filter fails
+    # open. Between the crash and the next failed check requests still get the FailClose 500.
+    kv = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "kvpick")
+    kv["health_checks"] = [{
+        "timeout": "1s",
+        "interval": "1s",
+        "no_traffic_interval": "1s",
+        "no_traffic_healthy_interval": "1s",
+        "unhealthy_interval": "1s",
+        "unhealthy_threshold": 1,
+        "healthy_threshold": 1,
+        "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+    }]
+    kv["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
+    cfg["static_resources"]["clusters"].append({
+        "name": FALLBACK_CLUSTER,
+        "type": "STATIC",
+        "lb_policy": "LEAST_REQUEST",
+        "connect_timeout": "5s",
+        "load_assignment": {"cluster_name": FALLBACK_CLUSTER,
+                            "endpoints": [{"lb_endpoints": lb_endpoints}]},
+    })
+    return cfg
+
+
 class Envoy:
     def __init__(self, *, kvpick_port: int, secure: bool = True,
                  subset_hints: dict[str, Any] | None = None, workdir: Path | None = None,

@@ -507,6 +507,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             live_bookings = core.live_bookings(),
             "grace period over; closing remaining streams"
         );
+    } else {
+        tracing::info!(live_bookings = core.live_bookings(), "drained");
     }
     Ok(())
 }

@@ -75,6 +75,28 @@ struct Inner {
     history: Vec<Change>,
     watchers: Vec<Watcher>,
     pod_lists: usize,
+    /// While set, every request is answered 503 (the API server is unreachable for clients).
+    outage: bool,
+    refused: usize,
+}
+
+impl Inner {
+    /// The 503 a request gets during an outage, counted.
+    fn refuse(&mut self) -> Option<Response> {
+        if !self.outage {
+            return None;
+        }
+        self.refused += 1;
+        Some(
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                json_response(json!({"kind": "Status", "apiVersion": "v1",
+                    "status": "Failure", "reason": "ServiceUnavailable", "code": 503,
+                    "message": "apiserver unavailable"})),
+            )
+                .into_response(),
+        )
+    }
 }
 
 fn line(event: Value) -> Bytes {
@@ -204,6 +226,20 @@ impl Fake {
         self.inner.lock().unwrap().watchers.clear();
     }
 
+    /// Starts or ends an API server outage: open watches are cut and every request is refused
+    /// until it ends.
+    fn set_outage(&self, on: bool) {
+        let mut inner = self.inner.lock().unwrap();
+        inner.outage = on;
+        if on {
+            inner.watchers.clear();
+        }
+    }
+
+    fn refused(&self) -> usize {
+        self.inner.lock().unwrap().refused
+    }
+
     fn put_pool(&self, mut pool: Value) {
         let mut inner = self.inner.lock().unwrap();
         inner.rv += 1;
@@ -266,6 +302,9 @@ fn parse_name(q: &HashMap<String, String>) -> Option<String> {
 }
 
 async fn list_or_watch(fake: Fake, kind: Kind, sel: Sel, q: HashMap<String, String>) -> Response {
+    if let Some(refused) = fake.inner.lock().unwrap().refuse() {
+        return refused;
+    }
     if q.get("watch").map(String::as_str) == Some("true") {
         let from: u64 = q
             .get("resourceVersion")
@@ -300,6 +339,9 @@ async fn list_or_watch(fake: Fake, kind: Kind, sel: Sel, q: HashMap<String, Stri
     let mut gate = fake.gate.subscribe();
     let _ = gate.wait_for(|open| *open).await;
     let mut inner = fake.inner.lock().unwrap();
+    if let Some(refused) = inner.refuse() {
+        return refused;
+    }
     let (items, list_kind, api_version): (Vec<Value>, _, _) = match kind {
         Kind::Pod => {
             inner.pod_lists += 1;
@@ -355,7 +397,13 @@ async fn pool_get_handler(
     State(fake): State<Fake>,
     Path((_ns, name)): Path<(String, String)>,
 ) -> Response {
-    let pool = fake.inner.lock().unwrap().pool.clone();
+    let pool = {
+        let mut inner = fake.inner.lock().unwrap();
+        if let Some(refused) = inner.refuse() {
+            return refused;
+        }
+        inner.pool.clone()
+    };
     match pool.filter(|p| p["metadata"]["name"] == name.as_str()) {
         Some(p) => json_response(p).into_response(),
         None => (
@@ -745,6 +793,62 @@ async fn relist_watch_cut_and_pool_changes() {
     )
     .await;
     wait_readiness(serve.health, ServingStatus::Serving).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_outage_keeps_the_catalog_and_the_relist_converges() {
+    let fake = Fake::start(false).await;
+    fake.put_pool(pool_object(json!({"app": "vllm"}), &[8000]));
+    fake.put_pod(pod("a", "10.0.0.1").build());
+    fake.put_pod(pod("b", "10.0.0.2").build());
+    let serve = start(&fake, &["--pool-name", POOL]);
+    let mut api = api(&serve).await;
+    let before = ["a 10.0.0.1:8000", "b 10.0.0.2:8000"];
+    expect_catalog(&mut api, "first sync", &before).await;
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+    let deadline = Instant::now() + WAIT;
+    while fake.pod_watches() == 0 {
+        assert!(Instant::now() < deadline, "pod watch never established");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    // The watches are cut and the API server refuses everything for a while. Meanwhile the
+    // cluster changes, and history is compacted, so a resumed watch gets 410 and must relist.
+    fake.set_outage(true);
+    let lists = fake.pod_lists();
+    fake.remove_pod_silently("b");
+    fake.put_pod(pod("c", "10.0.0.3").build());
+    fake.put_pod(pod("a", "10.0.0.11").build());
+    fake.expire_watches();
+    // Throughout the outage (several refused retries) the last known catalog is kept and
+    // kvpick stays ready: a control-plane blip must not empty the pool.
+    let deadline = Instant::now() + WAIT;
+    while fake.refused() < 4 {
+        assert!(
+            Instant::now() < deadline,
+            "kvpick never retried the API server"
+        );
+        assert_eq!(
+            catalog(&mut api).await,
+            before,
+            "catalog kept during the outage"
+        );
+        assert_eq!(readiness(serve.health).await, ServingStatus::Serving);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(catalog(&mut api).await, before);
+
+    // The API server is back: the relist converges on the cluster as it is now, including
+    // the pod removed without any event.
+    fake.set_outage(false);
+    expect_catalog(
+        &mut api,
+        "relist after the outage",
+        &["a 10.0.0.11:8000", "c 10.0.0.3:8000"],
+    )
+    .await;
+    assert!(fake.pod_lists() > lists, "a relist happened");
+    assert_eq!(readiness(serve.health).await, ServingStatus::Serving);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -282,3 +282,140 @@ async fn catalog_writes_need_the_worker_api_flag() {
         ["a"]
     );
 }
+
+/// Protocol violations on the real ext_proc server: each ends its gRPC stream with a clear
+/// status, a booking made before the violation is freed, nested metadata deeper than the
+/// protobuf recursion limit is refused at decoding (no stack overflow), and the server keeps
+/// serving.
+#[tokio::test]
+async fn ext_proc_protocol_errors_over_the_wire() {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        external_processor_client::ExternalProcessorClient, processing_request, HttpBody,
+        HttpHeaders, ProcessingRequest, ProcessingResponse,
+    };
+    use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
+    use std::time::{Duration, Instant};
+
+    let serve =
+        start("workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001]}\n");
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+    let mut api = common::api(serve.grpc).await;
+    let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{}", serve.grpc))
+        .await
+        .unwrap();
+
+    let headers = || ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: [(":method", "POST"), ("content-type", "application/json")]
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: k.to_string(),
+                        value: String::new(),
+                        raw_value: v.as_bytes().to_vec(),
+                    })
+                    .collect(),
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let body = || ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: br#"{"model":"m","prompt":"hi"}"#.to_vec(),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let live = |workers: Vec<kvpick::proto::Worker>| -> u64 {
+        workers[0].ranks.iter().map(|r| r.active_requests).sum()
+    };
+
+    // Opens a stream fed by the returned sender.
+    type Inbound = tonic::Streaming<ProcessingResponse>;
+    let mut open = async || -> (tokio::sync::mpsc::Sender<ProcessingRequest>, Inbound) {
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let inbound = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        (tx, inbound)
+    };
+
+    // Routed, then headers again: FAILED_PRECONDITION, and the booking is freed.
+    let (tx, mut inbound) = open().await;
+    tx.send(headers()).await.unwrap();
+    tx.send(body()).await.unwrap();
+    for _ in 0..2 {
+        inbound
+            .message()
+            .await
+            .unwrap()
+            .expect("headers and body responses");
+    }
+    assert_eq!(live(common::loads(&mut api, "m").await), 1);
+    tx.send(headers()).await.unwrap();
+    let err = inbound.message().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+    assert!(err.message().contains("twice"), "{}", err.message());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while live(common::loads(&mut api, "m").await) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "booking freed after the protocol error"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // A body before any headers.
+    let (tx, mut inbound) = open().await;
+    tx.send(body()).await.unwrap();
+    let err = inbound.message().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{err:?}");
+
+    // A subset hint nested 1,000 lists deep (prost's limit is 100): refused while decoding.
+    let mut deep = Value {
+        kind: Some(Kind::StringValue("127.0.0.1:8000".into())),
+    };
+    for _ in 0..1_000 {
+        deep = Value {
+            kind: Some(Kind::ListValue(ListValue { values: vec![deep] })),
+        };
+    }
+    let mut msg = headers();
+    msg.metadata_context = Some(Metadata {
+        filter_metadata: [(
+            "envoy.lb.subset_hint".to_string(),
+            Struct {
+                fields: [("x-gateway-destination-endpoint-subset".to_string(), deep)].into(),
+            },
+        )]
+        .into(),
+        ..Default::default()
+    });
+    let (tx, mut inbound) = open().await;
+    tx.send(msg).await.unwrap();
+    // (It used to end the stream cleanly, which tells Envoy to go on without a pick.)
+    let err = inbound.message().await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Internal, "{err:?}");
+    assert!(err.message().contains("decode"), "{}", err.message());
+
+    // Still serving: a well-formed stream is routed.
+    let (tx, mut inbound) = open().await;
+    tx.send(headers()).await.unwrap();
+    tx.send(body()).await.unwrap();
+    assert!(inbound.message().await.unwrap().is_some());
+    drop(tx);
+    drop(inbound);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while live(common::loads(&mut api, "m").await) != 0 {
+        assert!(
+            Instant::now() < deadline,
+            "booking freed when the stream closed"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

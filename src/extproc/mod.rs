@@ -105,7 +105,11 @@ impl ExternalProcessor for ExtProcService {
                     },
                     Ok(None) => break "closed",
                     Err(status) => {
-                        tracing::debug!(%status, "ext_proc stream ended by Envoy");
+                        tracing::debug!(%status, "ext_proc stream ended by Envoy or unreadable");
+                        // Answer with the error: when Envoy is gone nobody reads it, but for a
+                        // message that cannot be decoded a clean end of stream would let Envoy
+                        // carry on with the request without a pick.
+                        let _ = tx.try_send(Err(status));
                         break "reset";
                     }
                 }

@@ -138,13 +138,28 @@ impl StreamMachine {
             Request::RequestBody(b) => self.on_request_body(b),
             Request::RequestTrailers(_) => self.on_request_trailers(),
             Request::ResponseHeaders(h) => self.on_response_headers(h),
-            Request::ResponseBody(b) => Ok(self.on_response_body(b)),
+            Request::ResponseBody(b) => {
+                self.expect_response("response body")?;
+                Ok(self.on_response_body(b))
+            }
             Request::ResponseTrailers(_) => {
+                self.expect_response("response trailers")?;
                 self.release();
                 Ok(one(processing_response::Response::ResponseTrailers(
                     TrailersResponse::default(),
                 )))
             }
+        }
+    }
+
+    /// Response messages are only valid once the request was routed.
+    fn expect_response(&self, what: &str) -> Result<(), Status> {
+        if self.phase == Phase::Response {
+            Ok(())
+        } else {
+            Err(Status::failed_precondition(format!(
+                "{what} received before the request was routed"
+            )))
         }
     }
 
@@ -227,7 +242,9 @@ impl StreamMachine {
                 .iter()
                 .position(|h| *h == name)
             {
-                if value.len() > MAX_SESSION_ID_BYTES {
+                // The limit is on the bytes the client sent: invalid UTF-8 grows when made
+                // lossy (one byte becomes a 3-byte U+FFFD).
+                if header_len(h) > MAX_SESSION_ID_BYTES {
                     self.header_error.get_or_insert_with(|| {
                         format!("session id ({name}) longer than {MAX_SESSION_ID_BYTES} bytes")
                     });
@@ -578,6 +595,15 @@ fn mode_name(mode: i32) -> String {
 
 fn body_error_message(err: &BodyError) -> String {
     err.to_string()
+}
+
+/// The length in bytes of the value as Envoy sent it.
+fn header_len(h: &HeaderValue) -> usize {
+    if h.raw_value.is_empty() {
+        h.value.len()
+    } else {
+        h.raw_value.len()
+    }
 }
 
 fn header_value(h: &HeaderValue) -> std::borrow::Cow<'_, str> {

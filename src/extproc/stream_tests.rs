@@ -673,3 +673,414 @@ fn bad_pins_and_priorities_are_400() {
         assert!(msg.contains(text), "{msg}");
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Bad input (issue #9): every case gets a clear answer, never a panic, and leaves no booking.
+
+fn raw_headers(pairs: &[(&str, &[u8])]) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: pairs
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: k.to_string(),
+                        value: String::new(),
+                        raw_value: v.to_vec(),
+                    })
+                    .collect(),
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn request_trailers() -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestTrailers(
+            HttpTrailers::default(),
+        )),
+        ..Default::default()
+    }
+}
+
+fn response_trailers() -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::ResponseTrailers(
+            HttpTrailers::default(),
+        )),
+        ..Default::default()
+    }
+}
+
+/// Headers + one body message; the status of the answer (200 = routed) and the live bookings.
+fn outcome(core: &Arc<SelectionCore>, headers: ProcessingRequest, payload: &[u8]) -> u16 {
+    let mut m = StreamMachine::new(Arc::clone(core), Arc::new(ExtProcSettings::default()));
+    assert!(m.handle(headers).unwrap().responses.is_empty());
+    let step = m.handle(body(payload, true)).unwrap();
+    let status = if step.finished {
+        immediate_status(&step).0
+    } else {
+        assert!(set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).is_some());
+        assert_eq!(core.live_bookings(), 1);
+        200
+    };
+    drop(m);
+    assert_eq!(core.live_bookings(), 0, "no booking outlives its stream");
+    status
+}
+
+fn pool_core() -> Arc<SelectionCore> {
+    setup(default_pool(), ExtProcSettings::default()).0
+}
+
+#[test]
+fn malformed_bodies_are_400() {
+    let core = pool_core();
+    let nested_open = {
+        let mut b = br#"{"model":"m","messages":"#.to_vec();
+        b.extend(std::iter::repeat_n(b'[', 100_000));
+        b
+    };
+    let top_level_nested = vec![b'['; 100_000];
+    let nested_objects = {
+        let mut b = br#"{"model":"m","x":"#.to_vec();
+        for _ in 0..50_000 {
+            b.extend_from_slice(br#"{"a":"#);
+        }
+        b
+    };
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        (
+            "invalid UTF-8 in a string",
+            b"{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"\xff\xfe\"}]}"
+                .to_vec(),
+            400,
+        ),
+        (
+            "invalid UTF-8 in the model",
+            b"{\"model\":\"m\xc3\x28\"}".to_vec(),
+            400,
+        ),
+        ("binary garbage", vec![0x00, 0xff, 0x13, 0x37, 0x80], 400),
+        ("NUL bytes", b"{\"model\":\"m\"}\0\0".to_vec(), 400),
+        ("truncated", br#"{"model":"m","messages":[{"#.to_vec(), 400),
+        ("100k unclosed [", nested_open, 400),
+        ("100k [ at top level", top_level_nested, 400),
+        ("50k nested objects", nested_objects, 400),
+        (
+            "huge exponent model",
+            br#"{"model":1e999999}"#.to_vec(),
+            400,
+        ),
+        ("model as an object", br#"{"model":{"a":1}}"#.to_vec(), 400),
+        ("a JSON string", br#""model""#.to_vec(), 400),
+        ("null", b"null".to_vec(), 400),
+        (
+            "duplicate model keys",
+            br#"{"model":"m","model":"m"}"#.to_vec(),
+            400,
+        ),
+    ];
+    for (what, payload, want) in cases {
+        assert_eq!(outcome(&core, post_headers(), &payload), want, "{what}");
+    }
+}
+
+#[test]
+fn odd_but_valid_bodies_route() {
+    let core = pool_core();
+    let huge_ids = br#"{"model":"m","prompt":[99999999999999999999999999,1e999,-1]}"#;
+    let long_string = format!(
+        r#"{{"model":"m","prompt":"{}"}}"#,
+        "x".repeat(4 * 1024 * 1024)
+    );
+    // Well-formed but 100k deep: the prompt-bearing fields are kept as raw JSON, which serde_json
+    // skips over without recursion, so this is routed (the engine judges the content).
+    let nested_closed = {
+        let mut b = br#"{"model":"m","messages":"#.to_vec();
+        b.extend(std::iter::repeat_n(b'[', 100_000));
+        b.extend(std::iter::repeat_n(b']', 100_000));
+        b.extend_from_slice(br#","unknown":"#);
+        b.extend(std::iter::repeat_n(b'[', 100_000));
+        b.extend(std::iter::repeat_n(b']', 100_000));
+        b.push(b'}');
+        b
+    };
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        (
+            "100k closed [ in messages and an unknown field",
+            nested_closed,
+        ),
+        ("token ids out of u32 range", huge_ids.to_vec()),
+        (
+            "huge numbers elsewhere",
+            br#"{"model":"m","max_tokens":1e308,"n":123456789012345678901234567890}"#.to_vec(),
+        ),
+        (
+            "escaped NUL and lone surrogate text",
+            br#"{"model":"m","prompt":"a\u0000b\ud800"}"#.to_vec(),
+        ),
+        ("4 MiB prompt", long_string.into_bytes()),
+        (
+            "stream not a bool",
+            br#"{"model":"m","stream":"yes"}"#.to_vec(),
+        ),
+        (
+            "cache_salt not a string",
+            br#"{"model":"m","cache_salt":[1,2]}"#.to_vec(),
+        ),
+    ];
+    for (what, payload) in cases {
+        assert_eq!(outcome(&core, post_headers(), &payload), 200, "{what}");
+    }
+    // A body that is not JSON by its content type is routed on load alone, unparsed.
+    let binary = raw_headers(&[
+        (":method", b"POST"),
+        ("content-type", b"application/octet-stream"),
+    ]);
+    assert_eq!(outcome(&core, binary, &[0xff, 0x00, 0xfe]), 200);
+}
+
+#[test]
+fn invalid_utf8_and_binary_header_values() {
+    let core = SelectionCore::new(
+        CoreConfig {
+            allow_pins: true,
+            ..Default::default()
+        },
+        Metrics::new(),
+    );
+    core.apply_snapshot(default_pool()).unwrap();
+    let h = |extra: &[(&str, &[u8])]| {
+        let mut pairs: Vec<(&str, &[u8])> = vec![
+            (":method", b"POST"),
+            (":path", b"/v1/chat/completions"),
+            ("content-type", b"application/json"),
+        ];
+        pairs.extend_from_slice(extra);
+        raw_headers(&pairs)
+    };
+    // Values that carry no routing meaning are accepted as they are.
+    for extra in [
+        &[("x-request-id", &b"\xff\xfe\x00id"[..])][..],
+        &[("x-session-id", &b"\xc3\x28\x00\x01"[..])][..],
+        &[("x-anything", &[0u8, 1, 2, 255][..])][..],
+        &[("x-request-id", &[b'r'; 65_536][..])][..],
+    ] {
+        assert_eq!(outcome(&core, h(extra), CHAT), 200, "{extra:?}");
+    }
+    // A session id of 200 invalid bytes is 200 bytes, under the 256-byte limit (it used to be
+    // measured after the lossy UTF-8 conversion, which makes it 600).
+    assert_eq!(
+        outcome(&core, h(&[("x-dynamo-session-id", &[0xff; 200])]), CHAT),
+        200
+    );
+    assert_eq!(
+        outcome(&core, h(&[("x-dynamo-session-id", &[0xff; 257])]), CHAT),
+        400
+    );
+    assert_eq!(
+        outcome(&core, h(&[("x-dynamo-session-id", &[b's'; 1 << 20])]), CHAT),
+        400
+    );
+    // Values that must be numbers are 400 when they are bytes.
+    for extra in [
+        &[("x-dynamo-request-priority", &b"\xff"[..])][..],
+        &[("x-dynamo-request-priority", &b"1\x00"[..])][..],
+        &[("x-dynamo-request-priority", &b"99999999999999999999"[..])][..],
+        &[("x-dynamo-worker-instance-id", &b"\x00\x01"[..])][..],
+        &[("x-dynamo-worker-instance-id", &b"18446744073709551616"[..])][..],
+        &[
+            ("x-dynamo-worker-instance-id", &b"1"[..]),
+            ("x-dynamo-dp-rank", &b"\xff"[..]),
+        ][..],
+    ] {
+        assert_eq!(outcome(&core, h(extra), CHAT), 400, "{extra:?}");
+    }
+    // A content type that is bytes is not JSON: the body is routed unparsed.
+    assert_eq!(
+        outcome(&core, h(&[("content-type", b"\xff\xfe")]), b"\xff"),
+        200
+    );
+}
+
+#[test]
+fn the_request_id_is_bounded() {
+    let (core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    m.handle(headers(&[("x-request-id", &"é".repeat(100_000))], false))
+        .unwrap();
+    m.handle(body(CHAT, true)).unwrap();
+    assert_eq!(m.booking_id().unwrap().chars().count(), 256);
+    drop(m);
+    assert_eq!(core.live_bookings(), 0);
+}
+
+fn list(values: Vec<Value>) -> Value {
+    Value {
+        kind: Some(Kind::ListValue(ListValue { values })),
+    }
+}
+
+#[test]
+fn garbage_subset_hints_are_503_and_book_nothing() {
+    use envoy_types::pb::google::protobuf::NullValue;
+    let core = pool_core();
+    let num = |n: f64| Value {
+        kind: Some(Kind::NumberValue(n)),
+    };
+    let garbage = vec![
+        ("number", num(8001.0)),
+        (
+            "bool",
+            Value {
+                kind: Some(Kind::BoolValue(true)),
+            },
+        ),
+        (
+            "null",
+            Value {
+                kind: Some(Kind::NullValue(NullValue::NullValue as i32)),
+            },
+        ),
+        ("no kind", Value { kind: None }),
+        (
+            "struct",
+            Value {
+                kind: Some(Kind::StructValue(Struct {
+                    fields: [("127.0.0.1:8001".to_string(), str_value("x"))].into(),
+                })),
+            },
+        ),
+        ("empty string", str_value("")),
+        ("commas and spaces", str_value(" , ,, ")),
+        ("empty list", list(vec![])),
+        (
+            "list of empty strings",
+            list(vec![str_value(""), str_value(" ")]),
+        ),
+        ("list of numbers", list(vec![num(1.0), num(f64::NAN)])),
+        ("non-IP text", str_value("localhost:8001,model-server")),
+        ("port out of range", str_value("127.0.0.1:99999")),
+        ("negative port", str_value("127.0.0.1:-1")),
+        ("bad IPv6", str_value("[::1:8001")),
+        ("control bytes", str_value("127.0.0.1\0:8001\n")),
+        ("1 MiB of text", str_value(&"9".repeat(1 << 20))),
+        (
+            "100k entries",
+            str_value(&vec!["10.0.0.1:1"; 100_000].join(",")),
+        ),
+    ];
+    for (what, hint) in garbage {
+        let status = outcome(&core, with_subset(post_headers(), hint), CHAT);
+        assert_eq!(status, 503, "{what}");
+    }
+    // Nested lists are flattened: the strings inside still count; non-strings are skipped.
+    let nested = list(vec![
+        num(3.0),
+        list(vec![list(vec![str_value("127.0.0.1:8001")])]),
+    ]);
+    for _ in 0..5 {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
+        m.handle(with_subset(post_headers(), nested.clone()))
+            .unwrap();
+        let step = m.handle(body(CHAT, true)).unwrap();
+        let dest = set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER);
+        assert_eq!(dest.as_deref(), Some("127.0.0.1:8001"));
+    }
+    assert_eq!(core.live_bookings(), 0);
+}
+
+#[test]
+fn out_of_order_sequences_are_errors_without_leaks() {
+    type Seq = Vec<ProcessingRequest>;
+    let routed = || vec![post_headers(), body(CHAT, true)];
+    let cases: Vec<(&str, Seq, ProcessingRequest)> = vec![
+        ("body before headers", vec![], body(CHAT, true)),
+        ("trailers before headers", vec![], request_trailers()),
+        (
+            "response headers before request",
+            vec![],
+            response_headers("application/json"),
+        ),
+        (
+            "response body before request",
+            vec![],
+            response_body(b"{}", true),
+        ),
+        (
+            "response trailers before request",
+            vec![],
+            response_trailers(),
+        ),
+        (
+            "response headers before the body ended",
+            vec![post_headers(), body(b"{", false)],
+            response_headers("application/json"),
+        ),
+        (
+            "response body before the body ended",
+            vec![post_headers()],
+            response_body(b"data", false),
+        ),
+        (
+            "response trailers before the body ended",
+            vec![post_headers()],
+            response_trailers(),
+        ),
+        ("headers twice", vec![post_headers()], post_headers()),
+        ("headers again after routing", routed(), post_headers()),
+        ("body again after routing", routed(), body(CHAT, true)),
+    ];
+    for (what, before, bad) in cases {
+        let (core, mut m) = setup(default_pool(), ExtProcSettings::default());
+        for msg in before {
+            m.handle(msg).unwrap();
+        }
+        let err = m.handle(bad).expect_err(what);
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition, "{what}");
+        assert!(!err.message().is_empty());
+        // The gRPC stream ends with the error: the machine is dropped with it.
+        drop(m);
+        assert_eq!(core.live_bookings(), 0, "{what}");
+    }
+}
+
+#[test]
+fn empty_and_flow_control_messages_are_harmless() {
+    let (core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    assert!(m
+        .handle(ProcessingRequest::default())
+        .unwrap()
+        .responses
+        .is_empty());
+    m.handle(post_headers()).unwrap();
+    // A request trailers message ends the body like end_of_stream does.
+    m.handle(body(CHAT, false)).unwrap();
+    let step = m.handle(request_trailers()).unwrap();
+    assert!(!step.finished);
+    assert_eq!(core.live_bookings(), 1);
+    m.handle(response_headers("text/event-stream")).unwrap();
+    // Response bodies that are not SSE / JSON at all are echoed, never parsed into a panic.
+    let mut deep = b"data: ".to_vec();
+    deep.extend(std::iter::repeat_n(b'[', 100_000));
+    deep.extend_from_slice(b"\n\ndata: \xff\xfe\n\n");
+    let step = m.handle(response_body(&deep, false)).unwrap();
+    assert_eq!(streamed(&step.responses[0]).0, &deep[..]);
+    m.handle(response_trailers()).unwrap();
+    assert_eq!(core.live_bookings(), 0, "trailers end the response");
+}
+
+#[test]
+fn deeply_nested_json_response_is_echoed_and_frees_the_booking() {
+    let (core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    m.handle(post_headers()).unwrap();
+    m.handle(body(CHAT, true)).unwrap();
+    m.handle(response_headers("application/json")).unwrap();
+    let mut deep = br#"{"usage":"#.to_vec();
+    deep.extend(std::iter::repeat_n(b'[', 100_000));
+    let step = m.handle(response_body(&deep, true)).unwrap();
+    assert_eq!(streamed(&step.responses[0]), (&deep[..], true));
+    assert_eq!(core.live_bookings(), 0);
+}
