@@ -10,3 +10,5 @@ cargo test --locked --all-targets
 bash e2e/check-manifests.sh
 KVPICK_BIN="$PWD/target/debug/kvpick" LOADGEN_BIN="$PWD/target/debug/examples/loadgen" \
   .venv/bin/python -m pytest e2e/tests -q -p no:cacheprovider "$@"
+# A short cargo-fuzz smoke of every fuzz target (the 10-minute runs: bash fuzz/run.sh 600 TARGET).
+bash fuzz/smoke.sh 20
