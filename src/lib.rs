@@ -15,6 +15,7 @@ pub mod net;
 pub mod request;
 pub mod selection;
 pub mod server;
+pub mod sim;
 pub mod tls;
 pub mod usage;
 
