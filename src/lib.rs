@@ -12,6 +12,7 @@ pub mod health;
 pub mod index;
 pub mod metrics;
 pub mod net;
+pub mod replay;
 pub mod request;
 pub mod selection;
 pub mod server;

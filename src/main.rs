@@ -14,11 +14,21 @@ struct Cli {
 enum Command {
     /// Run the endpoint picker: Envoy ext_proc on --grpc-port, health, metrics.
     Serve(kvpick::server::ServeArgs),
+    /// Offline, virtual-clock replay of a Mooncake trace through each routing policy and a
+    /// simulated fleet; prints a Markdown table, optionally writes a JSON report.
+    Replay(kvpick::replay::ReplayArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Replay(args) => match kvpick::replay::run(args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("kvpick: error: {err:#}");
+                std::process::ExitCode::from(2)
+            }
+        },
         Command::Serve(args) => {
             kvpick::server::init_logging(args.log_format);
             let runtime = tokio::runtime::Builder::new_multi_thread()
