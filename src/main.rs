@@ -13,7 +13,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the endpoint picker: Envoy ext_proc on --grpc-port, health, metrics.
-    Serve(kvpick::server::ServeArgs),
+    Serve(Box<kvpick::server::ServeArgs>),
     /// Offline, virtual-clock replay of a Mooncake trace through each routing policy and a
     /// simulated fleet; prints a Markdown table, optionally writes a JSON report.
     Replay(kvpick::replay::ReplayArgs),
@@ -30,6 +30,7 @@ fn main() -> std::process::ExitCode {
             }
         },
         Command::Serve(args) => {
+            let args = *args;
             kvpick::server::init_logging(args.log_format);
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

@@ -52,6 +52,15 @@ pub struct ReplayArgs {
     pub report: Option<PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
+    /// kvpick policy: credit per cached block (as `kvpick serve`).
+    #[arg(long, default_value_t = 1.0)]
+    pub overlap_score_credit: f64,
+    /// kvpick policy: weight of the uncached prefill term (as `kvpick serve`).
+    #[arg(long, default_value_t = 1.0)]
+    pub prefill_load_scale: f64,
+    /// kvpick policy: weight per active request (as `kvpick serve`).
+    #[arg(long, default_value_t = 0.0)]
+    pub decode_active_request_weight: f64,
 }
 
 /// See [`ReplayArgs::arrival_speedup`].
@@ -97,6 +106,14 @@ pub struct EngineReport {
     pub itl_ms_per_seq: f64,
 }
 
+/// The kvpick policy's cost weights (DESIGN §5).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct KvpickCost {
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+    pub decode_active_request_weight: f64,
+}
+
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct Report {
     pub trace: String,
@@ -105,6 +122,7 @@ pub struct Report {
     pub arrival_speedup: f64,
     pub seed: u64,
     pub engine: EngineReport,
+    pub kvpick_cost: KvpickCost,
     /// No-cache prefill demand / fleet prefill capacity over the arrival span.
     pub offered_load: f64,
     /// Hit rate if every rank had every block ever computed (blocks seen earlier in the trace).
@@ -166,7 +184,8 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 pub fn offered_load(requests: &[Prepared], config: &EngineConfig, workers: usize) -> f64 {
-    let span = requests.last().map_or(0, |r| r.arrival_ns) - requests.first().map_or(0, |r| r.arrival_ns);
+    let span =
+        requests.last().map_or(0, |r| r.arrival_ns) - requests.first().map_or(0, |r| r.arrival_ns);
     if span == 0 {
         return 0.0;
     }
@@ -186,7 +205,8 @@ fn stat(values: &mut [f64]) -> Stat {
         };
     }
     values.sort_by(f64::total_cmp);
-    let pct = |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
+    let pct =
+        |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
     Stat {
         mean: values.iter().sum::<f64>() / values.len() as f64,
         p50: pct(0.50),
@@ -231,8 +251,11 @@ async fn run_one(
         })
         .collect();
     let mut outcomes: Vec<Outcome> = vec![Outcome::default(); requests.len()];
-    let index_of: std::collections::HashMap<u64, usize> =
-        requests.iter().enumerate().map(|(i, r)| (r.id, i)).collect();
+    let index_of: std::collections::HashMap<u64, usize> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id, i))
+        .collect();
     let mut clock = 0u64;
     let mut next_arrival = 0usize;
     loop {
@@ -313,7 +336,11 @@ async fn run_one(
     }
 
     let first_arrival = requests.first().map_or(0, |r| r.arrival_ns);
-    let end = outcomes.iter().filter_map(|o| o.done_ns).max().unwrap_or(first_arrival);
+    let end = outcomes
+        .iter()
+        .filter_map(|o| o.done_ns)
+        .max()
+        .unwrap_or(first_arrival);
     let makespan_ns = (end - first_arrival).max(1);
     let mut ttft: Vec<f64> = Vec::new();
     let mut e2e: Vec<f64> = Vec::new();
@@ -360,12 +387,12 @@ pub fn run_policies(
     names: &[String],
     workers: usize,
     config: &EngineConfig,
-    seed: u64,
+    options: &policy::PolicyOptions,
 ) -> anyhow::Result<Vec<PolicyReport>> {
     anyhow::ensure!(workers > 0, "--workers must be at least 1");
     let mut out = Vec::new();
     for name in names {
-        let mut policy = policy::build(name, workers, config.block_size, seed)?;
+        let mut policy = policy::build(name, workers, options)?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .start_paused(true)
@@ -388,7 +415,27 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
     anyhow::ensure!(!records.is_empty(), "the trace has no requests");
     let config = args.engine.config()?;
     let requests = prepare(&records, args.arrival_speedup);
-    let policies = run_policies(&requests, &args.policy, args.workers, &config, args.seed)?;
+    for (name, v) in [
+        ("--overlap-score-credit", args.overlap_score_credit),
+        ("--prefill-load-scale", args.prefill_load_scale),
+        (
+            "--decode-active-request-weight",
+            args.decode_active_request_weight,
+        ),
+    ] {
+        anyhow::ensure!(v.is_finite() && v >= 0.0, "{name} must be >= 0, got {v}");
+    }
+    let options = policy::PolicyOptions {
+        block_size: config.block_size,
+        seed: args.seed,
+        cost: crate::selection::CostParams {
+            overlap_score_credit: args.overlap_score_credit,
+            prefill_load_scale: args.prefill_load_scale,
+            decode_active_request_weight: args.decode_active_request_weight,
+            ..Default::default()
+        },
+    };
+    let policies = run_policies(&requests, &args.policy, args.workers, &config, &options)?;
     Ok(Report {
         trace: args.trace.display().to_string(),
         requests: requests.len(),
@@ -396,6 +443,11 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
         arrival_speedup: args.arrival_speedup,
         seed: args.seed,
         engine: EngineReport::from(&config),
+        kvpick_cost: KvpickCost {
+            overlap_score_credit: options.cost.overlap_score_credit,
+            prefill_load_scale: options.cost.prefill_load_scale,
+            decode_active_request_weight: options.cost.decode_active_request_weight,
+        },
         offered_load: offered_load(&requests, &config, args.workers),
         infinite_cache_hit_rate: infinite_cache_hit_rate(&requests, config.block_size),
         policies,

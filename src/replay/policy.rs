@@ -34,7 +34,9 @@ use crate::catalog::{RankLayout, WorkerSpec};
 use crate::events::decode::KvEvent;
 use crate::index::hash;
 use crate::metrics::Metrics;
-use crate::selection::{CoreConfig, PromptInput, RankKey, SelectionCore, SelectionRequest};
+use crate::selection::{
+    CoreConfig, CostParams, PromptInput, RankKey, SelectionCore, SelectionRequest,
+};
 use crate::sim::engine::EngineStats;
 
 /// Names accepted by `--policy`, in report order.
@@ -70,10 +72,31 @@ pub trait Policy {
     fn on_kv_events(&mut self, _rank: usize, _events: &[KvEvent]) {}
 }
 
+/// Settings every policy may use.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PolicyOptions {
+    /// The engines' KV block size (kvpick's partition block size).
+    pub block_size: usize,
+    pub seed: u64,
+    /// kvpick's cost-function weights.
+    pub cost: CostParams,
+}
+
+impl PolicyOptions {
+    pub fn new(block_size: usize, seed: u64) -> Self {
+        PolicyOptions {
+            block_size,
+            seed,
+            cost: CostParams::default(),
+        }
+    }
+}
+
 /// Builds a policy by name for a fleet of `ranks`.
-pub fn build(name: &str, ranks: usize, block_size: usize, seed: u64) -> anyhow::Result<Box<dyn Policy>> {
+pub fn build(name: &str, ranks: usize, options: &PolicyOptions) -> anyhow::Result<Box<dyn Policy>> {
+    let seed = options.seed;
     Ok(match name {
-        "kvpick" => Box::new(Kvpick::new(ranks, block_size, seed)),
+        "kvpick" => Box::new(Kvpick::new(ranks, options)),
         "round-robin" => Box::new(RoundRobin { n: ranks, next: 0 }),
         "random" => Box::new(Random {
             n: ranks,
@@ -156,7 +179,10 @@ impl InFlight {
     }
     fn least(&self) -> usize {
         let min = *self.load.iter().min().expect("ranks");
-        self.load.iter().position(|&l| l == min).expect("min exists")
+        self.load
+            .iter()
+            .position(|&l| l == min)
+            .expect("min exists")
     }
 }
 
@@ -328,7 +354,8 @@ impl SglangCacheAware {
     pub fn seed_state(&mut self, rank: usize, tokens: &[u32], in_flight: u64) {
         self.insert(rank, &chunk_hashes(tokens));
         for i in 0..in_flight {
-            self.flight.add(u64::MAX - (rank as u64) * 1_000_000 - i, rank);
+            self.flight
+                .add(u64::MAX - (rank as u64) * 1_000_000 - i, rank);
         }
     }
 
@@ -433,10 +460,12 @@ pub fn fleet_specs(
 }
 
 impl Kvpick {
-    pub fn new(ranks: usize, block_size: usize, seed: u64) -> Self {
+    pub fn new(ranks: usize, options: &PolicyOptions) -> Self {
+        let block_size = options.block_size;
         let core = SelectionCore::new(
             CoreConfig {
-                seed: Some(seed),
+                seed: Some(options.seed),
+                cost: options.cost,
                 kv_events: true,
                 ..CoreConfig::default()
             },

@@ -61,7 +61,10 @@ fn same_seed_gives_identical_json() {
     let (ja, jb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
     assert_eq!(ja, jb);
     let report: serde_json::Value = serde_json::from_slice(&ja).unwrap();
-    assert_eq!(report["policies"].as_array().unwrap().len(), policy::ALL.len());
+    assert_eq!(
+        report["policies"].as_array().unwrap().len(),
+        policy::ALL.len()
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
@@ -71,10 +74,23 @@ fn every_request_completes_and_hits_never_exceed_the_bound() {
     let names: Vec<String> = policy::ALL.iter().map(|s| s.to_string()).collect();
     let bound = infinite_cache_hit_rate(&requests, 16);
     assert!(bound > 0.3, "{bound}");
-    for p in run_policies(&requests, &names, 3, &engine(), 1).unwrap() {
+    for p in run_policies(
+        &requests,
+        &names,
+        3,
+        &engine(),
+        &policy::PolicyOptions::new(16, 1),
+    )
+    .unwrap()
+    {
         assert_eq!(p.completed, 24, "{}", p.policy);
         assert_eq!(p.per_rank_requests.iter().sum::<u64>(), 24);
-        assert!(p.kv_hit_rate <= bound + 1e-12, "{}: {}", p.policy, p.kv_hit_rate);
+        assert!(
+            p.kv_hit_rate <= bound + 1e-12,
+            "{}: {}",
+            p.policy,
+            p.kv_hit_rate
+        );
     }
 }
 
@@ -96,7 +112,7 @@ fn kvpick_follows_the_kv_events_to_the_rank_holding_the_prefix() {
         &["kvpick".to_string(), "round-robin".to_string()],
         4,
         &engine(),
-        3,
+        &policy::PolicyOptions::new(16, 3),
     )
     .unwrap();
     let kv = &reports[0];

@@ -61,8 +61,8 @@ pub fn parse(text: &str) -> anyhow::Result<Vec<TraceRecord>> {
         if line.trim().is_empty() {
             continue;
         }
-        let rec: TraceRecord = serde_json::from_str(line)
-            .map_err(|e| anyhow::anyhow!("trace line {}: {e}", n + 1))?;
+        let rec: TraceRecord =
+            serde_json::from_str(line).map_err(|e| anyhow::anyhow!("trace line {}: {e}", n + 1))?;
         if rec.input_length == 0 || rec.input_length > rec.hash_ids.len() * MOONCAKE_BLOCK {
             anyhow::bail!(
                 "trace line {}: input_length {} does not fit {} hash ids",
@@ -119,8 +119,13 @@ mod tests {
 
     #[test]
     fn parse_rejects_inconsistent_lines() {
-        assert!(parse("{\"timestamp\":0,\"input_length\":600,\"output_length\":1,\"hash_ids\":[1]}").is_err());
-        let ok = parse("\n{\"timestamp\":3,\"input_length\":8,\"output_length\":2,\"hash_ids\":[1]}\n").unwrap();
+        assert!(parse(
+            "{\"timestamp\":0,\"input_length\":600,\"output_length\":1,\"hash_ids\":[1]}"
+        )
+        .is_err());
+        let ok =
+            parse("\n{\"timestamp\":3,\"input_length\":8,\"output_length\":2,\"hash_ids\":[1]}\n")
+                .unwrap();
         assert_eq!(ok[0].timestamp, 3);
     }
 }

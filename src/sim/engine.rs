@@ -12,8 +12,8 @@
 //! clock, or know about routing.
 //!
 //! Latency model (all integer nanoseconds, so it is exact):
-//! `step = prefill_overhead × (requests starting prefill) + prefill_per_token × prefill tokens
-//! + (itl + itl_per_seq × decoding requests, when any decode)`. A request alone on an idle engine
+//! `step = prefill_overhead × (requests starting prefill) + prefill_per_token × prefill tokens`
+//! plus `itl + itl_per_seq × decoding requests` when any request decodes. A request alone on an idle engine
 //! therefore sees `TTFT = prefill_overhead + uncached_tokens × prefill_per_token`; queue wait and
 //! batch interference add to it.
 

@@ -14,7 +14,7 @@ fn pick(p: &mut dyn Policy, id: u64, t: &[u32], m: &[EngineStats]) -> usize {
 
 #[test]
 fn round_robin_cycles() {
-    let mut p = build("round-robin", 3, 16, 0).unwrap();
+    let mut p = build("round-robin", 3, &PolicyOptions::new(16, 0)).unwrap();
     let t = tokens(1, 32);
     let picks: Vec<usize> = (0..7).map(|i| pick(p.as_mut(), i, &t, &idle(3))).collect();
     assert_eq!(picks, vec![0, 1, 2, 0, 1, 2, 0]);
@@ -24,7 +24,7 @@ fn round_robin_cycles() {
 fn random_is_seeded_and_covers_the_fleet() {
     let t = tokens(1, 32);
     let run = |seed| {
-        let mut p = build("random", 4, 16, seed).unwrap();
+        let mut p = build("random", 4, &PolicyOptions::new(16, seed)).unwrap();
         (0..200)
             .map(|i| pick(p.as_mut(), i, &t, &idle(4)))
             .collect::<Vec<_>>()
@@ -37,7 +37,7 @@ fn random_is_seeded_and_covers_the_fleet() {
 
 #[test]
 fn least_loaded_picks_fewest_in_flight() {
-    let mut p = build("least-loaded", 3, 16, 0).unwrap();
+    let mut p = build("least-loaded", 3, &PolicyOptions::new(16, 0)).unwrap();
     let t = tokens(1, 32);
     assert_eq!(pick(p.as_mut(), 1, &t, &idle(3)), 0);
     assert_eq!(pick(p.as_mut(), 2, &t, &idle(3)), 1);
@@ -102,7 +102,7 @@ fn sglang_owner_above_threshold_else_smallest_tree_and_least_loaded_when_imbalan
 
 #[test]
 fn kvpick_uses_announced_blocks_and_its_own_bookings() {
-    let mut p = Kvpick::new(3, 16, 7);
+    let mut p = Kvpick::new(3, &PolicyOptions::new(16, 7));
     let prompt = tokens(1, 160);
     let hashes = hash::prompt_hashes(&prompt, 16, hash::BASE_SEED);
     // Rank 1 announces the first 8 blocks.
@@ -146,5 +146,5 @@ fn kvpick_uses_announced_blocks_and_its_own_bookings() {
 
 #[test]
 fn unknown_policy_is_refused() {
-    assert!(build("fastest", 2, 16, 0).is_err());
+    assert!(build("fastest", 2, &PolicyOptions::new(16, 0)).is_err());
 }
