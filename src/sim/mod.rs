@@ -1,9 +1,11 @@
 //! The vLLM-like simulator (DESIGN §12): [`engine`] is the pure, clock-agnostic model of one
 //! rank (paged prefix cache, continuous batching, latency model, KV events as values); the
-//! real-time HTTP/ZeroMQ fleet that serves it lives in `server`. Nothing here routes requests or
+//! real-time HTTP/ZeroMQ fleet that serves it is [`server`], its KV-event encoder [`wire`]. Nothing here routes requests or
 //! touches the selection core.
 
 pub mod engine;
+pub mod server;
+pub mod wire;
 
 /// Model name the simulated fleet serves by default (and the replay's catalog uses).
 pub const MODEL: &str = "kvpick-sim";
