@@ -72,6 +72,10 @@ pub struct SimArgs {
     /// Divide every modelled latency by this.
     #[arg(long, default_value_t = 1.0)]
     pub speedup: f64,
+    /// Stream a chunk every N tokens (vLLM's `--stream-interval`); the first and last token are
+    /// always sent at once.
+    #[arg(long, default_value_t = 1)]
+    pub stream_interval: u32,
     /// Batches kept for replay per rank (vLLM's `buffer_steps`).
     #[arg(long, default_value_t = 10_000)]
     pub replay_buffer: usize,
@@ -98,6 +102,8 @@ struct Rank {
 }
 
 struct Worker {
+    index: usize,
+    stream_interval: u32,
     model: String,
     config: EngineConfig,
     ranks: Vec<Rank>,
@@ -199,6 +205,8 @@ pub async fn start(args: &SimArgs) -> anyhow::Result<Fleet> {
             ranks.push(Rank { cmd: cmd_tx, stats });
         }
         let worker = Arc::new(Worker {
+            index: w,
+            stream_interval: args.stream_interval.max(1),
             model: args.model.clone(),
             config: config.clone(),
             ranks,
@@ -647,6 +655,8 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
     };
     let model = parsed.model;
     let rank_header = ("x-sim-rank", rank.to_string());
+    let worker_header = ("x-sim-worker", worker.index.to_string());
+    let interval = worker.stream_interval;
     if !parsed.stream {
         let mut text = String::new();
         let mut last = None;
@@ -694,7 +704,18 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
             let model = model.clone();
             async move {
                 guard.as_ref()?;
-                let out = rx.recv().await?;
+                let mut outs = Vec::new();
+                loop {
+                    let out: SeqOutput = rx.recv().await?;
+                    if out.new_tokens == 0 && !out.finished {
+                        continue;
+                    }
+                    let flush = out.first || out.finished || out.generated % interval == 0;
+                    outs.push(out);
+                    if flush {
+                        break;
+                    }
+                }
                 let mut chunk = String::new();
                 let mut event = |choice: Value, usage: Option<Value>| {
                     let mut obj = json!({"id": rid, "created": created, "model": model,
@@ -705,9 +726,16 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
                     }
                     chunk.push_str(&format!("data: {obj}\n\n"));
                 };
-                for i in 0..out.new_tokens {
-                    let text = token_text(out.generated - out.new_tokens + i);
-                    let last = out.finished && i + 1 == out.new_tokens;
+                let out = outs.last().expect("at least one output").clone();
+                let text: String = outs
+                    .iter()
+                    .flat_map(|o| {
+                        (0..o.new_tokens).map(move |i| token_text(o.generated - o.new_tokens + i))
+                    })
+                    .collect();
+                if !text.is_empty() {
+                    let text = text.as_str();
+                    let last = out.finished;
                     let finish = if last { json!("length") } else { Value::Null };
                     let choice = if chat {
                         let delta = if role_sent {
@@ -747,6 +775,7 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
             ("content-type", "text/event-stream".to_string()),
             ("cache-control", "no-cache".to_string()),
             rank_header,
+            worker_header,
         ],
         Body::from_stream(stream),
     )
