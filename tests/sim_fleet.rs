@@ -356,3 +356,32 @@ fn the_binary_writes_its_port_file_and_serves() {
     let _ = child.wait();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[tokio::test]
+async fn stream_interval_coalesces_tokens_but_sends_the_first_at_once() {
+    let fleet = start(&sim_args(&["--stream-interval", "4", "--workers", "1"]))
+        .await
+        .unwrap();
+    let (status, _, sse) = http(
+        fleet.workers[0].http,
+        "POST",
+        "/v1/completions",
+        &[],
+        &completion(&prompt(30), 9, true),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let sse = dechunk(&sse);
+    let texts: Vec<String> = sse
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| v["choices"][0]["text"].as_str().map(str::to_string))
+        .collect();
+    // Token 1 alone, then tokens 2-4, 5-8, and the last one.
+    let words: Vec<usize> = texts.iter().map(|t| t.split_whitespace().count()).collect();
+    assert_eq!(texts.len(), 4, "{texts:?}");
+    assert_eq!(words[0], 1);
+    assert_eq!(texts.concat(), " the cache is warm and tokens flow. the");
+}
