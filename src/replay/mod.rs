@@ -104,6 +104,7 @@ pub struct EngineReport {
     pub prefill_us_per_token: f64,
     pub itl_ms: f64,
     pub itl_ms_per_seq: f64,
+    pub itl_ns_per_kv_token: f64,
 }
 
 /// The kvpick policy's cost weights (DESIGN §5).
@@ -325,9 +326,8 @@ async fn run_one(
                 continue;
             }
             if let Some(step) = rank.engine.step() {
-                let decode = config.itl(step.decode_seqs);
                 rank.step_ns += step.duration_ns;
-                rank.prefill_ns += step.duration_ns - decode;
+                rank.prefill_ns += step.duration_ns - step.decode_ns;
                 // A zero-length step (free config) still advances: at least 1 ns.
                 rank.busy_until = Some(now + step.duration_ns.max(1));
                 rank.pending = Some(step);
@@ -465,6 +465,7 @@ impl From<&EngineConfig> for EngineReport {
             prefill_us_per_token: c.prefill_ns_per_token as f64 / 1e3,
             itl_ms: c.itl_ns as f64 / 1e6,
             itl_ms_per_seq: c.itl_ns_per_seq as f64 / 1e6,
+            itl_ns_per_kv_token: c.itl_ps_per_kv_token as f64 / 1e3,
         }
     }
 }

@@ -13,7 +13,8 @@
 //!
 //! Latency model (all integer nanoseconds, so it is exact):
 //! `step = prefill_overhead × (requests starting prefill) + prefill_per_token × prefill tokens`
-//! plus `itl + itl_per_seq × decoding requests` when any request decodes. A request alone on an idle engine
+//! plus `itl + itl_per_seq × decoding requests (+ itl_per_kv_token × their KV tokens)` when any
+//! request decodes. A request alone on an idle engine
 //! therefore sees `TTFT = prefill_overhead + uncached_tokens × prefill_per_token`; queue wait and
 //! batch interference add to it.
 
@@ -35,6 +36,9 @@ pub struct EngineConfig {
     /// Decode iteration time `itl(batch) = itl_ns + itl_ns_per_seq × batch`.
     pub itl_ns: u64,
     pub itl_ns_per_seq: u64,
+    /// Decode cost of attention over the batch's KV, picoseconds per cached token of every
+    /// decoding request (memory-bound decode); 0 = `itl` depends on the batch size only.
+    pub itl_ps_per_kv_token: u64,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +54,7 @@ impl Default for EngineConfig {
             prefill_ns_per_token: 50_000,
             itl_ns: 8_000_000,
             itl_ns_per_seq: 50_000,
+            itl_ps_per_kv_token: 0,
         }
     }
 }
@@ -112,6 +117,8 @@ pub struct SeqOutput {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct StepResult {
     pub duration_ns: u64,
+    /// The decode part of `duration_ns`.
+    pub decode_ns: u64,
     pub prefill_tokens: usize,
     pub decode_seqs: usize,
     pub outputs: Vec<SeqOutput>,
@@ -445,9 +452,18 @@ impl Engine {
         // 3. Apply the iteration.
         let prefill_tokens: usize = plan.iter().map(|&(_, c)| c).sum();
         let decode_seqs = plan.iter().filter(|&&(_, c)| c == 0).count();
+        let decode_kv_tokens: u64 = plan
+            .iter()
+            .filter(|&&(_, c)| c == 0)
+            .map(|&(i, _)| {
+                (self.running[i].prompt.len() + self.running[i].generated as usize) as u64
+            })
+            .sum();
+        let decode_ns = self.config.itl(decode_seqs)
+            + decode_kv_tokens * self.config.itl_ps_per_kv_token / 1000;
         let duration_ns = self.config.prefill_overhead_ns * starts as u64
             + self.config.prefill_ns_per_token * prefill_tokens as u64
-            + self.config.itl(decode_seqs);
+            + decode_ns;
         let mut outputs = Vec::with_capacity(plan.len());
         let mut finished = Vec::new();
         for &(idx, chunk) in &plan {
@@ -535,6 +551,7 @@ impl Engine {
         }
         Some(StepResult {
             duration_ns,
+            decode_ns,
             prefill_tokens,
             decode_seqs,
             outputs,

@@ -37,6 +37,11 @@ pub struct EngineArgs {
     /// Decode step time per running request, milliseconds.
     #[arg(long, default_value_t = 0.05)]
     pub itl_ms_per_seq: f64,
+    /// Decode step time per KV token of the decoding requests (memory-bound attention),
+    /// nanoseconds; 0 = `itl` depends on the batch size only. ~40 models an 8B model's
+    /// 128 KiB/token KV read at ~3 TB/s.
+    #[arg(long, default_value_t = 0.0)]
+    pub itl_ns_per_kv_token: f64,
 }
 
 impl EngineArgs {
@@ -46,6 +51,7 @@ impl EngineArgs {
             ("--prefill-us-per-token", self.prefill_us_per_token),
             ("--itl-ms", self.itl_ms),
             ("--itl-ms-per-seq", self.itl_ms_per_seq),
+            ("--itl-ns-per-kv-token", self.itl_ns_per_kv_token),
         ] {
             anyhow::ensure!(v.is_finite() && v >= 0.0, "{name} must be >= 0, got {v}");
         }
@@ -65,6 +71,7 @@ impl EngineArgs {
             prefill_ns_per_token: (self.prefill_us_per_token * 1e3).round() as u64,
             itl_ns: (self.itl_ms * 1e6).round() as u64,
             itl_ns_per_seq: (self.itl_ms_per_seq * 1e6).round() as u64,
+            itl_ps_per_kv_token: (self.itl_ns_per_kv_token * 1e3).round() as u64,
         })
     }
 }

@@ -11,6 +11,7 @@ fn config() -> EngineConfig {
         prefill_ns_per_token: 100_000,
         itl_ns: 10_000_000,
         itl_ns_per_seq: 1_000_000,
+        itl_ps_per_kv_token: 0,
     }
 }
 
@@ -273,4 +274,16 @@ fn refuses_prompts_that_can_never_fit_and_duplicates() {
     );
     assert!(engine.abort(2));
     assert!(!engine.has_work());
+}
+
+#[test]
+fn decode_cost_can_grow_with_the_kv_read() {
+    let mut cfg = config();
+    cfg.itl_ps_per_kv_token = 2_000; // 2 ns per KV token
+    let mut engine = Engine::new(cfg.clone());
+    engine.add_request(req(1, prompt(1, 100), 3)).unwrap();
+    engine.step().unwrap(); // prefill + first token
+    let s = engine.step().unwrap(); // decode with 101 tokens in KV
+    assert_eq!(s.decode_ns, cfg.itl(1) + 101 * 2);
+    assert_eq!(s.duration_ns, s.decode_ns);
 }
