@@ -61,6 +61,9 @@ pub struct ReplayArgs {
     /// kvpick policy: weight per active request (as `kvpick serve`).
     #[arg(long, default_value_t = 0.0)]
     pub decode_active_request_weight: f64,
+    /// kvpick policy: lifetime of predicted blocks, seconds (as `kvpick serve`).
+    #[arg(long, default_value_t = 2)]
+    pub predicted_ttl: u64,
 }
 
 /// See [`ReplayArgs::arrival_speedup`].
@@ -113,6 +116,7 @@ pub struct KvpickCost {
     pub overlap_score_credit: f64,
     pub prefill_load_scale: f64,
     pub decode_active_request_weight: f64,
+    pub predicted_ttl_s: u64,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -428,6 +432,7 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
     let options = policy::PolicyOptions {
         block_size: config.block_size,
         seed: args.seed,
+        predicted_ttl: Duration::from_secs(args.predicted_ttl),
         cost: crate::selection::CostParams {
             overlap_score_credit: args.overlap_score_credit,
             prefill_load_scale: args.prefill_load_scale,
@@ -447,6 +452,7 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
             overlap_score_credit: options.cost.overlap_score_credit,
             prefill_load_scale: options.cost.prefill_load_scale,
             decode_active_request_weight: options.cost.decode_active_request_weight,
+            predicted_ttl_s: args.predicted_ttl,
         },
         offered_load: offered_load(&requests, &config, args.workers),
         infinite_cache_hit_rate: infinite_cache_hit_rate(&requests, config.block_size),

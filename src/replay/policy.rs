@@ -80,6 +80,8 @@ pub struct PolicyOptions {
     pub seed: u64,
     /// kvpick's cost-function weights.
     pub cost: CostParams,
+    /// kvpick's predicted-block lifetime.
+    pub predicted_ttl: std::time::Duration,
 }
 
 impl PolicyOptions {
@@ -88,6 +90,7 @@ impl PolicyOptions {
             block_size,
             seed,
             cost: CostParams::default(),
+            predicted_ttl: CoreConfig::default().predicted_ttl,
         }
     }
 }
@@ -466,6 +469,7 @@ impl Kvpick {
             CoreConfig {
                 seed: Some(options.seed),
                 cost: options.cost,
+                predicted_ttl: options.predicted_ttl,
                 kv_events: true,
                 ..CoreConfig::default()
             },
