@@ -710,7 +710,7 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
                     if out.new_tokens == 0 && !out.finished {
                         continue;
                     }
-                    let flush = out.first || out.finished || out.generated % interval == 0;
+                    let flush = out.first || out.finished || out.generated.is_multiple_of(interval);
                     outs.push(out);
                     if flush {
                         break;
