@@ -10,7 +10,9 @@ continuous batching, KV events over ZeroMQ):
 It prints progress while it runs, then the side-by-side table built from client-side timings and
 the ``usage.prompt_tokens_details.cached_tokens`` the workers return, and finally the offline
 (virtual-clock) replay of the same requests through every policy kvpick compares itself with.
-Flags: ``--limit N`` (default 250), ``--sim-speedup K`` (default 2), ``--workers N`` (default 4).
+Flags: ``--limit N`` (default 500), ``--sim-speedup K`` (default 4), ``--workers N`` (default 4),
+``--arrival-speedup A`` (default 1.15: ~80% load for 4 workers). The whole trace on 8 workers:
+``--limit 1000 --workers 8 --arrival-speedup 2.3``.
 """
 
 from __future__ import annotations
@@ -33,11 +35,11 @@ TRACE = E2E.parent.parent / "shared" / "data" / "mooncake_trace_1000.jsonl"
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--limit", type=int, default=250)
+    ap.add_argument("--limit", type=int, default=500)
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--arrival-speedup", type=float, default=1.15,
                     help="1.15 loads 4 default workers to ~80%% of their prefill capacity")
-    ap.add_argument("--sim-speedup", type=float, default=2.0)
+    ap.add_argument("--sim-speedup", type=float, default=4.0)
     args = ap.parse_args()
     if not Path(args.trace).exists():
         print(f"demo: trace not found: {args.trace}", file=sys.stderr)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: builds kvpick (release), installs Envoy 1.40 into .venv, then replays the first
-# 250 requests of ../shared/data/mooncake_trace_1000.jsonl through a real Envoy to 4 simulated vLLM
+# 500 requests of ../shared/data/mooncake_trace_1000.jsonl through a real Envoy to 4 simulated vLLM
 # workers (`kvpick sim`) twice - Envoy round-robin vs Envoy + kvpick - and prints the side-by-side
 # table (about a minute), then the offline replay of the same requests through every policy.
 set -euo pipefail
