@@ -1,94 +1,73 @@
-"""kvpick demo: upstream model-server ranks + kvpick + a real Envoy, traffic through it, a result table.
+"""kvpick demo: the routing gain on a real trace, through a real Envoy, against simulated vLLM workers.
 
-Until the simulator lands (`kvpick sim`), the ranks are the e2e suite's fake upstreams: they answer
-immediately and can hold SSE streams open. The demo shows (1) 300 chat requests with unrelated
-prompts spread over the ranks, (2) 40 agent-style requests sharing a long system prompt following the
-rank that already holds it, (3) 12 concurrent held streams spread by load, and (4) kvpick's own pick
-latency from its metrics.
+Replays the first requests of the Mooncake trace (``../shared/data/mooncake_trace_1000.jsonl``)
+twice, each time on a fresh ``kvpick sim`` fleet of 4 workers (vLLM-like: paged prefix cache,
+continuous batching, KV events over ZeroMQ):
+
+1. through Envoy's own ``ROUND_ROBIN`` cluster (a plain Kubernetes Service, no endpoint picker);
+2. through Envoy + kvpick (ext_proc), which follows the engines' KV events and its own bookings.
+
+It prints progress while it runs, then the side-by-side table built from client-side timings and
+the ``usage.prompt_tokens_details.cached_tokens`` the workers return, and finally the offline
+(virtual-clock) replay of the same requests through every policy kvpick compares itself with.
+Flags: ``--limit N`` (default 500), ``--sim-speedup K`` (default 4), ``--workers N`` (default 4),
+``--arrival-speedup A`` (default 1.15: ~80% load for 4 workers). The whole trace on 8 workers:
+``--limit 1000 --workers 8 --arrival-speedup 2.3``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import json
+import argparse
+import subprocess
 import sys
-import urllib.request
+from pathlib import Path
 
-sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+E2E = Path(__file__).resolve().parent
+sys.path.insert(0, str(E2E))
+sys.path.insert(0, str(E2E / "replay"))
+
 import harness  # noqa: E402
+import online  # noqa: E402
 
-
-def post(url: str, body: dict, headers: dict | None = None, timeout: float = 30.0):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"content-type": "application/json", **(headers or {})})
-    return urllib.request.urlopen(req, timeout=timeout)
+TRACE = E2E.parent.parent / "shared" / "data" / "mooncake_trace_1000.jsonl"
 
 
 def main() -> int:
-    ups = [harness.Upstream(f"rank{i}").start() for i in range(3)]
-    workers = [harness.worker("vllm-0", ports=[ups[0].port, ups[1].port]),
-               harness.worker("vllm-1", ports=[ups[2].port])]
-    stack = harness.Stack(workers, name="demo").start()
-    url = stack.url() + "/v1/chat/completions"
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--trace", default=str(TRACE))
+    ap.add_argument("--limit", type=int, default=500)
+    ap.add_argument("--workers", type=int, default=4)
+    ap.add_argument("--arrival-speedup", type=float, default=1.15,
+                    help="1.15 loads 4 default workers to ~80%% of their prefill capacity")
+    ap.add_argument("--sim-speedup", type=float, default=4.0)
+    args = ap.parse_args()
+    if not Path(args.trace).exists():
+        print(f"demo: trace not found: {args.trace}", file=sys.stderr)
+        return 2
+    print(f"kvpick demo: first {args.limit} requests of {Path(args.trace).name}, {args.workers} "
+          f"simulated vLLM workers, arrivals x{args.arrival_speedup}, sim speedup x{args.sim_speedup}")
+    print("client -> Envoy 1.40 -> (round-robin cluster | ext_proc kvpick) -> kvpick sim workers")
+    print()
     try:
-        # 1. Plain traffic, 4 at a time.
-        def one(i: int) -> int:
-            with post(url, harness.chat_body(content=f"request {i}")) as r:
-                return json.loads(r.read())["port"]
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            served = list(pool.map(one, range(300)))
-
-        # 2. Requests sharing a long system prompt follow the rank that served it first.
-        system = "You are a coding agent. " + "Follow the repository conventions carefully. " * 60
-        def shared(i: int) -> int:
-            body = {"model": "m1", "messages": [{"role": "system", "content": system},
-                                                {"role": "user", "content": f"task {i}"}]}
-            with post(url, body) as r:
-                return json.loads(r.read())["port"]
-        prefix_served = [shared(i) for i in range(40)]
-
-        # 3. Twelve streams held open at once: their KV blocks make busy ranks costlier.
-        gates = [harness.Gate() for _ in range(12)]
-        responses = []
-        for g in gates:
-            r = post(url, harness.chat_body(stream=True), headers=g.headers())
-            r.readline()  # first SSE event has arrived: the stream is live
-            responses.append(r)
-        held = {}
-        for u in ups:
-            held[u.port] = stack.kvpick.metric("kvpick_inflight_requests",
-                                               worker="vllm-0" if u is not ups[2] else "vllm-1",
-                                               rank="0" if u is not ups[1] else "1") or 0
-        for g in gates:
-            g.release.set()
-        for r in responses:
-            r.read()
-            r.close()
-
-        samples = stack.kvpick.metrics()
-        buckets, total, count = harness.histogram(samples, "kvpick_pick_latency_seconds")
-        p50 = harness.histogram_quantile(0.5, buckets) * 1e6
-        p99 = harness.histogram_quantile(0.99, buckets) * 1e6
-
-        print()
-        print("kvpick demo: client -> Envoy 1.40 -> ext_proc kvpick -> picked rank")
-        print()
-        print("| rank (worker/dp) | endpoint | of 300 unrelated requests | of 40 shared-prefix requests | of 12 concurrent streams |")
-        print("|---|---|---|---|---|")
-        names = ["vllm-0/0", "vllm-0/1", "vllm-1/0"]
-        for name, u in zip(names, ups):
-            print(f"| {name} | {u.endpoint} | {served.count(u.port)} | {prefix_served.count(u.port)} "
-                  f"| {int(held[u.port])} |")
-        print()
-        print(f"kvpick pick latency over {int(count)} picks: p50 ~{p50:.0f} us, p99 ~{p99:.0f} us "
-              "(from kvpick_pick_latency_seconds)")
-        print("policy: KV-aware cost (cached prefix vs. queued prefill vs. active KV blocks); without "
-              "engine KV events kvpick remembers its own routing decisions (approximate mode)")
-        return 0
+        report = online.run_online(args.trace, limit=args.limit, workers=args.workers,
+                                   arrival_speedup=args.arrival_speedup,
+                                   sim_speedup=args.sim_speedup)
     finally:
-        stack.stop()
-        for u in ups:
-            u.stop()
+        harness.stop_all()
+    print()
+    print("Online (through Envoy):")
+    print()
+    print(online.markdown(report))
+    print("Offline replay of the same requests (kvpick replay: same engine model, virtual clock, "
+          "no sockets):")
+    print()
+    offline = subprocess.run(
+        [str(harness.kvpick_binary()), "replay", "--trace", args.trace, "--limit", str(args.limit),
+         "--workers", str(args.workers), "--arrival-speedup", str(args.arrival_speedup)],
+        capture_output=True, text=True)
+    print(offline.stdout if offline.returncode == 0 else offline.stderr)
+    errors = sum(p["errors"] for p in report["policies"])
+    return 0 if errors == 0 and offline.returncode == 0 else 1
 
 
 if __name__ == "__main__":

@@ -12,9 +12,11 @@ pub mod health;
 pub mod index;
 pub mod metrics;
 pub mod net;
+pub mod replay;
 pub mod request;
 pub mod selection;
 pub mod server;
+pub mod sim;
 pub mod tls;
 pub mod usage;
 

@@ -13,13 +13,40 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the endpoint picker: Envoy ext_proc on --grpc-port, health, metrics.
-    Serve(kvpick::server::ServeArgs),
+    Serve(Box<kvpick::server::ServeArgs>),
+    /// Offline, virtual-clock replay of a Mooncake trace through each routing policy and a
+    /// simulated fleet; prints a Markdown table, optionally writes a JSON report.
+    Replay(kvpick::replay::ReplayArgs),
+    /// A fleet of simulated vLLM workers (OpenAI HTTP, `vllm:*` metrics, KV events over ZeroMQ).
+    Sim(kvpick::sim::server::SimArgs),
 }
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
+        Command::Sim(args) => {
+            kvpick::server::init_logging(kvpick::server::LogFormat::Text);
+            let runtime = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .expect("tokio runtime");
+            match runtime.block_on(kvpick::sim::server::run(args)) {
+                Ok(()) => std::process::ExitCode::SUCCESS,
+                Err(err) => {
+                    eprintln!("kvpick: error: {err:#}");
+                    std::process::ExitCode::from(2)
+                }
+            }
+        }
+        Command::Replay(args) => match kvpick::replay::run(args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("kvpick: error: {err:#}");
+                std::process::ExitCode::from(2)
+            }
+        },
         Command::Serve(args) => {
+            let args = *args;
             kvpick::server::init_logging(args.log_format);
             let runtime = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()

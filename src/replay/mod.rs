@@ -1,0 +1,530 @@
+//! `kvpick replay`: offline, virtual-clock replay of a Mooncake trace through each routing policy
+//! and a fleet of simulated engines ([`crate::sim::engine`]), with no sockets (DESIGN §12).
+//!
+//! One discrete-event loop per policy: at each instant, finished engine steps deliver their
+//! outputs and KV events to the policy (rank order), then arrivals are routed and queued, then idle
+//! ranks start their next step. The loop runs on a paused tokio clock that it advances to the
+//! virtual time, so the selection core's TTLs (predicted blocks, bookings) see virtual time too.
+//! Everything is deterministic for a seed: same inputs -> byte-identical JSON.
+//!
+//! This module owns the loop, the metrics and the report; policies live in [`policy`], the trace
+//! format in [`trace`]. It must not reach into the selection core beyond its public API.
+
+pub mod policy;
+pub mod trace;
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::index::hash;
+use crate::sim::engine::{Engine, EngineConfig, EngineRequest, EngineStats};
+use crate::sim::EngineArgs;
+use policy::{FleetView, PickRequest, Policy};
+use trace::TraceRecord;
+
+/// `kvpick replay` flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ReplayArgs {
+    /// Mooncake JSONL trace.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Simulated ranks.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    /// Comma-separated policies (default: all of them).
+    #[arg(long, value_delimiter = ',', default_values_t = policy::ALL.map(String::from))]
+    pub policy: Vec<String>,
+    /// Divide the trace's inter-arrival times by this. The default loads 8 default workers to
+    /// ~80% of their prefill capacity on `mooncake_trace_1000.jsonl` (see `offered_load`).
+    #[arg(long, default_value_t = DEFAULT_ARRIVAL_SPEEDUP)]
+    pub arrival_speedup: f64,
+    /// Replay only the first N requests.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Seed for random tie-breaks and the random policy.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+    /// Write the JSON report here.
+    #[arg(long)]
+    pub report: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// kvpick policy: credit per cached block (as `kvpick serve`).
+    #[arg(long, default_value_t = 1.0)]
+    pub overlap_score_credit: f64,
+    /// kvpick policy: weight of the uncached prefill term (as `kvpick serve`).
+    #[arg(long, default_value_t = 1.0)]
+    pub prefill_load_scale: f64,
+    /// kvpick policy: weight per active request (as `kvpick serve`).
+    #[arg(long, default_value_t = 0.0)]
+    pub decode_active_request_weight: f64,
+    /// kvpick policy: lifetime of predicted blocks, seconds (as `kvpick serve`).
+    #[arg(long, default_value_t = 2)]
+    pub predicted_ttl: u64,
+}
+
+/// See [`ReplayArgs::arrival_speedup`].
+pub const DEFAULT_ARRIVAL_SPEEDUP: f64 = 2.3;
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Stat {
+    pub mean: f64,
+    pub p50: f64,
+    pub p99: f64,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PolicyReport {
+    pub policy: String,
+    /// Cached prompt tokens / prompt tokens.
+    pub kv_hit_rate: f64,
+    pub ttft_ms: Stat,
+    pub e2e_ms: Stat,
+    /// Output tokens per second over the makespan.
+    pub throughput_tok_s: f64,
+    pub requests_per_s: f64,
+    pub makespan_s: f64,
+    /// Engine step time / (ranks × makespan).
+    pub busy_fraction: f64,
+    /// Prefill part of the step time / (ranks × makespan).
+    pub prefill_fraction: f64,
+    pub per_rank_requests: Vec<u64>,
+    pub completed: u64,
+    pub refused: u64,
+    pub preemptions: u64,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct EngineReport {
+    pub block_size: usize,
+    pub num_gpu_blocks: usize,
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+    pub prefill_overhead_ms: f64,
+    pub prefill_us_per_token: f64,
+    pub itl_ms: f64,
+    pub itl_ms_per_seq: f64,
+    pub itl_ns_per_kv_token: f64,
+}
+
+/// The kvpick policy's cost weights (DESIGN §5).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct KvpickCost {
+    pub overlap_score_credit: f64,
+    pub prefill_load_scale: f64,
+    pub decode_active_request_weight: f64,
+    pub predicted_ttl_s: u64,
+}
+
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Report {
+    pub trace: String,
+    pub requests: usize,
+    pub workers: usize,
+    pub arrival_speedup: f64,
+    pub seed: u64,
+    pub engine: EngineReport,
+    pub kvpick_cost: KvpickCost,
+    /// No-cache prefill demand / fleet prefill capacity over the arrival span.
+    pub offered_load: f64,
+    /// Hit rate if every rank had every block ever computed (blocks seen earlier in the trace).
+    pub infinite_cache_hit_rate: f64,
+    pub policies: Vec<PolicyReport>,
+}
+
+/// One trace request ready to replay.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub id: u64,
+    pub arrival_ns: u64,
+    pub tokens: Vec<u32>,
+    pub output: u32,
+}
+
+pub fn prepare(records: &[TraceRecord], speedup: f64) -> Vec<Prepared> {
+    let base = records.iter().map(|r| r.timestamp).min().unwrap_or(0);
+    let mut out: Vec<Prepared> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| Prepared {
+            id: i as u64,
+            arrival_ns: ((r.timestamp - base) as f64 * 1e6 / speedup).round() as u64,
+            tokens: trace::synthesize(r),
+            output: r.output_length.max(1),
+        })
+        .collect();
+    out.sort_by_key(|p| (p.arrival_ns, p.id));
+    out
+}
+
+/// Hit rate with an infinite shared cache: the longest prefix of each prompt's blocks seen in any
+/// earlier request (at most `len - 1` tokens, like the engine).
+pub fn infinite_cache_hit_rate(requests: &[Prepared], block_size: usize) -> f64 {
+    let mut seen = HashSet::new();
+    let (mut hit, mut total) = (0u64, 0u64);
+    for r in requests {
+        let hashes = hash::prompt_hashes(&r.tokens, block_size, hash::BASE_SEED);
+        let max = (r.tokens.len() - 1) / block_size;
+        let h = hashes
+            .iter()
+            .take(max)
+            .take_while(|h| seen.contains(*h))
+            .count();
+        hit += (h * block_size) as u64;
+        total += r.tokens.len() as u64;
+        seen.extend(hashes);
+    }
+    ratio(hit, total)
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+pub fn offered_load(requests: &[Prepared], config: &EngineConfig, workers: usize) -> f64 {
+    let span =
+        requests.last().map_or(0, |r| r.arrival_ns) - requests.first().map_or(0, |r| r.arrival_ns);
+    if span == 0 {
+        return 0.0;
+    }
+    let demand: u64 = requests
+        .iter()
+        .map(|r| config.prefill_overhead_ns + config.prefill_ns_per_token * r.tokens.len() as u64)
+        .sum();
+    demand as f64 / (workers as f64 * span as f64)
+}
+
+fn stat(values: &mut [f64]) -> Stat {
+    if values.is_empty() {
+        return Stat {
+            mean: 0.0,
+            p50: 0.0,
+            p99: 0.0,
+        };
+    }
+    values.sort_by(f64::total_cmp);
+    let pct =
+        |p: f64| values[((p * values.len() as f64).ceil() as usize).clamp(1, values.len()) - 1];
+    Stat {
+        mean: values.iter().sum::<f64>() / values.len() as f64,
+        p50: pct(0.50),
+        p99: pct(0.99),
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Outcome {
+    rank: usize,
+    first_ns: Option<u64>,
+    done_ns: Option<u64>,
+    cached: u64,
+    prompt: u64,
+    output: u64,
+    refused: bool,
+}
+
+struct RankState {
+    engine: Engine,
+    busy_until: Option<u64>,
+    pending: Option<crate::sim::engine::StepResult>,
+    step_ns: u64,
+    prefill_ns: u64,
+}
+
+/// Replays `requests` through `policy` on `workers` fresh engines. Must run on a paused tokio
+/// clock (see [`run_policies`]).
+async fn run_one(
+    requests: &[Prepared],
+    policy: &mut dyn Policy,
+    workers: usize,
+    config: &EngineConfig,
+) -> PolicyReport {
+    let mut ranks: Vec<RankState> = (0..workers)
+        .map(|_| RankState {
+            engine: Engine::new(config.clone()),
+            busy_until: None,
+            pending: None,
+            step_ns: 0,
+            prefill_ns: 0,
+        })
+        .collect();
+    let mut outcomes: Vec<Outcome> = vec![Outcome::default(); requests.len()];
+    let index_of: std::collections::HashMap<u64, usize> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id, i))
+        .collect();
+    let mut clock = 0u64;
+    let mut next_arrival = 0usize;
+    loop {
+        let arrival = requests.get(next_arrival).map(|r| r.arrival_ns);
+        let step_end = ranks.iter().filter_map(|r| r.busy_until).min();
+        let now = match (arrival, step_end) {
+            (None, None) => break,
+            (Some(a), None) => a,
+            (None, Some(s)) => s,
+            (Some(a), Some(s)) => a.min(s),
+        };
+        if now > clock {
+            tokio::time::advance(Duration::from_nanos(now - clock)).await;
+            clock = now;
+        }
+        // 1. Steps ending now publish their outputs and KV events.
+        for (r, rank) in ranks.iter_mut().enumerate() {
+            if rank.busy_until != Some(now) {
+                continue;
+            }
+            rank.busy_until = None;
+            let step = rank.pending.take().expect("a busy rank has a pending step");
+            if !step.events.is_empty() {
+                policy.on_kv_events(r, &step.events);
+            }
+            for o in &step.outputs {
+                let out = &mut outcomes[index_of[&o.id]];
+                if o.first {
+                    out.first_ns = Some(now);
+                    out.cached = o.cached_tokens as u64;
+                    policy.on_first_token(o.id, r);
+                }
+                if o.finished {
+                    out.done_ns = Some(now);
+                    out.output = o.generated as u64;
+                    policy.on_complete(o.id, r);
+                }
+            }
+        }
+        // 2. Arrivals now are routed and queued.
+        while let Some(req) = requests.get(next_arrival).filter(|r| r.arrival_ns == now) {
+            next_arrival += 1;
+            let metrics: Vec<EngineStats> = ranks.iter().map(|r| r.engine.stats()).collect();
+            let rank = policy.pick(
+                &PickRequest {
+                    id: req.id,
+                    tokens: &req.tokens,
+                },
+                &FleetView { metrics: &metrics },
+            );
+            let out = &mut outcomes[index_of[&req.id]];
+            out.rank = rank;
+            out.prompt = req.tokens.len() as u64;
+            let added = ranks[rank].engine.add_request(EngineRequest {
+                id: req.id,
+                prompt: req.tokens.clone(),
+                max_tokens: req.output,
+            });
+            if added.is_err() {
+                out.refused = true;
+                policy.on_complete(req.id, rank);
+            }
+        }
+        // 3. Idle ranks start their next step.
+        for rank in ranks.iter_mut() {
+            if rank.busy_until.is_some() {
+                continue;
+            }
+            if let Some(step) = rank.engine.step() {
+                rank.step_ns += step.duration_ns;
+                rank.prefill_ns += step.duration_ns - step.decode_ns;
+                // A zero-length step (free config) still advances: at least 1 ns.
+                rank.busy_until = Some(now + step.duration_ns.max(1));
+                rank.pending = Some(step);
+            }
+        }
+    }
+
+    let first_arrival = requests.first().map_or(0, |r| r.arrival_ns);
+    let end = outcomes
+        .iter()
+        .filter_map(|o| o.done_ns)
+        .max()
+        .unwrap_or(first_arrival);
+    let makespan_ns = (end - first_arrival).max(1);
+    let mut ttft: Vec<f64> = Vec::new();
+    let mut e2e: Vec<f64> = Vec::new();
+    let (mut cached, mut prompt, mut output) = (0u64, 0u64, 0u64);
+    let mut per_rank = vec![0u64; workers];
+    let (mut completed, mut refused) = (0u64, 0u64);
+    for (o, r) in outcomes.iter().zip(requests) {
+        per_rank[o.rank] += 1;
+        if o.refused {
+            refused += 1;
+            continue;
+        }
+        prompt += o.prompt;
+        cached += o.cached;
+        if let (Some(f), Some(d)) = (o.first_ns, o.done_ns) {
+            completed += 1;
+            output += o.output;
+            ttft.push((f - r.arrival_ns) as f64 / 1e6);
+            e2e.push((d - r.arrival_ns) as f64 / 1e6);
+        }
+    }
+    let span_s = makespan_ns as f64 / 1e9;
+    let capacity = workers as f64 * makespan_ns as f64;
+    PolicyReport {
+        policy: policy.name().to_string(),
+        kv_hit_rate: ratio(cached, prompt),
+        ttft_ms: stat(&mut ttft),
+        e2e_ms: stat(&mut e2e),
+        throughput_tok_s: output as f64 / span_s,
+        requests_per_s: completed as f64 / span_s,
+        makespan_s: span_s,
+        busy_fraction: ranks.iter().map(|r| r.step_ns).sum::<u64>() as f64 / capacity,
+        prefill_fraction: ranks.iter().map(|r| r.prefill_ns).sum::<u64>() as f64 / capacity,
+        per_rank_requests: per_rank,
+        completed,
+        refused,
+        preemptions: ranks.iter().map(|r| r.engine.stats().preemptions).sum(),
+    }
+}
+
+/// Runs every named policy over the same requests, each on its own paused-clock runtime.
+pub fn run_policies(
+    requests: &[Prepared],
+    names: &[String],
+    workers: usize,
+    config: &EngineConfig,
+    options: &policy::PolicyOptions,
+) -> anyhow::Result<Vec<PolicyReport>> {
+    anyhow::ensure!(workers > 0, "--workers must be at least 1");
+    let mut out = Vec::new();
+    for name in names {
+        let mut policy = policy::build(name, workers, options)?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .start_paused(true)
+            .build()?;
+        let report = runtime.block_on(run_one(requests, policy.as_mut(), workers, config));
+        out.push(report);
+    }
+    Ok(out)
+}
+
+pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
+    anyhow::ensure!(
+        args.arrival_speedup.is_finite() && args.arrival_speedup > 0.0,
+        "--arrival-speedup must be > 0"
+    );
+    let mut records = trace::load(&args.trace)?;
+    if let Some(limit) = args.limit {
+        records.truncate(limit);
+    }
+    anyhow::ensure!(!records.is_empty(), "the trace has no requests");
+    let config = args.engine.config()?;
+    let requests = prepare(&records, args.arrival_speedup);
+    for (name, v) in [
+        ("--overlap-score-credit", args.overlap_score_credit),
+        ("--prefill-load-scale", args.prefill_load_scale),
+        (
+            "--decode-active-request-weight",
+            args.decode_active_request_weight,
+        ),
+    ] {
+        anyhow::ensure!(v.is_finite() && v >= 0.0, "{name} must be >= 0, got {v}");
+    }
+    let options = policy::PolicyOptions {
+        block_size: config.block_size,
+        seed: args.seed,
+        predicted_ttl: Duration::from_secs(args.predicted_ttl),
+        cost: crate::selection::CostParams {
+            overlap_score_credit: args.overlap_score_credit,
+            prefill_load_scale: args.prefill_load_scale,
+            decode_active_request_weight: args.decode_active_request_weight,
+            ..Default::default()
+        },
+    };
+    let policies = run_policies(&requests, &args.policy, args.workers, &config, &options)?;
+    Ok(Report {
+        trace: args.trace.display().to_string(),
+        requests: requests.len(),
+        workers: args.workers,
+        arrival_speedup: args.arrival_speedup,
+        seed: args.seed,
+        engine: EngineReport::from(&config),
+        kvpick_cost: KvpickCost {
+            overlap_score_credit: options.cost.overlap_score_credit,
+            prefill_load_scale: options.cost.prefill_load_scale,
+            decode_active_request_weight: options.cost.decode_active_request_weight,
+            predicted_ttl_s: args.predicted_ttl,
+        },
+        offered_load: offered_load(&requests, &config, args.workers),
+        infinite_cache_hit_rate: infinite_cache_hit_rate(&requests, config.block_size),
+        policies,
+    })
+}
+
+impl From<&EngineConfig> for EngineReport {
+    fn from(c: &EngineConfig) -> Self {
+        EngineReport {
+            block_size: c.block_size,
+            num_gpu_blocks: c.num_gpu_blocks,
+            max_num_seqs: c.max_num_seqs,
+            max_num_batched_tokens: c.max_num_batched_tokens,
+            prefill_overhead_ms: c.prefill_overhead_ns as f64 / 1e6,
+            prefill_us_per_token: c.prefill_ns_per_token as f64 / 1e3,
+            itl_ms: c.itl_ns as f64 / 1e6,
+            itl_ms_per_seq: c.itl_ns_per_seq as f64 / 1e6,
+            itl_ns_per_kv_token: c.itl_ps_per_kv_token as f64 / 1e3,
+        }
+    }
+}
+
+/// The Markdown table of a report.
+pub fn markdown(report: &Report) -> String {
+    let mut s = format!(
+        "{} requests, {} workers, arrival speedup {}, offered load {:.2}, seed {}\n\n\
+         | policy | KV hit rate | TTFT mean (ms) | TTFT p50 | TTFT p99 | E2E mean (ms) | E2E p99 | output tok/s | busy | requests per rank |\n\
+         |---|---|---|---|---|---|---|---|---|---|\n",
+        report.requests,
+        report.workers,
+        report.arrival_speedup,
+        report.offered_load,
+        report.seed
+    );
+    for p in &report.policies {
+        s.push_str(&format!(
+            "| {} | {:.1}% | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0} | {:.0}% | {} |\n",
+            p.policy,
+            p.kv_hit_rate * 100.0,
+            p.ttft_ms.mean,
+            p.ttft_ms.p50,
+            p.ttft_ms.p99,
+            p.e2e_ms.mean,
+            p.e2e_ms.p99,
+            p.throughput_tok_s,
+            p.busy_fraction * 100.0,
+            p.per_rank_requests
+                .iter()
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join("/"),
+        ));
+    }
+    s.push_str(&format!(
+        "| infinite-cache bound | {:.1}% | | | | | | | | |\n",
+        report.infinite_cache_hit_rate * 100.0
+    ));
+    s
+}
+
+/// `kvpick replay`.
+pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
+    let report = build_report(&args)?;
+    print!("{}", markdown(&report));
+    if let Some(path) = &args.report {
+        let json = serde_json::to_string_pretty(&report)?;
+        std::fs::write(path, json + "\n")
+            .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests;

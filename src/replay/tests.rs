@@ -1,0 +1,142 @@
+use super::*;
+
+fn small_trace() -> Vec<TraceRecord> {
+    // Three families of shared prefixes, arriving close together.
+    (0..24u64)
+        .map(|i| TraceRecord {
+            timestamp: i * 40,
+            input_length: 800 + (i as usize % 3) * 100,
+            output_length: 4 + (i % 5) as u32,
+            hash_ids: vec![i % 3, 100 + i],
+        })
+        .collect()
+}
+
+fn engine() -> EngineConfig {
+    EngineConfig {
+        num_gpu_blocks: 2_000,
+        ..EngineConfig::default()
+    }
+}
+
+fn args(report: PathBuf, trace: PathBuf) -> ReplayArgs {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+    Wrap::parse_from([
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "3",
+        "--seed",
+        "5",
+        "--report",
+        report.to_str().unwrap(),
+    ])
+    .args
+}
+
+#[test]
+fn same_seed_gives_identical_json() {
+    let dir = std::env::temp_dir().join(format!("kvpick-replay-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace_path = dir.join("t.jsonl");
+    let text: String = small_trace()
+        .iter()
+        .map(|r| {
+            format!(
+                "{{\"timestamp\":{},\"input_length\":{},\"output_length\":{},\"hash_ids\":{:?}}}\n",
+                r.timestamp, r.input_length, r.output_length, r.hash_ids
+            )
+        })
+        .collect();
+    std::fs::write(&trace_path, text).unwrap();
+    let (a, b) = (dir.join("a.json"), dir.join("b.json"));
+    run(args(a.clone(), trace_path.clone())).unwrap();
+    run(args(b.clone(), trace_path)).unwrap();
+    let (ja, jb) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
+    assert_eq!(ja, jb);
+    let report: serde_json::Value = serde_json::from_slice(&ja).unwrap();
+    assert_eq!(
+        report["policies"].as_array().unwrap().len(),
+        policy::ALL.len()
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn every_request_completes_and_hits_never_exceed_the_bound() {
+    let requests = prepare(&small_trace(), 1.0);
+    let names: Vec<String> = policy::ALL.iter().map(|s| s.to_string()).collect();
+    let bound = infinite_cache_hit_rate(&requests, 16);
+    assert!(bound > 0.3, "{bound}");
+    for p in run_policies(
+        &requests,
+        &names,
+        3,
+        &engine(),
+        &policy::PolicyOptions::new(16, 1),
+    )
+    .unwrap()
+    {
+        assert_eq!(p.completed, 24, "{}", p.policy);
+        assert_eq!(p.per_rank_requests.iter().sum::<u64>(), 24);
+        assert!(
+            p.kv_hit_rate <= bound + 1e-12,
+            "{}: {}",
+            p.policy,
+            p.kv_hit_rate
+        );
+    }
+}
+
+#[test]
+fn kvpick_follows_the_kv_events_to_the_rank_holding_the_prefix() {
+    // Requests of one family spaced far apart: once the first is done and its blocks announced,
+    // kvpick sends every later one to the same rank and they hit.
+    let records: Vec<TraceRecord> = (0..6u64)
+        .map(|i| TraceRecord {
+            timestamp: i * 10_000,
+            input_length: 1000,
+            output_length: 2,
+            hash_ids: vec![7, 200 + i],
+        })
+        .collect();
+    let requests = prepare(&records, 1.0);
+    let reports = run_policies(
+        &requests,
+        &["kvpick".to_string(), "round-robin".to_string()],
+        4,
+        &engine(),
+        &policy::PolicyOptions::new(16, 3),
+    )
+    .unwrap();
+    let kv = &reports[0];
+    assert_eq!(kv.per_rank_requests.iter().filter(|&&n| n > 0).count(), 1);
+    // 5 of 6 requests find the 512-token family prefix (32 blocks of 16) cached.
+    assert_eq!(kv.kv_hit_rate, (5.0 * 512.0) / 6000.0);
+    assert!(reports[1].kv_hit_rate < kv.kv_hit_rate);
+}
+
+#[test]
+fn infinite_bound_counts_prefixes_seen_before() {
+    let r = |id, ids: Vec<u64>| Prepared {
+        id,
+        arrival_ns: id,
+        tokens: trace::synthesize(&TraceRecord {
+            timestamp: 0,
+            input_length: 512 * ids.len(),
+            output_length: 1,
+            hash_ids: ids,
+        }),
+        output: 1,
+    };
+    let reqs = vec![r(0, vec![1, 2]), r(1, vec![1, 3]), r(2, vec![1, 2])];
+    // second: 512 of 1024; third: all but the last block (1024 - 16).
+    let expect = (512.0 + 1008.0) / 3072.0;
+    assert_eq!(infinite_cache_hit_rate(&reqs, 16), expect);
+}
