@@ -16,6 +16,7 @@ pub mod request;
 pub mod selection;
 pub mod server;
 pub mod tls;
+pub mod tokenize;
 pub mod usage;
 
 /// Generated code for the project's own protos (`proto/kvpick/v1`).
