@@ -14,6 +14,10 @@ struct Cli {
 enum Command {
     /// Run the endpoint picker: Envoy ext_proc on --grpc-port, health, metrics.
     Serve(kvpick::server::ServeArgs),
+    /// Print the token ids kvpick computes for request bodies (one JSON body per stdin line;
+    /// one JSON answer per line: `{"ids": [...], "source": "ok|cached|render|body"}` or
+    /// `{"fallback": "reason"}`). For checking a tokenizer config against an engine.
+    Tokenize(kvpick::tokenize::cli::TokenizeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -34,5 +38,12 @@ fn main() -> std::process::ExitCode {
                 }
             }
         }
+        Command::Tokenize(args) => match kvpick::tokenize::cli::run(args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("kvpick: error: {err:#}");
+                std::process::ExitCode::from(2)
+            }
+        },
     }
 }

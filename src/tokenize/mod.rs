@@ -5,6 +5,7 @@
 //! the tokenization metrics. It never selects workers and never fails a request: any failure is
 //! an outcome the host turns into load-only routing.
 
+pub mod cli;
 pub mod json;
 pub mod prefix_cache;
 pub mod prompt;
