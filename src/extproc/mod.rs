@@ -17,6 +17,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::selection::SelectionCore;
+use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
 pub use stream::StreamMachine;
 
@@ -99,7 +100,11 @@ impl ExternalProcessor for ExtProcService {
                             if let Some(job) = step.tokenize.take() {
                                 let outcome = match &tokenizers {
                                     Some(t) => tokio::select! {
-                                        o = t.tokenize(&job.model, job.body) => o,
+                                        o = t.tokenize_request(
+                                            Endpoint::from_path(&job.path),
+                                            &job.model,
+                                            job.body,
+                                        ) => o,
                                         _ = tx.closed() => break "envoy_gone",
                                     },
                                     None => TokenizeOutcome::NotApplicable,

@@ -75,6 +75,8 @@ pub struct Step {
 #[derive(Debug, Clone)]
 pub struct TokenizeJob {
     pub model: String,
+    /// The request `:path` (tells embeddings `input` from responses `input`).
+    pub path: String,
     pub body: bytes::Bytes,
 }
 
@@ -93,6 +95,7 @@ pub struct StreamMachine {
     settings: Arc<ExtProcSettings>,
     phase: Phase,
     header_names: Vec<String>,
+    path: String,
     content_type: Option<String>,
     request_id: Option<String>,
     conformance_filter: Option<EndpointFilter>,
@@ -119,6 +122,7 @@ impl StreamMachine {
             settings,
             phase: Phase::RequestHeaders,
             header_names: Vec::new(),
+            path: String::new(),
             content_type: None,
             request_id: None,
             conformance_filter: None,
@@ -229,6 +233,7 @@ impl StreamMachine {
             let value = header_value(h);
             match name.as_str() {
                 "content-type" => self.content_type = Some(value.to_string()),
+                ":path" => self.path = value.chars().take(1024).collect(),
                 "x-request-id" if !value.is_empty() => {
                     self.request_id = Some(value.chars().take(256).collect())
                 }
@@ -341,6 +346,7 @@ impl StreamMachine {
                 let body = bytes::Bytes::from(std::mem::take(&mut self.body));
                 let job = TokenizeJob {
                     model: p.model.clone(),
+                    path: self.path.clone(),
                     body: body.clone(),
                 };
                 self.pending = Some(PendingRoute {

@@ -24,7 +24,7 @@ use tokio::sync::Semaphore;
 
 use json::Json;
 pub use prefix_cache::IncrementalTokenizer;
-use prompt::{ChatPrompt, ContentFormat, PromptSpec};
+use prompt::{ChatPrompt, ContentFormat, Endpoint, PromptSpec};
 use render::{RenderClient, RenderKind};
 use template::ChatTemplate;
 
@@ -316,6 +316,21 @@ pub struct ModelTokenizer {
     content_format: ContentFormat,
 }
 
+impl ModelTokenizer {
+    /// In-process token ids for a request body, synchronously (benchmarks, tools): `Ok(None)`
+    /// when the body has no prompt or the model has no in-process tokenizer.
+    pub fn tokenize_body_blocking(
+        &self,
+        body: &[u8],
+    ) -> Result<Option<(Vec<u32>, Source)>, String> {
+        match tokenize_blocking(self, Endpoint::Generate, body) {
+            Ok(Local::Done(ids, source)) => Ok(Some((ids, source))),
+            Ok(Local::Remote(_) | Local::Nothing) => Ok(None),
+            Err((stage, e)) => Err(format!("{stage}: {e}")),
+        }
+    }
+}
+
 /// Tokenization metrics (registered on the process registry).
 #[derive(Clone)]
 pub struct TokenizeMetrics {
@@ -466,11 +481,21 @@ impl Tokenizers {
     /// Token ids for a request body to `model`: in-process first, then the render endpoint;
     /// never an error (failures are counted and become [`TokenizeOutcome::Fallback`]).
     pub async fn tokenize(&self, model: &str, body: Bytes) -> TokenizeOutcome {
+        self.tokenize_request(Endpoint::Generate, model, body).await
+    }
+
+    /// [`Tokenizers::tokenize`] for a body sent to `endpoint`.
+    pub async fn tokenize_request(
+        &self,
+        endpoint: Endpoint,
+        model: &str,
+        body: Bytes,
+    ) -> TokenizeOutcome {
         let Some(m) = self.models.get(model).cloned() else {
             return TokenizeOutcome::NotApplicable;
         };
         let started = Instant::now();
-        let outcome = self.tokenize_model(&m, body).await;
+        let outcome = self.tokenize_model(&m, endpoint, body).await;
         match &outcome {
             TokenizeOutcome::Tokens { source, .. } => {
                 self.metrics
@@ -494,7 +519,12 @@ impl Tokenizers {
         outcome
     }
 
-    async fn tokenize_model(&self, m: &Arc<ModelTokenizer>, body: Bytes) -> TokenizeOutcome {
+    async fn tokenize_model(
+        &self,
+        m: &Arc<ModelTokenizer>,
+        endpoint: Endpoint,
+        body: Bytes,
+    ) -> TokenizeOutcome {
         let error = |stage: &str| {
             self.metrics
                 .errors
@@ -514,7 +544,7 @@ impl Tokenizers {
         let job_body = body.clone();
         let local = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            tokenize_blocking(&job_model, &job_body)
+            tokenize_blocking(&job_model, endpoint, &job_body)
         })
         .await
         .unwrap_or_else(|e| Err(("tokenizer", format!("tokenizer task failed: {e}"))));
@@ -538,7 +568,11 @@ impl Tokenizers {
                 reason: failure.unwrap_or_else(|| "no source".into()),
             };
         };
-        let (kind, payload) = match render_request(spec.as_ref(), &body) {
+        let rendered = match endpoint {
+            Endpoint::Embeddings => None,
+            Endpoint::Generate => render_request(spec.as_ref(), &body),
+        };
+        let (kind, payload) = match rendered {
             Some(r) => r,
             None => {
                 error("render");
@@ -571,13 +605,18 @@ enum Local {
 
 type StageError = (&'static str, String);
 
-fn tokenize_blocking(m: &ModelTokenizer, body: &[u8]) -> Result<Local, StageError> {
+fn tokenize_blocking(
+    m: &ModelTokenizer,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<Local, StageError> {
     let json: Json = serde_json::from_slice(body).map_err(|e| ("body", e.to_string()))?;
     let format = m
         .local
         .as_ref()
         .map_or(m.content_format, |l| l.content_format);
-    let spec = prompt::prompt_spec(&json, format).map_err(|e| ("body", e.to_string()))?;
+    let spec =
+        prompt::prompt_spec_for(endpoint, &json, format).map_err(|e| ("body", e.to_string()))?;
     match &spec {
         PromptSpec::None => return Ok(Local::Nothing),
         PromptSpec::Ids(ids) => return Ok(Local::Done(ids.clone(), Source::Body)),

@@ -8,8 +8,8 @@
 //! that share a prefix share every checkpoint inside it. Each tokenized text (a [`Doc`]: text,
 //! ids, byte offsets) is registered under the xxh3 hash of every checkpoint prefix. A new text
 //! looks up its longest registered checkpoint prefix (verified byte for byte, so a hash collision
-//! cannot mix conversations), keeps the cached tokens up to a *restart point* and tokenizes only
-//! the rest. The restart point is a token boundary of the cached tokenization that
+//! cannot mix conversations), extends it to the first byte where the texts differ, keeps the
+//! cached tokens up to a *restart point* before that byte and tokenizes only the rest. The restart point is a token boundary of the cached tokenization that
 //! (a) starts a token that begins exactly where the previous one ended, (b) follows a `\n` and
 //! starts with a non-whitespace character, and (c) lies strictly inside the shared prefix.
 //! Byte-level BPE pre-tokenizers (GPT-2, cl100k, Llama 3, DeepSeek, Qwen regexes) always split
@@ -293,7 +293,10 @@ impl IncrementalTokenizer {
         let mut from = 0usize;
         let mut path = Path::Cold;
         if let Some((doc, len)) = cache.lookup(text, &checkpoints) {
-            if let Some(keep) = restart_token(&doc, len) {
+            // The texts agree up to the checkpoint; extend that to where they really diverge,
+            // so only the new text (not the rest of the last chunk) is tokenized again.
+            let shared = len + common_prefix(&doc.text.as_bytes()[len..], &text.as_bytes()[len..]);
+            if let Some(keep) = restart_token(&doc, shared) {
                 let restart = doc.starts[keep] as usize;
                 ids.extend_from_slice(&doc.ids[..keep]);
                 starts.extend_from_slice(&doc.starts[..keep]);
@@ -324,7 +327,22 @@ impl IncrementalTokenizer {
     }
 }
 
+/// Length of the common prefix of two byte strings.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const STEP: usize = 64;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + STEP <= n && a[i..i + STEP] == b[i..i + STEP] {
+        i += STEP;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
 /// Index of the token to restart from for a text sharing `doc.text[..len]`, per the module rule.
+/// The shared prefix may extend past the text's own end (`len == doc.text.len()`).
 fn restart_token(doc: &Doc, len: usize) -> Option<usize> {
     let text = doc.text.as_bytes();
     // First token starting at or after `len`: candidates are before it.

@@ -49,8 +49,63 @@ pub struct ChatPrompt {
 #[error("{0}")]
 pub struct Unsupported(pub &'static str);
 
+/// Which API a body was sent to, as far as tokenization cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Endpoint {
+    /// Chat, completions or responses: told apart by the body's fields.
+    #[default]
+    Generate,
+    /// `/v1/embeddings`: `input` is text to tokenize, not a responses conversation.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// From the request `:path`.
+    pub fn from_path(path: &str) -> Self {
+        let path = path.split('?').next().unwrap_or_default();
+        if path.ends_with("/embeddings") {
+            Endpoint::Embeddings
+        } else {
+            Endpoint::Generate
+        }
+    }
+}
+
 /// Reads the prompt of a body (already known to be a JSON object).
 pub fn prompt_spec(body: &Json, format: ContentFormat) -> Result<PromptSpec, Unsupported> {
+    prompt_spec_for(Endpoint::Generate, body, format)
+}
+
+/// [`prompt_spec`] for a known endpoint.
+pub fn prompt_spec_for(
+    endpoint: Endpoint,
+    body: &Json,
+    format: ContentFormat,
+) -> Result<PromptSpec, Unsupported> {
+    if endpoint == Endpoint::Embeddings {
+        let add_special_tokens = body.get("add_special_tokens").and_then(Json::as_bool);
+        return Ok(match body.get("input") {
+            Some(Json::String(text)) => PromptSpec::Text {
+                text: text.clone(),
+                add_special_tokens,
+            },
+            Some(input @ Json::Array(items)) => match input.as_token_ids() {
+                Some(ids) if !ids.is_empty() => PromptSpec::Ids(ids),
+                _ => match items.first() {
+                    Some(Json::String(text)) => PromptSpec::Text {
+                        text: text.clone(),
+                        add_special_tokens,
+                    },
+                    Some(first) => match first.as_token_ids() {
+                        Some(ids) if !ids.is_empty() => PromptSpec::Ids(ids),
+                        _ => return Err(Unsupported("unrecognised embeddings `input`")),
+                    },
+                    None => PromptSpec::None,
+                },
+            },
+            _ => PromptSpec::None,
+        });
+    }
     if let Some(messages) = body.get("messages") {
         let messages = messages
             .as_array()
@@ -380,6 +435,28 @@ mod tests {
         let tools = chat.tools.unwrap();
         let tool = &tools.as_array().unwrap()[0];
         assert!(tool.get("function").is_some());
+    }
+
+    #[test]
+    fn embeddings_input_is_text_not_a_conversation() {
+        let body: Json = serde_json::from_str(r#"{"input":["a b","c"]}"#).unwrap();
+        let e = Endpoint::from_path("/v1/embeddings?x=1");
+        assert_eq!(
+            prompt_spec_for(e, &body, ContentFormat::String).unwrap(),
+            PromptSpec::Text {
+                text: "a b".into(),
+                add_special_tokens: None
+            }
+        );
+        let body: Json = serde_json::from_str(r#"{"input":"a b"}"#).unwrap();
+        assert!(matches!(
+            prompt_spec_for(
+                Endpoint::from_path("/v1/responses"),
+                &body,
+                ContentFormat::String
+            ),
+            Ok(PromptSpec::Chat(_))
+        ));
     }
 
     #[test]
