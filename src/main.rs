@@ -13,7 +13,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the endpoint picker: Envoy ext_proc on --grpc-port, health, metrics.
-    Serve(kvpick::server::ServeArgs),
+    Serve(Box<kvpick::server::ServeArgs>),
     /// Print the token ids kvpick computes for request bodies (one JSON body per stdin line;
     /// one JSON answer per line: `{"ids": [...], "source": "ok|cached|render|body"}` or
     /// `{"fallback": "reason"}`). For checking a tokenizer config against an engine.
@@ -29,7 +29,7 @@ fn main() -> std::process::ExitCode {
                 .enable_all()
                 .build()
                 .expect("tokio runtime");
-            match runtime.block_on(kvpick::server::run(args)) {
+            match runtime.block_on(kvpick::server::run(*args)) {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(err) => {
                     tracing::error!("{err:#}");
