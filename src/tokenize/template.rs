@@ -176,10 +176,8 @@ fn write_json(
 
 /// Python's `repr` of an int or float as `json.dumps` writes it.
 fn python_number(value: &Value) -> String {
-    if let Ok(i) = i64::try_from(value.clone()) {
-        if value.as_i64().is_some() {
-            return i.to_string();
-        }
+    if value.is_integer() {
+        return value.to_string();
     }
     let f = f64::try_from(value.clone()).unwrap_or(f64::NAN);
     if f.is_nan() {
@@ -219,6 +217,15 @@ mod tests {
             out,
             "{\"b\": 1, \"a\": [true, null, 1.5, \"é<>&\\n\"], \"c\": {}}|{\n  \"b\": 1,\n  \"a\": [\n    true,\n    null,\n    1.5,\n    \"é<>&\\n\"\n  ],\n  \"c\": {}\n}"
         );
+    }
+
+    #[test]
+    fn tojson_numbers_like_python() {
+        let t = ChatTemplate::new("{{ x | tojson }}").unwrap();
+        let out = t
+            .render(ctx(r#"{"x": [2.0, -3, 0.1, 12345678901234567890, 1e300]}"#))
+            .unwrap();
+        assert_eq!(out, "[2.0, -3, 0.1, 12345678901234567890, 1e+300]");
     }
 
     #[test]
