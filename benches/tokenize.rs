@@ -159,8 +159,14 @@ fn main() {
         let kvpick::tokenize::prompt::PromptSpec::Chat(chat) = spec else {
             unreachable!()
         };
+        let spec_us = t.elapsed().as_secs_f64() * 1e6;
+        let t = Instant::now();
+        let _value = kvpick::tokenize::json::Json::Array(chat.messages.clone()).to_value();
+        let to_value_us = t.elapsed().as_secs_f64() * 1e6;
+        let t = Instant::now();
         let rendered = local.render_chat(&chat).unwrap();
         let render_us = t.elapsed().as_secs_f64() * 1e6;
+        eprintln!("  spec {spec_us:.0} µs, to_value {to_value_us:.0} µs, to_value+render {render_us:.0} µs");
         let mut cut = rendered.len().saturating_sub(4000);
         while !rendered.is_char_boundary(cut) {
             cut += 1;
