@@ -18,6 +18,7 @@ pub mod selection;
 pub mod server;
 pub mod sim;
 pub mod tls;
+pub mod tokenize;
 pub mod usage;
 
 /// Generated code for the project's own protos (`proto/kvpick/v1`).

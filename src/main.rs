@@ -19,6 +19,10 @@ enum Command {
     Replay(kvpick::replay::ReplayArgs),
     /// A fleet of simulated vLLM workers (OpenAI HTTP, `vllm:*` metrics, KV events over ZeroMQ).
     Sim(kvpick::sim::server::SimArgs),
+    /// Print the token ids kvpick computes for request bodies (one JSON body per stdin line;
+    /// one JSON answer per line: `{"ids": [...], "source": "ok|cached|render|body"}` or
+    /// `{"fallback": "reason"}`). For checking a tokenizer config against an engine.
+    Tokenize(kvpick::tokenize::cli::TokenizeArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -61,5 +65,12 @@ fn main() -> std::process::ExitCode {
                 }
             }
         }
+        Command::Tokenize(args) => match kvpick::tokenize::cli::run(args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("kvpick: error: {err:#}");
+                std::process::ExitCode::from(2)
+            }
+        },
     }
 }

@@ -40,6 +40,12 @@ pub struct ServeArgs {
     )]
     pub config: Option<PathBuf>,
 
+    /// Tokenization of text and chat prompts: YAML file with a `tokenizers:` list (per model:
+    /// tokenizer_json, chat_template[_file], bos/eos_token, add_special_tokens, render_url).
+    /// Without it, text prompts are hashed as pseudo tokens (see README "Tokenization").
+    #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
+    pub tokenizer_config: Option<PathBuf>,
+
     /// Kubernetes source: the InferencePool (`inference.networking.k8s.io/v1`) whose pods are the
     /// workers. Excludes --config.
     #[arg(long, value_name = "NAME", help_heading = "Kubernetes")]
@@ -356,6 +362,14 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new();
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
+    // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
+    let tokenizers = match &args.tokenizer_config {
+        Some(path) => Some(Arc::new(crate::tokenize::Tokenizers::load(
+            path,
+            &metrics.registry,
+        )?)),
+        None => None,
+    };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
 
     // Catalog source first: a bad catalog fails start-up with a clear message.
@@ -429,6 +443,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .map(|h| h.trim().to_ascii_lowercase())
                 .filter(|h| !h.is_empty())
                 .collect(),
+            tokenizers,
         },
     );
     let drained = || {

@@ -17,6 +17,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::selection::SelectionCore;
+use crate::tokenize::prompt::Endpoint;
+use crate::tokenize::{TokenizeOutcome, Tokenizers};
 pub use stream::StreamMachine;
 
 /// Per-process ext_proc settings.
@@ -27,6 +29,8 @@ pub struct ExtProcSettings {
     pub conformance_test_mode: bool,
     /// Request headers carrying a session id, in order of preference (lower-case).
     pub session_headers: Vec<String>,
+    /// Per-model tokenizers for text and chat prompts (`--tokenizer-config`).
+    pub tokenizers: Option<Arc<Tokenizers>>,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -43,6 +47,7 @@ impl Default for ExtProcSettings {
             fallbacks: 0,
             conformance_test_mode: false,
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
+            tokenizers: None,
         }
     }
 }
@@ -82,6 +87,7 @@ impl ExternalProcessor for ExtProcService {
         let (tx, rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(64);
         let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
         let metrics = self.core.metrics().clone();
+        let tokenizers = self.settings.tokenizers.clone();
         tokio::spawn(async move {
             let end = loop {
                 let message = tokio::select! {
@@ -90,7 +96,21 @@ impl ExternalProcessor for ExtProcService {
                 };
                 match message {
                     Ok(Some(message)) => match machine.handle(message) {
-                        Ok(step) => {
+                        Ok(mut step) => {
+                            if let Some(job) = step.tokenize.take() {
+                                let outcome = match &tokenizers {
+                                    Some(t) => tokio::select! {
+                                        o = t.tokenize_request(
+                                            Endpoint::from_path(&job.path),
+                                            &job.model,
+                                            job.body,
+                                        ) => o,
+                                        _ = tx.closed() => break "envoy_gone",
+                                    },
+                                    None => TokenizeOutcome::NotApplicable,
+                                };
+                                step = machine.resume(outcome);
+                            }
                             for response in step.responses {
                                 if tx.send(Ok(response)).await.is_err() {
                                     break;

@@ -24,6 +24,7 @@ use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
 };
+use crate::tokenize::TokenizeOutcome;
 use crate::usage::UsageTracker;
 
 use super::ExtProcSettings;
@@ -50,6 +51,9 @@ const SPOOFABLE_PREFIXES: [&str; 3] = [
 enum Phase {
     RequestHeaders,
     RequestBody,
+    /// The body is complete and its prompt is being tokenized by the async host, which hands
+    /// the result to [`StreamMachine::resume`].
+    Tokenizing,
     /// Routed; waiting for (or streaming) the response.
     Response,
     /// An immediate response was sent; nothing more is answered.
@@ -62,6 +66,28 @@ pub struct Step {
     pub responses: Vec<ProcessingResponse>,
     /// True after an ImmediateResponse: the stream is over for us.
     pub finished: bool,
+    /// The host must tokenize this prompt and call [`StreamMachine::resume`] with the outcome
+    /// before handing the machine another message.
+    pub tokenize: Option<TokenizeJob>,
+}
+
+/// A prompt to tokenize off the state machine (DESIGN §9).
+#[derive(Debug, Clone)]
+pub struct TokenizeJob {
+    pub model: String,
+    /// The request `:path` (tells embeddings `input` from responses `input`).
+    pub path: String,
+    pub body: bytes::Bytes,
+}
+
+/// A routed-to-be request waiting for its token ids.
+struct PendingRoute {
+    parsed: ParsedBody,
+    started: Instant,
+    body: bytes::Bytes,
+    body_end_of_stream: bool,
+    /// The body ended with trailers: answer them after routing.
+    trailers: bool,
 }
 
 pub struct StreamMachine {
@@ -69,6 +95,7 @@ pub struct StreamMachine {
     settings: Arc<ExtProcSettings>,
     phase: Phase,
     header_names: Vec<String>,
+    path: String,
     content_type: Option<String>,
     request_id: Option<String>,
     conformance_filter: Option<EndpointFilter>,
@@ -85,6 +112,7 @@ pub struct StreamMachine {
     /// A client error found in the headers, answered (400) once the request would be routed.
     header_error: Option<String>,
     session_id: Option<String>,
+    pending: Option<PendingRoute>,
 }
 
 impl StreamMachine {
@@ -94,6 +122,7 @@ impl StreamMachine {
             settings,
             phase: Phase::RequestHeaders,
             header_names: Vec::new(),
+            path: String::new(),
             content_type: None,
             request_id: None,
             conformance_filter: None,
@@ -109,6 +138,7 @@ impl StreamMachine {
             priority: 0,
             header_error: None,
             session_id: None,
+            pending: None,
         }
     }
 
@@ -218,6 +248,7 @@ impl StreamMachine {
             let value = header_value(h);
             match name.as_str() {
                 "content-type" => self.content_type = Some(value.to_string()),
+                ":path" => self.path = value.chars().take(1024).collect(),
                 "x-request-id" if !value.is_empty() => {
                     self.request_id = Some(value.chars().take(256).collect())
                 }
@@ -299,6 +330,10 @@ impl StreamMachine {
             Phase::RequestBody => {
                 // The body ended with trailers instead of end_of_stream: route now.
                 let mut step = self.finish_request(false)?;
+                if let Some(pending) = &mut self.pending {
+                    pending.trailers = true;
+                    return Ok(step);
+                }
                 if !step.finished {
                     step.responses.extend(trailers.responses);
                 }
@@ -317,6 +352,34 @@ impl StreamMachine {
             Ok(parsed) => parsed,
             Err(err) => return Ok(self.reject(400, &body_error_message(&err))),
         };
+        if let Some(p) = &parsed {
+            let wants_tokens = matches!(p.prompt, Prompt::Text(_))
+                && self
+                    .settings
+                    .tokenizers
+                    .as_ref()
+                    .is_some_and(|t| t.has(&p.model));
+            if wants_tokens {
+                let body = bytes::Bytes::from(std::mem::take(&mut self.body));
+                let job = TokenizeJob {
+                    model: p.model.clone(),
+                    path: self.path.clone(),
+                    body: body.clone(),
+                };
+                self.pending = Some(PendingRoute {
+                    parsed: parsed.expect("checked"),
+                    started,
+                    body,
+                    body_end_of_stream,
+                    trailers: false,
+                });
+                self.phase = Phase::Tokenizing;
+                return Ok(Step {
+                    tokenize: Some(job),
+                    ..Step::default()
+                });
+            }
+        }
         self.phase = Phase::Response;
         let mut step = self.route(parsed, started, false);
         if step.finished {
@@ -326,6 +389,36 @@ impl StreamMachine {
         step.responses
             .extend(body_chunks(&body, body_end_of_stream));
         Ok(step)
+    }
+
+    /// Finishes a request whose prompt was tokenized: exact ids route by KV overlap; a failed
+    /// tokenization routes on load alone (the outcome is counted by the tokenizer registry).
+    pub fn resume(&mut self, outcome: TokenizeOutcome) -> Step {
+        let Some(pending) = self.pending.take() else {
+            return Step::default();
+        };
+        let mut parsed = pending.parsed;
+        match outcome {
+            TokenizeOutcome::Tokens { ids, .. } => parsed.prompt = Prompt::TokenIds(ids),
+            TokenizeOutcome::Fallback { .. } => parsed.prompt = Prompt::Absent,
+            TokenizeOutcome::NotApplicable => {}
+        }
+        self.phase = Phase::Response;
+        let mut step = self.route(Some(parsed), pending.started, false);
+        if step.finished {
+            return step;
+        }
+        step.responses
+            .extend(body_chunks(&pending.body, pending.body_end_of_stream));
+        if pending.trailers {
+            step.responses.push(ProcessingResponse {
+                response: Some(processing_response::Response::RequestTrailers(
+                    TrailersResponse::default(),
+                )),
+                ..Default::default()
+            });
+        }
+        step
     }
 
     /// Selects, books, and builds the headers response.
@@ -446,6 +539,7 @@ impl StreamMachine {
         Step {
             responses: vec![response],
             finished: false,
+            tokenize: None,
         }
     }
 
@@ -566,6 +660,7 @@ impl StreamMachine {
         Step {
             responses: vec![immediate(status, message)],
             finished: true,
+            tokenize: None,
         }
     }
 }
@@ -712,6 +807,7 @@ fn one(response: processing_response::Response) -> Step {
             ..Default::default()
         }],
         finished: false,
+        tokenize: None,
     }
 }
 

@@ -1084,3 +1084,94 @@ fn deeply_nested_json_response_is_echoed_and_frees_the_booking() {
     assert_eq!(streamed(&step.responses[0]), (&deep[..], true));
     assert_eq!(core.live_bookings(), 0);
 }
+
+fn tokenizer_settings() -> ExtProcSettings {
+    let dir = std::env::temp_dir().join(format!("kvpick-tok-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("tokenizer.json"),
+        crate::tokenize::prefix_cache::testutil::tokenizer_json(),
+    )
+    .unwrap();
+    let entries: Vec<crate::tokenize::ModelEntry> = serde_yaml::from_str(
+        "- model: m\n  tokenizer_json: tokenizer.json\n  chat_template: \"{% for m in messages %}{{ m.role }}: {{ m.content }}\\n{% endfor %}\"\n",
+    )
+    .unwrap();
+    let tokenizers =
+        crate::tokenize::Tokenizers::from_entries(&entries, &dir, &prometheus::Registry::new())
+            .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    ExtProcSettings {
+        tokenizers: Some(Arc::new(tokenizers)),
+        ..ExtProcSettings::default()
+    }
+}
+
+#[test]
+fn text_prompt_of_a_tokenized_model_waits_for_ids_then_routes_and_echoes_the_body() {
+    for outcome in [
+        crate::tokenize::TokenizeOutcome::Tokens {
+            ids: (0..64).collect(),
+            source: crate::tokenize::Source::Local,
+        },
+        crate::tokenize::TokenizeOutcome::Fallback {
+            reason: "test".into(),
+        },
+    ] {
+        let (_core, mut m) = setup(default_pool(), tokenizer_settings());
+        assert!(m.handle(post_headers()).unwrap().responses.is_empty());
+        let step = m.handle(body(CHAT, true)).unwrap();
+        assert!(step.responses.is_empty());
+        let job = step.tokenize.expect("a tokenization job");
+        assert_eq!(job.model, "m");
+        assert_eq!(&job.body[..], CHAT);
+        let step = m.resume(outcome);
+        assert!(!step.finished);
+        assert_eq!(step.responses.len(), 2);
+        let dest = set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).unwrap();
+        assert!(dest.starts_with("10.") || dest.contains(':'), "{dest}");
+        assert_eq!(streamed(&step.responses[1]), (CHAT, true));
+    }
+}
+
+#[test]
+fn tokenization_with_trailers_answers_trailers_after_routing() {
+    let (_core, mut m) = setup(default_pool(), tokenizer_settings());
+    m.handle(post_headers()).unwrap();
+    assert!(m.handle(body(CHAT, false)).unwrap().responses.is_empty());
+    let trailers = ProcessingRequest {
+        request: Some(processing_request::Request::RequestTrailers(
+            HttpTrailers::default(),
+        )),
+        ..Default::default()
+    };
+    let step = m.handle(trailers).unwrap();
+    assert!(step.tokenize.is_some());
+    let step = m.resume(crate::tokenize::TokenizeOutcome::NotApplicable);
+    assert_eq!(step.responses.len(), 3);
+    assert!(matches!(
+        step.responses[2].response,
+        Some(R::RequestTrailers(_))
+    ));
+}
+
+#[test]
+fn models_without_a_tokenizer_and_token_id_prompts_route_at_once() {
+    let (_core, mut m) = setup(
+        vec![worker("b", "other", RankLayout::PerPort(vec![8000]))],
+        tokenizer_settings(),
+    );
+    m.handle(post_headers()).unwrap();
+    let step = m
+        .handle(body(br#"{"model":"other","prompt":"hi"}"#, true))
+        .unwrap();
+    assert!(step.tokenize.is_none());
+    assert_eq!(step.responses.len(), 2);
+    let (_core, mut m) = setup(default_pool(), tokenizer_settings());
+    m.handle(post_headers()).unwrap();
+    let step = m
+        .handle(body(br#"{"model":"m","prompt":[1,2,3]}"#, true))
+        .unwrap();
+    assert!(step.tokenize.is_none());
+    assert_eq!(step.responses.len(), 2);
+}

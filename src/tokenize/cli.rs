@@ -1,0 +1,49 @@
+//! `kvpick tokenize`: runs request bodies through the configured tokenizers and prints the ids,
+//! so a tokenizer config can be checked against an engine (and parity-tested in CI). It only
+//! reads stdin and writes stdout; it starts no server.
+
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+
+use bytes::Bytes;
+
+use super::{TokenizeOutcome, Tokenizers};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct TokenizeArgs {
+    /// The tokenizer config (same file as `serve --tokenizer-config`).
+    #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
+    pub tokenizer_config: PathBuf,
+}
+
+pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
+    let registry = prometheus::Registry::new();
+    let tokenizers = Tokenizers::load(&args.tokenizer_config, &registry)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let stdin = std::io::stdin();
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    for line in stdin.lock().lines() {
+        let line = line?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let model = serde_json::from_str::<serde_json::Value>(&line)
+            .ok()
+            .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(String::from))
+            .unwrap_or_default();
+        let outcome = runtime.block_on(tokenizers.tokenize(&model, Bytes::from(line)));
+        let answer = match outcome {
+            TokenizeOutcome::Tokens { ids, source } => {
+                serde_json::json!({"ids": ids, "source": source.label()})
+            }
+            TokenizeOutcome::Fallback { reason } => serde_json::json!({ "fallback": reason }),
+            TokenizeOutcome::NotApplicable => serde_json::json!({ "fallback": "not applicable" }),
+        };
+        writeln!(out, "{answer}")?;
+        out.flush()?;
+    }
+    Ok(())
+}

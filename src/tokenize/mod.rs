@@ -1,0 +1,665 @@
+//! Token-exact prompts for text and chat requests (DESIGN §9). Per model, from a YAML file
+//! (`--tokenizer-config`): an in-process HuggingFace `tokenizer.json` plus chat template
+//! (rendered with HF semantics, tokenized through a prefix cache) and/or a remote render endpoint.
+//! This module owns tokenizer configuration, the per-model registry, the order of sources and
+//! the tokenization metrics. It never selects workers and never fails a request: any failure is
+//! an outcome the host turns into load-only routing.
+
+pub mod cli;
+pub mod json;
+pub mod prefix_cache;
+pub mod prompt;
+pub mod render;
+pub mod template;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::Bytes;
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use serde::Deserialize;
+use tokio::sync::Semaphore;
+
+use json::Json;
+pub use prefix_cache::IncrementalTokenizer;
+use prompt::{ChatPrompt, ContentFormat, Endpoint, PromptSpec};
+use render::{RenderClient, RenderKind};
+use template::ChatTemplate;
+
+/// Default bound of each model's prefix cache, in tokens (~12 bytes per token plus the text).
+pub const DEFAULT_PREFIX_CACHE_TOKENS: usize = 2_000_000;
+
+/// The `--tokenizer-config` file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenizerFile {
+    pub tokenizers: Vec<ModelEntry>,
+}
+
+/// One model's tokenization settings.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelEntry {
+    /// The request `model` this applies to.
+    pub model: String,
+    /// Path to a HuggingFace `tokenizer.json` (relative paths: to the config file).
+    #[serde(default)]
+    pub tokenizer_json: Option<PathBuf>,
+    /// Jinja chat template, inline.
+    #[serde(default)]
+    pub chat_template: Option<String>,
+    /// Jinja chat template, from a file (or a `tokenizer_config.json` with `chat_template`).
+    #[serde(default)]
+    pub chat_template_file: Option<PathBuf>,
+    #[serde(default)]
+    pub bos_token: Option<String>,
+    #[serde(default)]
+    pub eos_token: Option<String>,
+    /// For completion prompts (vLLM default: true). Chat renders its own special tokens
+    /// (default false); a body's `add_special_tokens` overrides both.
+    #[serde(default = "yes")]
+    pub add_special_tokens: bool,
+    /// Engine base URL for the render endpoints (`http://host:port`): the source when no
+    /// `tokenizer_json` is set, else the fallback when in-process tokenization fails.
+    #[serde(default)]
+    pub render_url: Option<String>,
+    /// Prefix cache bound in tokens; 0 disables the cache.
+    #[serde(default = "default_cache_tokens")]
+    pub prefix_cache_tokens: usize,
+    /// How message content lists reach the template: `string` (joined) or `openai` (as sent).
+    #[serde(default)]
+    pub content_format: ContentFormat,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn default_cache_tokens() -> usize {
+    DEFAULT_PREFIX_CACHE_TOKENS
+}
+
+/// A model's in-process tokenizer and template.
+pub struct LocalTokenizer {
+    tokenizer: IncrementalTokenizer,
+    template: Option<ChatTemplate>,
+    bos_token: Option<String>,
+    eos_token: Option<String>,
+    add_special_tokens: bool,
+    content_format: ContentFormat,
+    /// Ids the post-processor adds around a sequence (BOS/EOS), if it only wraps.
+    specials: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+/// How token ids were obtained.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The body carried ids.
+    Body,
+    /// In-process, tokenized from the start.
+    Local,
+    /// In-process, resumed from the prefix cache.
+    Cached,
+    /// The engine's render endpoint.
+    Render,
+}
+
+impl Source {
+    fn label(self) -> &'static str {
+        match self {
+            Source::Body => "body",
+            Source::Local => "ok",
+            Source::Cached => "cached",
+            Source::Render => "render",
+        }
+    }
+}
+
+/// What tokenization produced for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TokenizeOutcome {
+    /// Exact engine token ids.
+    Tokens { ids: Vec<u32>, source: Source },
+    /// Tokenization failed (counted): route on load alone.
+    Fallback { reason: String },
+    /// The model has no tokenizer configured, or the body has no prompt: the caller keeps its
+    /// default handling.
+    NotApplicable,
+}
+
+impl LocalTokenizer {
+    /// Builds a model's in-process tokenizer from its entry; errors name the field.
+    pub fn from_entry(entry: &ModelEntry, base: &Path) -> Result<Option<Self>, String> {
+        let Some(path) = &entry.tokenizer_json else {
+            if entry.chat_template.is_some() || entry.chat_template_file.is_some() {
+                return Err("chat_template needs tokenizer_json".into());
+            }
+            return Ok(None);
+        };
+        let path = base.join(path);
+        let tokenizer = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| format!("tokenizer_json {}: {e}", path.display()))?;
+        let source = match (&entry.chat_template, &entry.chat_template_file) {
+            (Some(_), Some(_)) => {
+                return Err("set chat_template or chat_template_file, not both".into())
+            }
+            (Some(t), None) => Some(t.clone()),
+            (None, Some(file)) => {
+                let file = base.join(file);
+                let text = std::fs::read_to_string(&file)
+                    .map_err(|e| format!("chat_template_file {}: {e}", file.display()))?;
+                Some(template_from_file_text(&file, &text)?)
+            }
+            (None, None) => None,
+        };
+        let template = source
+            .map(|s| ChatTemplate::new(&s).map_err(|e| format!("chat_template: {e:#}")))
+            .transpose()?;
+        let specials = special_wrap(&tokenizer);
+        Ok(Some(LocalTokenizer {
+            tokenizer: IncrementalTokenizer::new(Arc::new(tokenizer), entry.prefix_cache_tokens),
+            template,
+            bos_token: entry.bos_token.clone(),
+            eos_token: entry.eos_token.clone(),
+            add_special_tokens: entry.add_special_tokens,
+            content_format: entry.content_format,
+            specials,
+        }))
+    }
+
+    pub fn incremental(&self) -> &IncrementalTokenizer {
+        &self.tokenizer
+    }
+
+    /// Renders a chat prompt to the text the engine tokenizes.
+    pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, String> {
+        let template = self
+            .template
+            .as_ref()
+            .ok_or_else(|| "no chat template configured".to_string())?;
+        let mut context: Vec<(String, Json)> = vec![
+            ("messages".into(), Json::Array(chat.messages.clone())),
+            ("tools".into(), chat.tools.clone().unwrap_or(Json::Null)),
+            (
+                "add_generation_prompt".into(),
+                Json::Bool(chat.add_generation_prompt),
+            ),
+        ];
+        for (name, value) in [
+            ("bos_token", &self.bos_token),
+            ("eos_token", &self.eos_token),
+        ] {
+            if let Some(v) = value {
+                context.push((name.into(), Json::String(v.clone())));
+            }
+        }
+        for (k, v) in &chat.kwargs {
+            if k == "messages" || k == "tools" {
+                continue;
+            }
+            match context.iter_mut().find(|(name, _)| name == k) {
+                Some((_, old)) => *old = v.clone(),
+                None => context.push((k.clone(), v.clone())),
+            }
+        }
+        let ctx = Json::Object(context).to_value();
+        let mut text = template.render(ctx).map_err(|e| format!("{e:#}"))?;
+        if chat.continue_final_message {
+            let last = chat
+                .messages
+                .last()
+                .and_then(|m| m.get("content"))
+                .and_then(Json::as_str)
+                .map(str::trim)
+                .ok_or_else(|| "continue_final_message without final text".to_string())?;
+            let at = text
+                .rfind(last)
+                .ok_or_else(|| "final message not found in the rendered prompt".to_string())?;
+            text.truncate(at + last.len());
+        }
+        Ok(text)
+    }
+
+    /// Token ids of a prompt (CPU-bound: call off the async reactor).
+    pub fn tokenize(&self, spec: &PromptSpec) -> Result<(Vec<u32>, Source), String> {
+        let (text, add_special) = match spec {
+            PromptSpec::Chat(chat) => (self.render_chat(chat)?, chat.add_special_tokens),
+            PromptSpec::Text {
+                text,
+                add_special_tokens,
+            } => (
+                text.clone(),
+                add_special_tokens.unwrap_or(self.add_special_tokens),
+            ),
+            PromptSpec::Ids(ids) => return Ok((ids.clone(), Source::Body)),
+            PromptSpec::None => return Ok((Vec::new(), Source::Body)),
+        };
+        self.tokenize_text(&text, add_special)
+    }
+
+    /// Token ids of rendered text, with the post-processor's special tokens when asked.
+    pub fn tokenize_text(
+        &self,
+        text: &str,
+        add_special: bool,
+    ) -> Result<(Vec<u32>, Source), String> {
+        if add_special {
+            let Some((before, after)) = &self.specials else {
+                // A post-processor that does more than wrap: tokenize cold with it.
+                let enc = self
+                    .tokenizer
+                    .tokenizer()
+                    .encode_fast(text, true)
+                    .map_err(|e| e.to_string())?;
+                return Ok((enc.get_ids().to_vec(), Source::Local));
+            };
+            let (body, path) = self.tokenizer.tokenize(text).map_err(|e| e.to_string())?;
+            let mut ids = before.clone();
+            ids.extend_from_slice(&body);
+            ids.extend_from_slice(after);
+            return Ok((ids, source_of(path)));
+        }
+        let (ids, path) = self.tokenizer.tokenize(text).map_err(|e| e.to_string())?;
+        Ok((ids, source_of(path)))
+    }
+}
+
+fn source_of(path: prefix_cache::Path) -> Source {
+    match path {
+        prefix_cache::Path::Cold => Source::Local,
+        prefix_cache::Path::Cached { .. } => Source::Cached,
+    }
+}
+
+/// A template file is the Jinja source, or a `tokenizer_config.json` carrying `chat_template`.
+fn template_from_file_text(file: &Path, text: &str) -> Result<String, String> {
+    if file.extension().is_some_and(|e| e == "json") {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| format!("chat_template_file {}: {e}", file.display()))?;
+        return match v.get("chat_template") {
+            Some(serde_json::Value::String(s)) => Ok(s.clone()),
+            _ => Err(format!(
+                "chat_template_file {}: no string `chat_template`",
+                file.display()
+            )),
+        };
+    }
+    Ok(text.to_string())
+}
+
+/// The ids a tokenizer's post-processor puts before and after a sequence, if it only wraps.
+fn special_wrap(tokenizer: &tokenizers::Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
+    let probe = "hello world\nprobe";
+    let with = tokenizer.encode(probe, true).ok()?;
+    let without = tokenizer.encode(probe, false).ok()?;
+    let (with, without) = (with.get_ids(), without.get_ids());
+    let at = (0..=with.len().checked_sub(without.len())?)
+        .find(|&i| with[i..i + without.len()] == *without)?;
+    let wrap = (with[..at].to_vec(), with[at + without.len()..].to_vec());
+    // Check on a second probe that wrapping is all it does.
+    let probe2 = "second\n probe 123";
+    let a = tokenizer.encode(probe2, true).ok()?;
+    let b = tokenizer.encode(probe2, false).ok()?;
+    let mut expect = wrap.0.clone();
+    expect.extend_from_slice(b.get_ids());
+    expect.extend_from_slice(&wrap.1);
+    (a.get_ids() == expect.as_slice()).then_some(wrap)
+}
+
+/// One model's sources.
+pub struct ModelTokenizer {
+    pub model: String,
+    pub local: Option<LocalTokenizer>,
+    pub render: Option<RenderClient>,
+    content_format: ContentFormat,
+}
+
+impl ModelTokenizer {
+    /// In-process token ids for a request body, synchronously (benchmarks, tools): `Ok(None)`
+    /// when the body has no prompt or the model has no in-process tokenizer.
+    pub fn tokenize_body_blocking(
+        &self,
+        body: &[u8],
+    ) -> Result<Option<(Vec<u32>, Source)>, String> {
+        match tokenize_blocking(self, Endpoint::Generate, body) {
+            Ok(Local::Done(ids, source)) => Ok(Some((ids, source))),
+            Ok(Local::Remote(_) | Local::Nothing) => Ok(None),
+            Err((stage, e)) => Err(format!("{stage}: {e}")),
+        }
+    }
+}
+
+/// Tokenization metrics (registered on the process registry).
+#[derive(Clone)]
+pub struct TokenizeMetrics {
+    /// Requests by model and outcome: ok (in-process, cold), cached (prefix cache hit), render,
+    /// body (ids in the body), fallback (no ids: routed on load alone).
+    pub outcomes: IntCounterVec,
+    /// Failures by model and stage (body, template, tokenizer, render).
+    pub errors: IntCounterVec,
+    /// Time to obtain the ids, by model and source.
+    pub seconds: HistogramVec,
+}
+
+impl TokenizeMetrics {
+    pub fn register(registry: &Registry) -> Self {
+        let outcomes = IntCounterVec::new(
+            Opts::new(
+                "kvpick_tokenize_total",
+                "Text/chat prompts by tokenization outcome (ok, cached, render, body, fallback)",
+            ),
+            &["model", "outcome"],
+        )
+        .unwrap();
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "kvpick_tokenize_errors_total",
+                "Tokenization failures by stage (body, template, tokenizer, render)",
+            ),
+            &["model", "stage"],
+        )
+        .unwrap();
+        let seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "kvpick_tokenize_seconds",
+                "Time to obtain a prompt's token ids, by source",
+            )
+            .buckets(vec![
+                1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                0.5, 1.0, 5.0,
+            ]),
+            &["model", "source"],
+        )
+        .unwrap();
+        // Registration fails only if registered twice on one registry (tests reuse metrics).
+        let _ = registry.register(Box::new(outcomes.clone()));
+        let _ = registry.register(Box::new(errors.clone()));
+        let _ = registry.register(Box::new(seconds.clone()));
+        TokenizeMetrics {
+            outcomes,
+            errors,
+            seconds,
+        }
+    }
+}
+
+/// Every configured model's tokenizer, plus a bound on concurrent CPU-bound tokenizations.
+pub struct Tokenizers {
+    models: HashMap<String, Arc<ModelTokenizer>>,
+    metrics: TokenizeMetrics,
+    cpu: Arc<Semaphore>,
+}
+
+impl std::fmt::Debug for Tokenizers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut models: Vec<_> = self.models.keys().collect();
+        models.sort();
+        f.debug_struct("Tokenizers")
+            .field("models", &models)
+            .finish()
+    }
+}
+
+impl Tokenizers {
+    /// Loads and validates a `--tokenizer-config` file. Errors name the model and the field.
+    pub fn load(path: &Path, registry: &Registry) -> anyhow::Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("cannot read tokenizer config {}: {e}", path.display()))?;
+        let file: TokenizerFile = serde_yaml::from_str(&text)
+            .map_err(|e| anyhow::anyhow!("in tokenizer config {}: {e}", path.display()))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Self::from_entries(&file.tokenizers, base, registry)
+            .map_err(|e| anyhow::anyhow!("in tokenizer config {}: {e}", path.display()))
+    }
+
+    /// Builds the registry from entries (paths relative to `base`).
+    pub fn from_entries(
+        entries: &[ModelEntry],
+        base: &Path,
+        registry: &Registry,
+    ) -> anyhow::Result<Self> {
+        let mut models = HashMap::new();
+        for entry in entries {
+            let model = entry.model.trim();
+            if model.is_empty() {
+                anyhow::bail!("a tokenizers entry has an empty `model`");
+            }
+            if models.contains_key(model) {
+                anyhow::bail!("model {model:?}: listed twice");
+            }
+            let local = LocalTokenizer::from_entry(entry, base)
+                .map_err(|e| anyhow::anyhow!("model {model:?}: {e}"))?;
+            let render = entry
+                .render_url
+                .as_deref()
+                .map(RenderClient::new)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("model {model:?}: {e}"))?;
+            if local.is_none() && render.is_none() {
+                anyhow::bail!("model {model:?}: set tokenizer_json or render_url");
+            }
+            tracing::info!(
+                model,
+                local = local.is_some(),
+                chat_template = local.as_ref().is_some_and(|l| l.template.is_some()),
+                prefix_cache = local.as_ref().is_some_and(|l| l.tokenizer.cache_enabled()),
+                render = render.is_some(),
+                "tokenizer configured"
+            );
+            models.insert(
+                model.to_string(),
+                Arc::new(ModelTokenizer {
+                    model: model.to_string(),
+                    local,
+                    render,
+                    content_format: entry.content_format,
+                }),
+            );
+        }
+        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+        Ok(Tokenizers {
+            models,
+            metrics: TokenizeMetrics::register(registry),
+            cpu: Arc::new(Semaphore::new(cpus.max(1))),
+        })
+    }
+
+    pub fn has(&self, model: &str) -> bool {
+        self.models.contains_key(model)
+    }
+
+    pub fn model(&self, model: &str) -> Option<&Arc<ModelTokenizer>> {
+        self.models.get(model)
+    }
+
+    pub fn metrics(&self) -> &TokenizeMetrics {
+        &self.metrics
+    }
+
+    /// Token ids for a request body to `model`: in-process first, then the render endpoint;
+    /// never an error (failures are counted and become [`TokenizeOutcome::Fallback`]).
+    pub async fn tokenize(&self, model: &str, body: Bytes) -> TokenizeOutcome {
+        self.tokenize_request(Endpoint::Generate, model, body).await
+    }
+
+    /// [`Tokenizers::tokenize`] for a body sent to `endpoint`.
+    pub async fn tokenize_request(
+        &self,
+        endpoint: Endpoint,
+        model: &str,
+        body: Bytes,
+    ) -> TokenizeOutcome {
+        let Some(m) = self.models.get(model).cloned() else {
+            return TokenizeOutcome::NotApplicable;
+        };
+        let started = Instant::now();
+        let outcome = self.tokenize_model(&m, endpoint, body).await;
+        match &outcome {
+            TokenizeOutcome::Tokens { source, .. } => {
+                self.metrics
+                    .outcomes
+                    .with_label_values(&[model, source.label()])
+                    .inc();
+                self.metrics
+                    .seconds
+                    .with_label_values(&[model, source.label()])
+                    .observe(started.elapsed().as_secs_f64());
+            }
+            TokenizeOutcome::Fallback { reason } => {
+                tracing::debug!(model, reason, "tokenization failed: routing on load");
+                self.metrics
+                    .outcomes
+                    .with_label_values(&[model, "fallback"])
+                    .inc();
+            }
+            TokenizeOutcome::NotApplicable => {}
+        }
+        outcome
+    }
+
+    async fn tokenize_model(
+        &self,
+        m: &Arc<ModelTokenizer>,
+        endpoint: Endpoint,
+        body: Bytes,
+    ) -> TokenizeOutcome {
+        let error = |stage: &str| {
+            self.metrics
+                .errors
+                .with_label_values(&[&m.model, stage])
+                .inc();
+        };
+        // Parse and tokenize on the blocking pool: 100k-token prompts take milliseconds.
+        let permit = match Arc::clone(&self.cpu).acquire_owned().await {
+            Ok(p) => p,
+            Err(_) => {
+                return TokenizeOutcome::Fallback {
+                    reason: "shutting down".into(),
+                }
+            }
+        };
+        let job_model = Arc::clone(m);
+        let job_body = body.clone();
+        let local = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
+            tokenize_blocking(&job_model, endpoint, &job_body)
+        })
+        .await
+        .unwrap_or_else(|e| Err(("tokenizer", format!("tokenizer task failed: {e}"))));
+        let (spec, failure) = match local {
+            Ok(Local::Done(ids, source)) => {
+                return TokenizeOutcome::Tokens { ids, source };
+            }
+            Ok(Local::Nothing) => return TokenizeOutcome::NotApplicable,
+            Ok(Local::Remote(spec)) => (spec, None),
+            Err(("body", reason)) => {
+                error("body");
+                return TokenizeOutcome::Fallback { reason };
+            }
+            Err((stage, reason)) => {
+                error(stage);
+                (None, Some(reason))
+            }
+        };
+        let Some(render) = &m.render else {
+            return TokenizeOutcome::Fallback {
+                reason: failure.unwrap_or_else(|| "no source".into()),
+            };
+        };
+        let rendered = match endpoint {
+            Endpoint::Embeddings => None,
+            Endpoint::Generate => render_request(spec.as_ref(), &body),
+        };
+        let (kind, payload) = match rendered {
+            Some(r) => r,
+            None => {
+                error("render");
+                return TokenizeOutcome::Fallback {
+                    reason: "request cannot be rendered remotely".into(),
+                };
+            }
+        };
+        match render.render(kind, payload).await {
+            Ok(ids) => TokenizeOutcome::Tokens {
+                ids,
+                source: Source::Render,
+            },
+            Err(e) => {
+                error("render");
+                TokenizeOutcome::Fallback {
+                    reason: e.to_string(),
+                }
+            }
+        }
+    }
+}
+
+enum Local {
+    Done(Vec<u32>, Source),
+    /// No in-process source (or it failed): ask the render endpoint; the spec when parsed.
+    Remote(Option<PromptSpec>),
+    Nothing,
+}
+
+type StageError = (&'static str, String);
+
+fn tokenize_blocking(
+    m: &ModelTokenizer,
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<Local, StageError> {
+    let json: Json = serde_json::from_slice(body).map_err(|e| ("body", e.to_string()))?;
+    let format = m
+        .local
+        .as_ref()
+        .map_or(m.content_format, |l| l.content_format);
+    let spec =
+        prompt::prompt_spec_for(endpoint, &json, format).map_err(|e| ("body", e.to_string()))?;
+    match &spec {
+        PromptSpec::None => return Ok(Local::Nothing),
+        PromptSpec::Ids(ids) => return Ok(Local::Done(ids.clone(), Source::Body)),
+        _ => {}
+    }
+    let Some(local) = &m.local else {
+        return Ok(Local::Remote(Some(spec)));
+    };
+    if let PromptSpec::Chat(chat) = &spec {
+        let text = local.render_chat(chat).map_err(|e| ("template", e))?;
+        let (ids, source) = local
+            .tokenize_text(&text, chat.add_special_tokens)
+            .map_err(|e| ("tokenizer", e))?;
+        return Ok(Local::Done(ids, source));
+    }
+    let (ids, source) = local.tokenize(&spec).map_err(|e| ("tokenizer", e))?;
+    Ok(Local::Done(ids, source))
+}
+
+/// The render endpoint and body for a request: the body as sent for chat and completions;
+/// `/v1/responses` is converted to a chat body.
+fn render_request(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind, Bytes)> {
+    let json: Json = serde_json::from_slice(body).ok()?;
+    if json.get("messages").is_some() {
+        return Some((RenderKind::Chat, body.clone()));
+    }
+    if json.get("prompt").is_some() {
+        return Some((RenderKind::Completions, body.clone()));
+    }
+    let Some(PromptSpec::Chat(chat)) = spec else {
+        return None;
+    };
+    let mut entries = vec![
+        ("model", json.get("model").cloned().unwrap_or(Json::Null)),
+        ("messages", Json::Array(chat.messages.clone())),
+        (
+            "add_generation_prompt",
+            Json::Bool(chat.add_generation_prompt),
+        ),
+    ];
+    if let Some(tools) = &chat.tools {
+        entries.push(("tools", tools.clone()));
+    }
+    let out = serde_json::to_vec(&Json::object(entries)).ok()?;
+    Some((RenderKind::Chat, Bytes::from(out)))
+}

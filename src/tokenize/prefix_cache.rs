@@ -1,0 +1,639 @@
+//! Incremental tokenization with a bounded prefix cache (DESIGN §9): agentic turns resend a
+//! growing conversation, so a request's cost should grow with its new text, not its length.
+//! This module owns the cache and the "resume from a safe boundary" rule; it knows nothing about
+//! chat templates, requests or routing (it tokenizes plain text for one tokenizer).
+//!
+//! How it stays exact. A rendered prompt is cut at *checkpoints*: byte positions right after a
+//! `\n`, at least [`CHUNK`] bytes apart, chosen left to right from the text alone, so two texts
+//! that share a prefix share every checkpoint inside it. Each tokenized text (a [`Doc`]: text,
+//! ids, byte offsets) is registered under the xxh3 hash of every checkpoint prefix. A new text
+//! looks up its longest registered checkpoint prefix (verified byte for byte, so a hash collision
+//! cannot mix conversations), extends it to the first byte where the texts differ, keeps the
+//! cached tokens up to a *restart point* before that byte and tokenizes only the rest. The restart point is a token boundary of the cached tokenization that
+//! (a) starts a token that begins exactly where the previous one ended, (b) follows a `\n` and
+//! starts with a non-whitespace character, and (c) lies strictly inside the shared prefix.
+//! Byte-level BPE pre-tokenizers (GPT-2, cl100k, Llama 3, DeepSeek, Qwen regexes) always split
+//! there and decide that split from the characters before it plus one character of look-ahead,
+//! all inside the shared prefix, so the tokens before it are the same in the longer text and
+//! the tokens after it are exactly the tokenization of the remaining text. Tokenizers that are
+//! not local this way (a normalizer or pre-tokenizer that looks across lines) are caught by a
+//! self-check at load time ([`IncrementalTokenizer::new`]) that disables the cache for them.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use tokenizers::Tokenizer;
+use xxhash_rust::xxh3::Xxh3;
+
+/// Minimum distance between two checkpoints, in bytes.
+pub const CHUNK: usize = 2048;
+/// How far back from a checkpoint a restart point is searched, in tokens.
+const MAX_BACKOFF_TOKENS: usize = 4096;
+
+/// One tokenized text: the text and, per token, its id and byte span.
+#[derive(Debug)]
+struct Doc {
+    text: Box<str>,
+    ids: Vec<u32>,
+    starts: Vec<u32>,
+    ends: Vec<u32>,
+    /// Checkpoints registered for this doc: (hash, prefix length).
+    keys: Vec<(u64, usize)>,
+}
+
+impl Doc {
+    fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+struct Entry {
+    doc: u64,
+    /// The checkpoint: `doc.text[..len]` is the prefix this entry stands for.
+    len: usize,
+}
+
+struct DocSlot {
+    doc: Arc<Doc>,
+    last_used: u64,
+    /// Entries of `map` that point at this doc.
+    live_entries: usize,
+}
+
+#[derive(Default)]
+struct Inner {
+    map: HashMap<u64, Entry>,
+    docs: HashMap<u64, DocSlot>,
+    next_doc: u64,
+    clock: u64,
+    tokens: usize,
+}
+
+/// Cache statistics (for tests and metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub docs: usize,
+    pub entries: usize,
+    pub tokens: usize,
+}
+
+/// How a text was tokenized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Path {
+    /// Tokenized from the start.
+    Cold,
+    /// Resumed from a cached prefix; `reused` tokens came from the cache.
+    Cached { reused: usize },
+}
+
+/// Bounded LRU prefix cache for one tokenizer.
+pub struct PrefixCache {
+    inner: Mutex<Inner>,
+    max_tokens: usize,
+}
+
+impl PrefixCache {
+    /// A cache holding at most about `max_tokens` tokens (the most recent doc is always kept).
+    pub fn new(max_tokens: usize) -> Self {
+        PrefixCache {
+            inner: Mutex::new(Inner::default()),
+            max_tokens,
+        }
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let inner = self.inner.lock();
+        CacheStats {
+            docs: inner.docs.len(),
+            entries: inner.map.len(),
+            tokens: inner.tokens,
+        }
+    }
+
+    /// The longest cached doc sharing a checkpoint prefix with `text`: (doc, checkpoint length).
+    fn lookup(&self, text: &str, checkpoints: &[(usize, u64)]) -> Option<(Arc<Doc>, usize)> {
+        let mut inner = self.inner.lock();
+        inner.clock += 1;
+        let now = inner.clock;
+        for &(len, key) in checkpoints.iter().rev() {
+            let Some(entry) = inner.map.get(&key) else {
+                continue;
+            };
+            if entry.len != len {
+                continue;
+            }
+            let doc_id = entry.doc;
+            let Some(slot) = inner.docs.get_mut(&doc_id) else {
+                continue;
+            };
+            let doc = &slot.doc;
+            if doc.text.len() >= len && doc.text.as_bytes()[..len] == text.as_bytes()[..len] {
+                slot.last_used = now;
+                return Some((Arc::clone(&slot.doc), len));
+            }
+        }
+        None
+    }
+
+    fn insert(&self, doc: Doc) {
+        let mut inner = self.inner.lock();
+        inner.clock += 1;
+        let now = inner.clock;
+        let id = inner.next_doc;
+        inner.next_doc += 1;
+        let tokens = doc.tokens();
+        let keys = doc.keys.clone();
+        inner.docs.insert(
+            id,
+            DocSlot {
+                doc: Arc::new(doc),
+                last_used: now,
+                live_entries: 0,
+            },
+        );
+        inner.tokens += tokens;
+        for (key, len) in keys {
+            let old = inner.map.insert(key, Entry { doc: id, len });
+            if let Some(old) = old {
+                inner.release_entry(old.doc);
+            }
+            if let Some(slot) = inner.docs.get_mut(&id) {
+                slot.live_entries += 1;
+            }
+        }
+        if inner.docs.get(&id).is_some_and(|s| s.live_entries == 0) {
+            // Nothing to register (text shorter than a chunk): keep nothing.
+            inner.drop_doc(id);
+        }
+        while inner.tokens > self.max_tokens && inner.docs.len() > 1 {
+            let Some(oldest) = inner
+                .docs
+                .iter()
+                .filter(|(d, _)| **d != id)
+                .min_by_key(|(_, s)| s.last_used)
+                .map(|(d, _)| *d)
+            else {
+                break;
+            };
+            inner.drop_doc(oldest);
+        }
+    }
+}
+
+impl Inner {
+    fn release_entry(&mut self, doc: u64) {
+        let empty = match self.docs.get_mut(&doc) {
+            Some(slot) => {
+                slot.live_entries = slot.live_entries.saturating_sub(1);
+                slot.live_entries == 0
+            }
+            None => false,
+        };
+        if empty {
+            self.drop_doc(doc);
+        }
+    }
+
+    fn drop_doc(&mut self, doc: u64) {
+        if let Some(slot) = self.docs.remove(&doc) {
+            self.tokens -= slot.doc.tokens();
+            for (key, _) in &slot.doc.keys {
+                if self.map.get(key).is_some_and(|e| e.doc == doc) {
+                    self.map.remove(key);
+                }
+            }
+        }
+    }
+}
+
+/// Checkpoints of `text`: (length, xxh3 of `text[..length]`), left to right.
+pub fn checkpoints(text: &str) -> Vec<(usize, u64)> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::new();
+    let mut hasher = Xxh3::new();
+    let mut hashed = 0;
+    let mut last = 0;
+    while last + CHUNK < bytes.len() {
+        let from = last + CHUNK - 1;
+        let Some(pos) = bytes[from..].iter().position(|&b| b == b'\n') else {
+            break;
+        };
+        let cut = from + pos + 1;
+        if cut >= bytes.len() {
+            break;
+        }
+        hasher.update(&bytes[hashed..cut]);
+        hashed = cut;
+        out.push((cut, hasher.digest()));
+        last = cut;
+    }
+    out
+}
+
+/// A tokenizer plus its prefix cache: `tokenize(text)` equals a cold
+/// `tokenizer.encode(text, false)` id for id.
+pub struct IncrementalTokenizer {
+    tokenizer: Arc<Tokenizer>,
+    cache: Option<PrefixCache>,
+}
+
+/// Tokenization errors (the tokenizer's own, stringified).
+#[derive(Debug, thiserror::Error)]
+#[error("tokenizer: {0}")]
+pub struct TokenizeError(pub String);
+
+impl IncrementalTokenizer {
+    /// Wraps `tokenizer`; with `max_cached_tokens == 0` or when the load-time self-check finds
+    /// the tokenizer is not splittable at line starts, every call tokenizes cold.
+    pub fn new(tokenizer: Arc<Tokenizer>, max_cached_tokens: usize) -> Self {
+        let splittable = max_cached_tokens > 0 && self_check(&tokenizer);
+        if max_cached_tokens > 0 && !splittable {
+            tracing::warn!("tokenizer is not splittable at line starts: prefix cache disabled");
+        }
+        IncrementalTokenizer {
+            tokenizer,
+            cache: splittable.then(|| PrefixCache::new(max_cached_tokens)),
+        }
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    pub fn cache_enabled(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.as_ref().map(|c| c.stats()).unwrap_or_default()
+    }
+
+    /// Cold tokenization (no special tokens added).
+    pub fn tokenize_cold(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        let enc = self
+            .tokenizer
+            .encode_fast(text, false)
+            .map_err(|e| TokenizeError(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of `text` (no special tokens added), using and refreshing the prefix cache.
+    pub fn tokenize(&self, text: &str) -> Result<(Vec<u32>, Path), TokenizeError> {
+        let Some(cache) = &self.cache else {
+            return Ok((self.tokenize_cold(text)?, Path::Cold));
+        };
+        let checkpoints = checkpoints(text);
+        if checkpoints.is_empty() {
+            return Ok((self.tokenize_cold(text)?, Path::Cold));
+        }
+        let mut ids = Vec::new();
+        let mut starts = Vec::new();
+        let mut ends = Vec::new();
+        let mut from = 0usize;
+        let mut path = Path::Cold;
+        if let Some((doc, len)) = cache.lookup(text, &checkpoints) {
+            // The texts agree up to the checkpoint; extend that to where they really diverge,
+            // so only the new text (not the rest of the last chunk) is tokenized again.
+            let shared = len + common_prefix(&doc.text.as_bytes()[len..], &text.as_bytes()[len..]);
+            if let Some(keep) = restart_token(&doc, shared) {
+                let restart = doc.starts[keep] as usize;
+                ids.extend_from_slice(&doc.ids[..keep]);
+                starts.extend_from_slice(&doc.starts[..keep]);
+                ends.extend_from_slice(&doc.ends[..keep]);
+                from = restart;
+                path = Path::Cached { reused: keep };
+            }
+        }
+        let enc = self
+            .tokenizer
+            .encode(&text[from..], false)
+            .map_err(|e| TokenizeError(e.to_string()))?;
+        let base = from as u32;
+        ids.extend_from_slice(enc.get_ids());
+        for &(s, e) in enc.get_offsets() {
+            starts.push(base + s as u32);
+            ends.push(base + e as u32);
+        }
+        let result = ids.clone();
+        cache.insert(Doc {
+            text: text.into(),
+            ids,
+            starts,
+            ends,
+            keys: checkpoints.iter().map(|&(l, k)| (k, l)).collect(),
+        });
+        Ok((result, path))
+    }
+}
+
+/// Length of the common prefix of two byte strings.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const STEP: usize = 64;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + STEP <= n && a[i..i + STEP] == b[i..i + STEP] {
+        i += STEP;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+/// Index of the token to restart from for a text sharing `doc.text[..len]`, per the module rule.
+/// The shared prefix may extend past the text's own end (`len == doc.text.len()`).
+fn restart_token(doc: &Doc, len: usize) -> Option<usize> {
+    let text = doc.text.as_bytes();
+    // First token starting at or after `len`: candidates are before it.
+    let upper = doc.starts.partition_point(|&s| (s as usize) < len);
+    let lower = upper.saturating_sub(MAX_BACKOFF_TOKENS).max(1);
+    (lower..upper).rev().find(|&i| {
+        let start = doc.starts[i] as usize;
+        start < len
+            && start > 0
+            && doc.ends[i - 1] == doc.starts[i]
+            && text[start - 1] == b'\n'
+            && !text[start].is_ascii_whitespace()
+            && doc.text.is_char_boundary(start)
+    })
+}
+
+/// Probes that a tokenizer splits at the restart rule: for texts with lines, the tokenization
+/// from a line start must equal the tail of the whole tokenization.
+fn self_check(tokenizer: &Tokenizer) -> bool {
+    const PROBES: [&str; 4] = [
+        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello  world!\n\n  indented 12345 tokens\nDone.",
+        "first line\nsecond line with   spaces   \nthird: 3.14159 and ünïcödé 漢字 テスト\n{\"a\": [1, 2]}\nend",
+        "def f(x):\n    return x  \n\n\nclass A:\n\tpass\n# comment\n",
+        "a\nb\nc\n.\n,\n'\n\"quoted\"\n",
+    ];
+    for probe in PROBES {
+        let Ok(whole) = tokenizer.encode(probe, false) else {
+            return false;
+        };
+        let doc = Doc {
+            text: probe.into(),
+            ids: whole.get_ids().to_vec(),
+            starts: whole.get_offsets().iter().map(|o| o.0 as u32).collect(),
+            ends: whole.get_offsets().iter().map(|o| o.1 as u32).collect(),
+            keys: Vec::new(),
+        };
+        for len in 1..probe.len() {
+            let Some(keep) = restart_token(&doc, len) else {
+                continue;
+            };
+            let from = doc.starts[keep] as usize;
+            let Ok(tail) = tokenizer.encode(&probe[from..], false) else {
+                return false;
+            };
+            if tail.get_ids() != &doc.ids[keep..] {
+                return false;
+            }
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    //! A small byte-level BPE tokenizer (GPT-2 pre-tokenizer regex) built in code, so unit tests
+    //! need no files.
+
+    use std::collections::BTreeMap;
+
+    fn bytes_to_unicode() -> Vec<char> {
+        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
+            .chain(0xA1..=0xAC)
+            .chain(0xAE..=0xFF)
+            .collect();
+        let mut cs = bs.clone();
+        let mut n = 0;
+        for b in 0..256u32 {
+            if !bs.contains(&b) {
+                bs.push(b);
+                cs.push(256 + n);
+                n += 1;
+            }
+        }
+        let mut map = vec!['\0'; 256];
+        for (b, c) in bs.into_iter().zip(cs) {
+            map[b as usize] = char::from_u32(c).unwrap();
+        }
+        map
+    }
+
+    /// The tokenizer.json text.
+    pub fn tokenizer_json() -> String {
+        let map = bytes_to_unicode();
+        let mut vocab: BTreeMap<String, u32> = BTreeMap::new();
+        for c in &map {
+            let next = vocab.len() as u32;
+            vocab.entry(c.to_string()).or_insert(next);
+        }
+        let merges = [
+            ("Ġ", "t"),
+            ("h", "e"),
+            ("Ġt", "he"),
+            ("i", "n"),
+            ("Ġ", "a"),
+            ("e", "r"),
+            ("o", "n"),
+            ("Ġ", "w"),
+            ("o", "r"),
+            ("Ġ", "s"),
+            ("Ċ", "Ċ"),
+            ("Ġ", "Ġ"),
+            ("ĠĠ", "ĠĠ"),
+            ("1", "2"),
+            ("Ġ", "in"),
+            ("a", "n"),
+            ("Ġ", "o"),
+            ("e", "n"),
+            ("<", "|"),
+            ("|", ">"),
+            ("i", "m"),
+            ("s", "t"),
+        ];
+        let mut merge_list = Vec::new();
+        for (a, b) in merges {
+            let next = vocab.len() as u32;
+            vocab.entry(format!("{a}{b}")).or_insert(next);
+            merge_list.push(format!("{a} {b}"));
+        }
+        let special_id = vocab.len() as u32;
+        let byte_level = serde_json::json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+        serde_json::json!({
+            "version": "1.0",
+            "truncation": null,
+            "padding": null,
+            "added_tokens": [{"id": special_id, "content": "<|im_start|>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null,
+            "pre_tokenizer": byte_level,
+            "post_processor": byte_level,
+            "decoder": byte_level,
+            "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                "continuing_subword_prefix": null, "end_of_word_suffix": null, "fuse_unk": false,
+                "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": merge_list}
+        })
+        .to_string()
+    }
+
+    pub fn tokenizer() -> tokenizers::Tokenizer {
+        tokenizers::Tokenizer::from_bytes(tokenizer_json().as_bytes()).unwrap()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{rngs::StdRng, Rng, SeedableRng};
+
+    const WORDS: [&str; 24] = [
+        "the",
+        "in",
+        "answer",
+        "12345",
+        "3.14",
+        "ünïcödé",
+        "漢字",
+        "テスト",
+        "  ",
+        "\t",
+        "\n",
+        "\n\n",
+        "   \n",
+        "<|im_start|>",
+        "assistant",
+        "{\"k\": [1, 2]}",
+        "don't",
+        "!!",
+        "?",
+        "😀",
+        "    indented",
+        "x=1;",
+        "-",
+        "\r\n",
+    ];
+
+    fn random_text(rng: &mut StdRng, bytes: usize) -> String {
+        let mut s = String::new();
+        while s.len() < bytes {
+            s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
+            if rng.random_bool(0.6) {
+                s.push(' ');
+            }
+            if rng.random_bool(0.08) {
+                s.push('\n');
+            }
+        }
+        s
+    }
+
+    fn cold(tok: &Tokenizer, text: &str) -> Vec<u32> {
+        tok.encode(text, false).unwrap().get_ids().to_vec()
+    }
+
+    #[test]
+    fn checkpoints_are_prefix_stable() {
+        let mut rng = StdRng::seed_from_u64(7);
+        let a = random_text(&mut rng, 20_000);
+        let b = format!("{a}{}", random_text(&mut rng, 5_000));
+        let ca = checkpoints(&a);
+        let cb = checkpoints(&b);
+        assert!(ca.len() > 3);
+        assert_eq!(&cb[..ca.len()], &ca[..]);
+        for (len, _) in &ca {
+            assert_eq!(a.as_bytes()[len - 1], b'\n');
+        }
+    }
+
+    #[test]
+    fn self_check_accepts_byte_level_bpe() {
+        let inc = IncrementalTokenizer::new(Arc::new(testutil::tokenizer()), 100_000);
+        assert!(inc.cache_enabled());
+    }
+
+    /// Growing conversations (agentic turns), interleaved, edited and evicted: every result is
+    /// exactly the cold tokenization.
+    #[test]
+    fn randomized_conversations_equal_cold_tokenization() {
+        let tok = Arc::new(testutil::tokenizer());
+        let inc = IncrementalTokenizer::new(Arc::clone(&tok), 40_000);
+        let mut rng = StdRng::seed_from_u64(42);
+        let mut convs: Vec<String> = (0..4).map(|_| random_text(&mut rng, 3_000)).collect();
+        let mut cached_hits = 0;
+        for _ in 0..120 {
+            let i = rng.random_range(0..convs.len());
+            match rng.random_range(0..10) {
+                // A new turn appends text (sometimes without a trailing newline).
+                0..=6 => {
+                    let n = rng.random_range(1..3_000);
+                    let extra = random_text(&mut rng, n);
+                    convs[i].push_str(&extra);
+                }
+                // The client edits the tail of the conversation.
+                7 | 8 => {
+                    let mut cut = rng.random_range(0..convs[i].len());
+                    while !convs[i].is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    convs[i].truncate(cut);
+                    convs[i].push_str(&random_text(&mut rng, 500));
+                }
+                // A branch: a new conversation sharing a prefix.
+                _ => {
+                    let mut cut = rng.random_range(0..convs[i].len());
+                    while !convs[i].is_char_boundary(cut) {
+                        cut -= 1;
+                    }
+                    let branch = format!("{}{}", &convs[i][..cut], random_text(&mut rng, 800));
+                    convs.push(branch);
+                }
+            }
+            let text = convs[i].clone();
+            let (ids, path) = inc.tokenize(&text).unwrap();
+            assert_eq!(ids, cold(&tok, &text), "mismatch on path {path:?}");
+            if matches!(path, Path::Cached { .. }) {
+                cached_hits += 1;
+            }
+        }
+        assert!(cached_hits > 40, "cache used {cached_hits} times");
+        assert!(inc.cache_stats().tokens <= 40_000 + 20_000);
+    }
+
+    #[test]
+    fn cache_bound_evicts_least_recent_docs() {
+        let tok = Arc::new(testutil::tokenizer());
+        let inc = IncrementalTokenizer::new(Arc::clone(&tok), 5_000);
+        let mut rng = StdRng::seed_from_u64(3);
+        for _ in 0..10 {
+            let text = random_text(&mut rng, 8_000);
+            inc.tokenize(&text).unwrap();
+        }
+        let stats = inc.cache_stats();
+        assert_eq!(stats.docs, 1, "{stats:?}");
+    }
+
+    #[test]
+    fn next_turn_reuses_most_tokens() {
+        let tok = Arc::new(testutil::tokenizer());
+        let inc = IncrementalTokenizer::new(Arc::clone(&tok), 1_000_000);
+        let mut rng = StdRng::seed_from_u64(9);
+        let mut text = random_text(&mut rng, 50_000);
+        let (first, path) = inc.tokenize(&text).unwrap();
+        assert_eq!(path, Path::Cold);
+        text.push_str(&random_text(&mut rng, 1_000));
+        let (ids, path) = inc.tokenize(&text).unwrap();
+        assert_eq!(ids, cold(&tok, &text));
+        let Path::Cached { reused } = path else {
+            panic!("expected a cache hit")
+        };
+        assert!(
+            reused > first.len() * 9 / 10,
+            "reused {reused} of {}",
+            first.len()
+        );
+    }
+}

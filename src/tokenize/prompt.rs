@@ -1,0 +1,469 @@
+//! What a request body asks the engine to tokenize (DESIGN §3, §9): chat messages (from
+//! `/v1/chat/completions` or converted from `/v1/responses`), completion text, or token ids.
+//! Mirrors vLLM's preprocessing before the chat template (content parts joined, tool-call
+//! arguments parsed). It reads bodies only; rendering and tokenization are elsewhere.
+
+use super::json::Json;
+
+/// How message content given as a list of parts reaches the template.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ContentFormat {
+    /// Text parts joined with `\n` into one string (vLLM's "string" format; most templates).
+    #[default]
+    String,
+    /// The part list as sent (templates that iterate `message.content`).
+    Openai,
+}
+
+/// The prompt of one request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptSpec {
+    /// Render `messages` (+ `tools`) with the chat template, then tokenize.
+    Chat(ChatPrompt),
+    /// Tokenize `text`; `add_special_tokens` from the body when it says.
+    Text {
+        text: String,
+        add_special_tokens: Option<bool>,
+    },
+    /// The body already carries token ids.
+    Ids(Vec<u32>),
+    /// Nothing to tokenize.
+    None,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChatPrompt {
+    pub messages: Vec<Json>,
+    pub tools: Option<Json>,
+    pub add_generation_prompt: bool,
+    pub continue_final_message: bool,
+    /// `chat_template_kwargs` from the body.
+    pub kwargs: Vec<(String, Json)>,
+    /// vLLM's chat default is false: the template renders the BOS itself.
+    pub add_special_tokens: bool,
+}
+
+/// Why a body cannot be tokenized exactly (the request is then routed on load alone).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct Unsupported(pub &'static str);
+
+/// Which API a body was sent to, as far as tokenization cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Endpoint {
+    /// Chat, completions or responses: told apart by the body's fields.
+    #[default]
+    Generate,
+    /// `/v1/embeddings`: `input` is text to tokenize, not a responses conversation.
+    Embeddings,
+}
+
+impl Endpoint {
+    /// From the request `:path`.
+    pub fn from_path(path: &str) -> Self {
+        let path = path.split('?').next().unwrap_or_default();
+        if path.ends_with("/embeddings") {
+            Endpoint::Embeddings
+        } else {
+            Endpoint::Generate
+        }
+    }
+}
+
+/// Reads the prompt of a body (already known to be a JSON object).
+pub fn prompt_spec(body: &Json, format: ContentFormat) -> Result<PromptSpec, Unsupported> {
+    prompt_spec_for(Endpoint::Generate, body, format)
+}
+
+/// [`prompt_spec`] for a known endpoint.
+pub fn prompt_spec_for(
+    endpoint: Endpoint,
+    body: &Json,
+    format: ContentFormat,
+) -> Result<PromptSpec, Unsupported> {
+    if endpoint == Endpoint::Embeddings {
+        let add_special_tokens = body.get("add_special_tokens").and_then(Json::as_bool);
+        return Ok(match body.get("input") {
+            Some(Json::String(text)) => PromptSpec::Text {
+                text: text.clone(),
+                add_special_tokens,
+            },
+            Some(input @ Json::Array(items)) => match input.as_token_ids() {
+                Some(ids) if !ids.is_empty() => PromptSpec::Ids(ids),
+                _ => match items.first() {
+                    Some(Json::String(text)) => PromptSpec::Text {
+                        text: text.clone(),
+                        add_special_tokens,
+                    },
+                    Some(first) => match first.as_token_ids() {
+                        Some(ids) if !ids.is_empty() => PromptSpec::Ids(ids),
+                        _ => return Err(Unsupported("unrecognised embeddings `input`")),
+                    },
+                    None => PromptSpec::None,
+                },
+            },
+            _ => PromptSpec::None,
+        });
+    }
+    if let Some(messages) = body.get("messages") {
+        let messages = messages
+            .as_array()
+            .ok_or(Unsupported("`messages` is not a list"))?;
+        let messages = messages
+            .iter()
+            .map(|m| chat_message(m, format))
+            .collect::<Result<Vec<_>, _>>()?;
+        return chat_prompt(body, messages, body.get("tools").cloned());
+    }
+    if let Some(prompt) = body.get("prompt") {
+        let add_special_tokens = body.get("add_special_tokens").and_then(Json::as_bool);
+        return Ok(match prompt {
+            Json::String(text) => PromptSpec::Text {
+                text: text.clone(),
+                add_special_tokens,
+            },
+            Json::Array(items) => {
+                if let Some(ids) = prompt.as_token_ids() {
+                    if ids.is_empty() {
+                        PromptSpec::None
+                    } else {
+                        PromptSpec::Ids(ids)
+                    }
+                } else {
+                    // A batch: the engine runs each prompt; route on the first.
+                    match items.first() {
+                        Some(Json::String(text)) => PromptSpec::Text {
+                            text: text.clone(),
+                            add_special_tokens,
+                        },
+                        Some(first) => match first.as_token_ids() {
+                            Some(ids) if !ids.is_empty() => PromptSpec::Ids(ids),
+                            _ => return Err(Unsupported("unrecognised `prompt` list")),
+                        },
+                        None => PromptSpec::None,
+                    }
+                }
+            }
+            _ => return Err(Unsupported("`prompt` must be a string or a list")),
+        });
+    }
+    if body.get("input").is_some() || body.get("instructions").is_some() {
+        let messages = responses_messages(body, format)?;
+        let tools = body.get("tools").map(responses_tools);
+        return chat_prompt(body, messages, tools);
+    }
+    Ok(PromptSpec::None)
+}
+
+fn chat_prompt(
+    body: &Json,
+    messages: Vec<Json>,
+    tools: Option<Json>,
+) -> Result<PromptSpec, Unsupported> {
+    let continue_final_message = body
+        .get("continue_final_message")
+        .and_then(Json::as_bool)
+        .unwrap_or(false);
+    let add_generation_prompt = body
+        .get("add_generation_prompt")
+        .and_then(Json::as_bool)
+        .unwrap_or(!continue_final_message);
+    if continue_final_message && add_generation_prompt {
+        return Err(Unsupported(
+            "continue_final_message and add_generation_prompt together",
+        ));
+    }
+    let kwargs = match body.get("chat_template_kwargs") {
+        Some(Json::Object(entries)) => entries.clone(),
+        _ => Vec::new(),
+    };
+    let tools = match tools {
+        Some(Json::Array(t)) if t.is_empty() => None,
+        Some(Json::Null) | None => None,
+        Some(t) => Some(t),
+    };
+    Ok(PromptSpec::Chat(ChatPrompt {
+        messages,
+        tools,
+        add_generation_prompt,
+        continue_final_message,
+        kwargs,
+        add_special_tokens: body
+            .get("add_special_tokens")
+            .and_then(Json::as_bool)
+            .unwrap_or(false),
+    }))
+}
+
+/// Text of a content part (`text`, `input_text`, `output_text`, or a bare string).
+fn part_text(part: &Json) -> Result<&str, Unsupported> {
+    if let Some(s) = part.as_str() {
+        return Ok(s);
+    }
+    match part.get("type").and_then(Json::as_str) {
+        Some("text" | "input_text" | "output_text") | None => part
+            .get("text")
+            .and_then(Json::as_str)
+            .ok_or(Unsupported("content part without text")),
+        Some(_) => Err(Unsupported("non-text content part (multimodal)")),
+    }
+}
+
+fn normalize_content(content: &Json, format: ContentFormat) -> Result<Json, Unsupported> {
+    match content {
+        Json::Array(parts) => match format {
+            ContentFormat::String => {
+                let texts = parts.iter().map(part_text).collect::<Result<Vec<_>, _>>()?;
+                Ok(Json::String(texts.join("\n")))
+            }
+            ContentFormat::Openai => {
+                for p in parts {
+                    part_text(p)?;
+                }
+                Ok(content.clone())
+            }
+        },
+        other => Ok(other.clone()),
+    }
+}
+
+fn chat_message(message: &Json, format: ContentFormat) -> Result<Json, Unsupported> {
+    let Json::Object(_) = message else {
+        return Err(Unsupported("a message is not an object"));
+    };
+    let mut out = message.clone();
+    if let Some(content) = message.get("content") {
+        out.set("content", normalize_content(content, format)?);
+    }
+    if let Some(Json::Array(calls)) = message.get("tool_calls") {
+        let calls = calls.iter().map(parse_tool_call_arguments).collect();
+        out.set("tool_calls", Json::Array(calls));
+    }
+    Ok(out)
+}
+
+/// vLLM parses `function.arguments` (a JSON string) into an object for the template.
+fn parse_tool_call_arguments(call: &Json) -> Json {
+    let mut call = call.clone();
+    if let Some(function) = call.get("function") {
+        if let Some(args) = function.get("arguments").and_then(Json::as_str) {
+            if let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(args) {
+                let mut function = function.clone();
+                function.set("arguments", parsed);
+                call.set("function", function);
+            }
+        }
+    }
+    call
+}
+
+/// `/v1/responses` `instructions` + `input` as chat messages.
+fn responses_messages(body: &Json, format: ContentFormat) -> Result<Vec<Json>, Unsupported> {
+    let mut messages = Vec::new();
+    match body.get("instructions") {
+        Some(Json::String(s)) => messages.push(Json::object(vec![
+            ("role", Json::String("system".into())),
+            ("content", Json::String(s.clone())),
+        ])),
+        Some(Json::Null) | None => {}
+        Some(_) => return Err(Unsupported("`instructions` must be a string")),
+    }
+    match body.get("input") {
+        Some(Json::String(s)) => messages.push(Json::object(vec![
+            ("role", Json::String("user".into())),
+            ("content", Json::String(s.clone())),
+        ])),
+        Some(Json::Array(items)) => {
+            for item in items {
+                messages.push(response_item(item, format)?);
+            }
+        }
+        Some(Json::Null) | None => {}
+        Some(_) => return Err(Unsupported("`input` must be a string or a list")),
+    }
+    Ok(messages)
+}
+
+fn response_item(item: &Json, format: ContentFormat) -> Result<Json, Unsupported> {
+    let str_of = |k: &str| Json::String(item.get(k).and_then(Json::as_str).unwrap_or("").into());
+    match item.get("type").and_then(Json::as_str) {
+        Some("message") | None => {
+            let role = item
+                .get("role")
+                .and_then(Json::as_str)
+                .ok_or(Unsupported("input message without role"))?;
+            let content = normalize_content(item.get("content").unwrap_or(&Json::Null), format)?;
+            Ok(Json::object(vec![
+                ("role", Json::String(role.into())),
+                ("content", content),
+            ]))
+        }
+        Some("function_call") => {
+            let call = Json::object(vec![
+                ("id", str_of("call_id")),
+                ("type", Json::String("function".into())),
+                (
+                    "function",
+                    Json::object(vec![
+                        ("name", str_of("name")),
+                        ("arguments", str_of("arguments")),
+                    ]),
+                ),
+            ]);
+            Ok(Json::object(vec![
+                ("role", Json::String("assistant".into())),
+                ("content", Json::Null),
+                (
+                    "tool_calls",
+                    Json::Array(vec![parse_tool_call_arguments(&call)]),
+                ),
+            ]))
+        }
+        Some("function_call_output") => Ok(Json::object(vec![
+            ("role", Json::String("tool".into())),
+            ("tool_call_id", str_of("call_id")),
+            ("content", str_of("output")),
+        ])),
+        Some(_) => Err(Unsupported("unsupported responses input item")),
+    }
+}
+
+/// Responses-style tools (`{type, name, description, parameters}`) in chat style.
+fn responses_tools(tools: &Json) -> Json {
+    let Some(items) = tools.as_array() else {
+        return Json::Null;
+    };
+    let converted = items
+        .iter()
+        .filter(|t| t.get("type").and_then(Json::as_str) == Some("function"))
+        .map(|t| {
+            if t.get("function").is_some() {
+                return t.clone();
+            }
+            let mut function = Vec::new();
+            for key in ["name", "description", "parameters"] {
+                if let Some(v) = t.get(key) {
+                    function.push((key, v.clone()));
+                }
+            }
+            Json::object(vec![
+                ("type", Json::String("function".into())),
+                ("function", Json::object(function)),
+            ])
+        })
+        .collect();
+    Json::Array(converted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(body: &str) -> Result<PromptSpec, Unsupported> {
+        prompt_spec(&serde_json::from_str(body).unwrap(), ContentFormat::String)
+    }
+
+    #[test]
+    fn chat_parts_are_joined_and_tool_arguments_parsed() {
+        let PromptSpec::Chat(chat) = spec(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},
+            {"role":"assistant","content":null,"tool_calls":[{"id":"1","type":"function","function":{"name":"f","arguments":"{\"x\": 1}"}}]}]}"#,
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(
+            chat.messages[0].get("content"),
+            Some(&Json::String("a\nb".into()))
+        );
+        let args = chat.messages[1]
+            .get("tool_calls")
+            .unwrap()
+            .as_array()
+            .unwrap()[0]
+            .get("function")
+            .unwrap()
+            .get("arguments")
+            .unwrap();
+        assert!(matches!(args, Json::Object(_)));
+        assert!(chat.add_generation_prompt);
+        assert!(!chat.add_special_tokens);
+    }
+
+    #[test]
+    fn completions_prompts() {
+        assert_eq!(
+            spec(r#"{"prompt":"hi"}"#).unwrap(),
+            PromptSpec::Text {
+                text: "hi".into(),
+                add_special_tokens: None
+            }
+        );
+        assert_eq!(
+            spec(r#"{"prompt":["a","b"],"add_special_tokens":false}"#).unwrap(),
+            PromptSpec::Text {
+                text: "a".into(),
+                add_special_tokens: Some(false)
+            }
+        );
+        assert_eq!(
+            spec(r#"{"prompt":[[1,2],[3]]}"#).unwrap(),
+            PromptSpec::Ids(vec![1, 2])
+        );
+        assert!(spec(r#"{"prompt":{"x":1}}"#).is_err());
+    }
+
+    #[test]
+    fn responses_become_messages() {
+        let PromptSpec::Chat(chat) = spec(
+            r#"{"instructions":"be brief","input":[{"role":"user","content":[{"type":"input_text","text":"q"}]},
+            {"type":"function_call","call_id":"c","name":"f","arguments":"{}"},
+            {"type":"function_call_output","call_id":"c","output":"42"}],
+            "tools":[{"type":"function","name":"f","parameters":{}}]}"#,
+        )
+        .unwrap() else {
+            panic!()
+        };
+        assert_eq!(chat.messages.len(), 4);
+        assert_eq!(
+            chat.messages[0].get("role").unwrap().as_str(),
+            Some("system")
+        );
+        assert_eq!(chat.messages[1].get("content").unwrap().as_str(), Some("q"));
+        assert_eq!(chat.messages[3].get("role").unwrap().as_str(), Some("tool"));
+        let tools = chat.tools.unwrap();
+        let tool = &tools.as_array().unwrap()[0];
+        assert!(tool.get("function").is_some());
+    }
+
+    #[test]
+    fn embeddings_input_is_text_not_a_conversation() {
+        let body: Json = serde_json::from_str(r#"{"input":["a b","c"]}"#).unwrap();
+        let e = Endpoint::from_path("/v1/embeddings?x=1");
+        assert_eq!(
+            prompt_spec_for(e, &body, ContentFormat::String).unwrap(),
+            PromptSpec::Text {
+                text: "a b".into(),
+                add_special_tokens: None
+            }
+        );
+        let body: Json = serde_json::from_str(r#"{"input":"a b"}"#).unwrap();
+        assert!(matches!(
+            prompt_spec_for(
+                Endpoint::from_path("/v1/responses"),
+                &body,
+                ContentFormat::String
+            ),
+            Ok(PromptSpec::Chat(_))
+        ));
+    }
+
+    #[test]
+    fn multimodal_is_unsupported() {
+        assert!(spec(
+            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#
+        )
+        .is_err());
+    }
+}
