@@ -413,6 +413,10 @@ def test_kvpick_restart_under_load(make_upstream, fail_open):
         if fail_open:
             wait_until(lambda: kvpick_health(envoy) == "healthy", 10,
                        desc="Envoy's health check marks kvpick up")
+        # Envoy's first ext_proc stream to the new process may still race its connection set-up
+        # (FailOpen then lets that request through unrouted): wait for the first routed one.
+        wait_until(lambda: count(lambda o: o.started > restarting and o.routed_by_kvpick) >= 1,
+                   10, desc="a request routed by the restarted kvpick")
         back = time.monotonic()
         wait_until(lambda: count(lambda o: o.started > back) >= 10, 20,
                    desc="requests after the restart")
