@@ -135,6 +135,16 @@ pub struct ServeArgs {
     )]
     pub prefill_load_scale: f64,
 
+    /// Cost: weight of each active KV block on a rank (decode load), against one uncached prefill
+    /// block. DESIGN §5 uses 1.0; prefill costs engines far more than held blocks.
+    #[arg(
+        long,
+        default_value_t = crate::selection::DEFAULT_DECODE_BLOCK_WEIGHT,
+        value_name = "X",
+        help_heading = "Scheduling"
+    )]
+    pub decode_block_weight: f64,
+
     /// Cost: weight per active request on a rank.
     #[arg(
         long,
@@ -308,6 +318,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
     for (name, value) in [
         ("--overlap-score-credit", args.overlap_score_credit),
         ("--prefill-load-scale", args.prefill_load_scale),
+        ("--decode-block-weight", args.decode_block_weight),
         (
             "--decode-active-request-weight",
             args.decode_active_request_weight,
@@ -325,6 +336,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         cost: CostParams {
             overlap_score_credit: args.overlap_score_credit,
             prefill_load_scale: args.prefill_load_scale,
+            decode_block_weight: args.decode_block_weight,
             decode_active_request_weight: args.decode_active_request_weight,
             router_temperature: args.router_temperature,
             ..CostParams::default()

@@ -58,6 +58,9 @@ pub struct ReplayArgs {
     /// kvpick policy: weight of the uncached prefill term (as `kvpick serve`).
     #[arg(long, default_value_t = 1.0)]
     pub prefill_load_scale: f64,
+    /// kvpick policy: weight of each active KV block (as `kvpick serve`).
+    #[arg(long, default_value_t = crate::selection::DEFAULT_DECODE_BLOCK_WEIGHT)]
+    pub decode_block_weight: f64,
     /// kvpick policy: weight per active request (as `kvpick serve`).
     #[arg(long, default_value_t = 0.0)]
     pub decode_active_request_weight: f64,
@@ -115,6 +118,7 @@ pub struct EngineReport {
 pub struct KvpickCost {
     pub overlap_score_credit: f64,
     pub prefill_load_scale: f64,
+    pub decode_block_weight: f64,
     pub decode_active_request_weight: f64,
     pub predicted_ttl_s: u64,
 }
@@ -422,6 +426,7 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
     for (name, v) in [
         ("--overlap-score-credit", args.overlap_score_credit),
         ("--prefill-load-scale", args.prefill_load_scale),
+        ("--decode-block-weight", args.decode_block_weight),
         (
             "--decode-active-request-weight",
             args.decode_active_request_weight,
@@ -436,6 +441,7 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
         cost: crate::selection::CostParams {
             overlap_score_credit: args.overlap_score_credit,
             prefill_load_scale: args.prefill_load_scale,
+            decode_block_weight: args.decode_block_weight,
             decode_active_request_weight: args.decode_active_request_weight,
             ..Default::default()
         },
@@ -451,6 +457,7 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
         kvpick_cost: KvpickCost {
             overlap_score_credit: options.cost.overlap_score_credit,
             prefill_load_scale: options.cost.prefill_load_scale,
+            decode_block_weight: options.cost.decode_block_weight,
             decode_active_request_weight: options.cost.decode_active_request_weight,
             predicted_ttl_s: args.predicted_ttl,
         },

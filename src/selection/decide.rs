@@ -7,11 +7,19 @@ use rand::Rng;
 use super::RankKey;
 use crate::index::TierDepths;
 
-/// Cost-function weights. Defaults are DESIGN §5's.
+/// Default weight of a decode block. DESIGN §5 counts a held KV block like an uncached prefill
+/// block (1.0); prefilling a block costs an engine far more GPU time than keeping one in a decode
+/// batch, and on the Mooncake replay (`kvpick replay`) 1.0 spreads long prompts away from the
+/// ranks that cache them. 0.01 keeps decode load as the tie-breaker it is.
+pub const DEFAULT_DECODE_BLOCK_WEIGHT: f64 = 0.01;
+
+/// Cost-function weights. Defaults are DESIGN §5's, except `decode_block_weight`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostParams {
     pub overlap_score_credit: f64,
     pub prefill_load_scale: f64,
+    /// Weight of each active KV block (decode load) against an uncached prefill block.
+    pub decode_block_weight: f64,
     pub decode_active_request_weight: f64,
     pub host_tier_weight: f64,
     pub disk_tier_weight: f64,
@@ -23,6 +31,7 @@ impl Default for CostParams {
         CostParams {
             overlap_score_credit: 1.0,
             prefill_load_scale: 1.0,
+            decode_block_weight: DEFAULT_DECODE_BLOCK_WEIGHT,
             decode_active_request_weight: 0.0,
             host_tier_weight: 0.75,
             disk_tier_weight: 0.25,
@@ -57,14 +66,14 @@ pub fn overlap_score(depths: TierDepths, params: &CostParams) -> f64 {
     gpu + params.host_tier_weight * host_only + params.disk_tier_weight * disk_only
 }
 
-/// `prefill_load_scale * max(0, prefill_blocks - credit * overlap) + decode_blocks
-///  + decode_active_request_weight * active_requests`.
+/// `prefill_load_scale * max(0, prefill_blocks - credit * overlap)
+///  + decode_block_weight * decode_blocks + decode_active_request_weight * active_requests`.
 pub fn cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
     let prefill_blocks = (c.active_prefill_tokens + prompt_tokens) as f64 / block_size as f64;
     let uncached =
         (prefill_blocks - params.overlap_score_credit * overlap_score(c.overlap, params)).max(0.0);
     params.prefill_load_scale * uncached
-        + c.active_decode_blocks as f64
+        + params.decode_block_weight * c.active_decode_blocks as f64
         + params.decode_active_request_weight * c.active_requests as f64
 }
 
@@ -158,7 +167,11 @@ mod tests {
         // Prefill 10 blocks (160 tokens of 16) on three workers, overlaps 2/5/8, decode 10/5/9.
         let cs = [cand(1, 10, 2), cand(2, 5, 5), cand(3, 9, 8)];
         let mut rng = StdRng::seed_from_u64(0);
-        let d = decide(&cs, 160, 16, &CostParams::default(), 0.0, 3, &mut rng);
+        let design = CostParams {
+            decode_block_weight: 1.0,
+            ..Default::default()
+        };
+        let d = decide(&cs, 160, 16, &design, 0.0, 3, &mut rng);
         assert_eq!(d.costs, vec![18.0, 10.0, 11.0]);
         assert_eq!(d.ranking, vec![1, 2, 0]);
     }
@@ -168,6 +181,7 @@ mod tests {
         let params = CostParams {
             decode_active_request_weight: 2.0,
             prefill_load_scale: 0.5,
+            decode_block_weight: 1.0,
             ..Default::default()
         };
         let mut c = cand(1, 3, 0);
@@ -186,7 +200,8 @@ mod tests {
             host: 100,
             disk: 100,
         };
-        assert_eq!(cost(&c, 160, 16, &CostParams::default()), 3.0);
+        // Only decode load is left: 3 blocks at the default weight 0.01.
+        assert_eq!(cost(&c, 160, 16, &CostParams::default()), 0.03);
     }
 
     #[test]

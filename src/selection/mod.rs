@@ -23,7 +23,9 @@ use dashmap::DashMap;
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 
-pub use decide::{cost, decide, overlap_score, Candidate, CostParams, Decision};
+pub use decide::{
+    cost, decide, overlap_score, Candidate, CostParams, Decision, DEFAULT_DECODE_BLOCK_WEIGHT,
+};
 pub use partition::{EventStats, PartitionKey};
 use partition::{Partition, SelectOutcome};
 pub use session::{AffinityMode, SessionConfig, SessionOutcome};

@@ -69,8 +69,15 @@ fn not_synced_is_unavailable() {
 
 #[test]
 fn worked_example_through_the_core() {
-    // Prefill 10 blocks of 16 on three workers, overlaps 2/5/8, decode 10/5/9 -> the second.
-    let core = core();
+    // Prefill 10 blocks of 16 on three workers, overlaps 2/5/8, decode 10/5/9 -> the second,
+    // with DESIGN §5's weight of a decode block (1.0).
+    let core = core_with(CoreConfig {
+        cost: CostParams {
+            decode_block_weight: 1.0,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
     core.apply_snapshot(vec![
         spec("a", "m", ports(&[1])),
         spec("b", "m", ports(&[2])),
@@ -1158,4 +1165,32 @@ mod kv_events {
             ]
         );
     }
+}
+
+#[test]
+fn by_default_a_cached_prefix_outweighs_a_little_decode_load() {
+    // The worked example's ranks under the default weights: a decode block weighs 0.01 of an
+    // uncached prefill block, so the rank holding 8 of 10 blocks wins despite 9 blocks of decode.
+    let params = CostParams::default();
+    let cand = |decode: u64, overlap: u32| Candidate {
+        key: RankKey {
+            worker_id: decode,
+            dp_rank: 0,
+        },
+        active_prefill_tokens: 0,
+        active_decode_blocks: decode,
+        active_requests: 0,
+        overlap: crate::index::TierDepths {
+            gpu: overlap,
+            host: overlap,
+            disk: overlap,
+        },
+    };
+    let costs: Vec<f64> = [cand(10, 2), cand(5, 5), cand(9, 8)]
+        .iter()
+        .map(|c| cost(c, 160, 16, &params))
+        .collect();
+    assert_eq!(costs, vec![8.1, 5.05, 2.09]);
+    // With equal overlap, decode load still decides.
+    assert!(cost(&cand(3, 0), 160, 16, &params) < cost(&cand(4, 0), 160, 16, &params));
 }
