@@ -94,11 +94,13 @@ def proc_status_kb(pid: int, key: str) -> int:
     return 0
 
 
-def load(url: str, body_path: Path, concurrency: int, requests: int) -> dict:
+def load(url: str, body_path: Path, concurrency: int, requests: int,
+         rate: float | None = None) -> dict:
+    pacing = ["--rate", str(rate)] if rate else []
     out = subprocess.run(
         [str(LOADGEN), "run", "--url", url, "--body", str(body_path),
          "--concurrency", str(concurrency), "--requests", str(requests),
-         "--warmup", str(min(requests // 10 + concurrency, 200))],
+         "--warmup", str(min(requests // 10 + concurrency, 200))] + pacing,
         check=True, capture_output=True, text=True, timeout=900)
     return json.loads(out.stdout)
 
@@ -115,6 +117,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few requests per cell (smoke run)")
     ap.add_argument("--out", default=str(REPO / "target" / "bench-overhead.json"))
     ap.add_argument("--envoy-concurrency", type=int, default=2)
+    ap.add_argument("--rate", type=float, default=None,
+                    help="pace every cell at this many requests/s (open loop, at most "
+                         "CONCURRENCY in flight) instead of closed-loop as fast as possible: "
+                         "latency below saturation rather than throughput at saturation")
     args = ap.parse_args()
     os.environ.setdefault("E2E_ENVOY_COMPONENT_LOG", "ext_proc:warning")
 
@@ -138,9 +144,11 @@ def main() -> None:
                 body_path.write_bytes(make(size))
                 for conc in CONCURRENCY:
                     n = requests_for(size, conc, args.quick)
-                    base = load(off.url() + path, body_path, conc, n)
+                    if args.rate:
+                        n = min(n, int(args.rate * 10))
+                    base = load(off.url() + path, body_path, conc, n, args.rate)
                     cpu0 = proc_cpu_seconds(kv.process.pid)
-                    with_kv = load(on.url() + path, body_path, conc, n)
+                    with_kv = load(on.url() + path, body_path, conc, n, args.rate)
                     cpu = proc_cpu_seconds(kv.process.pid) - cpu0
                     total = with_kv["completed"] + with_kv["errors"]
                     row = {
@@ -170,7 +178,7 @@ def main() -> None:
         on.stop()
         kv.stop()
         up.kill()
-    result = {"rows": rows, "kvpick_peak_rss_mb": peak_rss_mb, "kvpick_inflight_after": inflight,
+    result = {"rate": args.rate, "rows": rows, "kvpick_peak_rss_mb": peak_rss_mb, "kvpick_inflight_after": inflight,
               "machine_cpus": os.cpu_count(), "quick": args.quick}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print()
