@@ -117,6 +117,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few requests per cell (smoke run)")
     ap.add_argument("--out", default=str(REPO / "target" / "bench-overhead.json"))
     ap.add_argument("--envoy-concurrency", type=int, default=2)
+    ap.add_argument("--sizes", default=",".join(SIZES), help="prompt sizes to run (comma list)")
     ap.add_argument("--rate", type=float, default=None,
                     help="pace every cell at this many requests/s (open loop, at most "
                          "CONCURRENCY in flight) instead of closed-loop as fast as possible: "
@@ -138,6 +139,8 @@ def main() -> None:
     rows = []
     try:
         for size_name, size in SIZES.items():
+            if size_name not in args.sizes.split(","):
+                continue
             for variant, make, path in (("token ids", token_body, "/v1/completions"),
                                         ("chat text", chat_body, "/v1/chat/completions")):
                 body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
