@@ -32,23 +32,25 @@ fn default_pool() -> Vec<WorkerSpec> {
 }
 
 fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> ProcessingRequest {
-    ProcessingRequest {
-        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: pairs
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: k.to_string(),
-                        value: String::new(),
-                        raw_value: v.as_bytes().to_vec(),
-                    })
-                    .collect(),
-            }),
-            end_of_stream,
-            ..Default::default()
-        })),
-        ..Default::default()
+    let raw: Vec<(&str, &[u8])> = pairs.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
+    let mut request = raw_headers(&raw);
+    if let Some(processing_request::Request::RequestHeaders(h)) = &mut request.request {
+        h.end_of_stream = end_of_stream;
     }
+    request
+}
+
+/// A core that honours pins, over the default pool.
+fn pin_core() -> Arc<SelectionCore> {
+    let core = SelectionCore::new(
+        CoreConfig {
+            allow_pins: true,
+            ..Default::default()
+        },
+        Metrics::new(),
+    );
+    core.apply_snapshot(default_pool()).unwrap();
+    core
 }
 
 fn post_headers() -> ProcessingRequest {
@@ -644,14 +646,7 @@ fn overlong_session_id_is_400() {
 
 #[test]
 fn bad_pins_and_priorities_are_400() {
-    let core = SelectionCore::new(
-        CoreConfig {
-            allow_pins: true,
-            ..Default::default()
-        },
-        Metrics::new(),
-    );
-    core.apply_snapshot(default_pool()).unwrap();
+    let core = pin_core();
     for (pairs, text) in [
         (
             vec![("x-dynamo-dp-rank", "1")],
@@ -845,14 +840,7 @@ fn odd_but_valid_bodies_route() {
 
 #[test]
 fn invalid_utf8_and_binary_header_values() {
-    let core = SelectionCore::new(
-        CoreConfig {
-            allow_pins: true,
-            ..Default::default()
-        },
-        Metrics::new(),
-    );
-    core.apply_snapshot(default_pool()).unwrap();
+    let core = pin_core();
     let h = |extra: &[(&str, &[u8])]| {
         let mut pairs: Vec<(&str, &[u8])> = vec![
             (":method", b"POST"),

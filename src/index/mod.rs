@@ -143,14 +143,19 @@ impl Multi {
     }
 }
 
-fn fingerprint(who: u32) -> u64 {
-    // splitmix64 finalizer.
-    let mut z = (who as u64)
-        .wrapping_add(1)
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+/// The splitmix64 finalizer: a cheap, well-mixed 64-bit hash of a 64-bit value.
+fn splitmix64(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+fn fingerprint(who: u32) -> u64 {
+    splitmix64(
+        (who as u64)
+            .wrapping_add(1)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15),
+    )
 }
 
 /// Block keys are already xxh3 outputs (uniformly distributed), so hashing them again (SipHash)
@@ -182,10 +187,7 @@ pub struct MixHasher(u64);
 
 impl Hasher for MixHasher {
     fn finish(&self) -> u64 {
-        let mut z = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
+        splitmix64(self.0.wrapping_add(0x9E37_79B9_7F4A_7C15))
     }
     fn write(&mut self, bytes: &[u8]) {
         for b in bytes {
