@@ -12,7 +12,15 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use kvpick::tokenize::{ModelEntry, Tokenizers};
+use bytes::Bytes;
+use kvpick::tokenize::conversation::ConversationCache;
+use kvpick::tokenize::{prompt, ModelEntry, Tokenizers};
+
+// mimalloc: tokenizers, minijinja and body parsing allocate per token and per string; with
+// glibc malloc the allocator was ~40% of a tokenization (benches/tokenize.rs), with mimalloc the
+// same work is ~1.8x faster.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn tokenizer_json() -> Option<PathBuf> {
     if let Ok(p) = std::env::var("KVPICK_BENCH_TOKENIZER") {
@@ -64,19 +72,21 @@ fn text(seed: u64, words: usize) -> String {
     s
 }
 
-/// A chat body: a system prompt and `exchanges` user/assistant exchanges of about 1k tokens
-/// each (the same for every call), then a final user message (`last` picks its text; `None`
-/// makes it the one every longer conversation has at that position, i.e. the previous turn).
-fn body(exchanges: usize, last: Option<u64>) -> Vec<u8> {
-    let mut messages =
-        vec![serde_json::json!({"role": "system", "content": "You are a coding agent."})];
+/// Conversation `conv` after `exchanges` user/assistant exchanges of about 1k tokens each, as a
+/// chat body: a system prompt naming the conversation, the exchanges, then the next user
+/// message. Each conversation has its own texts; `body(c, n)` extends `body(c, n - 1)` by one
+/// turn (the assistant's answer and a new user message, about 1k tokens).
+fn body(conv: u64, exchanges: usize) -> Vec<u8> {
+    let seed = |t: usize, role: u64| conv * 1_000_003 + t as u64 * 2 + role;
+    let mut messages = vec![serde_json::json!({
+        "role": "system",
+        "content": format!("You are coding agent number {conv}."),
+    })];
     for t in 0..exchanges {
-        messages.push(serde_json::json!({"role": "user", "content": text(t as u64 * 2, 300)}));
-        messages
-            .push(serde_json::json!({"role": "assistant", "content": text(t as u64 * 2 + 1, 300)}));
+        messages.push(serde_json::json!({"role": "user", "content": text(seed(t, 0), 300)}));
+        messages.push(serde_json::json!({"role": "assistant", "content": text(seed(t, 1), 300)}));
     }
-    let final_seed = last.map_or(exchanges as u64 * 2, |v| 1_000_000 + v);
-    messages.push(serde_json::json!({"role": "user", "content": text(final_seed, 300)}));
+    messages.push(serde_json::json!({"role": "user", "content": text(seed(exchanges, 0), 300)}));
     serde_json::to_vec(&serde_json::json!({"model": "m", "messages": messages})).unwrap()
 }
 
@@ -107,77 +117,99 @@ fn main() {
         return;
     };
     // Conversation sizes in exchanges (~1k tokens each): ~1k, ~10k, ~100k tokens.
-    let sizes: &[usize] = if benching { &[1, 10, 100] } else { &[1, 10] };
-    let iters = if benching { 15 } else { 2 };
+    // KVPICK_BENCH_SIZES (e.g. "100") and KVPICK_BENCH_ITERS narrow a run for profiling.
+    let sizes: Vec<usize> = match std::env::var("KVPICK_BENCH_SIZES") {
+        Ok(list) => list
+            .split(',')
+            .filter_map(|s| s.trim().parse().ok())
+            .collect(),
+        Err(_) if benching => vec![1, 10, 100],
+        Err(_) => vec![1, 10],
+    };
+    let iters: usize = std::env::var("KVPICK_BENCH_ITERS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(if benching { 15 } else { 2 });
     let mut rows = Vec::new();
     println!("| conversation | tokens | cold median µs | cold Mtok/s | cached median µs (new 1k-token turn) | new tokens in the turn | cache hit |");
     println!("|---|---|---|---|---|---|---|");
-    for &turns in sizes {
+    for &turns in &sizes {
         let cold = tokenizers(&path, 0);
         let cold_model = cold.model("m").unwrap();
         let mut cold_us = Vec::new();
         let mut tokens = 0;
-        for i in 0..iters.min(if turns >= 100 { 7 } else { iters }) {
-            let b = body(turns, Some(i as u64));
+        for conv in 0..iters.min(if turns >= 100 { 7 } else { iters }) {
+            let b = Bytes::from(body(conv as u64, turns));
             let t = Instant::now();
             let (ids, _) = cold_model.tokenize_body_blocking(&b).unwrap().unwrap();
             cold_us.push(t.elapsed().as_secs_f64() * 1e6);
             tokens = ids.len();
         }
+        // Each measured request is the next turn of its own conversation, whose previous turn
+        // (and nothing later) went through the same tokenizer just before.
         let cached = tokenizers(&path, 4_000_000);
         let cached_model = cached.model("m").unwrap();
-        // The previous turn (one exchange fewer, same messages) is in the cache; each measured
-        // request adds the assistant's answer and a new user message (a ~1k-token turn).
-        let previous = body(turns - 1, None);
-        let (prev_ids, _) = cached_model
-            .tokenize_body_blocking(&previous)
-            .unwrap()
-            .unwrap();
         let mut cached_us = Vec::new();
         let mut new_tokens = 0;
         let mut sources = Vec::new();
-        for i in 0..iters {
-            let b = body(turns, Some(10_000 + i as u64));
+        for conv in 1000..1000 + iters as u64 {
+            let previous = Bytes::from(body(conv, turns - 1));
+            let (prev_ids, _) = cached_model
+                .tokenize_body_blocking(&previous)
+                .unwrap()
+                .unwrap();
+            let b = Bytes::from(body(conv, turns));
             let t = Instant::now();
             let (ids, source) = cached_model.tokenize_body_blocking(&b).unwrap().unwrap();
             cached_us.push(t.elapsed().as_secs_f64() * 1e6);
             sources.push(source);
             new_tokens = ids.len() - prev_ids.len();
         }
-        // Where the cached request's time goes: body -> rendered text, and 1k new tokens cold.
-        let b = body(turns, Some(20_000));
+        // Where a cached request's time goes, stage by stage, on fresh conversations too.
         let local = cached_model.local.as_ref().unwrap();
-        let t = Instant::now();
-        let json: kvpick::tokenize::json::Json = serde_json::from_slice(&b).unwrap();
-        let parse_us = t.elapsed().as_secs_f64() * 1e6;
-        let t = Instant::now();
-        let spec = kvpick::tokenize::prompt::prompt_spec(
-            &json,
-            kvpick::tokenize::prompt::ContentFormat::String,
-        )
-        .unwrap();
-        let kvpick::tokenize::prompt::PromptSpec::Chat(chat) = spec else {
-            unreachable!()
-        };
-        let spec_us = t.elapsed().as_secs_f64() * 1e6;
-        let t = Instant::now();
-        let _value = kvpick::tokenize::json::Json::Array(chat.messages.clone()).to_value();
-        let to_value_us = t.elapsed().as_secs_f64() * 1e6;
-        let t = Instant::now();
-        let rendered = local.render_chat(&chat).unwrap();
-        let render_us = t.elapsed().as_secs_f64() * 1e6;
-        eprintln!("  spec {spec_us:.0} µs, to_value {to_value_us:.0} µs, to_value+render {render_us:.0} µs");
-        let mut cut = rendered.len().saturating_sub(4000);
-        while !rendered.is_char_boundary(cut) {
-            cut += 1;
-        }
-        let tail = &rendered[cut..];
-        let t = Instant::now();
-        let n = local.incremental().tokenize_cold(tail).unwrap().len();
-        let tail_us = t.elapsed().as_secs_f64() * 1e6;
-        eprintln!(
-            "  {turns} exchanges: parse {parse_us:.0} µs, spec+render {render_us:.0} µs ({} bytes), 4000-byte tail ({n} tokens) cold {tail_us:.0} µs",
+        let conversations = ConversationCache::new(16 << 20);
+        let (mut parse_t, mut spec_t, mut render_t, mut incr_t) = (vec![], vec![], vec![], vec![]);
+        let mut rendered_len = 0;
+        let format = prompt::ContentFormat::String;
+        let endpoint = prompt::Endpoint::Generate;
+        let stages = |b: &Bytes, times: Option<[&mut Vec<f64>; 4]>| {
+            let t = Instant::now();
+            let parsed = conversations.parse(b, endpoint, format).unwrap();
+            let parse_us = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
+            let spec =
+                prompt::prompt_spec_parsed(endpoint, &parsed.top, parsed.items, format).unwrap();
+            let prompt::PromptSpec::Chat(chat) = spec else {
+                unreachable!()
+            };
+            let spec_us = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
+            let rendered = local.render_chat(&chat).unwrap();
+            let render_us = t.elapsed().as_secs_f64() * 1e6;
+            let t = Instant::now();
+            local.incremental().tokenize(&rendered).unwrap();
+            let tokenize_us = t.elapsed().as_secs_f64() * 1e6;
+            if let Some([p, s, r, k]) = times {
+                p.push(parse_us);
+                s.push(spec_us);
+                r.push(render_us);
+                k.push(tokenize_us);
+            }
             rendered.len()
+        };
+        for conv in 2000..2000 + iters as u64 {
+            stages(&Bytes::from(body(conv, turns - 1)), None);
+            rendered_len = stages(
+                &Bytes::from(body(conv, turns)),
+                Some([&mut parse_t, &mut spec_t, &mut render_t, &mut incr_t]),
+            );
+        }
+        eprintln!(
+            "  {turns} exchanges ({rendered_len} bytes rendered), cached request medians: parse {:.0} µs, prompt {:.0} µs, render {:.0} µs, tokenize {:.0} µs",
+            median(parse_t),
+            median(spec_t),
+            median(render_t),
+            median(incr_t),
         );
         let (c, h) = (median(cold_us), median(cached_us));
         let all_cached = sources

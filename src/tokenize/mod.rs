@@ -6,6 +6,8 @@
 //! an outcome the host turns into load-only routing.
 
 pub mod cli;
+pub mod conversation;
+pub mod fast;
 pub mod json;
 pub mod prefix_cache;
 pub mod prompt;
@@ -22,6 +24,7 @@ use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 
+use conversation::ConversationCache;
 use json::Json;
 pub use prefix_cache::IncrementalTokenizer;
 use prompt::{ChatPrompt, ContentFormat, Endpoint, PromptSpec};
@@ -139,8 +142,23 @@ impl LocalTokenizer {
             return Ok(None);
         };
         let path = base.join(path);
-        let tokenizer = tokenizers::Tokenizer::from_file(&path)
+        let json = std::fs::read_to_string(&path)
             .map_err(|e| format!("tokenizer_json {}: {e}", path.display()))?;
+        let tokenizer: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e| format!("tokenizer_json {}: {e}", path.display()))?;
+        let tokenizer = Arc::new(tokenizer);
+        let fast = match fast::FastEncoder::new(Arc::clone(&tokenizer), &json) {
+            Ok(fast) if fast::agrees(&fast, &tokenizer) => Some(fast),
+            Ok(_) => {
+                tracing::warn!(path = %path.display(), "direct encoder disagrees with the tokenizer on the probe texts: using the general pipeline");
+                None
+            }
+            Err(why) => {
+                tracing::info!(path = %path.display(), why, "tokenizer shape not covered by the direct encoder: using the general pipeline");
+                None
+            }
+        };
         let source = match (&entry.chat_template, &entry.chat_template_file) {
             (Some(_), Some(_)) => {
                 return Err("set chat_template or chat_template_file, not both".into())
@@ -159,7 +177,7 @@ impl LocalTokenizer {
             .transpose()?;
         let specials = special_wrap(&tokenizer);
         Ok(Some(LocalTokenizer {
-            tokenizer: IncrementalTokenizer::new(Arc::new(tokenizer), entry.prefix_cache_tokens),
+            tokenizer: IncrementalTokenizer::with_fast(tokenizer, fast, entry.prefix_cache_tokens),
             template,
             bos_token: entry.bos_token.clone(),
             eos_token: entry.eos_token.clone(),
@@ -179,12 +197,16 @@ impl LocalTokenizer {
             .template
             .as_ref()
             .ok_or_else(|| "no chat template configured".to_string())?;
-        let mut context: Vec<(String, Json)> = vec![
-            ("messages".into(), Json::Array(chat.messages.clone())),
-            ("tools".into(), chat.tools.clone().unwrap_or(Json::Null)),
+        let messages: Vec<minijinja::Value> = chat.messages.iter().map(|m| m.value()).collect();
+        let mut context: Vec<(String, minijinja::Value)> = vec![
+            ("messages".into(), minijinja::Value::from(messages)),
+            (
+                "tools".into(),
+                chat.tools.as_ref().unwrap_or(&Json::Null).to_value(),
+            ),
             (
                 "add_generation_prompt".into(),
-                Json::Bool(chat.add_generation_prompt),
+                minijinja::Value::from(chat.add_generation_prompt),
             ),
         ];
         for (name, value) in [
@@ -192,7 +214,7 @@ impl LocalTokenizer {
             ("eos_token", &self.eos_token),
         ] {
             if let Some(v) = value {
-                context.push((name.into(), Json::String(v.clone())));
+                context.push((name.into(), minijinja::Value::from(v.as_str())));
             }
         }
         for (k, v) in &chat.kwargs {
@@ -200,11 +222,11 @@ impl LocalTokenizer {
                 continue;
             }
             match context.iter_mut().find(|(name, _)| name == k) {
-                Some((_, old)) => *old = v.clone(),
-                None => context.push((k.clone(), v.clone())),
+                Some((_, old)) => *old = v.to_value(),
+                None => context.push((k.clone(), v.to_value())),
             }
         }
-        let ctx = Json::Object(context).to_value();
+        let ctx = minijinja::Value::from_pairs(context);
         let mut text = template.render(ctx).map_err(|e| format!("{e:#}"))?;
         if chat.continue_final_message {
             let last = chat
@@ -314,6 +336,8 @@ pub struct ModelTokenizer {
     pub local: Option<LocalTokenizer>,
     pub render: Option<RenderClient>,
     content_format: ContentFormat,
+    /// Parsed conversations of recent bodies (with the in-process tokenizer's prefix cache).
+    conversations: Option<ConversationCache>,
 }
 
 impl ModelTokenizer {
@@ -321,7 +345,7 @@ impl ModelTokenizer {
     /// when the body has no prompt or the model has no in-process tokenizer.
     pub fn tokenize_body_blocking(
         &self,
-        body: &[u8],
+        body: &Bytes,
     ) -> Result<Option<(Vec<u32>, Source)>, String> {
         match tokenize_blocking(self, Endpoint::Generate, body) {
             Ok(Local::Done(ids, source)) => Ok(Some((ids, source))),
@@ -448,6 +472,11 @@ impl Tokenizers {
                 render = render.is_some(),
                 "tokenizer configured"
             );
+            // Bodies run about 4 bytes per token: the same bound as the token cache.
+            let conversations = local
+                .as_ref()
+                .filter(|l| l.tokenizer.cache_enabled())
+                .map(|_| ConversationCache::new(entry.prefix_cache_tokens.saturating_mul(4)));
             models.insert(
                 model.to_string(),
                 Arc::new(ModelTokenizer {
@@ -455,6 +484,7 @@ impl Tokenizers {
                     local,
                     render,
                     content_format: entry.content_format,
+                    conversations,
                 }),
             );
         }
@@ -608,15 +638,25 @@ type StageError = (&'static str, String);
 fn tokenize_blocking(
     m: &ModelTokenizer,
     endpoint: Endpoint,
-    body: &[u8],
+    body: &Bytes,
 ) -> Result<Local, StageError> {
-    let json: Json = serde_json::from_slice(body).map_err(|e| ("body", e.to_string()))?;
     let format = m
         .local
         .as_ref()
         .map_or(m.content_format, |l| l.content_format);
-    let spec =
-        prompt::prompt_spec_for(endpoint, &json, format).map_err(|e| ("body", e.to_string()))?;
+    let spec = match &m.conversations {
+        Some(cache) => {
+            let parsed = cache
+                .parse(body, endpoint, format)
+                .map_err(|e| ("body", e.to_string()))?;
+            prompt::prompt_spec_parsed(endpoint, &parsed.top, parsed.items, format)
+        }
+        None => {
+            let json: Json = serde_json::from_slice(body).map_err(|e| ("body", e.to_string()))?;
+            prompt::prompt_spec_for(endpoint, &json, format)
+        }
+    }
+    .map_err(|e| ("body", e.to_string()))?;
     match &spec {
         PromptSpec::None => return Ok(Local::Nothing),
         PromptSpec::Ids(ids) => return Ok(Local::Done(ids.clone(), Source::Body)),
@@ -651,7 +691,10 @@ fn render_request(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind
     };
     let mut entries = vec![
         ("model", json.get("model").cloned().unwrap_or(Json::Null)),
-        ("messages", Json::Array(chat.messages.clone())),
+        (
+            "messages",
+            Json::Array(chat.messages.iter().map(|m| m.json().clone()).collect()),
+        ),
         (
             "add_generation_prompt",
             Json::Bool(chat.add_generation_prompt),

@@ -24,6 +24,8 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 use tokenizers::Tokenizer;
+
+use super::fast::{Encoded, FastEncoder};
 use xxhash_rust::xxh3::Xxh3;
 
 /// Minimum distance between two checkpoints, in bytes.
@@ -34,7 +36,7 @@ const MAX_BACKOFF_TOKENS: usize = 4096;
 /// One tokenized text: the text and, per token, its id and byte span.
 #[derive(Debug)]
 struct Doc {
-    text: Box<str>,
+    text: String,
     ids: Vec<u32>,
     starts: Vec<u32>,
     ends: Vec<u32>,
@@ -112,7 +114,7 @@ impl PrefixCache {
     }
 
     /// The longest cached doc sharing a checkpoint prefix with `text`: (doc, checkpoint length).
-    fn lookup(&self, text: &str, checkpoints: &[(usize, u64)]) -> Option<(Arc<Doc>, usize)> {
+    fn lookup(&self, text: &str, checkpoints: &[(usize, u64)]) -> Option<(Arc<Doc>, u64, usize)> {
         let mut inner = self.inner.lock();
         inner.clock += 1;
         let now = inner.clock;
@@ -130,10 +132,64 @@ impl PrefixCache {
             let doc = &slot.doc;
             if doc.text.len() >= len && doc.text.as_bytes()[..len] == text.as_bytes()[..len] {
                 slot.last_used = now;
-                return Some((Arc::clone(&slot.doc), len));
+                return Some((Arc::clone(&slot.doc), doc_id, len));
             }
         }
         None
+    }
+
+    /// Turns cached doc `id` into `text` in place when nobody else is reading it: `doc` (the
+    /// caller's handle, dropped here) shares `text[..restart]` and `tokens` are the ids and spans
+    /// of `text[restart..]` from token `keep` on. This is what keeps a new turn's cost
+    /// proportional to its new text: nothing of the shared history is copied. Hands the tokens
+    /// back with the handle when the doc is shared or gone, for [`PrefixCache::insert`].
+    fn extend_in_place(
+        &self,
+        doc: Arc<Doc>,
+        id: u64,
+        text: &str,
+        keep: usize,
+        tail: Tail,
+        keys: Vec<(u64, usize)>,
+    ) -> Result<(), HandedBack> {
+        let mut guard = self.inner.lock();
+        let inner = &mut *guard;
+        let Some(slot) = inner.docs.get_mut(&id) else {
+            return Err((doc, tail, keys));
+        };
+        // New handles are only made under the lock, so with just ours and the slot's, dropping
+        // ours leaves the slot's unique.
+        if !Arc::ptr_eq(&slot.doc, &doc) || Arc::strong_count(&doc) != 2 {
+            return Err((doc, tail, keys));
+        }
+        drop(doc);
+        let Some(owned) = Arc::get_mut(&mut slot.doc) else {
+            return Ok(());
+        };
+        inner.clock += 1;
+        slot.last_used = inner.clock;
+        let old_tokens = owned.ids.len();
+        for (key, _) in std::mem::take(&mut owned.keys) {
+            if inner.map.get(&key).is_some_and(|e| e.doc == id) {
+                inner.map.remove(&key);
+            }
+        }
+        slot.live_entries = 0;
+        let restart = tail.from;
+        owned.text.truncate(restart);
+        owned.text.push_str(&text[restart..]);
+        owned.ids.truncate(keep);
+        owned.starts.truncate(keep);
+        owned.ends.truncate(keep);
+        owned.ids.extend_from_slice(&tail.ids);
+        owned.starts.extend_from_slice(&tail.starts);
+        owned.ends.extend_from_slice(&tail.ends);
+        owned.keys = keys;
+        let new_tokens = owned.ids.len();
+        inner.tokens = inner.tokens - old_tokens + new_tokens;
+        inner.register(id);
+        inner.evict(self.max_tokens, id);
+        Ok(())
     }
 
     fn insert(&self, doc: Doc) {
@@ -143,7 +199,6 @@ impl PrefixCache {
         let id = inner.next_doc;
         inner.next_doc += 1;
         let tokens = doc.tokens();
-        let keys = doc.keys.clone();
         inner.docs.insert(
             id,
             DocSlot {
@@ -153,35 +208,54 @@ impl PrefixCache {
             },
         );
         inner.tokens += tokens;
-        for (key, len) in keys {
-            let old = inner.map.insert(key, Entry { doc: id, len });
+        inner.register(id);
+        inner.evict(self.max_tokens, id);
+    }
+}
+
+impl Inner {
+    /// Points the map at doc `id` for each of its checkpoints (taking them over from older
+    /// docs); a doc with no checkpoint left (text shorter than a chunk) is dropped.
+    fn register(&mut self, id: u64) {
+        let Some(slot) = self.docs.get(&id) else {
+            return;
+        };
+        let doc = Arc::clone(&slot.doc);
+        for &(key, len) in &doc.keys {
+            let old = self.map.insert(key, Entry { doc: id, len });
             if let Some(old) = old {
-                inner.release_entry(old.doc);
+                if old.doc != id {
+                    self.release_entry(old.doc);
+                } else if let Some(slot) = self.docs.get_mut(&id) {
+                    // The same checkpoint listed twice: count it once.
+                    slot.live_entries -= 1;
+                }
             }
-            if let Some(slot) = inner.docs.get_mut(&id) {
+            if let Some(slot) = self.docs.get_mut(&id) {
                 slot.live_entries += 1;
             }
         }
-        if inner.docs.get(&id).is_some_and(|s| s.live_entries == 0) {
-            // Nothing to register (text shorter than a chunk): keep nothing.
-            inner.drop_doc(id);
+        if self.docs.get(&id).is_some_and(|s| s.live_entries == 0) {
+            self.drop_doc(id);
         }
-        while inner.tokens > self.max_tokens && inner.docs.len() > 1 {
-            let Some(oldest) = inner
+    }
+
+    /// Drops least recently used docs (never `keep`) until the token bound holds.
+    fn evict(&mut self, max_tokens: usize, keep: u64) {
+        while self.tokens > max_tokens && self.docs.len() > 1 {
+            let Some(oldest) = self
                 .docs
                 .iter()
-                .filter(|(d, _)| **d != id)
+                .filter(|(d, _)| **d != keep)
                 .min_by_key(|(_, s)| s.last_used)
                 .map(|(d, _)| *d)
             else {
                 break;
             };
-            inner.drop_doc(oldest);
+            self.drop_doc(oldest);
         }
     }
-}
 
-impl Inner {
     fn release_entry(&mut self, doc: u64) {
         let empty = match self.docs.get_mut(&doc) {
             Some(slot) => {
@@ -235,6 +309,8 @@ pub fn checkpoints(text: &str) -> Vec<(usize, u64)> {
 /// `tokenizer.encode(text, false)` id for id.
 pub struct IncrementalTokenizer {
     tokenizer: Arc<Tokenizer>,
+    /// The direct encoder, when the tokenizer has its shape and agrees with it.
+    fast: Option<FastEncoder>,
     cache: Option<PrefixCache>,
 }
 
@@ -247,14 +323,49 @@ impl IncrementalTokenizer {
     /// Wraps `tokenizer`; with `max_cached_tokens == 0` or when the load-time self-check finds
     /// the tokenizer is not splittable at line starts, every call tokenizes cold.
     pub fn new(tokenizer: Arc<Tokenizer>, max_cached_tokens: usize) -> Self {
-        let splittable = max_cached_tokens > 0 && self_check(&tokenizer);
-        if max_cached_tokens > 0 && !splittable {
-            tracing::warn!("tokenizer is not splittable at line starts: prefix cache disabled");
-        }
-        IncrementalTokenizer {
+        Self::with_fast(tokenizer, None, max_cached_tokens)
+    }
+
+    /// [`IncrementalTokenizer::new`] that encodes with `fast` (already checked to agree with
+    /// `tokenizer`) instead of the general pipeline.
+    pub fn with_fast(
+        tokenizer: Arc<Tokenizer>,
+        fast: Option<FastEncoder>,
+        max_cached_tokens: usize,
+    ) -> Self {
+        let mut inc = IncrementalTokenizer {
             tokenizer,
-            cache: splittable.then(|| PrefixCache::new(max_cached_tokens)),
+            fast,
+            cache: None,
+        };
+        if max_cached_tokens > 0 {
+            if self_check(|text| inc.encode_spans(text).ok()) {
+                inc.cache = Some(PrefixCache::new(max_cached_tokens));
+            } else {
+                tracing::warn!("tokenizer is not splittable at line starts: prefix cache disabled");
+            }
         }
+        inc
+    }
+
+    pub fn uses_fast_encoder(&self) -> bool {
+        self.fast.is_some()
+    }
+
+    /// Ids and byte spans of `text` (no special tokens added).
+    fn encode_spans(&self, text: &str) -> Result<Encoded, TokenizeError> {
+        if let Some(fast) = &self.fast {
+            return fast.encode(text).map_err(TokenizeError);
+        }
+        let enc = self
+            .tokenizer
+            .encode(text, false)
+            .map_err(|e| TokenizeError(e.to_string()))?;
+        Ok(Encoded {
+            ids: enc.get_ids().to_vec(),
+            starts: enc.get_offsets().iter().map(|o| o.0 as u32).collect(),
+            ends: enc.get_offsets().iter().map(|o| o.1 as u32).collect(),
+        })
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -271,6 +382,9 @@ impl IncrementalTokenizer {
 
     /// Cold tokenization (no special tokens added).
     pub fn tokenize_cold(&self, text: &str) -> Result<Vec<u32>, TokenizeError> {
+        if let Some(fast) = &self.fast {
+            return fast.encode(text).map(|e| e.ids).map_err(TokenizeError);
+        }
         let enc = self
             .tokenizer
             .encode_fast(text, false)
@@ -287,44 +401,110 @@ impl IncrementalTokenizer {
         if checkpoints.is_empty() {
             return Ok((self.tokenize_cold(text)?, Path::Cold));
         }
-        let mut ids = Vec::new();
-        let mut starts = Vec::new();
-        let mut ends = Vec::new();
-        let mut from = 0usize;
-        let mut path = Path::Cold;
-        if let Some((doc, len)) = cache.lookup(text, &checkpoints) {
-            // The texts agree up to the checkpoint; extend that to where they really diverge,
-            // so only the new text (not the rest of the last chunk) is tokenized again.
-            let shared = len + common_prefix(&doc.text.as_bytes()[len..], &text.as_bytes()[len..]);
-            if let Some(keep) = restart_token(&doc, shared) {
-                let restart = doc.starts[keep] as usize;
-                ids.extend_from_slice(&doc.ids[..keep]);
-                starts.extend_from_slice(&doc.starts[..keep]);
-                ends.extend_from_slice(&doc.ends[..keep]);
-                from = restart;
-                path = Path::Cached { reused: keep };
+        let keys: Vec<(u64, usize)> = checkpoints.iter().map(|&(l, k)| (k, l)).collect();
+        let Some((doc, doc_id, len)) = cache.lookup(text, &checkpoints) else {
+            let tail = self.encode_tail(text, 0)?;
+            let ids = tail.ids.clone();
+            cache.insert(Doc::joined(&ids, 0, text, tail, keys));
+            return Ok((ids, Path::Cold));
+        };
+        // The texts agree up to the checkpoint; extend that to where they really diverge,
+        // so only the new text (not the rest of the last chunk) is tokenized again.
+        let shared = len + common_prefix(&doc.text.as_bytes()[len..], &text.as_bytes()[len..]);
+        let keep = restart_token(&doc, shared).unwrap_or(0);
+        let from = if keep == 0 {
+            0
+        } else {
+            doc.starts[keep] as usize
+        };
+        let tail = self.encode_tail(text, from)?;
+        let mut ids = Vec::with_capacity(keep + tail.ids.len());
+        ids.extend_from_slice(&doc.ids[..keep]);
+        ids.extend_from_slice(&tail.ids);
+        let path = if keep == 0 {
+            Path::Cold
+        } else {
+            Path::Cached { reused: keep }
+        };
+        // A request that continues the cached text (it loses at most a chunk of the doc's own
+        // tail) takes the doc over; a branch that leaves more behind gets a doc of its own, so
+        // parallel conversations with a common start do not evict each other's histories.
+        let (doc, tail, keys) = if doc.text.len() - shared <= CHUNK {
+            match cache.extend_in_place(doc, doc_id, text, keep, tail, keys) {
+                Ok(()) => return Ok((ids, path)),
+                Err(handed_back) => handed_back,
             }
-        }
-        let enc = self
-            .tokenizer
-            .encode(&text[from..], false)
-            .map_err(|e| TokenizeError(e.to_string()))?;
+        } else {
+            (doc, tail, keys)
+        };
+        let new_doc = {
+            let mut d = Doc::joined(&ids, keep, text, tail, keys);
+            d.starts[..keep].copy_from_slice(&doc.starts[..keep]);
+            d.ends[..keep].copy_from_slice(&doc.ends[..keep]);
+            d
+        };
+        drop(doc);
+        cache.insert(new_doc);
+        Ok((ids, path))
+    }
+
+    /// Tokenizes `text[from..]` with byte spans relative to `text`.
+    fn encode_tail(&self, text: &str, from: usize) -> Result<Tail, TokenizeError> {
+        let mut enc = self.encode_spans(&text[from..])?;
         let base = from as u32;
-        ids.extend_from_slice(enc.get_ids());
-        for &(s, e) in enc.get_offsets() {
-            starts.push(base + s as u32);
-            ends.push(base + e as u32);
+        for s in enc.starts.iter_mut().chain(enc.ends.iter_mut()) {
+            *s += base;
         }
-        let result = ids.clone();
-        cache.insert(Doc {
-            text: text.into(),
-            ids,
+        Ok(Tail {
+            from,
+            ids: enc.ids,
+            starts: enc.starts,
+            ends: enc.ends,
+        })
+    }
+}
+
+/// What [`PrefixCache::extend_in_place`] returns when it cannot take the doc over.
+type HandedBack = (Arc<Doc>, Tail, Vec<(u64, usize)>);
+
+/// The freshly tokenized end of a text: `text[from..]`'s ids and byte spans (relative to the
+/// whole text).
+struct Tail {
+    from: usize,
+    ids: Vec<u32>,
+    starts: Vec<u32>,
+    ends: Vec<u32>,
+}
+
+impl Doc {
+    /// A doc for `text` whose first `keep` tokens are `ids[..keep]` (spans filled by the caller
+    /// when it has them) followed by `tail`.
+    /// Capacity leaves room for the next turns, so extending the doc in place does not copy.
+    fn joined(ids: &[u32], keep: usize, text: &str, tail: Tail, keys: Vec<(u64, usize)>) -> Doc {
+        let tokens = with_headroom(ids.len());
+        let mut starts = Vec::with_capacity(tokens);
+        starts.resize(keep, 0);
+        starts.extend_from_slice(&tail.starts);
+        let mut ends = Vec::with_capacity(tokens);
+        ends.resize(keep, 0);
+        ends.extend_from_slice(&tail.ends);
+        let mut own_ids = Vec::with_capacity(tokens);
+        own_ids.extend_from_slice(ids);
+        let mut own_text = String::with_capacity(with_headroom(text.len()));
+        own_text.push_str(text);
+        Doc {
+            text: own_text,
+            ids: own_ids,
             starts,
             ends,
-            keys: checkpoints.iter().map(|&(l, k)| (k, l)).collect(),
-        });
-        Ok((result, path))
+            keys,
+        }
     }
+}
+
+/// Room for about ten more turns of an agent (or a quarter more), whichever is less.
+fn with_headroom(len: usize) -> usize {
+    len + (len / 4).min(16 * 1024)
 }
 
 /// Length of the common prefix of two byte strings.
@@ -361,7 +541,7 @@ fn restart_token(doc: &Doc, len: usize) -> Option<usize> {
 
 /// Probes that a tokenizer splits at the restart rule: for texts with lines, the tokenization
 /// from a line start must equal the tail of the whole tokenization.
-fn self_check(tokenizer: &Tokenizer) -> bool {
+fn self_check(encode: impl Fn(&str) -> Option<Encoded>) -> bool {
     const PROBES: [&str; 4] = [
         "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello  world!\n\n  indented 12345 tokens\nDone.",
         "first line\nsecond line with   spaces   \nthird: 3.14159 and ünïcödé 漢字 テスト\n{\"a\": [1, 2]}\nend",
@@ -369,14 +549,14 @@ fn self_check(tokenizer: &Tokenizer) -> bool {
         "a\nb\nc\n.\n,\n'\n\"quoted\"\n",
     ];
     for probe in PROBES {
-        let Ok(whole) = tokenizer.encode(probe, false) else {
+        let Some(whole) = encode(probe) else {
             return false;
         };
         let doc = Doc {
-            text: probe.into(),
-            ids: whole.get_ids().to_vec(),
-            starts: whole.get_offsets().iter().map(|o| o.0 as u32).collect(),
-            ends: whole.get_offsets().iter().map(|o| o.1 as u32).collect(),
+            text: probe.to_string(),
+            ids: whole.ids,
+            starts: whole.starts,
+            ends: whole.ends,
             keys: Vec::new(),
         };
         for len in 1..probe.len() {
@@ -384,10 +564,10 @@ fn self_check(tokenizer: &Tokenizer) -> bool {
                 continue;
             };
             let from = doc.starts[keep] as usize;
-            let Ok(tail) = tokenizer.encode(&probe[from..], false) else {
+            let Some(tail) = encode(&probe[from..]) else {
                 return false;
             };
-            if tail.get_ids() != &doc.ids[keep..] {
+            if tail.ids != doc.ids[keep..] {
                 return false;
             }
         }

@@ -3,7 +3,90 @@
 //! Mirrors vLLM's preprocessing before the chat template (content parts joined, tool-call
 //! arguments parsed). It reads bodies only; rendering and tokenization are elsewhere.
 
+use std::sync::{Arc, OnceLock};
+
 use super::json::Json;
+
+/// One conversation message as the template sees it (after vLLM's preprocessing), with its
+/// template value made once: a message reused from an earlier request (see
+/// [`super::conversation`]) costs its template no copy.
+#[derive(Debug)]
+pub struct Message {
+    json: Json,
+    value: OnceLock<minijinja::Value>,
+}
+
+impl Message {
+    pub fn new(json: Json) -> Arc<Self> {
+        Arc::new(Message {
+            json,
+            value: OnceLock::new(),
+        })
+    }
+
+    pub fn json(&self) -> &Json {
+        &self.json
+    }
+
+    /// The template value (made on first use; values share their strings).
+    pub fn value(&self) -> minijinja::Value {
+        self.value.get_or_init(|| self.json.to_value()).clone()
+    }
+}
+
+impl PartialEq for Message {
+    fn eq(&self, other: &Self) -> bool {
+        self.json == other.json
+    }
+}
+
+impl std::ops::Deref for Message {
+    type Target = Json;
+    fn deref(&self) -> &Json {
+        &self.json
+    }
+}
+
+/// The array field of a body that holds a conversation, one message per item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConversationField {
+    /// Chat completions `messages`.
+    Messages,
+    /// Responses `input` (when a list).
+    Input,
+}
+
+impl ConversationField {
+    pub fn key(self) -> &'static str {
+        match self {
+            ConversationField::Messages => "messages",
+            ConversationField::Input => "input",
+        }
+    }
+
+    /// Which field carries the conversation, by the precedence [`prompt_spec_for`] applies:
+    /// `has` tells whether the body has a key, `input_is_list` whether `input` is a list.
+    pub fn of(endpoint: Endpoint, has: impl Fn(&str) -> bool, input_is_list: bool) -> Option<Self> {
+        if endpoint == Endpoint::Embeddings {
+            return None;
+        }
+        if has("messages") {
+            return Some(ConversationField::Messages);
+        }
+        if !has("prompt") && has("input") && input_is_list {
+            return Some(ConversationField::Input);
+        }
+        None
+    }
+
+    /// One item of the field as a template message.
+    pub fn convert(self, item: &Json, format: ContentFormat) -> Result<Json, Unsupported> {
+        match self {
+            ConversationField::Messages => chat_message(item, format),
+            ConversationField::Input => response_item(item, format),
+        }
+    }
+}
 
 /// How message content given as a list of parts reaches the template.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
@@ -34,7 +117,7 @@ pub enum PromptSpec {
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct ChatPrompt {
-    pub messages: Vec<Json>,
+    pub messages: Vec<Arc<Message>>,
     pub tools: Option<Json>,
     pub add_generation_prompt: bool,
     pub continue_final_message: bool,
@@ -82,6 +165,17 @@ pub fn prompt_spec_for(
     body: &Json,
     format: ContentFormat,
 ) -> Result<PromptSpec, Unsupported> {
+    prompt_spec_parsed(endpoint, body, None, format)
+}
+
+/// [`prompt_spec_for`] with the conversation's messages already converted (`items`: one per
+/// item of the body's [`ConversationField`], which `body` may then hold empty).
+pub fn prompt_spec_parsed(
+    endpoint: Endpoint,
+    body: &Json,
+    items: Option<Vec<Arc<Message>>>,
+    format: ContentFormat,
+) -> Result<PromptSpec, Unsupported> {
     if endpoint == Endpoint::Embeddings {
         let add_special_tokens = body.get("add_special_tokens").and_then(Json::as_bool);
         return Ok(match body.get("input") {
@@ -107,13 +201,15 @@ pub fn prompt_spec_for(
         });
     }
     if let Some(messages) = body.get("messages") {
-        let messages = messages
-            .as_array()
-            .ok_or(Unsupported("`messages` is not a list"))?;
-        let messages = messages
-            .iter()
-            .map(|m| chat_message(m, format))
-            .collect::<Result<Vec<_>, _>>()?;
+        let messages = match items {
+            Some(items) => items,
+            None => messages
+                .as_array()
+                .ok_or(Unsupported("`messages` is not a list"))?
+                .iter()
+                .map(|m| chat_message(m, format).map(Message::new))
+                .collect::<Result<Vec<_>, _>>()?,
+        };
         return chat_prompt(body, messages, body.get("tools").cloned());
     }
     if let Some(prompt) = body.get("prompt") {
@@ -149,7 +245,7 @@ pub fn prompt_spec_for(
         });
     }
     if body.get("input").is_some() || body.get("instructions").is_some() {
-        let messages = responses_messages(body, format)?;
+        let messages = responses_messages(body, items, format)?;
         let tools = body.get("tools").map(responses_tools);
         return chat_prompt(body, messages, tools);
     }
@@ -158,7 +254,7 @@ pub fn prompt_spec_for(
 
 fn chat_prompt(
     body: &Json,
-    messages: Vec<Json>,
+    messages: Vec<Arc<Message>>,
     tools: Option<Json>,
 ) -> Result<PromptSpec, Unsupported> {
     let continue_final_message = body
@@ -259,24 +355,32 @@ fn parse_tool_call_arguments(call: &Json) -> Json {
 }
 
 /// `/v1/responses` `instructions` + `input` as chat messages.
-fn responses_messages(body: &Json, format: ContentFormat) -> Result<Vec<Json>, Unsupported> {
+fn responses_messages(
+    body: &Json,
+    items: Option<Vec<Arc<Message>>>,
+    format: ContentFormat,
+) -> Result<Vec<Arc<Message>>, Unsupported> {
     let mut messages = Vec::new();
     match body.get("instructions") {
-        Some(Json::String(s)) => messages.push(Json::object(vec![
+        Some(Json::String(s)) => messages.push(Message::new(Json::object(vec![
             ("role", Json::String("system".into())),
             ("content", Json::String(s.clone())),
-        ])),
+        ]))),
         Some(Json::Null) | None => {}
         Some(_) => return Err(Unsupported("`instructions` must be a string")),
     }
+    if let Some(items) = items {
+        messages.extend(items);
+        return Ok(messages);
+    }
     match body.get("input") {
-        Some(Json::String(s)) => messages.push(Json::object(vec![
+        Some(Json::String(s)) => messages.push(Message::new(Json::object(vec![
             ("role", Json::String("user".into())),
             ("content", Json::String(s.clone())),
-        ])),
+        ]))),
         Some(Json::Array(items)) => {
             for item in items {
-                messages.push(response_item(item, format)?);
+                messages.push(Message::new(response_item(item, format)?));
             }
         }
         Some(Json::Null) | None => {}
