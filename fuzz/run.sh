@@ -3,7 +3,8 @@
 #
 #   bash fuzz/run.sh [SECONDS] [TARGET]   # default 600 s, target kv_event_decoder
 #
-# Targets: kv_event_decoder (src/events/decode.rs), request_body (src/request.rs + src/usage.rs).
+# Targets: kv_event_decoder (src/events/decode.rs), request_body (src/request.rs + src/usage.rs),
+# extproc_stream (the ext_proc stream machine), conversation_body (src/tokenize/conversation.rs).
 #
 # Installs cargo-fuzz if missing. cargo-fuzz needs nightly-only rustc flags (sanitizers); on a
 # stable toolchain RUSTC_BOOTSTRAP=1 unlocks them. The corpus lives in the repo

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-20}"
 log="$(mktemp)"
-for target in kv_event_decoder request_body extproc_stream; do
+for target in kv_event_decoder request_body extproc_stream conversation_body; do
   echo "--- fuzz smoke: $target (${secs}s)"
   if ! bash fuzz/run.sh "$secs" "$target" >"$log" 2>&1; then
     tail -60 "$log"

@@ -24,10 +24,9 @@ use xxhash_rust::xxh3::Xxh3;
 use super::json::Json;
 use super::prompt::{ContentFormat, ConversationField, Endpoint, Message};
 
-/// Bodies are indexed by the hash of every prefix of a multiple of this many bytes.
-const STRIDE: usize = 4096;
-/// Smaller bodies are parsed whole: there is little to save.
-pub const MIN_CACHED_BODY: usize = 2 * STRIDE;
+/// Bodies are indexed by the hash of every prefix of a multiple of this many bytes; bodies under
+/// two strides are parsed whole (there is little to save).
+pub const STRIDE: usize = 4096;
 
 /// A body as the prompt reader needs it.
 #[derive(Debug)]
@@ -75,6 +74,7 @@ struct Inner {
 pub struct ConversationCache {
     inner: Mutex<Inner>,
     max_bytes: usize,
+    stride: usize,
 }
 
 /// Cache statistics (for tests).
@@ -87,9 +87,16 @@ pub struct ConversationStats {
 impl ConversationCache {
     /// A cache holding bodies of at most `max_bytes` in all (the newest is always kept).
     pub fn new(max_bytes: usize) -> Self {
+        Self::with_stride(max_bytes, STRIDE)
+    }
+
+    /// A cache indexing bodies every `stride` bytes (small strides let tests and the fuzzer
+    /// reach the splice with small bodies).
+    pub fn with_stride(max_bytes: usize, stride: usize) -> Self {
         ConversationCache {
             inner: Mutex::new(Inner::default()),
             max_bytes,
+            stride: stride.max(1),
         }
     }
 
@@ -108,10 +115,10 @@ impl ConversationCache {
         endpoint: Endpoint,
         format: ContentFormat,
     ) -> Result<ParsedBody, BodyError> {
-        if body.len() < MIN_CACHED_BODY {
+        if body.len() < 2 * self.stride {
             return Ok(parse_plain(body, endpoint, format)?.0);
         }
-        let keys = prefix_keys(body);
+        let keys = prefix_keys(body, self.stride);
         if let Some(parsed) = self.parse_spliced(body, endpoint, format, &keys)? {
             return Ok(parsed);
         }
@@ -210,7 +217,7 @@ impl ConversationCache {
         inner.clock += 1;
         let now = inner.clock;
         for (i, key) in keys.iter().enumerate().rev() {
-            let len = (i + 1) * STRIDE;
+            let len = (i + 1) * self.stride;
             let Some(&id) = inner.map.get(key) else {
                 continue;
             };
@@ -330,7 +337,19 @@ fn parse_plain(
     endpoint: Endpoint,
     format: ContentFormat,
 ) -> Result<(ParsedBody, Option<Layout>), BodyError> {
-    let envelope = parse_envelope(body).map_err(|e| BodyError(e.to_string()))?;
+    let envelope = match parse_envelope(body) {
+        Ok(envelope) => envelope,
+        // Not an object: whatever the whole-body reader makes of it (no conversation).
+        Err(e) => {
+            let top: Json = serde_json::from_slice(body).map_err(|_| BodyError(e.to_string()))?;
+            let parsed = ParsedBody {
+                top,
+                items: None,
+                reused: 0,
+            };
+            return Ok((parsed, None));
+        }
+    };
     match read_conversation(&envelope, endpoint, body, format)? {
         Some(conversation) => Ok((
             ParsedBody {
@@ -421,6 +440,8 @@ fn read_conversation(
     let mut items = Vec::with_capacity(list.len());
     for item in list {
         item_ends.push(item.get().as_ptr() as usize - base + item.get().len());
+        // Items sit two levels down (object, list): keep the whole-body reader's depth limit.
+        check_depth(item.get(), 2)?;
         let json: Json = serde_json::from_str(item.get()).map_err(|e| BodyError(format!("{e}")))?;
         let message = field
             .convert(&json, format)
@@ -445,6 +466,7 @@ fn top_fields(
         let value = if conversation.is_some_and(|f| f.key() == key) {
             Json::Array(Vec::new())
         } else {
+            check_depth(raw.get(), 1)?;
             serde_json::from_str(raw.get()).map_err(|e| BodyError(format!("{key}: {e}")))?
         };
         fields.push((key.clone(), value));
@@ -452,10 +474,43 @@ fn top_fields(
     Ok(Json::Object(fields))
 }
 
-/// xxh3 of every `STRIDE`-multiple prefix of `body`.
-fn prefix_keys(body: &[u8]) -> Vec<u64> {
+/// serde_json's nesting limit for a whole document.
+const MAX_DEPTH: usize = 127;
+
+/// Fails like the whole-body parse would when `raw` (valid JSON found `above` levels down in the
+/// body) nests deeper than the limit counted from the body's top.
+fn check_depth(raw: &str, above: usize) -> Result<(), BodyError> {
+    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in raw.as_bytes() {
+        if in_string {
+            match (escaped, b) {
+                (true, _) => escaped = false,
+                (false, b'\\') => escaped = true,
+                (false, b'"') => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    if deepest + above > MAX_DEPTH {
+        return Err(BodyError("recursion limit exceeded".into()));
+    }
+    Ok(())
+}
+
+/// xxh3 of every `stride`-multiple prefix of `body`.
+fn prefix_keys(body: &[u8], stride: usize) -> Vec<u64> {
     let mut hasher = Xxh3::new();
-    body.chunks_exact(STRIDE)
+    body.chunks_exact(stride)
         .map(|chunk| {
             hasher.update(chunk);
             hasher.digest()
@@ -675,5 +730,57 @@ mod tests {
             "{:?}",
             cache.stats()
         );
+    }
+}
+#[cfg(test)]
+mod edge_tests {
+    use super::*;
+    use crate::tokenize::prompt::{prompt_spec_for, prompt_spec_parsed};
+
+    fn both(body: &str) -> (Result<String, ()>, Result<String, ()>) {
+        let cache = ConversationCache::with_stride(1 << 20, 8);
+        let b = Bytes::from(body.to_string());
+        let cached = cache
+            .parse(&b, Endpoint::Generate, ContentFormat::String)
+            .ok()
+            .and_then(|p| {
+                prompt_spec_parsed(Endpoint::Generate, &p.top, p.items, ContentFormat::String).ok()
+            })
+            .map(|s| format!("{s:?}"))
+            .ok_or(());
+        let plain = serde_json::from_slice::<Json>(body.as_bytes())
+            .ok()
+            .and_then(|j| prompt_spec_for(Endpoint::Generate, &j, ContentFormat::String).ok())
+            .map(|s| format!("{s:?}"))
+            .ok_or(());
+        (cached, plain)
+    }
+
+    #[test]
+    fn non_objects_and_deep_nesting_read_as_the_whole_body_reader_reads_them() {
+        for body in ["[1, 2]", "\"text\"", "null", "7"] {
+            let (cached, plain) = both(body);
+            assert_eq!(cached, plain, "{body}");
+        }
+        // Around serde_json's limit, in an item and in a top-level field; brackets inside strings
+        // do not count.
+        for n in 120..=130 {
+            let deep = format!(
+                r#"{{"messages":[{{"role":"user","content":"x]]{{","extra":{}1{}}}],"z":{}2{}}}"#,
+                "[".repeat(n),
+                "]".repeat(n),
+                "[".repeat(n + 1),
+                "]".repeat(n + 1),
+            );
+            let (cached, plain) = both(&deep);
+            assert_eq!(cached, plain, "{n}");
+            let deep = format!(
+                r#"{{"messages":[{{"role":"user","content":"\"[[","extra":{}1{}}}]}}"#,
+                "[".repeat(n),
+                "]".repeat(n)
+            );
+            let (cached, plain) = both(&deep);
+            assert_eq!(cached, plain, "{n}");
+        }
     }
 }
