@@ -327,7 +327,7 @@ fn split_regexes(pre: Option<&serde_json::Value>) -> Result<Vec<Regex>, String> 
 }
 
 /// GPT-2's byte-to-character table that byte-level BPE vocabularies are written in.
-fn bytes_to_unicode() -> [char; 256] {
+pub(crate) fn bytes_to_unicode() -> [char; 256] {
     let mut table = ['\0'; 256];
     let mut extra = 0;
     for b in 0..256u32 {
@@ -391,38 +391,7 @@ mod tests {
     use crate::tokenize::prefix_cache::testutil;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    const WORDS: [&str; 30] = [
-        "the",
-        " answer",
-        "12345",
-        "3.14",
-        "ünïcödé",
-        "漢字",
-        "テスト",
-        "  ",
-        "\t",
-        "\n",
-        "\n\n",
-        "   \n",
-        "<|im_start|>",
-        "<|im_start|",
-        "assistant",
-        "{\"k\": [1, 2]}",
-        "don't",
-        "I'll",
-        "!!",
-        "?",
-        "😀",
-        "    indented",
-        "x=1;",
-        "-",
-        "\r\n",
-        "\u{a0}",
-        "café",
-        "数据",
-        "a_b",
-        "'s",
-    ];
+    use testutil::WORDS;
 
     fn random_text(rng: &mut StdRng, words: usize) -> String {
         let mut s = String::new();

@@ -582,30 +582,44 @@ pub(crate) mod testutil {
 
     use std::collections::BTreeMap;
 
-    fn bytes_to_unicode() -> Vec<char> {
-        let mut bs: Vec<u32> = (b'!' as u32..=b'~' as u32)
-            .chain(0xA1..=0xAC)
-            .chain(0xAE..=0xFF)
-            .collect();
-        let mut cs = bs.clone();
-        let mut n = 0;
-        for b in 0..256u32 {
-            if !bs.contains(&b) {
-                bs.push(b);
-                cs.push(256 + n);
-                n += 1;
-            }
-        }
-        let mut map = vec!['\0'; 256];
-        for (b, c) in bs.into_iter().zip(cs) {
-            map[b as usize] = char::from_u32(c).unwrap();
-        }
-        map
-    }
+    /// Words for random test texts: whitespace runs, line ends, numbers, CJK, accents, emoji,
+    /// code, contractions, the added token and a near miss of it.
+    pub const WORDS: [&str; 30] = [
+        "the",
+        " answer",
+        "12345",
+        "3.14",
+        "ünïcödé",
+        "漢字",
+        "テスト",
+        "  ",
+        "\t",
+        "\n",
+        "\n\n",
+        "   \n",
+        "<|im_start|>",
+        "<|im_start|",
+        "assistant",
+        "{\"k\": [1, 2]}",
+        "don't",
+        "I'll",
+        "!!",
+        "?",
+        "😀",
+        "    indented",
+        "x=1;",
+        "-",
+        "\r\n",
+        "\u{a0}",
+        "café",
+        "数据",
+        "a_b",
+        "'s",
+    ];
 
     /// The tokenizer.json text.
     pub fn tokenizer_json() -> String {
-        let map = bytes_to_unicode();
+        let map = crate::tokenize::fast::bytes_to_unicode();
         let mut vocab: BTreeMap<String, u32> = BTreeMap::new();
         for c in &map {
             let next = vocab.len() as u32;
@@ -670,32 +684,7 @@ mod tests {
     use super::*;
     use rand::{rngs::StdRng, Rng, SeedableRng};
 
-    const WORDS: [&str; 24] = [
-        "the",
-        "in",
-        "answer",
-        "12345",
-        "3.14",
-        "ünïcödé",
-        "漢字",
-        "テスト",
-        "  ",
-        "\t",
-        "\n",
-        "\n\n",
-        "   \n",
-        "<|im_start|>",
-        "assistant",
-        "{\"k\": [1, 2]}",
-        "don't",
-        "!!",
-        "?",
-        "😀",
-        "    indented",
-        "x=1;",
-        "-",
-        "\r\n",
-    ];
+    use testutil::WORDS;
 
     fn random_text(rng: &mut StdRng, bytes: usize) -> String {
         let mut s = String::new();
