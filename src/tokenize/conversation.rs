@@ -22,6 +22,7 @@ use serde_json::value::RawValue;
 use xxhash_rust::xxh3::Xxh3;
 
 use super::json::Json;
+use super::prefix_cache::common_prefix;
 use super::prompt::{ContentFormat, ConversationField, Endpoint, Message};
 
 /// Bodies are indexed by the hash of every prefix of a multiple of this many bytes; bodies under
@@ -516,10 +517,6 @@ fn prefix_keys(body: &[u8], stride: usize) -> Vec<u64> {
             hasher.digest()
         })
         .collect()
-}
-
-fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
 #[cfg(test)]

@@ -35,16 +35,17 @@ struct AddedSet {
 }
 
 impl AddedSet {
-    fn new(tokens: Vec<(String, u32)>) -> Option<Self> {
+    /// The set of `tokens` (none when empty).
+    fn new(tokens: Vec<(String, u32)>) -> Result<Option<Self>, String> {
         if tokens.is_empty() {
-            return None;
+            return Ok(None);
         }
         let (patterns, ids): (Vec<String>, Vec<u32>) = tokens.into_iter().unzip();
         let matcher = AhoCorasickBuilder::new()
             .match_kind(MatchKind::LeftmostLongest)
             .build(&patterns)
-            .ok()?;
-        Some(AddedSet { matcher, ids })
+            .map_err(|e| format!("added tokens: {e}"))?;
+        Ok(Some(AddedSet { matcher, ids }))
     }
 }
 
@@ -127,8 +128,8 @@ impl FastEncoder {
         }
         Ok(FastEncoder {
             tokenizer,
-            raw_added: AddedSet::new(raw),
-            normalized_added: AddedSet::new(normalized),
+            raw_added: AddedSet::new(raw)?,
+            normalized_added: AddedSet::new(normalized)?,
             splits,
             byte_chars: bytes_to_unicode(),
         })

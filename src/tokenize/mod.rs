@@ -469,6 +469,9 @@ impl Tokenizers {
                 local = local.is_some(),
                 chat_template = local.as_ref().is_some_and(|l| l.template.is_some()),
                 prefix_cache = local.as_ref().is_some_and(|l| l.tokenizer.cache_enabled()),
+                direct_encoder = local
+                    .as_ref()
+                    .is_some_and(|l| l.tokenizer.uses_fast_encoder()),
                 render = render.is_some(),
                 "tokenizer configured"
             );

@@ -405,7 +405,7 @@ impl IncrementalTokenizer {
         let Some((doc, doc_id, len)) = cache.lookup(text, &checkpoints) else {
             let tail = self.encode_tail(text, 0)?;
             let ids = tail.ids.clone();
-            cache.insert(Doc::joined(&ids, 0, text, tail, keys));
+            cache.insert(Doc::joined(&ids, (&[], &[]), text, tail, keys));
             return Ok((ids, Path::Cold));
         };
         // The texts agree up to the checkpoint; extend that to where they really diverge,
@@ -437,12 +437,13 @@ impl IncrementalTokenizer {
         } else {
             (doc, tail, keys)
         };
-        let new_doc = {
-            let mut d = Doc::joined(&ids, keep, text, tail, keys);
-            d.starts[..keep].copy_from_slice(&doc.starts[..keep]);
-            d.ends[..keep].copy_from_slice(&doc.ends[..keep]);
-            d
-        };
+        let new_doc = Doc::joined(
+            &ids,
+            (&doc.starts[..keep], &doc.ends[..keep]),
+            text,
+            tail,
+            keys,
+        );
         drop(doc);
         cache.insert(new_doc);
         Ok((ids, path))
@@ -477,38 +478,42 @@ struct Tail {
 }
 
 impl Doc {
-    /// A doc for `text` whose first `keep` tokens are `ids[..keep]` (spans filled by the caller
-    /// when it has them) followed by `tail`.
-    /// Capacity leaves room for the next turns, so extending the doc in place does not copy.
-    fn joined(ids: &[u32], keep: usize, text: &str, tail: Tail, keys: Vec<(u64, usize)>) -> Doc {
-        let tokens = with_headroom(ids.len());
-        let mut starts = Vec::with_capacity(tokens);
-        starts.resize(keep, 0);
-        starts.extend_from_slice(&tail.starts);
-        let mut ends = Vec::with_capacity(tokens);
-        ends.resize(keep, 0);
-        ends.extend_from_slice(&tail.ends);
-        let mut own_ids = Vec::with_capacity(tokens);
-        own_ids.extend_from_slice(ids);
+    /// A doc for `text` with ids `ids`: the spans `prefix` of the tokens kept from a cached
+    /// doc, then `tail`'s. Capacity leaves room for the next turns, so extending the doc in
+    /// place does not copy.
+    fn joined(
+        ids: &[u32],
+        prefix: (&[u32], &[u32]),
+        text: &str,
+        tail: Tail,
+        keys: Vec<(u64, usize)>,
+    ) -> Doc {
+        let capacity = with_headroom(ids.len());
+        let with_room = |kept: &[u32], new: &[u32]| {
+            let mut v = Vec::with_capacity(capacity);
+            v.extend_from_slice(kept);
+            v.extend_from_slice(new);
+            v
+        };
         let mut own_text = String::with_capacity(with_headroom(text.len()));
         own_text.push_str(text);
         Doc {
             text: own_text,
-            ids: own_ids,
-            starts,
-            ends,
+            ids: with_room(ids, &[]),
+            starts: with_room(prefix.0, &tail.starts),
+            ends: with_room(prefix.1, &tail.ends),
             keys,
         }
     }
 }
 
-/// Room for about ten more turns of an agent (or a quarter more), whichever is less.
+/// A quarter more, at most 16 Ki more (tokens or bytes): room for a few more agent turns.
 fn with_headroom(len: usize) -> usize {
     len + (len / 4).min(16 * 1024)
 }
 
 /// Length of the common prefix of two byte strings.
-fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+pub(crate) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
     const STEP: usize = 64;
     let n = a.len().min(b.len());
     let mut i = 0;
