@@ -9,6 +9,12 @@
 //! Writes `target/bench-index.json` and prints a table. Without `--bench` (as under `cargo test`)
 //! it runs a small smoke pass.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+// a test/bench harness: a panic is a failure report
+
+// The counting allocator below is the one place kvpick allows unsafe code.
+#![allow(unsafe_code)]
+
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
@@ -16,10 +22,10 @@ use std::time::Instant;
 
 use kvpick::catalog::{RankLayout, WorkerSpec};
 use kvpick::events::decode::{decode_batch, KvEvent, Medium};
-use kvpick::index::hash::{chain, local_hashes, BASE_SEED};
-use kvpick::index::{PrefixIndex, Tier};
 use kvpick::metrics::Metrics;
 use kvpick::selection::{CoreConfig, RankKey, SelectionCore};
+use kvpick_core::hash::{chain, local_hashes, BASE_SEED};
+use kvpick_core::index::{PrefixIndex, Tier};
 
 struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);
@@ -206,7 +212,7 @@ fn main() {
         // Memory and lookups on a bare index.
         let chains: Vec<Vec<u64>> = requests.iter().map(|r| seq_hashes(r)).collect();
         let before = LIVE.load(Ordering::Relaxed);
-        let mut index = PrefixIndex::new(1 << 24);
+        let mut index = PrefixIndex::new(1 << 24, std::time::Instant::now());
         let mut pairs = 0usize;
         for (i, c) in chains.iter().enumerate() {
             index.insert(keys2[i % ranks], c, Tier::Gpu, None);
@@ -224,7 +230,7 @@ fn main() {
             set.len()
         };
         let _ = pairs;
-        let now = tokio::time::Instant::now();
+        let now = Instant::now();
         let mut samples: Vec<f64> = Vec::new();
         let rounds = if benching { 20 } else { 1 };
         for _ in 0..rounds {

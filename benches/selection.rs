@@ -1,4 +1,4 @@
-//! Decision latency of the selection core with warm state (DESIGN §5, issue "selection core"):
+//! Decision latency of the selection core with warm state (ARCHITECTURE.md §4, issue "selection core"):
 //! 8, 64, 1,024 and 8,192 ranks, an 8k-token prompt (512 blocks of 16), tokenization excluded
 //! (the prompt arrives as precomputed block hashes; a second series includes hashing the tokens).
 //!
@@ -8,17 +8,19 @@
 //! `target/bench-selection.json`. Without `--bench` (as under `cargo test`) it runs one smoke
 //! decision per size.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::sync::Arc;
 use std::time::Instant;
 
 use criterion::{BenchmarkId, Criterion};
 use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::index::hash::{prompt_hashes, BASE_SEED};
-use kvpick::index::Tier;
 use kvpick::metrics::Metrics;
 use kvpick::selection::{
     CoreConfig, PartitionKey, PromptInput, RankKey, SelectionCore, SelectionRequest,
 };
+use kvpick_core::hash::{prompt_hashes, BASE_SEED};
+use kvpick_core::index::Tier;
 
 const SIZES: [usize; 4] = [8, 64, 1_024, 8_192];
 const RANKS_PER_WORKER: usize = 8;

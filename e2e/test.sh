@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh
 cargo build --locked --bins --examples
-cargo test --locked --all-targets
+cargo test --locked --workspace --all-targets
 bash e2e/check-manifests.sh
 KVPICK_BIN="$PWD/target/debug/kvpick" LOADGEN_BIN="$PWD/target/debug/examples/loadgen" \
   .venv/bin/python -m pytest e2e/tests -q -p no:cacheprovider "$@"

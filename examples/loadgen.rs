@@ -15,6 +15,8 @@
 //!     the whole response body has arrived).
 //! ```
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

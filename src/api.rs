@@ -14,11 +14,11 @@ use crate::proto::{
     ListWorkersResponse, LoadsRequest, LoadsResponse, OverlapScore, OverlapScoresResponse,
     RankLoad, SelectRequest, SelectResponse, Worker, WorkerSpec,
 };
-use crate::selection::session::MAX_SESSION_ID_BYTES;
 use crate::selection::{
-    self, DuplicateId, EndpointFilter, PickedRank, Pin, PromptInput, SelectError, SelectionCore,
-    SelectionRequest, WorkerView,
+    self, CatalogError, DuplicateId, EndpointFilter, PickedRank, Pin, PromptInput, SelectError,
+    SelectionCore, SelectionRequest, WorkerView,
 };
+use kvpick_core::request::check_session_id_len;
 
 /// Catalog source name of workers managed through this API.
 pub const API_SOURCE: &str = "api";
@@ -81,17 +81,20 @@ pub fn status_of(err: &SelectError) -> Status {
     }
 }
 
+/// The gRPC status for a refused catalog change.
+pub fn catalog_status(err: &CatalogError) -> Status {
+    match err {
+        CatalogError::DuplicateWorker { .. } => Status::already_exists(err.to_string()),
+    }
+}
+
 /// Translates an API request into the core's request (shared by Select, SelectAndReserve and
 /// OverlapScores).
 pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status> {
     if req.model.is_empty() {
         return Err(Status::invalid_argument("model is required"));
     }
-    if req.session_id.len() > MAX_SESSION_ID_BYTES {
-        return Err(Status::invalid_argument(format!(
-            "session_id longer than {MAX_SESSION_ID_BYTES} bytes"
-        )));
-    }
+    check_session_id_len(req.session_id.len(), "session_id").map_err(|e| status_of(&e))?;
     if req.pin_dp_rank.is_some() && req.pin_worker_id.is_none() {
         return Err(Status::invalid_argument("pin_dp_rank needs pin_worker_id"));
     }
@@ -268,7 +271,7 @@ impl Selection for SelectionApi {
         let worker_id = spec.worker_id();
         self.core
             .upsert_source_worker(API_SOURCE, spec)
-            .map_err(Status::already_exists)?;
+            .map_err(|e| catalog_status(&e))?;
         Ok(Response::new(CatalogAck {
             worker_id,
             found: true,
@@ -284,7 +287,7 @@ impl Selection for SelectionApi {
         let found = self
             .core
             .delete_source_worker(API_SOURCE, &name)
-            .map_err(Status::internal)?;
+            .map_err(|e| catalog_status(&e))?;
         Ok(Response::new(CatalogAck {
             worker_id: crate::catalog::worker_id(API_SOURCE, &name),
             found,

@@ -1,22 +1,30 @@
-//! kvpick: a KV-cache-aware endpoint picker for LLM inference behind Envoy.
+//! kvpick: a KV-cache-aware endpoint picker for LLM inference behind Envoy. This crate holds the
+//! hosts, the sources and the process wiring around the selection core (`kvpick_core`, no I/O);
+//! the simulator and the replay are `kvpick_sim`. See `docs/ARCHITECTURE.md` for the whole map.
 //!
-//! Layout: [`selection`] is the one selection core; [`extproc`] (Envoy) and [`api`] (gRPC selection
-//! API) are hosts that only translate protocols; [`catalog`] produces worker snapshots;
-//! [`server`] wires processes, ports, TLS, health and metrics together.
+//! # Layout
+//! - [`selection`]: the core bound to this process (clock, metrics from the core's facts,
+//!   readiness channels, the RAII reservation) and the catalog reconciler loop.
+//! - Hosts, which only translate protocols: [`extproc`] (Envoy ext_proc), [`api`] (gRPC
+//!   selection API). [`request`] and [`usage`] read request and response bodies; [`tokenize`]
+//!   turns prompts into engine token ids.
+//! - Sources: [`catalog`] (static file, Kubernetes reflector) produce complete worker snapshots;
+//!   [`events`] decodes KV events off ZeroMQ and feeds them to the core.
+//! - Process: [`server`] (flags, ports, wiring, shutdown), [`tls`], [`health`], [`net`],
+//!   [`metrics`] (one registry, per-area metric sets).
+
+#![forbid(unsafe_code)]
 
 pub mod api;
 pub mod catalog;
 pub mod events;
 pub mod extproc;
 pub mod health;
-pub mod index;
 pub mod metrics;
 pub mod net;
-pub mod replay;
 pub mod request;
 pub mod selection;
 pub mod server;
-pub mod sim;
 pub mod tls;
 pub mod tokenize;
 pub mod usage;

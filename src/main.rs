@@ -1,5 +1,7 @@
 //! The `kvpick` command line: parses flags and hands each subcommand to its module.
 
+#![forbid(unsafe_code)]
+
 use clap::{Parser, Subcommand};
 
 // mimalloc: tokenizers, minijinja and body parsing allocate per token and per string; with
@@ -22,13 +24,20 @@ enum Command {
     Serve(Box<kvpick::server::ServeArgs>),
     /// Offline, virtual-clock replay of a Mooncake trace through each routing policy and a
     /// simulated fleet; prints a Markdown table, optionally writes a JSON report.
-    Replay(kvpick::replay::ReplayArgs),
+    Replay(kvpick_sim::replay::ReplayArgs),
     /// A fleet of simulated vLLM workers (OpenAI HTTP, `vllm:*` metrics, KV events over ZeroMQ).
-    Sim(kvpick::sim::server::SimArgs),
+    Sim(kvpick_sim::sim::server::SimArgs),
     /// Print the token ids kvpick computes for request bodies (one JSON body per stdin line;
     /// one JSON answer per line: `{"ids": [...], "source": "ok|cached|render|body"}` or
     /// `{"fallback": "reason"}`). For checking a tokenizer config against an engine.
     Tokenize(kvpick::tokenize::cli::TokenizeArgs),
+}
+
+/// A multi-threaded tokio runtime; failing to build one is fatal before anything starts.
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
 }
 
 fn main() -> std::process::ExitCode {
@@ -36,11 +45,14 @@ fn main() -> std::process::ExitCode {
     match cli.command {
         Command::Sim(args) => {
             kvpick::server::init_logging(kvpick::server::LogFormat::Text);
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .expect("tokio runtime");
-            match runtime.block_on(kvpick::sim::server::run(args)) {
+            let runtime = match runtime() {
+                Ok(r) => r,
+                Err(err) => {
+                    eprintln!("kvpick: error: tokio runtime: {err}");
+                    return std::process::ExitCode::from(2);
+                }
+            };
+            match runtime.block_on(kvpick_sim::sim::server::run(args)) {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(err) => {
                     eprintln!("kvpick: error: {err:#}");
@@ -48,7 +60,7 @@ fn main() -> std::process::ExitCode {
                 }
             }
         }
-        Command::Replay(args) => match kvpick::replay::run(args) {
+        Command::Replay(args) => match kvpick_sim::replay::run(args) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("kvpick: error: {err:#}");
@@ -58,10 +70,13 @@ fn main() -> std::process::ExitCode {
         Command::Serve(args) => {
             let args = *args;
             kvpick::server::init_logging(args.log_format);
-            let runtime = tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-                .expect("tokio runtime");
+            let runtime = match runtime() {
+                Ok(r) => r,
+                Err(err) => {
+                    eprintln!("kvpick: error: tokio runtime: {err}");
+                    return std::process::ExitCode::from(2);
+                }
+            };
             match runtime.block_on(kvpick::server::run(args)) {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(err) => {

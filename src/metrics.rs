@@ -1,6 +1,11 @@
 //! Prometheus metrics: one registry per process, owned here and handed to the parts that record.
 //! This module only defines and exposes metrics; it never makes routing decisions.
 
+// Static metric definitions and registration: an error is a programming error (a bad name or a
+// duplicate) that every test run hits at start-up, never something input can cause.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use kvpick_core::{Fact, Facts, Lifecycle};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -66,6 +71,82 @@ fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registr
 }
 
 impl Metrics {
+    /// Records what a core operation changed (the core returns facts; it records nothing).
+    pub fn apply(&self, facts: &Facts) {
+        for fact in facts.iter() {
+            match fact {
+                Fact::Load {
+                    worker,
+                    dp_rank,
+                    load,
+                } => {
+                    let labels = [&**worker, &dp_rank.to_string()];
+                    self.inflight
+                        .with_label_values(&labels)
+                        .set(load.active_requests as i64);
+                    self.active_prefill_tokens
+                        .with_label_values(&labels)
+                        .set(load.active_prefill_tokens as i64);
+                    self.active_decode_blocks
+                        .with_label_values(&labels)
+                        .set(load.active_decode_blocks as i64);
+                }
+                Fact::RankGone { worker, dp_rank } => {
+                    let labels = [&**worker, &dp_rank.to_string()];
+                    let _ = self.inflight.remove_label_values(&labels);
+                    let _ = self.active_prefill_tokens.remove_label_values(&labels);
+                    let _ = self.active_decode_blocks.remove_label_values(&labels);
+                }
+                Fact::Inflight(delta) => self.inflight_total.add(*delta),
+                Fact::Session(outcome) => self
+                    .session_events
+                    .with_label_values(&[outcome.as_str()])
+                    .inc(),
+                Fact::SessionInvalidated(reason) => self
+                    .session_invalidated
+                    .with_label_values(&[reason.as_str()])
+                    .inc(),
+                Fact::SessionsExpired(n) => self
+                    .session_events
+                    .with_label_values(&["expired"])
+                    .inc_by(*n),
+                Fact::SessionsLive(delta) => self.sessions_live.add(*delta),
+                Fact::IndexSize {
+                    partition,
+                    blocks,
+                    bytes,
+                } => {
+                    let labels = [partition.model.as_str(), partition.routing_group.as_str()];
+                    self.index_blocks
+                        .with_label_values(&labels)
+                        .set(*blocks as i64);
+                    if let Some(bytes) = bytes {
+                        self.index_bytes
+                            .with_label_values(&labels)
+                            .set(*bytes as i64);
+                    }
+                }
+                Fact::PredictedOverlap(share) => self.predicted_overlap.observe(*share),
+                Fact::KvEvents { applied, dropped } => {
+                    self.kv_events
+                        .with_label_values(&["applied"])
+                        .inc_by(*applied);
+                    self.kv_events
+                        .with_label_values(&["dropped"])
+                        .inc_by(*dropped);
+                }
+                Fact::CatalogWorkers(counts) => {
+                    for (lifecycle, n) in Lifecycle::ALL.iter().zip(counts) {
+                        self.catalog_workers
+                            .with_label_values(&[lifecycle.as_str()])
+                            .set(*n as i64);
+                    }
+                }
+                Fact::BookingsExpired(n) => self.bookings_expired.inc_by(*n),
+            }
+        }
+    }
+
     pub fn new() -> Self {
         let registry = Registry::new();
         let requests = register(

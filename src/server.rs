@@ -136,7 +136,7 @@ pub struct ServeArgs {
     pub prefill_load_scale: f64,
 
     /// Cost: weight of each active KV block on a rank (decode load), against one uncached prefill
-    /// block. DESIGN §5 uses 1.0; prefill costs engines far more than held blocks.
+    /// block. ARCHITECTURE.md §4 uses 1.0; prefill costs engines far more than held blocks.
     #[arg(
         long,
         default_value_t = crate::selection::DEFAULT_DECODE_BLOCK_WEIGHT,
@@ -201,7 +201,7 @@ pub struct ServeArgs {
 
     /// Session affinity: `hard` keeps a session on its rank while that rank is schedulable and
     /// allowed; `soft` lets the cost function move it under overload.
-    #[arg(long, value_enum, default_value_t = AffinityMode::Hard, help_heading = "Sessions")]
+    #[arg(long, value_parser = affinity_mode, default_value = "hard", help_heading = "Sessions")]
     pub session_affinity_mode: AffinityMode,
 
     /// Idle seconds after which a session binding expires (1 .. 31536000); the clock starts when
@@ -304,6 +304,8 @@ async fn bind(ip: IpAddr, port: u16, what: &str) -> anyhow::Result<TcpListener> 
 }
 
 /// Resolves when SIGTERM or SIGINT arrives.
+// Installing a signal handler fails only at start-up, where exiting loudly is right.
+#[allow(clippy::expect_used)]
 async fn termination() {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .expect("SIGTERM handler");
@@ -669,4 +671,9 @@ async fn kube_client(api_url: Option<&str>) -> anyhow::Result<kube::Client> {
             "cannot configure the Kubernetes client (no in-cluster service account or kubeconfig)",
         ),
     }
+}
+
+/// `--session-affinity-mode`: `hard` or `soft`.
+fn affinity_mode(s: &str) -> Result<AffinityMode, String> {
+    s.parse()
 }

@@ -2,6 +2,8 @@
 //! ExternalProcessor client, as Envoy speaks it) and through the gRPC selection API must produce
 //! byte-identical decision traces.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::collections::HashMap;
 use std::sync::Arc;
 

@@ -4,6 +4,8 @@
 //! real `kube::Client`, and assertions on the catalog the core ends up with (gRPC `ListWorkers`),
 //! each within a bounded wait (polling with a deadline; no sleeps as synchronisation).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::collections::{BTreeMap, HashMap};
 use std::convert::Infallible;
 use std::process::Command;

@@ -3,6 +3,8 @@
 //! checked through the gRPC `OverlapScores` call. Covers store, remove, a dropped range recovered
 //! by replay, clear, and a publisher restart (seq back to 0) clearing stale blocks.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};

@@ -4,6 +4,8 @@
 //! fails when the chart no longer renders exactly those; `KVPICK_UPDATE_FIXTURES=1` rewrites them).
 //! Reads only files in the repository, so a plain `cargo test` from a fresh clone runs it.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -1,6 +1,8 @@
 //! Runs the real `kvpick serve` binary on loopback (port 0, h2c) and talks to it over gRPC: the
 //! selection API and health follow the catalog file as it changes.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::process::Command;
 
 use kvpick::proto::{BookingRef, SelectRequest};

@@ -2,6 +2,8 @@
 //! data-parallel header, and kvpick's own KV-event ingestion indexing exactly what the simulated
 //! engines announced (both payload encodings, with replay at subscribe time).
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 mod common;
 
 use std::net::{IpAddr, Ipv4Addr};
@@ -13,7 +15,7 @@ use clap::Parser;
 use kvpick::catalog::{RankLayout, WorkerSpec};
 use kvpick::metrics::Metrics;
 use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
-use kvpick::sim::server::{start, SimArgs};
+use kvpick_sim::sim::server::{start, SimArgs};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 #[derive(Parser)]

@@ -1,6 +1,8 @@
 //! `--cert-path DIR`: kvpick serves the given `tls.crt`/`tls.key` on the ext_proc port with ALPN h2,
 //! and picks up a replaced pair without a restart.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -4,6 +4,8 @@
 //! `tokenizers` gives, and growing, edited and branching chat conversations tokenize through all
 //! the caches to exactly the ids of a cold, cache-free tokenization.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 

@@ -2,6 +2,8 @@
 //! endpoints: ids on success, a deadline, a cap on the answer size, connection reuse, and the
 //! registry's fallback to load-only routing when the engine misbehaves.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -5,7 +5,7 @@ Every engine builds its ZeroMQ payload with ``msgspec.msgpack.Encoder().encode(b
 change the bytes on the wire. This module reproduces each known layout:
 
 ``vllm-array``
-    vLLM as first released with KV events (and the layout kvpick's DESIGN.md §8 describes):
+    vLLM as first released with KV events (and the layout kvpick's ARCHITECTURE.md §7 describes):
     ``EventBatch`` and the tagged ``KVCacheEvent`` base both ``array_like=True,
     omit_defaults=True, gc=False`` (events ``tag=True``). Batch ``[ts, events, rank?]``, each event
     ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,

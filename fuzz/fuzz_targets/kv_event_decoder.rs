@@ -9,11 +9,7 @@
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../src/events/decode.rs"]
-#[allow(dead_code)]
-mod decode;
-
-use decode::{decode_batch, decode_message, EventBatch, KvEvent, MAX_PAYLOAD_BYTES};
+use kvpick::events::decode::{decode_batch, decode_message, EventBatch, KvEvent, MAX_PAYLOAD_BYTES};
 
 fn check(batch: &EventBatch) {
     for event in &batch.events {

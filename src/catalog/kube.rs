@@ -1,7 +1,7 @@
 //! The Kubernetes catalog source: watches one `InferencePool` (`inference.networking.k8s.io/v1`)
 //! — or, without the CRD, a fixed label selector and target ports — and the pods it selects, and
 //! publishes complete desired snapshots (`Vec<WorkerSpec>`) into a `watch` channel for the
-//! CatalogReconciler (DESIGN §4, §10).
+//! CatalogReconciler (ARCHITECTURE.md §5, §10).
 //!
 //! It owns: the InferencePool type, the pod reflector (kube-rs `watcher` + `reflector`,
 //! server-side label selector, `managed_fields` dropped, default backoff, relist on 410), and the
@@ -391,6 +391,8 @@ fn publish(tx: &watch::Sender<Option<Vec<WorkerSpec>>>, snapshot: Vec<WorkerSpec
 }
 
 /// Runs the source until every receiver of `tx` is gone.
+// The `select!` branches unwrap a stream only under their own `is_some()` precondition.
+#[allow(clippy::unwrap_used)]
 pub async fn run(
     client: Client,
     config: KubeSourceConfig,

@@ -1,6 +1,6 @@
 //! Decoder for one KV-event message: ZeroMQ frames `[topic, seq, payload]` -> [`EventBatch`].
 //!
-//! Accepts every encoding DESIGN.md §8 lists (see `tests/fixtures/kv_events/README.md` for a
+//! Accepts every encoding ARCHITECTURE.md §7 lists (see `tests/fixtures/kv_events/README.md` for a
 //! recorded sample of each):
 //! - batch as an array `[ts, events, data_parallel_rank?]` (vLLM, SGLang, TensorRT-LLM; SGLang's
 //!   original struct has no rank, newer SGLang names it `attn_dp_rank`) or as a map with those
@@ -25,15 +25,13 @@
 //! trivial and keeps the field rules in one place per event type. The tree costs a few dozen
 //! bytes per msgpack element, i.e. memory is linear in the (capped) payload.
 //!
-//! This file is self-contained (only `rmpv` and `thiserror`, no `crate::` paths): the fuzz crate
-//! (`fuzz/`) compiles it directly via `#[path]`, so fuzz builds don't need the server crate.
+//! This module knows only the wire and the core's event types (`kvpick_core::event`), nothing
+//! above them.
 
 use rmpv::decode::read_value_ref_with_max_depth;
 use rmpv::ValueRef;
 
-/// An engine's block hash, normalised to 64 bits (see the module docs). Only a key for removals
-/// and tokenless stores: kvpick recomputes its own block hashes from `token_ids`.
-pub type EngineHash = u64;
+pub use kvpick_core::event::{truncate, EngineHash, KvEvent, Medium, REPLAY_END_SEQ};
 
 /// Largest payload frame decoded. One batch is one engine step, whose stores are bounded by the
 /// tokens computed in that step (tens of thousands, a few hundred KiB of msgpack), so this leaves
@@ -46,70 +44,8 @@ pub const MAX_PAYLOAD_BYTES: usize = 4 << 20;
 /// inside an event inside the batch) needs under 20.
 pub const MAX_DEPTH: usize = 64;
 
-/// Sequence number of the end-of-replay marker frame (`-1` as a big-endian i64).
-pub const REPLAY_END_SEQ: u64 = u64::MAX;
-
 /// Longest untrusted string echoed back in an error or kept in [`Medium::Other`].
 const MAX_ECHO: usize = 64;
-
-/// Storage tier a block lives in.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub enum Medium {
-    /// Accelerator memory. Also what a missing, nil or empty medium means.
-    #[default]
-    Gpu,
-    /// Host memory (vLLM `"CPU"`, SGLang `"CPU_PINNED"`).
-    Cpu,
-    /// Local disk / SSD.
-    Disk,
-    /// Any other tier name, as sent (truncated to 64 bytes), e.g. SGLang's `"EXTERNAL"`.
-    Other(String),
-}
-
-impl Medium {
-    /// Case-insensitive; a `:N` device suffix is ignored (`"cuda:0"` is [`Medium::Gpu`]).
-    pub fn parse(s: &str) -> Medium {
-        let base = s.split(':').next().unwrap_or_default().trim();
-        match base.to_ascii_lowercase().as_str() {
-            "" | "gpu" | "cuda" | "rocm" | "hbm" | "device" | "xpu" | "hpu" | "npu" | "tpu" => {
-                Medium::Gpu
-            }
-            "cpu" | "cpu_pinned" | "pinned" | "host" | "dram" | "ram" => Medium::Cpu,
-            "disk" | "ssd" | "nvme" | "local_disk" | "localdisk" | "file" => Medium::Disk,
-            _ => Medium::Other(truncate(s, MAX_ECHO).to_owned()),
-        }
-    }
-}
-
-/// One decoded KV event.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KvEvent {
-    /// `block_hashes.len()` consecutive blocks were stored. `token_ids` holds
-    /// `block_hashes.len() * block_size` tokens, or is empty for a tokenless store (offload tiers
-    /// announce blocks by hash only).
-    BlockStored {
-        block_hashes: Vec<EngineHash>,
-        /// The block before the first one here; `None` at a sequence start (nil or 0 on the wire).
-        parent_block_hash: Option<EngineHash>,
-        token_ids: Vec<u32>,
-        /// Tokens per block; 0 only for a tokenless store that did not say.
-        block_size: u32,
-        /// Deprecated vLLM field, kept for completeness.
-        lora_id: Option<i64>,
-        medium: Medium,
-        lora_name: Option<String>,
-        /// KV-cache group (hybrid models); `None` when not sent.
-        group_idx: Option<u32>,
-    },
-    /// These blocks were evicted from `medium`.
-    BlockRemoved {
-        block_hashes: Vec<EngineHash>,
-        medium: Medium,
-        group_idx: Option<u32>,
-    },
-    /// Every block of the rank is gone.
-    AllBlocksCleared,
-}
 
 /// One payload: the events of one engine step, in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -458,14 +394,6 @@ fn as_str<'v>(v: &'v ValueRef<'_>) -> Option<&'v str> {
 }
 
 /// `s` cut to at most `max` bytes on a char boundary.
-fn truncate(s: &str, max: usize) -> &str {
-    let mut end = max.min(s.len());
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s.get(..end).unwrap_or_default()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

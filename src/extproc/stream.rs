@@ -1,4 +1,4 @@
-//! The per-stream ext_proc state machine (DESIGN §2). It turns each `ProcessingRequest` Envoy sends
+//! The per-stream ext_proc state machine (ARCHITECTURE.md §2). It turns each `ProcessingRequest` Envoy sends
 //! into the responses to send back, synchronously, so it is unit-testable without Envoy or gRPC.
 //! It holds the request's [`Reservation`]; dropping the machine (stream ended or client gone)
 //! frees the booking.
@@ -19,13 +19,15 @@ use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
 use crate::request::{parse_request_body, BodyError, ParsedBody, Prompt};
-use crate::selection::session::{SessionOutcome, MAX_SESSION_ID_BYTES};
+use crate::selection::session::SessionOutcome;
+use crate::selection::ToHttpStatus;
 use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
 };
 use crate::tokenize::TokenizeOutcome;
 use crate::usage::UsageTracker;
+use kvpick_core::request::check_session_id_len;
 
 use super::ExtProcSettings;
 
@@ -71,7 +73,7 @@ pub struct Step {
     pub tokenize: Option<TokenizeJob>,
 }
 
-/// A prompt to tokenize off the state machine (DESIGN §9).
+/// A prompt to tokenize off the state machine (ARCHITECTURE.md §8).
 #[derive(Debug, Clone)]
 pub struct TokenizeJob {
     pub model: String,
@@ -223,7 +225,8 @@ impl StreamMachine {
                 (_, Some(Err(_))) => Err("x-dynamo-dp-rank must be a non-negative integer".into()),
                 (Ok(worker_id), rank) => Ok(Pin {
                     worker_id,
-                    dp_rank: rank.map(|r| r.expect("checked")),
+                    // An unparsable rank was refused by the arm above.
+                    dp_rank: rank.and_then(Result::ok),
                 }),
             },
         };
@@ -275,10 +278,10 @@ impl StreamMachine {
             {
                 // The limit is on the bytes the client sent: invalid UTF-8 grows when made
                 // lossy (one byte becomes a 3-byte U+FFFD).
-                if header_len(h) > MAX_SESSION_ID_BYTES {
-                    self.header_error.get_or_insert_with(|| {
-                        format!("session id ({name}) longer than {MAX_SESSION_ID_BYTES} bytes")
-                    });
+                if let Err(err) =
+                    check_session_id_len(header_len(h), &format!("session id ({name})"))
+                {
+                    self.header_error.get_or_insert_with(|| err.to_string());
                 } else if !value.is_empty() && session.as_ref().is_none_or(|(p, _)| preference < *p)
                 {
                     session = Some((preference, value.to_string()));
@@ -346,6 +349,8 @@ impl StreamMachine {
         }
     }
 
+    // `parsed` is checked to be `Some` at the top of the branch that moves it.
+    #[allow(clippy::expect_used)]
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
         let parsed = match parse_request_body(self.content_type.as_deref(), &self.body) {

@@ -1,8 +1,11 @@
 use super::*;
 use crate::catalog::RankLayout;
-use crate::index::hash::{prompt_hashes, BASE_SEED};
-use crate::index::Tier;
+use crate::events::offset_endpoint;
+use kvpick_core::hash::{prompt_hashes, BASE_SEED};
+use kvpick_core::index::Tier;
 use std::collections::HashMap;
+use std::time::Duration;
+use tokio::time::Instant;
 
 fn spec(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
     WorkerSpec::for_test(name, model, layout)
@@ -70,7 +73,7 @@ fn not_synced_is_unavailable() {
 #[test]
 fn worked_example_through_the_core() {
     // Prefill 10 blocks of 16 on three workers, overlaps 2/5/8, decode 10/5/9 -> the second,
-    // with DESIGN §5's weight of a decode block (1.0).
+    // with ARCHITECTURE.md §4's weight of a decode block (1.0).
     let core = core_with(CoreConfig {
         cost: CostParams {
             decode_block_weight: 1.0,
@@ -1180,7 +1183,7 @@ fn by_default_a_cached_prefix_outweighs_a_little_decode_load() {
         active_prefill_tokens: 0,
         active_decode_blocks: decode,
         active_requests: 0,
-        overlap: crate::index::TierDepths {
+        overlap: kvpick_core::index::TierDepths {
             gpu: overlap,
             host: overlap,
             disk: overlap,

@@ -1,5 +1,5 @@
 //! Request bodies parsed into template messages, reusing the messages of an earlier body that
-//! shares a byte prefix (DESIGN §9, prefix cache). An agent resends its whole conversation every
+//! shares a byte prefix (ARCHITECTURE.md §8, prefix cache). An agent resends its whole conversation every
 //! turn, and clients serialize it the same way each time, so the new body starts with the bytes
 //! of the previous one. Parsing and converting only the messages past that shared start keeps a
 //! turn's cost proportional to its new text.

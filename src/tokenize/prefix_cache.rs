@@ -1,4 +1,4 @@
-//! Incremental tokenization with a bounded prefix cache (DESIGN §9): agentic turns resend a
+//! Incremental tokenization with a bounded prefix cache (ARCHITECTURE.md §8): agentic turns resend a
 //! growing conversation, so a request's cost should grow with its new text, not its length.
 //! This module owns the cache and the "resume from a safe boundary" rule; it knows nothing about
 //! chat templates, requests or routing (it tokenizes plain text for one tokenizer).

@@ -1,4 +1,4 @@
-//! Remote tokenization through an engine's render endpoints (DESIGN §9, source 3): vLLM's
+//! Remote tokenization through an engine's render endpoints (ARCHITECTURE.md §8, source 3): vLLM's
 //! `POST /v1/chat/completions/render` and `POST /v1/completions/render` take the request body and
 //! answer the prompt's token ids. One pooled HTTP/1 client per model (connections are reused),
 //! a 5 s deadline per call and a 16 MiB cap on the answer. It owns the HTTP exchange only;

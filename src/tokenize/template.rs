@@ -1,4 +1,4 @@
-//! Chat-template rendering with HuggingFace semantics (DESIGN §9): a `minijinja` environment set
+//! Chat-template rendering with HuggingFace semantics (ARCHITECTURE.md §8): a `minijinja` environment set
 //! up like `transformers`' (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`,
 //! a Python-compatible `tojson`, Python string/dict methods). It renders a prepared context to a
 //! string; it does not parse requests or tokenize.

@@ -1,4 +1,4 @@
-//! Block hashing of token ids (DESIGN §8), shared by requests and KV events so both sides key the
+//! Block hashing of token ids (ARCHITECTURE.md §7), shared by requests and KV events so both sides key the
 //! index identically: `local_hash` per complete block (xxh3-64 over u32 little-endian tokens,
 //! seed 1337 salted by LoRA name and cache salt), chained into position-aware `seq_hash`es.
 

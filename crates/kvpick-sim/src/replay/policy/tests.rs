@@ -114,7 +114,7 @@ fn kvpick_uses_announced_blocks_and_its_own_bookings() {
             token_ids: prompt[..128].to_vec(),
             block_size: 16,
             lora_id: None,
-            medium: crate::events::decode::Medium::Gpu,
+            medium: kvpick_core::event::Medium::Gpu,
             lora_name: None,
             group_idx: None,
         }],
@@ -134,7 +134,7 @@ fn kvpick_uses_announced_blocks_and_its_own_bookings() {
         1,
         &[KvEvent::BlockRemoved {
             block_hashes: hashes[..8].to_vec(),
-            medium: crate::events::decode::Medium::Gpu,
+            medium: kvpick_core::event::Medium::Gpu,
             group_idx: None,
         }],
     );

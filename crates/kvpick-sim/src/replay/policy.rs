@@ -1,6 +1,6 @@
-//! Routing policies compared by the offline replay (DESIGN §12). Each sees only what its real
+//! Routing policies compared by the offline replay (ARCHITECTURE.md §10). Each sees only what its real
 //! counterpart would: its own routing decisions and completions, scraped engine metrics (GIE), or
-//! KV events plus its own bookings (kvpick, through the real [`SelectionCore`]). None may read a
+//! KV events plus its own bookings (kvpick, through the real [`Core`]). None may read a
 //! simulated engine's cache. Owns no engine state and does no I/O.
 //!
 //! - `round-robin`: rank `i mod N`.
@@ -30,14 +30,11 @@ use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
 
-use crate::catalog::{RankLayout, WorkerSpec};
-use crate::events::decode::KvEvent;
-use crate::index::hash;
-use crate::metrics::Metrics;
-use crate::selection::{
-    CoreConfig, CostParams, PromptInput, RankKey, SelectionCore, SelectionRequest,
-};
 use crate::sim::engine::EngineStats;
+use kvpick_core::catalog::{RankLayout, WorkerSpec};
+use kvpick_core::event::KvEvent;
+use kvpick_core::hash;
+use kvpick_core::{Core, CoreConfig, CostParams, PromptInput, RankKey, SelectionRequest};
 
 /// Names accepted by `--policy`, in report order.
 pub const ALL: [&str; 6] = [
@@ -424,9 +421,16 @@ impl Policy for SglangCacheAware {
     }
 }
 
-/// kvpick: the real selection core, one single-rank worker per simulated rank.
+/// The replay's virtual time: the loop runs on a paused tokio clock it advances, so the core's
+/// TTLs (predicted blocks, bookings) see virtual time.
+fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// kvpick: the real selection core, one single-rank worker per simulated rank. Metrics are not
+/// recorded here, so the facts the core returns are dropped.
 pub struct Kvpick {
-    core: Arc<SelectionCore>,
+    core: Arc<Core>,
     ranks: Vec<RankKey>,
     port_to_rank: HashMap<u16, usize>,
     bookings: HashMap<u64, String>,
@@ -465,16 +469,13 @@ pub fn fleet_specs(
 impl Kvpick {
     pub fn new(ranks: usize, options: &PolicyOptions) -> Self {
         let block_size = options.block_size;
-        let core = SelectionCore::new(
-            CoreConfig {
-                seed: Some(options.seed),
-                cost: options.cost,
-                predicted_ttl: options.predicted_ttl,
-                kv_events: true,
-                ..CoreConfig::default()
-            },
-            Metrics::new(),
-        );
+        let core = Arc::new(Core::new(CoreConfig {
+            seed: Some(options.seed),
+            cost: options.cost,
+            predicted_ttl: options.predicted_ttl,
+            kv_events: true,
+            ..CoreConfig::default()
+        }));
         let specs = fleet_specs(
             ranks,
             IpAddr::V4(Ipv4Addr::LOCALHOST),
@@ -489,7 +490,8 @@ impl Kvpick {
                 dp_rank: 0,
             })
             .collect();
-        core.apply_snapshot(specs).expect("valid sim catalog");
+        core.apply_source_snapshot("catalog", specs, now())
+            .expect("valid sim catalog");
         Kvpick {
             core,
             ranks: keys,
@@ -502,7 +504,7 @@ impl Kvpick {
         }
     }
 
-    pub fn core(&self) -> &Arc<SelectionCore> {
+    pub fn core(&self) -> &Arc<Core> {
         &self.core
     }
 }
@@ -518,9 +520,8 @@ impl Policy for Kvpick {
             prompt: PromptInput::Tokens(req.tokens.to_vec()),
             ..Default::default()
         };
-        match self.core.select_and_reserve(&request) {
-            Ok(reservation) => {
-                let sel = reservation.detach();
+        match self.core.select_and_reserve(&request, now()) {
+            Ok((sel, _)) => {
                 self.bookings.insert(req.id, sel.booking_id.clone());
                 self.port_to_rank[&sel.primary.endpoint.port()]
             }
@@ -538,11 +539,11 @@ impl Policy for Kvpick {
     }
     fn on_complete(&mut self, id: u64, _: usize) {
         if let Some(b) = self.bookings.remove(&id) {
-            self.core.free(&b);
+            self.core.free(&b, now());
         }
     }
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
-        let stats = self.core.apply_kv_events(self.ranks[rank], events);
+        let (stats, _) = self.core.apply_kv_events(self.ranks[rank], events);
         self.events_dropped += stats.dropped;
     }
 }

@@ -1,4 +1,4 @@
-//! Mooncake JSONL traces (DESIGN §12): parsing, and the deterministic synthesis of token ids from
+//! Mooncake JSONL traces (ARCHITECTURE.md §10): parsing, and the deterministic synthesis of token ids from
 //! `hash_ids` (each id is one 512-token block; equal leading ids are a shared prefix). The same
 //! synthesis is implemented in `e2e/replay/trace.py`, so online and offline replays send identical
 //! prompts. Owns nothing else.

@@ -1,4 +1,4 @@
-//! `kvpick sim`: a fleet of simulated vLLM workers in one process, in real time (DESIGN §12).
+//! `kvpick sim`: a fleet of simulated vLLM workers in one process, in real time (ARCHITECTURE.md §10).
 //!
 //! Worker `w` serves HTTP on `base_port + w` (OpenAI `/v1/completions`, `/v1/chat/completions`,
 //! SSE or not, `/v1/models`, `/health`, `/metrics` with `vllm:*` names) and has `dp_size` ranks
@@ -37,7 +37,7 @@ use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage
 use super::engine::{AddError, Engine, EngineConfig, EngineRequest, EngineStats, SeqOutput};
 use super::wire::{encode_batch, Encoding};
 use super::EngineArgs;
-use crate::events::decode::{KvEvent, REPLAY_END_SEQ};
+use kvpick_core::event::{KvEvent, REPLAY_END_SEQ};
 
 /// `kvpick sim` flags.
 #[derive(Debug, Clone, clap::Args)]

@@ -1,6 +1,6 @@
 //! One simulated vLLM-like engine rank, as a pure state machine with no clock of its own
-//! (DESIGN §12). It owns the paged KV cache (blocks keyed by the router's chained block hashes
-//! from [`crate::index::hash`], reference counts, LRU of unreferenced blocks), the continuous
+//! (ARCHITECTURE.md §10). It owns the paged KV cache (blocks keyed by the router's chained block hashes
+//! from [`kvpick_core::hash`], reference counts, LRU of unreferenced blocks), the continuous
 //! batching scheduler (`max_num_seqs`, `max_num_batched_tokens`, chunked prefill, per-token
 //! decode, preemption by recompute) and the latency model; it reports the KV events a real vLLM
 //! would publish as [`KvEvent`] values.
@@ -20,8 +20,8 @@
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 
-use crate::events::decode::{KvEvent, Medium};
-use crate::index::hash;
+use kvpick_core::event::{KvEvent, Medium};
+use kvpick_core::hash;
 
 /// Static engine settings (vLLM's cache/scheduler config plus the latency model).
 #[derive(Debug, Clone, PartialEq)]

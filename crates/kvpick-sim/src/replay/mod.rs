@@ -1,5 +1,5 @@
 //! `kvpick replay`: offline, virtual-clock replay of a Mooncake trace through each routing policy
-//! and a fleet of simulated engines ([`crate::sim::engine`]), with no sockets (DESIGN §12).
+//! and a fleet of simulated engines ([`crate::sim::engine`]), with no sockets (ARCHITECTURE.md §10).
 //!
 //! One discrete-event loop per policy: at each instant, finished engine steps deliver their
 //! outputs and KV events to the policy (rank order), then arrivals are routed and queued, then idle
@@ -19,9 +19,9 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::index::hash;
 use crate::sim::engine::{Engine, EngineConfig, EngineRequest, EngineStats};
 use crate::sim::EngineArgs;
+use kvpick_core::hash;
 use policy::{FleetView, PickRequest, Policy};
 use trace::TraceRecord;
 
@@ -59,7 +59,7 @@ pub struct ReplayArgs {
     #[arg(long, default_value_t = 1.0)]
     pub prefill_load_scale: f64,
     /// kvpick policy: weight of each active KV block (as `kvpick serve`).
-    #[arg(long, default_value_t = crate::selection::DEFAULT_DECODE_BLOCK_WEIGHT)]
+    #[arg(long, default_value_t = kvpick_core::decide::DEFAULT_DECODE_BLOCK_WEIGHT)]
     pub decode_block_weight: f64,
     /// kvpick policy: weight per active request (as `kvpick serve`).
     #[arg(long, default_value_t = 0.0)]
@@ -113,7 +113,7 @@ pub struct EngineReport {
     pub itl_ns_per_kv_token: f64,
 }
 
-/// The kvpick policy's cost weights (DESIGN §5).
+/// The kvpick policy's cost weights (ARCHITECTURE.md §4).
 #[derive(Debug, Clone, Serialize, PartialEq)]
 pub struct KvpickCost {
     pub overlap_score_credit: f64,
@@ -438,7 +438,7 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
         block_size: config.block_size,
         seed: args.seed,
         predicted_ttl: Duration::from_secs(args.predicted_ttl),
-        cost: crate::selection::CostParams {
+        cost: kvpick_core::CostParams {
             overlap_score_credit: args.overlap_score_credit,
             prefill_load_scale: args.prefill_load_scale,
             decode_block_weight: args.decode_block_weight,

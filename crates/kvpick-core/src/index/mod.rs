@@ -5,7 +5,7 @@
 //! reference-counted (an engine may store the same block twice). Memory is bounded by
 //! `max_blocks` with eviction of the least recently touched blocks.
 //!
-//! Layout, for memory (DESIGN §8: ≤ 64 bytes per indexed (block, rank) pair): ranks are interned
+//! Layout, for memory (ARCHITECTURE.md §7: ≤ 64 bytes per indexed (block, rank) pair): ranks are interned
 //! to dense `u32` ids, a holder is 8 bytes (`id << 2 | tier`, then a refcount or an expiry in
 //! milliseconds since the index's epoch), and a block held by one rank — the common case — is a
 //! single 24-byte table entry with its holder inline. Blocks with several holders keep them in a
@@ -13,31 +13,13 @@
 //!
 //! This module knows nothing about requests, bookings or workers beyond `RankKey`.
 
-pub mod hash;
-
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Duration;
-use tokio::time::Instant;
+use std::time::Instant;
 
-use crate::selection::RankKey;
-
-/// Where a block lives on a rank. Lower tiers count less toward overlap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tier {
-    Gpu = 0,
-    Host = 1,
-    Disk = 2,
-}
-
-/// Matched depths (in blocks) for one rank: `gpu <= host <= disk`, each the longest consecutive
-/// prefix present in that tier or a faster one.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct TierDepths {
-    pub gpu: u32,
-    pub host: u32,
-    pub disk: u32,
-}
+use crate::types::RankKey;
+pub use crate::types::{Tier, TierDepths};
 
 /// `state` flag: a permanent holder; the low bits are its reference count.
 const PERMANENT: u32 = 1 << 31;
@@ -219,8 +201,8 @@ pub struct PrefixIndex {
 }
 
 impl PrefixIndex {
-    pub fn new(max_blocks: usize) -> Self {
-        let now = Instant::now();
+    /// An empty index; `now` anchors its clock (expiries are kept relative to it).
+    pub fn new(max_blocks: usize, now: Instant) -> Self {
         PrefixIndex {
             blocks: HashMap::default(),
             slab: Vec::new(),
@@ -290,6 +272,8 @@ impl PrefixIndex {
         id
     }
 
+    // Holders only name interned ids, so a miss is a bug in this module, not bad input.
+    #[allow(clippy::expect_used)]
     fn rank_of(&self, id: u32) -> RankKey {
         self.ranks[id as usize].expect("interned rank id in use")
     }
@@ -736,7 +720,7 @@ mod tests {
 
     #[test]
     fn longest_consecutive_prefix_per_rank_and_tier() {
-        let mut idx = PrefixIndex::new(1000);
+        let mut idx = PrefixIndex::new(1000, Instant::now());
         let now = Instant::now();
         idx.insert(rank(1), &[10, 11, 12, 13], Tier::Gpu, None);
         idx.insert(rank(2), &[10, 11], Tier::Gpu, None);
@@ -826,7 +810,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let now = Instant::now();
         for _ in 0..300 {
-            let mut idx = PrefixIndex::new(10_000);
+            let mut idx = PrefixIndex::new(10_000, Instant::now());
             let chain: Vec<u64> = (0..24).map(|_| rng.random_range(0..40)).collect();
             for _ in 0..rng.random_range(1..30) {
                 let rank = RankKey {
@@ -860,7 +844,7 @@ mod tests {
 
     #[test]
     fn expiring_entries_and_purge() {
-        let mut idx = PrefixIndex::new(1000);
+        let mut idx = PrefixIndex::new(1000, Instant::now());
         let now = Instant::now();
         idx.insert(
             rank(1),
@@ -884,7 +868,7 @@ mod tests {
 
     #[test]
     fn bounded_with_lru_eviction_and_clear_rank() {
-        let mut idx = PrefixIndex::new(3);
+        let mut idx = PrefixIndex::new(3, Instant::now());
         idx.insert(rank(1), &[1, 2, 3], Tier::Gpu, None); // a chain ages from its tail
         idx.insert(rank(2), &[3], Tier::Gpu, None); // touches 3: 2 is now coldest
         idx.insert(rank(2), &[4], Tier::Gpu, None);
@@ -914,7 +898,7 @@ mod tests {
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let base = Instant::now();
         for round in 0..200 {
-            let mut idx = PrefixIndex::new(100_000);
+            let mut idx = PrefixIndex::new(100_000, Instant::now());
             let mut model: HashMap<(u64, RankKey, Tier), Model> = HashMap::new();
             let chain: Vec<u64> = (0..12).map(|i| 1000 * round + i).collect();
             let mut now = base;
@@ -1019,7 +1003,7 @@ mod tests {
 
     #[test]
     fn expiries_survive_moving_the_epoch() {
-        let mut idx = PrefixIndex::new(100);
+        let mut idx = PrefixIndex::new(100, Instant::now());
         // Far enough ahead that time units near the end of their range.
         let now = Instant::now() + Duration::from_secs(20 * 86_400);
         idx.insert(rank(1), &[1], Tier::Gpu, Some(now + Duration::from_secs(2)));
@@ -1041,7 +1025,7 @@ mod tests {
 
     #[test]
     fn lru_clock_wraps_without_losing_order() {
-        let mut idx = PrefixIndex::new(2);
+        let mut idx = PrefixIndex::new(2, Instant::now());
         idx.tick = u32::MAX - 3;
         idx.insert(rank(1), &[1], Tier::Gpu, None);
         idx.insert(rank(1), &[2], Tier::Gpu, None); // wraps: ticks halve
@@ -1056,7 +1040,7 @@ mod tests {
     fn a_single_holder_block_is_one_small_entry() {
         assert_eq!(std::mem::size_of::<(BlockKey, Entry)>(), 20);
         assert_eq!(std::mem::size_of::<Holder>(), 8);
-        let mut idx = PrefixIndex::new(100);
+        let mut idx = PrefixIndex::new(100, Instant::now());
         idx.insert(rank(1), &[1, 2], Tier::Gpu, None);
         assert!(idx.slab.is_empty(), "no holder list for one holder");
         idx.insert(rank(2), &[1], Tier::Gpu, None);
@@ -1069,7 +1053,7 @@ mod tests {
     #[test]
     fn big_indexes_evict_by_sampled_cutoff_and_keep_the_recent() {
         let cap = 100_000;
-        let mut idx = PrefixIndex::new(cap);
+        let mut idx = PrefixIndex::new(cap, Instant::now());
         for h in 0..300_000u64 {
             idx.insert(rank(1), &[h], Tier::Gpu, None);
             assert!(idx.len() <= cap);

@@ -1,19 +1,18 @@
-//! The pure decision (DESIGN §5): given eligible candidates with their load and cached overlap,
+//! The pure decision (ARCHITECTURE.md §4): given eligible candidates with their load and cached overlap,
 //! compute each one's cost and choose. No locks, no clocks, no I/O: the same inputs and RNG state
 //! always give the same answer, which is what makes decisions unit-testable and replayable.
 
 use rand::Rng;
 
-use super::RankKey;
-use crate::index::TierDepths;
+use crate::types::{RankKey, TierDepths};
 
-/// Default weight of a decode block. DESIGN §5 counts a held KV block like an uncached prefill
+/// Default weight of a decode block. ARCHITECTURE.md §4 counts a held KV block like an uncached prefill
 /// block (1.0); prefilling a block costs an engine far more GPU time than keeping one in a decode
 /// batch, and on the Mooncake replay (`kvpick replay`) 1.0 spreads long prompts away from the
 /// ranks that cache them. 0.01 keeps decode load as the tie-breaker it is.
 pub const DEFAULT_DECODE_BLOCK_WEIGHT: f64 = 0.01;
 
-/// Cost-function weights. Defaults are DESIGN §5's, except `decode_block_weight`.
+/// Cost-function weights. Defaults are ARCHITECTURE.md §4's, except `decode_block_weight`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostParams {
     pub overlap_score_credit: f64,

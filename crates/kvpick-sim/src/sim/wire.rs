@@ -1,16 +1,17 @@
 //! Encoder for the simulator's KV events: vLLM's msgpack `KVEventBatch` exactly as its msgspec
-//! structs produce it (DESIGN §8), in either encoding:
+//! structs produce it (ARCHITECTURE.md §7), in either encoding:
 //! - `array` (`array_like=True`): batch `[ts, events, data_parallel_rank]`, each event tag-first
 //!   with every field present (`BlockStored` has 11 fields after the tag, defaults as nil);
 //! - `map` (current vLLM main): maps at both levels, the tag under `"type"`, fields with defaults
 //!   omitted when unset (`omit_defaults=True`).
 //!
 //! Block hashes go out as uint64 (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`). Only
-//! encoding lives here; decoding is [`crate::events::decode`].
+//! encoding lives here; decoding is `kvpick::events::decode`
+//! (its round trip is tested there, in `tests/sim_wire.rs`).
 
 use rmpv::Value;
 
-use crate::events::decode::{KvEvent, Medium};
+use kvpick_core::event::{KvEvent, Medium};
 
 /// The two payload encodings vLLM has shipped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Default)]
@@ -156,87 +157,4 @@ pub fn encode_batch(
     let mut out = Vec::new();
     rmpv::encode::write_value(&mut out, &batch).expect("writing to a Vec cannot fail");
     out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::events::decode::decode_batch;
-
-    fn sample() -> Vec<KvEvent> {
-        vec![
-            KvEvent::BlockStored {
-                block_hashes: vec![u64::MAX - 3, 7],
-                parent_block_hash: None,
-                token_ids: (0..32).collect(),
-                block_size: 16,
-                lora_id: None,
-                medium: Medium::Gpu,
-                lora_name: None,
-                group_idx: None,
-            },
-            KvEvent::BlockStored {
-                block_hashes: vec![9],
-                parent_block_hash: Some(7),
-                token_ids: (32..48).collect(),
-                block_size: 16,
-                lora_id: None,
-                medium: Medium::Gpu,
-                lora_name: None,
-                group_idx: None,
-            },
-            KvEvent::BlockRemoved {
-                block_hashes: vec![9, 7],
-                medium: Medium::Gpu,
-                group_idx: None,
-            },
-            KvEvent::AllBlocksCleared,
-        ]
-    }
-
-    #[test]
-    fn both_encodings_decode_back_to_the_same_events() {
-        for enc in [Encoding::Array, Encoding::Map] {
-            let bytes = encode_batch(1.5, &sample(), Some(3), enc);
-            let batch = decode_batch(&bytes).unwrap();
-            assert_eq!(batch.events, sample(), "{enc:?}");
-            assert_eq!(batch.data_parallel_rank, Some(3));
-            assert_eq!(batch.ts, 1.5);
-            assert_eq!(batch.skipped_unknown, 0);
-        }
-    }
-
-    #[test]
-    fn array_encoding_has_vllms_shape() {
-        let bytes = encode_batch(0.0, &sample()[..1], None, Encoding::Array);
-        let v = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
-        let batch = v.as_array().unwrap();
-        assert_eq!(batch.len(), 3);
-        assert!(batch[2].is_nil());
-        let ev = batch[1].as_array().unwrap()[0].as_array().unwrap();
-        assert_eq!(ev.len(), 12);
-        assert_eq!(ev[0].as_str(), Some("BlockStored"));
-        let bytes = encode_batch(0.0, &sample()[..1], None, Encoding::Map);
-        let v = rmpv::decode::read_value(&mut &bytes[..]).unwrap();
-        let ev = &v.as_map().unwrap()[1].1.as_array().unwrap()[0];
-        let keys: Vec<&str> = ev
-            .as_map()
-            .unwrap()
-            .iter()
-            .map(|(k, _)| k.as_str().unwrap())
-            .collect();
-        assert_eq!(
-            keys,
-            [
-                "type",
-                "block_hashes",
-                "parent_block_hash",
-                "token_ids",
-                "block_size",
-                "lora_id",
-                "medium",
-                "lora_name"
-            ]
-        );
-    }
 }

@@ -1,4 +1,4 @@
-//! Session affinity (DESIGN §7): one table per partition mapping a session id to the rank that
+//! Session affinity (ARCHITECTURE.md §6): one table per partition mapping a session id to the rank that
 //! holds its KV cache. Entries expire after an idle TTL that only starts when the session's last
 //! in-flight request (its last lease) ends. The table never decides a pick by itself: the
 //! partition consults it inside the same lock as the decision, which is also what makes concurrent
@@ -7,23 +7,36 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use tokio::time::Instant;
+use std::time::Instant;
 
-use super::RankKey;
+use crate::types::RankKey;
 
-/// Longest accepted session id, in bytes.
-pub const MAX_SESSION_ID_BYTES: usize = 256;
+pub use crate::request::MAX_SESSION_ID_BYTES;
 /// Session TTL bounds (1 s .. 1 year).
 pub const MIN_SESSION_TTL: Duration = Duration::from_secs(1);
 pub const MAX_SESSION_TTL: Duration = Duration::from_secs(31_536_000);
 
 /// Hard: the bound rank is used whenever it is schedulable and allowed. Soft: the bound rank is
 /// preferred unless it is over a busy threshold or much costlier than the best rank.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum AffinityMode {
     #[default]
     Hard,
     Soft,
+}
+
+impl std::str::FromStr for AffinityMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "hard" => Ok(AffinityMode::Hard),
+            "soft" => Ok(AffinityMode::Soft),
+            other => Err(format!(
+                "expected hard or soft, got {:?}",
+                crate::event::truncate(other, 32)
+            )),
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -223,41 +236,43 @@ mod tests {
 
     const TTL: Duration = Duration::from_secs(10);
 
-    #[tokio::test(start_paused = true)]
-    async fn idle_ttl_starts_when_the_last_lease_ends() {
+    #[test]
+    fn idle_ttl_starts_when_the_last_lease_ends() {
+        let mut clock = Instant::now();
         let mut t = SessionTable::default();
-        assert!(t.bind("s", rank(1), Instant::now(), 10));
+        assert!(t.bind("s", rank(1), clock, 10));
         t.acquire("s");
         t.acquire("s");
-        tokio::time::advance(Duration::from_secs(60)).await;
+        clock += Duration::from_secs(60);
         assert_eq!(
-            t.bound_rank("s", Instant::now(), TTL).rank,
+            t.bound_rank("s", clock, TTL).rank,
             Some(rank(1)),
             "leased: never idle"
         );
-        t.release("s", Instant::now());
-        tokio::time::advance(Duration::from_secs(60)).await;
-        assert_eq!(t.reap(Instant::now(), TTL), 0, "one lease still held");
-        t.release("s", Instant::now());
-        tokio::time::advance(Duration::from_millis(9_999)).await;
-        assert_eq!(t.bound_rank("s", Instant::now(), TTL).rank, Some(rank(1)));
-        tokio::time::advance(Duration::from_millis(1)).await;
-        assert_eq!(t.reap(Instant::now(), TTL), 1);
+        t.release("s", clock);
+        clock += Duration::from_secs(60);
+        assert_eq!(t.reap(clock, TTL), 0, "one lease still held");
+        t.release("s", clock);
+        clock += Duration::from_millis(9_999);
+        assert_eq!(t.bound_rank("s", clock, TTL).rank, Some(rank(1)));
+        clock += Duration::from_millis(1);
+        assert_eq!(t.reap(clock, TTL), 1);
         assert!(t.is_empty());
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn expired_entries_are_gone_on_lookup_and_the_table_is_bounded() {
+    #[test]
+    fn expired_entries_are_gone_on_lookup_and_the_table_is_bounded() {
+        let mut clock = Instant::now();
         let mut t = SessionTable::default();
-        assert!(t.bind("a", rank(1), Instant::now(), 2));
-        assert!(t.bind("b", rank(2), Instant::now(), 2));
-        assert!(!t.bind("c", rank(3), Instant::now(), 2), "full");
+        assert!(t.bind("a", rank(1), clock, 2));
+        assert!(t.bind("b", rank(2), clock, 2));
+        assert!(!t.bind("c", rank(3), clock, 2), "full");
         assert!(
-            t.bind("a", rank(4), Instant::now(), 2),
+            t.bind("a", rank(4), clock, 2),
             "rebinding an existing id is fine"
         );
-        tokio::time::advance(TTL).await;
-        let lookup = t.bound_rank("a", Instant::now(), TTL);
+        clock += TTL;
+        let lookup = t.bound_rank("a", clock, TTL);
         assert_eq!(
             lookup,
             Lookup {
@@ -265,7 +280,7 @@ mod tests {
                 expired: true
             }
         );
-        assert!(t.bind("c", rank(3), Instant::now(), 2), "room again");
+        assert!(t.bind("c", rank(3), clock, 2), "room again");
     }
 
     #[test]

@@ -1,4 +1,4 @@
-//! The vLLM-like simulator (DESIGN §12): [`engine`] is the pure, clock-agnostic model of one
+//! The vLLM-like simulator (ARCHITECTURE.md §10): [`engine`] is the pure, clock-agnostic model of one
 //! rank (paged prefix cache, continuous batching, latency model, KV events as values); the
 //! real-time HTTP/ZeroMQ fleet that serves it is [`server`], its KV-event encoder [`wire`]. Nothing here routes requests or
 //! touches the selection core.

@@ -1,0 +1,350 @@
+//! The catalog as data: workers as sources describe them ([`WorkerSpec`]), as the core holds them
+//! ([`WorkerRecord`]), and the union of every source's complete snapshot ([`Catalog`]) with the
+//! diff that reconciling a new snapshot makes. No I/O: the sources (static file, Kubernetes) live
+//! in the host crate and only ever hand the core complete snapshots.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+
+use crate::error::CatalogError;
+use crate::types::{Lifecycle, PartitionKey};
+
+/// Largest number of data-parallel ranks one worker may declare.
+pub const MAX_DP_RANKS: u32 = 64;
+
+/// How a worker exposes its data-parallel ranks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RankLayout {
+    /// Rank `i` listens on `ports[i]` (GIE `targetPorts`).
+    PerPort(Vec<u16>),
+    /// Every rank shares one port; the pick names the rank in `X-data-parallel-rank`.
+    Multiplexed { port: u16, size: u32 },
+    /// Rank per port with only some ranks live (GIE `active-ports`): `(dp_rank, port)` pairs, so
+    /// a rank keeps its number (and its KV-event port offset) when others are inactive.
+    Sparse(Vec<(u32, u16)>),
+}
+
+/// One model server (pod) as a catalog source describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerSpec {
+    pub namespace: String,
+    pub name: String,
+    pub model: String,
+    pub routing_group: String,
+    pub address: IpAddr,
+    pub ranks: RankLayout,
+    pub block_size: Option<u32>,
+    pub kv_events: Option<String>,
+    /// Replay (ROUTER) endpoint of rank 0, offset by rank like `kv_events`.
+    pub kv_replay: Option<String>,
+    pub lora_adapters: Vec<String>,
+}
+
+/// One schedulable endpoint of a worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankEndpoint {
+    pub dp_rank: u32,
+    pub endpoint: SocketAddr,
+    pub multiplexed: bool,
+}
+
+impl WorkerSpec {
+    /// Stable 53-bit id (JSON-safe) derived from namespace/name.
+    pub fn worker_id(&self) -> u64 {
+        worker_id(&self.namespace, &self.name)
+    }
+
+    pub fn rank_endpoints(&self) -> Vec<RankEndpoint> {
+        match &self.ranks {
+            RankLayout::PerPort(ports) => ports
+                .iter()
+                .enumerate()
+                .map(|(rank, port)| RankEndpoint {
+                    dp_rank: rank as u32,
+                    endpoint: SocketAddr::new(self.address, *port),
+                    multiplexed: false,
+                })
+                .collect(),
+            RankLayout::Sparse(ranks) => ranks
+                .iter()
+                .map(|&(dp_rank, port)| RankEndpoint {
+                    dp_rank,
+                    endpoint: SocketAddr::new(self.address, port),
+                    multiplexed: false,
+                })
+                .collect(),
+            RankLayout::Multiplexed { port, size } => (0..*size)
+                .map(|rank| RankEndpoint {
+                    dp_rank: rank,
+                    endpoint: SocketAddr::new(self.address, *port),
+                    multiplexed: true,
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether this worker can serve `model` (its base model or one of its LoRA adapters).
+    pub fn serves(&self, model: &str) -> bool {
+        self.model == model || self.lora_adapters.iter().any(|a| a == model)
+    }
+}
+
+impl WorkerSpec {
+    /// A static worker on 127.0.0.1 with nothing optional set, for tests.
+    #[doc(hidden)]
+    pub fn for_test(name: &str, model: &str, ranks: RankLayout) -> WorkerSpec {
+        WorkerSpec {
+            namespace: "static".into(),
+            name: name.into(),
+            model: model.into(),
+            routing_group: String::new(),
+            address: IpAddr::V4(std::net::Ipv4Addr::LOCALHOST),
+            ranks,
+            block_size: None,
+            kv_events: None,
+            kv_replay: None,
+            lora_adapters: vec![],
+        }
+    }
+}
+
+/// A stable 53-bit hash of `namespace/name`, so ids survive restarts and fit a JSON number.
+pub fn worker_id(namespace: &str, name: &str) -> u64 {
+    let mut key = Vec::with_capacity(namespace.len() + name.len() + 1);
+    key.extend_from_slice(namespace.as_bytes());
+    key.push(b'/');
+    key.extend_from_slice(name.as_bytes());
+    xxhash_rust::xxh3::xxh3_64(&key) & ((1u64 << 53) - 1)
+}
+
+/// Which catalog source produced a set of workers; the catalog is the union of all sources.
+pub type SourceName = &'static str;
+
+/// A worker as the core holds it.
+#[derive(Debug, Clone)]
+pub struct WorkerRecord {
+    pub id: u64,
+    pub spec: WorkerSpec,
+    pub ranks: Vec<RankEndpoint>,
+    pub lifecycle: Lifecycle,
+    pub reason: String,
+}
+
+impl WorkerRecord {
+    fn new(id: u64, spec: WorkerSpec) -> WorkerRecord {
+        let ranks = spec.rank_endpoints();
+        let (lifecycle, reason) = if ranks.is_empty() {
+            (Lifecycle::Incomplete, "no ranks".to_string())
+        } else {
+            (Lifecycle::Schedulable, String::new())
+        };
+        WorkerRecord {
+            id,
+            spec,
+            ranks,
+            lifecycle,
+            reason,
+        }
+    }
+
+    pub fn partition_key(&self) -> PartitionKey {
+        PartitionKey {
+            model: self.spec.model.clone(),
+            routing_group: self.spec.routing_group.clone(),
+        }
+    }
+}
+
+/// Result of applying one catalog snapshot.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ApplyReport {
+    pub added: usize,
+    pub updated: usize,
+    pub unchanged: usize,
+    pub removed: usize,
+    /// Workers kept out of scheduling (e.g. block-size conflict), with the reason.
+    pub failed: Vec<(String, String)>,
+    /// Partitions that received a batch (one publish each).
+    pub partitions_published: usize,
+    /// Whether, after this snapshot, at least one worker is schedulable.
+    pub ready: bool,
+}
+
+/// What one reconcile pass changes in one partition, applied there as one batch.
+#[derive(Debug, Default)]
+pub struct PartitionChanges {
+    /// Workers that left this partition (deleted, or moved to another partition).
+    pub gone: Vec<WorkerRecord>,
+    /// Workers added or changed in this partition.
+    pub upserts: Vec<WorkerRecord>,
+}
+
+/// The union of every source's latest complete snapshot, and the records derived from it.
+#[derive(Debug, Default)]
+pub struct Catalog {
+    sources: BTreeMap<SourceName, Vec<WorkerSpec>>,
+    records: HashMap<u64, WorkerRecord>,
+}
+
+impl Catalog {
+    /// One source's current workers.
+    pub fn source(&self, name: SourceName) -> &[WorkerSpec] {
+        self.sources.get(name).map_or(&[], Vec::as_slice)
+    }
+
+    pub fn records(&self) -> impl Iterator<Item = &WorkerRecord> {
+        self.records.values()
+    }
+
+    pub fn record(&self, id: u64) -> Option<&WorkerRecord> {
+        self.records.get(&id)
+    }
+
+    /// Keeps a worker out of scheduling, saying why (a partition refused it).
+    pub fn mark_failed(&mut self, id: u64, reason: String) -> Option<String> {
+        let record = self.records.get_mut(&id)?;
+        record.lifecycle = Lifecycle::Unschedulable;
+        record.reason = reason;
+        Some(record.spec.name.clone())
+    }
+
+    pub fn any_schedulable(&self) -> bool {
+        self.records
+            .values()
+            .any(|w| w.lifecycle == Lifecycle::Schedulable)
+    }
+
+    /// Replaces `source`'s workers with `specs` and diffs the union of all sources against the
+    /// records: duplicate ids anywhere in the union are refused before anything changes;
+    /// unchanged workers are skipped; changed and new ones are upserted; workers absent from every
+    /// source are deleted. Returns the counts and the changes per partition, in key order.
+    pub fn replace_source(
+        &mut self,
+        source: SourceName,
+        specs: Vec<WorkerSpec>,
+    ) -> Result<(ApplyReport, BTreeMap<PartitionKey, PartitionChanges>), CatalogError> {
+        let mut seen = HashSet::new();
+        let others = self
+            .sources
+            .iter()
+            .filter(|(name, _)| **name != source)
+            .map(|(n, l)| (*n, l.as_slice()));
+        for (name, list) in others.chain(std::iter::once((source, specs.as_slice()))) {
+            for spec in list {
+                if !seen.insert(spec.worker_id()) {
+                    return Err(CatalogError::DuplicateWorker {
+                        namespace: spec.namespace.clone(),
+                        name: spec.name.clone(),
+                        source_name: name,
+                    });
+                }
+            }
+        }
+        self.sources.insert(source, specs);
+        let desired: HashMap<u64, WorkerSpec> = self
+            .sources
+            .values()
+            .flatten()
+            .map(|s| (s.worker_id(), s.clone()))
+            .collect();
+        Ok(self.diff(desired))
+    }
+
+    fn diff(
+        &mut self,
+        mut desired: HashMap<u64, WorkerSpec>,
+    ) -> (ApplyReport, BTreeMap<PartitionKey, PartitionChanges>) {
+        let mut report = ApplyReport::default();
+        let mut changes: BTreeMap<PartitionKey, PartitionChanges> = BTreeMap::new();
+        let mut existing: Vec<u64> = self.records.keys().copied().collect();
+        existing.sort_unstable();
+        for id in existing {
+            let Some(old) = self.records.get(&id).cloned() else {
+                continue;
+            };
+            match desired.remove(&id) {
+                None => {
+                    changes
+                        .entry(old.partition_key())
+                        .or_default()
+                        .gone
+                        .push(old);
+                    self.records.remove(&id);
+                    report.removed += 1;
+                }
+                Some(spec) if spec == old.spec => report.unchanged += 1,
+                Some(spec) => {
+                    let new = WorkerRecord::new(id, spec);
+                    if new.partition_key() != old.partition_key() {
+                        changes
+                            .entry(old.partition_key())
+                            .or_default()
+                            .gone
+                            .push(old);
+                    }
+                    changes
+                        .entry(new.partition_key())
+                        .or_default()
+                        .upserts
+                        .push(new.clone());
+                    self.records.insert(id, new);
+                    report.updated += 1;
+                }
+            }
+        }
+        let mut added: Vec<(u64, WorkerSpec)> = desired.into_iter().collect();
+        added.sort_by_key(|(id, _)| *id);
+        for (id, spec) in added {
+            let new = WorkerRecord::new(id, spec);
+            changes
+                .entry(new.partition_key())
+                .or_default()
+                .upserts
+                .push(new.clone());
+            self.records.insert(id, new);
+            report.added += 1;
+        }
+        report.partitions_published = changes.len();
+        (report, changes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_id_is_stable_and_json_safe() {
+        let a = worker_id("ns", "pod-a");
+        assert_eq!(a, worker_id("ns", "pod-a"));
+        assert_ne!(a, worker_id("ns", "pod-b"));
+        assert_ne!(a, worker_id("other", "pod-a"));
+        assert!(a < (1u64 << 53));
+    }
+
+    #[test]
+    fn multiplexed_ranks_share_one_endpoint() {
+        let spec = WorkerSpec {
+            namespace: "static".into(),
+            name: "w".into(),
+            model: "m".into(),
+            routing_group: String::new(),
+            address: "10.0.0.1".parse().unwrap(),
+            ranks: RankLayout::Multiplexed {
+                port: 8000,
+                size: 3,
+            },
+            block_size: None,
+            kv_events: None,
+            kv_replay: None,
+            lora_adapters: vec!["lora-a".into()],
+        };
+        let ranks = spec.rank_endpoints();
+        assert_eq!(ranks.len(), 3);
+        assert!(ranks
+            .iter()
+            .all(|r| r.multiplexed && r.endpoint.port() == 8000));
+        assert_eq!(ranks[2].dp_rank, 2);
+        assert!(spec.serves("m") && spec.serves("lora-a") && !spec.serves("x"));
+    }
+}

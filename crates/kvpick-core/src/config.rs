@@ -1,0 +1,70 @@
+//! Settings of the core that are not per request: TTLs, weights, thresholds, bounds.
+
+use std::time::Duration;
+
+use crate::decide::CostParams;
+use crate::session::SessionConfig;
+
+/// Block size used by a partition whose workers do not declare one.
+pub const DEFAULT_BLOCK_SIZE: u32 = 16;
+
+/// Busy thresholds; a rank at or over either is not eligible.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BusyThresholds {
+    pub active_decode_blocks: Option<u64>,
+    pub active_prefill_tokens: Option<u64>,
+    /// Sheddable requests (priority < 0) see the thresholds scaled by this (0..1], so they are
+    /// refused with 429 before critical requests are.
+    pub sheddable_fraction: f64,
+}
+
+impl Default for BusyThresholds {
+    fn default() -> Self {
+        BusyThresholds {
+            active_decode_blocks: None,
+            active_prefill_tokens: None,
+            sheddable_fraction: 0.8,
+        }
+    }
+}
+
+/// Core settings that are not per request.
+#[derive(Debug, Clone)]
+pub struct CoreConfig {
+    pub booking_ttl: Duration,
+    /// Seed for tie-breaking and sampling; `None` seeds from the OS.
+    pub seed: Option<u64>,
+    pub cost: CostParams,
+    pub busy: BusyThresholds,
+    /// Whether explicit worker pins (`x-dynamo-worker-instance-id`) are honoured.
+    pub allow_pins: bool,
+    /// TTL of blocks inserted from our own routing decisions when a worker has no KV events.
+    pub approx_ttl: Duration,
+    /// TTL of predicted blocks inserted for every pick, until the engine's events confirm them.
+    pub predicted_ttl: Duration,
+    /// Whether KV events are consumed (off: every worker is in approximate mode).
+    pub kv_events: bool,
+    /// Bound on blocks per partition index.
+    pub index_max_blocks: usize,
+    /// Keep a trace of the last N decisions (differential tests, debugging); 0 = off.
+    pub trace_decisions: usize,
+    pub sessions: SessionConfig,
+}
+
+impl Default for CoreConfig {
+    fn default() -> Self {
+        CoreConfig {
+            booking_ttl: Duration::from_secs(300),
+            seed: None,
+            cost: CostParams::default(),
+            busy: BusyThresholds::default(),
+            allow_pins: false,
+            approx_ttl: Duration::from_secs(120),
+            predicted_ttl: Duration::from_secs(2),
+            kv_events: false,
+            index_max_blocks: 1 << 20,
+            trace_decisions: 0,
+            sessions: SessionConfig::default(),
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! What a core operation changed that an operator may want to see, returned as values. The core
+//! records nothing itself (it has no metrics library); the host applies [`Facts`] to its metrics
+//! after the core's locks are released.
+
+use std::sync::Arc;
+
+use crate::session::{Invalidation, SessionOutcome};
+use crate::types::{Lifecycle, PartitionKey, RankLoad};
+
+/// One observable change.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Fact {
+    /// A rank's load is now `load`.
+    Load {
+        worker: Arc<str>,
+        dp_rank: u32,
+        load: RankLoad,
+    },
+    /// A rank left its partition: its per-rank series go.
+    RankGone { worker: Arc<str>, dp_rank: u32 },
+    /// Live bookings over all ranks changed by this much.
+    Inflight(i64),
+    /// What session affinity did for one request.
+    Session(SessionOutcome),
+    /// A binding was dropped.
+    SessionInvalidated(Invalidation),
+    /// This many idle bindings expired.
+    SessionsExpired(u64),
+    /// Live bindings changed by this much.
+    SessionsLive(i64),
+    /// A partition's index now holds `blocks` blocks (and, when measured, `bytes` heap bytes).
+    IndexSize {
+        partition: Arc<PartitionKey>,
+        blocks: usize,
+        bytes: Option<usize>,
+    },
+    /// Share of a pick's prompt blocks already cached on the picked rank.
+    PredictedOverlap(f64),
+    /// KV events applied and dropped.
+    KvEvents { applied: u64, dropped: u64 },
+    /// Workers in the catalog per lifecycle, in [`Lifecycle::ALL`] order.
+    CatalogWorkers([usize; 4]),
+    /// Bookings reaped because they outlived the booking TTL.
+    BookingsExpired(u64),
+}
+
+/// The facts of one operation, in the order they happened.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Facts(pub Vec<Fact>);
+
+impl Facts {
+    pub fn push(&mut self, fact: Fact) {
+        self.0.push(fact);
+    }
+
+    pub fn extend(&mut self, other: Facts) {
+        self.0.extend(other.0);
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Fact> {
+        self.0.iter()
+    }
+
+    /// Counts per lifecycle, for [`Fact::CatalogWorkers`].
+    pub fn lifecycle_counts(lifecycles: impl Iterator<Item = Lifecycle>) -> [usize; 4] {
+        let mut counts = [0usize; 4];
+        for l in lifecycles {
+            if let Some(i) = Lifecycle::ALL.iter().position(|x| *x == l) {
+                counts[i] = counts[i].saturating_add(1);
+            }
+        }
+        counts
+    }
+}

@@ -1,0 +1,80 @@
+//! kvpick-core: the selection core of kvpick, with no I/O. It owns the KV index and block
+//! hashing, the partitions (ranks, load, bookings, session affinity), the staged decision and the
+//! catalog as data. Time is an argument (`now: Instant`), and what an operation changed comes back
+//! as [`facts::Facts`] for the host to record: this crate depends on no async runtime, network,
+//! Kubernetes or metrics crate, so every decision is unit-testable and replayable.
+//!
+//! # Layout (bottom to top; a module imports only from those above it in this list)
+//! - [`types`]: `RankKey`, `Lifecycle`, tiers, `PartitionKey`, `RankLoad` — the shared vocabulary.
+//! - [`event`]: KV block events as values (the wire decoder in the `kvpick` crate makes them).
+//! - [`hash`]: block hashes (`xxh3`, chained per prefix).
+//! - [`index`]: which ranks hold which blocks, per tier; longest-prefix matches.
+//! - [`error`], [`facts`], [`request`], [`config`]: what goes in and comes out of the core.
+//! - [`catalog`]: worker specs and records, the union of sources, the reconcile diff.
+//! - [`decide`]: the pure cost function and choice.
+//! - [`session`]: the session-affinity table.
+//! - `partition`: one `(model, routing_group)` behind one lock; its `pipeline` runs the selection
+//!   stages (eligibility, pin, adapter, busy, candidates, decide, affinity, fallbacks), then books.
+//! - [`core`]: [`Core`], the catalog, partitions and booking registry every host drives.
+
+#![forbid(unsafe_code)]
+
+pub mod catalog;
+pub mod config;
+pub mod core;
+pub mod decide;
+pub mod error;
+pub mod event;
+pub mod facts;
+pub mod hash;
+pub mod index;
+mod partition;
+pub mod request;
+pub mod session;
+pub mod types;
+
+use std::net::SocketAddr;
+
+pub use crate::catalog::{ApplyReport, SourceName, WorkerRecord, WorkerSpec};
+pub use crate::config::{BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE};
+pub use crate::core::Core;
+pub use crate::decide::{cost, decide, overlap_score, Candidate, CostParams, Decision};
+pub use crate::error::{CatalogError, SelectError};
+pub use crate::facts::{Fact, Facts};
+pub use crate::partition::EventStats;
+pub use crate::request::{clip, DuplicateId, EndpointFilter, Pin, PromptInput, SelectionRequest};
+pub use crate::session::{AffinityMode, SessionConfig, SessionOutcome};
+pub use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
+
+/// One picked rank, with everything a host needs to route to it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PickedRank {
+    pub key: RankKey,
+    pub worker_name: String,
+    pub endpoint: SocketAddr,
+    pub multiplexed: bool,
+}
+
+/// The outcome of a successful pick.
+#[derive(Debug, Clone)]
+pub struct Selection {
+    pub booking_id: String,
+    pub partition: PartitionKey,
+    pub primary: PickedRank,
+    pub fallbacks: Vec<PickedRank>,
+    /// Blocks of the prompt already cached on the primary (GPU tier).
+    pub overlap_blocks: u32,
+    /// Complete blocks in the prompt.
+    pub prompt_blocks: u32,
+    pub prompt_tokens: u64,
+    pub cost: f64,
+    /// What session affinity did, when the request had a session id.
+    pub session: Option<SessionOutcome>,
+}
+
+/// A read-only view of one worker and its per-rank load, for listing.
+#[derive(Debug, Clone)]
+pub struct WorkerView {
+    pub record: WorkerRecord,
+    pub loads: Vec<RankLoad>,
+}

@@ -1,0 +1,779 @@
+//! One partition, `(model, routing_group)`: its ranks as scheduled, their load (derived only from
+//! bookings), its KV index, session table and bookings, all behind one lock so a decision and its
+//! booking are atomic. The decision itself is the staged [`pipeline`]; this module runs it under
+//! the lock and books the result. Every operation returns what it changed as [`Facts`].
+//!
+//! Layout: [`ranks`] (the rank table), [`pipeline`] (the selection stages), [`events`] (KV events
+//! applied to the index).
+
+mod events;
+mod pipeline;
+mod ranks;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use events::EngineMap;
+pub use events::EventStats;
+use pipeline::{Affinity, Allowed, PromptBlocks};
+use ranks::{RankTable, Slot};
+
+use crate::catalog::WorkerRecord;
+use crate::config::{CoreConfig, DEFAULT_BLOCK_SIZE};
+use crate::decide::decide;
+use crate::error::SelectError;
+use crate::facts::{Fact, Facts};
+use crate::hash;
+use crate::index::{PrefixIndex, Tier, TierDepths};
+use crate::request::SelectionRequest;
+use crate::session::{Invalidation, SessionOutcome, SessionTable};
+use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
+use crate::{PickedRank, Selection};
+
+#[derive(Debug)]
+struct Booking {
+    rank: RankKey,
+    prefill_tokens: u64,
+    decode_blocks: u64,
+    prefill_complete: bool,
+    created: Instant,
+    /// The session whose lease this booking holds.
+    session: Option<String>,
+}
+
+struct State {
+    /// Block size once a worker declared one; until then [`DEFAULT_BLOCK_SIZE`].
+    declared_block_size: Option<u32>,
+    ranks: RankTable,
+    index: PrefixIndex,
+    bookings: HashMap<String, Booking>,
+    sessions: SessionTable,
+    /// Per rank: engine block hash -> our hash (KV events).
+    engines: HashMap<RankKey, EngineMap>,
+    rng: StdRng,
+}
+
+pub(crate) struct BatchResult {
+    pub failed: Vec<(u64, String)>,
+    pub dropped_bookings: Vec<String>,
+}
+
+pub(crate) struct SelectOutcome {
+    pub selection: Selection,
+    /// Candidate costs, `worker:rank=cost` in rank order, for decision traces.
+    pub trace: String,
+}
+
+pub(crate) struct Partition {
+    pub(crate) key: Arc<PartitionKey>,
+    schedulable: AtomicUsize,
+    block_size: AtomicU32,
+    state: Mutex<State>,
+}
+
+/// Candidate costs, `worker:rank=cost` in rank order, for decision traces.
+fn cost_trace(candidates: &[crate::decide::Candidate], costs: &[f64]) -> String {
+    candidates
+        .iter()
+        .zip(costs)
+        .map(|(c, cost)| format!("{}:{}={:.3}", c.key.worker_id, c.key.dp_rank, cost))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn load_fact(slot: &Slot, key: RankKey) -> Fact {
+    Fact::Load {
+        worker: Arc::clone(&slot.worker_name),
+        dp_rank: key.dp_rank,
+        load: slot.load,
+    }
+}
+
+impl Partition {
+    pub fn new(key: PartitionKey, config: &CoreConfig, now: Instant) -> Self {
+        let rng = match config.seed {
+            Some(seed) => {
+                let salt =
+                    hash::text_id(format!("{}\0{}", key.model, key.routing_group).as_bytes());
+                StdRng::seed_from_u64(seed ^ salt)
+            }
+            None => StdRng::from_os_rng(),
+        };
+        Partition {
+            key: Arc::new(key),
+            schedulable: AtomicUsize::new(0),
+            block_size: AtomicU32::new(DEFAULT_BLOCK_SIZE),
+            state: Mutex::new(State {
+                declared_block_size: None,
+                ranks: RankTable::default(),
+                index: PrefixIndex::new(config.index_max_blocks, now),
+                bookings: HashMap::new(),
+                sessions: SessionTable::default(),
+                engines: HashMap::new(),
+                rng,
+            }),
+        }
+    }
+
+    pub fn schedulable_ranks(&self) -> usize {
+        self.schedulable.load(Ordering::Relaxed)
+    }
+
+    pub fn routing_group_is(&self, group: &str) -> bool {
+        self.key.routing_group == group
+    }
+
+    pub fn serves_adapter(&self, model: &str) -> bool {
+        let state = self.state.lock();
+        let serves = state
+            .ranks
+            .values()
+            .any(|s| s.schedulable && s.lora_adapters.iter().any(|a| a == model));
+        serves
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size.load(Ordering::Relaxed)
+    }
+
+    fn index_fact(&self, state: &State, bytes: Option<usize>) -> Fact {
+        Fact::IndexSize {
+            partition: Arc::clone(&self.key),
+            blocks: state.index.len(),
+            bytes,
+        }
+    }
+
+    /// The index size, as a fact (after KV events).
+    pub fn index_size(&self) -> Fact {
+        let state = self.state.lock();
+        self.index_fact(&state, None)
+    }
+
+    /// Applies one batch of catalog changes under one lock (one publish).
+    pub fn apply_batch(
+        &self,
+        gone: &[WorkerRecord],
+        upserts: &[WorkerRecord],
+        now: Instant,
+        facts: &mut Facts,
+    ) -> BatchResult {
+        let mut result = BatchResult {
+            failed: Vec::new(),
+            dropped_bookings: Vec::new(),
+        };
+        let mut state = self.state.lock();
+        for record in gone {
+            Self::drop_worker(
+                &mut state,
+                record.id,
+                now,
+                facts,
+                &mut result.dropped_bookings,
+            );
+        }
+        for record in upserts {
+            if let Err(reason) = self.adopt_block_size(&mut state, record, now) {
+                result.failed.push((record.id, reason));
+                Self::drop_worker(
+                    &mut state,
+                    record.id,
+                    now,
+                    facts,
+                    &mut result.dropped_bookings,
+                );
+                continue;
+            }
+            Self::upsert_ranks(&mut state, record, now, facts, &mut result.dropped_bookings);
+        }
+        state.ranks.finish();
+        let n = state.ranks.values().filter(|s| s.schedulable).count();
+        self.schedulable.store(n, Ordering::Relaxed);
+        result
+    }
+
+    /// Takes a worker's declared block size, or refuses the worker when another one declared a
+    /// different size. The first declaration (or the only worker changing it) starts the index
+    /// afresh: hashes of another block size never match.
+    fn adopt_block_size(
+        &self,
+        state: &mut State,
+        record: &WorkerRecord,
+        now: Instant,
+    ) -> Result<(), String> {
+        let Some(declared) = record.spec.block_size else {
+            return Ok(());
+        };
+        let others_declare = state.ranks.keys().any(|k| k.worker_id != record.id);
+        match state.declared_block_size {
+            Some(current) if current != declared && others_declare => Err(format!(
+                "block_size {declared} conflicts with block size {current} of partition {}",
+                self.key.model
+            )),
+            Some(current) if current == declared => Ok(()),
+            _ => {
+                if state.declared_block_size.is_some() || declared != DEFAULT_BLOCK_SIZE {
+                    state.index = PrefixIndex::new(state.index.capacity(), now);
+                }
+                state.declared_block_size = Some(declared);
+                self.block_size.store(declared, Ordering::Relaxed);
+                Ok(())
+            }
+        }
+    }
+
+    /// Makes the partition's ranks of `record` match it: ranks that moved or went are dropped
+    /// (with their bookings), surviving ranks keep their load, new ones start idle.
+    fn upsert_ranks(
+        state: &mut State,
+        record: &WorkerRecord,
+        now: Instant,
+        facts: &mut Facts,
+        dropped: &mut Vec<String>,
+    ) {
+        let wanted: HashMap<u32, _> = record.ranks.iter().map(|r| (r.dp_rank, *r)).collect();
+        let stale: Vec<RankKey> = state
+            .ranks
+            .iter()
+            .filter(|(k, s)| {
+                k.worker_id == record.id
+                    && wanted
+                        .get(&k.dp_rank)
+                        .is_none_or(|r| s.endpoint != r.endpoint)
+            })
+            .map(|(k, _)| *k)
+            .collect();
+        for key in stale {
+            Self::drop_rank(state, key, now, facts, dropped);
+        }
+        let lora: Arc<[String]> = record.spec.lora_adapters.clone().into();
+        let name: Arc<str> = record.spec.name.as_str().into();
+        for rank in &record.ranks {
+            let key = RankKey {
+                worker_id: record.id,
+                dp_rank: rank.dp_rank,
+            };
+            let slot = state.ranks.get_or_insert_with(key, || Slot {
+                worker_name: Arc::clone(&name),
+                endpoint: rank.endpoint,
+                multiplexed: rank.multiplexed,
+                lora_adapters: Arc::clone(&lora),
+                schedulable: false,
+                kv_events: false,
+                load: RankLoad::default(),
+            });
+            slot.worker_name = Arc::clone(&name);
+            slot.multiplexed = rank.multiplexed;
+            slot.lora_adapters = Arc::clone(&lora);
+            slot.schedulable = record.lifecycle == Lifecycle::Schedulable;
+            slot.kv_events = record.spec.kv_events.is_some();
+        }
+    }
+
+    /// Drops every rank of a worker (and their bookings).
+    fn drop_worker(
+        state: &mut State,
+        worker_id: u64,
+        now: Instant,
+        facts: &mut Facts,
+        dropped: &mut Vec<String>,
+    ) {
+        let keys: Vec<RankKey> = state
+            .ranks
+            .keys()
+            .filter(|k| k.worker_id == worker_id)
+            .copied()
+            .collect();
+        for key in keys {
+            Self::drop_rank(state, key, now, facts, dropped);
+        }
+    }
+
+    fn drop_rank(
+        state: &mut State,
+        key: RankKey,
+        now: Instant,
+        facts: &mut Facts,
+        dropped: &mut Vec<String>,
+    ) {
+        let Some(slot) = state.ranks.remove(&key) else {
+            return;
+        };
+        state.engines.remove(&key);
+        let mut leases = Vec::new();
+        state.bookings.retain(|id, b| {
+            if b.rank == key {
+                dropped.push(id.clone());
+                leases.extend(b.session.take());
+                false
+            } else {
+                true
+            }
+        });
+        for sid in leases {
+            state.sessions.release(&sid, now);
+        }
+        facts.push(Fact::Inflight(-(slot.load.active_requests as i64)));
+        facts.push(Fact::RankGone {
+            worker: slot.worker_name,
+            dp_rank: key.dp_rank,
+        });
+    }
+
+    fn seed_for(&self, request: &SelectionRequest) -> u64 {
+        let lora = request.model.as_deref().filter(|m| *m != self.key.model);
+        hash::block_seed(lora, request.cache_salt.as_deref())
+    }
+
+    /// Runs the [`pipeline`] under the partition lock and, with `booking_id`, books the pick in
+    /// the same critical section ([`Partition::book`]).
+    pub fn select(
+        &self,
+        request: &SelectionRequest,
+        booking_id: Option<&str>,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Result<SelectOutcome, SelectError> {
+        let block_size = self.block_size();
+        let prompt = pipeline::prompt_blocks(&request.prompt, block_size, self.seed_for(request));
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let allowed = Allowed {
+            subset: request.subset.as_ref(),
+            adapter: request.model.as_deref().filter(|m| *m != self.key.model),
+        };
+        let sessions = &config.sessions;
+        let mut bound = request.session_id.as_deref().and_then(|sid| {
+            Self::session_binding(
+                state,
+                sid,
+                &allowed,
+                booking_id.is_some(),
+                sessions,
+                now,
+                facts,
+            )
+        });
+        let slots = &state.ranks.slots;
+        let eligible = self.eligible_ranks(slots, request, &allowed, &mut bound, config)?;
+        let matches = if prompt.seq_hashes.is_empty() {
+            Vec::new()
+        } else {
+            state.index.find_matches(&prompt.seq_hashes, now)
+        };
+        let candidates = pipeline::candidates(slots, &eligible, &matches);
+        let temperature = request
+            .temperature
+            .unwrap_or(config.cost.router_temperature);
+        let mut decision = decide(
+            &candidates,
+            prompt.tokens,
+            block_size,
+            &config.cost,
+            temperature,
+            // Enough runners-up to find distinct fallback endpoints among multiplexed ranks.
+            1 + request.fallbacks.saturating_mul(8),
+            &mut state.rng,
+        );
+        let affinity = pipeline::apply_affinity(&mut decision, &candidates, bound, sessions);
+        let (primary, fallbacks) =
+            pipeline::picked_ranks(slots, &eligible, &decision.ranking, request.fallbacks)
+                .ok_or_else(|| SelectError::Unavailable("no candidate left".into()))?;
+        let best = decision.ranking.first().copied().unwrap_or_default();
+        let overlap = candidates.get(best).map(|c| c.overlap).unwrap_or_default();
+        let cost = decision.costs.get(best).copied().unwrap_or_default();
+        let trace = if config.trace_decisions > 0 {
+            cost_trace(&candidates, &decision.costs)
+        } else {
+            String::new()
+        };
+        let session = match booking_id {
+            Some(id) => {
+                let pick = Pick {
+                    booking_id: id,
+                    rank: primary.key,
+                    overlap,
+                    prompt: &prompt,
+                    block_size,
+                };
+                self.book(state, request, &pick, affinity, config, now, facts)
+            }
+            None => (affinity == Affinity::Kept).then_some(SessionOutcome::Reused),
+        };
+        let selection = Selection {
+            booking_id: booking_id.unwrap_or_default().to_string(),
+            partition: (*self.key).clone(),
+            primary,
+            fallbacks,
+            overlap_blocks: overlap.gpu,
+            prompt_blocks: prompt.seq_hashes.len() as u32,
+            prompt_tokens: prompt.tokens,
+            cost,
+            session,
+        };
+        Ok(SelectOutcome { selection, trace })
+    }
+
+    /// The session's bound rank if it may serve this request. An invalid binding is dropped
+    /// when the request will be booked (a dry-run `select` changes nothing).
+    fn session_binding(
+        state: &mut State,
+        sid: &str,
+        allowed: &Allowed,
+        booking: bool,
+        sessions: &crate::session::SessionConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Option<RankKey> {
+        let lookup = state.sessions.bound_rank(sid, now, sessions.ttl);
+        if lookup.expired {
+            facts.push(Fact::SessionsLive(-1));
+            facts.push(Fact::SessionsExpired(1));
+        }
+        let rank = lookup.rank?;
+        match pipeline::check_binding(state.ranks.get(&rank), allowed) {
+            Ok(()) => Some(rank),
+            Err(reason) => {
+                if booking {
+                    Self::invalidate_session(state, sid, reason, facts);
+                }
+                None
+            }
+        }
+    }
+
+    /// The eligibility stages in order: allowed ranks, pin, adapter, busy thresholds.
+    fn eligible_ranks(
+        &self,
+        slots: &[(RankKey, Slot)],
+        request: &SelectionRequest,
+        allowed: &Allowed,
+        bound: &mut Option<RankKey>,
+        config: &CoreConfig,
+    ) -> Result<Vec<usize>, SelectError> {
+        let mode = config.sessions.mode;
+        let mut eligible = pipeline::allowed_ranks(slots, allowed, &self.key.model)?;
+        let pin = request.pin.filter(|_| config.allow_pins);
+        if let Some(pin) = pin {
+            pipeline::apply_pin(slots, &mut eligible, pin, bound, mode)?;
+        }
+        pipeline::narrow_adapter(slots, &mut eligible, allowed)?;
+        let hard_bound = bound.filter(|_| mode == crate::session::AffinityMode::Hard);
+        pipeline::drop_busy(
+            slots,
+            &mut eligible,
+            &config.busy,
+            request.priority,
+            hard_bound,
+            pin.is_some(),
+        )?;
+        Ok(eligible)
+    }
+
+    /// The last stage: binds or reuses the session, installs the booking and its load, and
+    /// inserts the prompt's blocks as predicted (or approximate) entries for the picked rank.
+    #[allow(clippy::too_many_arguments)]
+    fn book(
+        &self,
+        state: &mut State,
+        request: &SelectionRequest,
+        pick: &Pick,
+        affinity: Affinity,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Option<SessionOutcome> {
+        let mut outcome = None;
+        let mut leased_session = None;
+        if let Some(sid) = request.session_id.as_deref() {
+            if affinity == Affinity::Overridden {
+                Self::invalidate_session(state, sid, Invalidation::SoftOverride, facts);
+            }
+            let result = if affinity == Affinity::Kept {
+                SessionOutcome::Reused
+            } else if state
+                .sessions
+                .bind(sid, pick.rank, now, config.sessions.max_entries)
+            {
+                facts.push(Fact::SessionsLive(1));
+                SessionOutcome::Created
+            } else {
+                SessionOutcome::TableFull
+            };
+            facts.push(Fact::Session(result));
+            if result != SessionOutcome::TableFull {
+                state.sessions.acquire(sid);
+                leased_session = Some(sid.to_string());
+            }
+            outcome = Some(result);
+        }
+        let block_size = u64::from(pick.block_size.max(1));
+        let tokens = pick.prompt.tokens;
+        let cached_tokens = u64::from(pick.overlap.gpu)
+            .saturating_mul(block_size)
+            .min(tokens);
+        let booking = Booking {
+            rank: pick.rank,
+            prefill_tokens: tokens - cached_tokens,
+            decode_blocks: tokens.div_ceil(block_size),
+            prefill_complete: false,
+            created: now,
+            session: leased_session,
+        };
+        let Some(slot) = state.ranks.get_mut(&pick.rank) else {
+            return outcome;
+        };
+        slot.load.active_prefill_tokens = slot
+            .load
+            .active_prefill_tokens
+            .saturating_add(booking.prefill_tokens);
+        slot.load.active_decode_blocks = slot
+            .load
+            .active_decode_blocks
+            .saturating_add(booking.decode_blocks);
+        slot.load.active_requests = slot.load.active_requests.saturating_add(1);
+        let ttl = if config.kv_events && slot.kv_events {
+            config.predicted_ttl
+        } else {
+            config.approx_ttl
+        };
+        facts.push(load_fact(slot, pick.rank));
+        facts.push(Fact::Inflight(1));
+        state.bookings.insert(pick.booking_id.to_string(), booking);
+        let hashes = &pick.prompt.seq_hashes;
+        if !hashes.is_empty() {
+            state
+                .index
+                .insert(pick.rank, hashes, Tier::Gpu, Some(now + ttl));
+            facts.push(self.index_fact(state, None));
+            facts.push(Fact::PredictedOverlap(
+                f64::from(pick.overlap.gpu) / hashes.len() as f64,
+            ));
+        }
+        outcome
+    }
+
+    fn invalidate_session(state: &mut State, sid: &str, reason: Invalidation, facts: &mut Facts) {
+        if state.sessions.invalidate(sid).is_some() {
+            facts.push(Fact::SessionsLive(-1));
+            facts.push(Fact::SessionInvalidated(reason));
+            // In-flight requests of the session keep their bookings; their leases were on the
+            // old binding, which is gone, so the new binding starts without them.
+            for booking in state.bookings.values_mut() {
+                if booking.session.as_deref() == Some(sid) {
+                    booking.session = None;
+                }
+            }
+        }
+    }
+
+    fn release(state: &mut State, booking: &Booking, now: Instant, facts: &mut Facts) {
+        if let Some(sid) = &booking.session {
+            state.sessions.release(sid, now);
+        }
+        if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+            if !booking.prefill_complete {
+                slot.load.active_prefill_tokens = slot
+                    .load
+                    .active_prefill_tokens
+                    .saturating_sub(booking.prefill_tokens);
+            }
+            slot.load.active_decode_blocks = slot
+                .load
+                .active_decode_blocks
+                .saturating_sub(booking.decode_blocks);
+            slot.load.active_requests = slot.load.active_requests.saturating_sub(1);
+            facts.push(load_fact(slot, booking.rank));
+            facts.push(Fact::Inflight(-1));
+        }
+    }
+
+    pub fn prefill_complete(&self, booking_id: &str, facts: &mut Facts) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(booking) = state.bookings.get_mut(booking_id) else {
+            return false;
+        };
+        if !booking.prefill_complete {
+            booking.prefill_complete = true;
+            if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+                slot.load.active_prefill_tokens = slot
+                    .load
+                    .active_prefill_tokens
+                    .saturating_sub(booking.prefill_tokens);
+                facts.push(load_fact(slot, booking.rank));
+            }
+        }
+        true
+    }
+
+    pub fn free(&self, booking_id: &str, now: Instant, facts: &mut Facts) -> bool {
+        let mut state = self.state.lock();
+        let Some(booking) = state.bookings.remove(booking_id) else {
+            return false;
+        };
+        Self::release(&mut state, &booking, now, facts);
+        true
+    }
+
+    pub fn move_booking(
+        &self,
+        booking_id: &str,
+        served: SocketAddr,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(current) = state.bookings.get(booking_id).map(|b| b.rank) else {
+            return false;
+        };
+        if state
+            .ranks
+            .get(&current)
+            .is_some_and(|s| s.endpoint == served)
+        {
+            return false;
+        }
+        let Some(target) = state
+            .ranks
+            .iter()
+            .find(|(_, s)| s.endpoint == served)
+            .map(|(k, _)| *k)
+        else {
+            return false;
+        };
+        let Some(booking) = state.bookings.remove(booking_id) else {
+            return false;
+        };
+        Self::release(state, &booking, now, facts);
+        let Some(slot) = state.ranks.get_mut(&target) else {
+            return false;
+        };
+        if !booking.prefill_complete {
+            slot.load.active_prefill_tokens = slot
+                .load
+                .active_prefill_tokens
+                .saturating_add(booking.prefill_tokens);
+        }
+        slot.load.active_decode_blocks = slot
+            .load
+            .active_decode_blocks
+            .saturating_add(booking.decode_blocks);
+        slot.load.active_requests = slot.load.active_requests.saturating_add(1);
+        facts.push(load_fact(slot, target));
+        facts.push(Fact::Inflight(1));
+        state.bookings.insert(
+            booking_id.to_string(),
+            Booking {
+                rank: target,
+                ..booking
+            },
+        );
+        true
+    }
+
+    /// Reaps bookings older than `ttl` (returned) and purges expired index entries and idle
+    /// sessions.
+    pub fn reap(
+        &self,
+        now: Instant,
+        ttl: Duration,
+        ttl_sessions: Duration,
+        facts: &mut Facts,
+    ) -> Vec<String> {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let expired: Vec<String> = state
+            .bookings
+            .iter()
+            .filter(|(_, b)| now.saturating_duration_since(b.created) >= ttl)
+            .map(|(id, _)| id.clone())
+            .collect();
+        for id in &expired {
+            if let Some(booking) = state.bookings.remove(id) {
+                Self::release(state, &booking, now, facts);
+            }
+        }
+        state.index.purge_expired(now);
+        let idle = state.sessions.reap(now, ttl_sessions);
+        facts.push(Fact::SessionsLive(-(idle as i64)));
+        facts.push(Fact::SessionsExpired(idle as u64));
+        let engine_bytes: usize = state
+            .engines
+            .values()
+            .map(|m| m.entries.capacity() * 8 / 7 * (std::mem::size_of::<(u64, u64)>() + 1))
+            .sum();
+        let bytes = state.index.heap_bytes() + engine_bytes;
+        facts.push(self.index_fact(state, Some(bytes)));
+        expired
+    }
+
+    pub fn load_of(&self, key: RankKey) -> Option<RankLoad> {
+        self.state.lock().ranks.get(&key).map(|s| s.load)
+    }
+
+    /// Per schedulable rank: the prompt's matched depths.
+    pub fn overlaps(
+        &self,
+        request: &SelectionRequest,
+        now: Instant,
+    ) -> (u32, Vec<(PickedRank, TierDepths)>) {
+        let prompt =
+            pipeline::prompt_blocks(&request.prompt, self.block_size(), self.seed_for(request));
+        let state = self.state.lock();
+        let matches: HashMap<RankKey, TierDepths> = state
+            .index
+            .find_matches(&prompt.seq_hashes, now)
+            .into_iter()
+            .collect();
+        let ranks = state
+            .ranks
+            .iter()
+            .filter(|(_, s)| s.schedulable)
+            .map(|(k, s)| {
+                (
+                    PickedRank {
+                        key: *k,
+                        worker_name: s.worker_name.to_string(),
+                        endpoint: s.endpoint,
+                        multiplexed: s.multiplexed,
+                    },
+                    matches.get(k).copied().unwrap_or_default(),
+                )
+            })
+            .collect();
+        (prompt.seq_hashes.len() as u32, ranks)
+    }
+
+    /// Inserts blocks for a rank (KV events, tests, warm-up).
+    pub fn insert_blocks(
+        &self,
+        rank: RankKey,
+        seq_hashes: &[u64],
+        tier: Tier,
+        expires: Option<Instant>,
+    ) {
+        self.state
+            .lock()
+            .index
+            .insert(rank, seq_hashes, tier, expires);
+    }
+}
+
+/// What the decision chose, as the booking stage needs it.
+struct Pick<'a> {
+    booking_id: &'a str,
+    rank: RankKey,
+    overlap: TierDepths,
+    prompt: &'a PromptBlocks,
+    block_size: u32,
+}

@@ -1,0 +1,347 @@
+//! The selection pipeline, one small stage per rule, in the order they apply:
+//!
+//! 1. [`prompt_blocks`]: the prompt reduced to chained block hashes;
+//! 2. [`check_binding`]: is the session's bound rank still valid for this request?
+//! 3. [`allowed_ranks`]: schedulable ranks inside the subset hint;
+//! 4. [`apply_pin`]: an explicit pin narrows them (and must agree with a hard binding);
+//! 5. [`narrow_adapter`]: a LoRA request goes where its adapter is loaded;
+//! 6. [`drop_busy`]: ranks over a busy threshold go (a hard-bound rank stays);
+//! 7. [`candidates`]: the survivors with their load and cached overlap;
+//! 8. [`crate::decide::decide`]: the cost function;
+//! 9. [`apply_affinity`]: hard affinity keeps the bound rank, soft keeps it within a margin;
+//! 10. [`picked_ranks`]: the primary and distinct fallback endpoints.
+//!
+//! Every stage is a function of its arguments (the partition's rank table, the request, the
+//! config): no lock, no clock, no metrics. The partition runs them under its lock and books the
+//! result ([`super::Partition::select`]).
+
+use crate::config::BusyThresholds;
+use crate::decide::{Candidate, Decision};
+use crate::error::SelectError;
+use crate::hash;
+use crate::index::TierDepths;
+use crate::request::{clip, EndpointFilter, Pin, PromptInput};
+use crate::session::{AffinityMode, Invalidation, SessionConfig};
+use crate::types::{RankKey, RankLoad};
+use crate::PickedRank;
+
+use super::ranks::Slot;
+
+/// The prompt reduced to what the index and cost function need.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PromptBlocks {
+    pub tokens: u64,
+    pub seq_hashes: Vec<u64>,
+}
+
+pub(crate) fn prompt_blocks(prompt: &PromptInput, block_size: u32, seed: u64) -> PromptBlocks {
+    let bs = block_size as usize;
+    match prompt {
+        PromptInput::None => PromptBlocks {
+            tokens: 0,
+            seq_hashes: Vec::new(),
+        },
+        PromptInput::Tokens(tokens) => PromptBlocks {
+            tokens: tokens.len() as u64,
+            seq_hashes: hash::prompt_hashes(tokens, bs, seed),
+        },
+        PromptInput::BlockHashes {
+            seq_hashes,
+            prompt_tokens,
+        } => PromptBlocks {
+            tokens: *prompt_tokens,
+            seq_hashes: seq_hashes.clone(),
+        },
+        PromptInput::Text(bytes) => {
+            let words = bytes.chunks_exact(4);
+            let tail = words.remainder();
+            let mut pseudo: Vec<u32> = Vec::with_capacity(bytes.len().div_ceil(4));
+            pseudo.extend(words.map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
+            if !tail.is_empty() {
+                let mut word = [0u8; 4];
+                word[..tail.len()].copy_from_slice(tail);
+                pseudo.push(u32::from_le_bytes(word));
+            }
+            PromptBlocks {
+                tokens: pseudo.len() as u64,
+                seq_hashes: hash::prompt_hashes(&pseudo, bs, seed),
+            }
+        }
+    }
+}
+
+/// What a request allows: its subset hint and, for an adapter request, the adapter.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Allowed<'a> {
+    pub subset: Option<&'a EndpointFilter>,
+    pub adapter: Option<&'a str>,
+}
+
+impl Allowed<'_> {
+    pub fn in_subset(&self, s: &Slot) -> bool {
+        self.subset.is_none_or(|f| f.matches(&s.endpoint))
+    }
+
+    pub fn has_adapter(&self, s: &Slot) -> bool {
+        self.adapter
+            .is_none_or(|a| s.lora_adapters.iter().any(|l| l == a))
+    }
+}
+
+/// Whether the session's bound rank may serve this request, and if not, why.
+pub(crate) fn check_binding(slot: Option<&Slot>, allowed: &Allowed) -> Result<(), Invalidation> {
+    match slot {
+        None => Err(Invalidation::Gone),
+        Some(s) if !s.schedulable => Err(Invalidation::Unschedulable),
+        Some(s) if !allowed.in_subset(s) => Err(Invalidation::OutsideSubset),
+        Some(s) if !allowed.has_adapter(s) => Err(Invalidation::Adapter),
+        Some(_) => Ok(()),
+    }
+}
+
+/// Positions (in `slots`, rank order) of the schedulable ranks inside the subset hint.
+pub(crate) fn allowed_ranks(
+    slots: &[(RankKey, Slot)],
+    allowed: &Allowed,
+    model: &str,
+) -> Result<Vec<usize>, SelectError> {
+    let eligible: Vec<usize> = slots
+        .iter()
+        .enumerate()
+        .filter(|(_, (_, s))| s.schedulable && allowed.in_subset(s))
+        .map(|(i, _)| i)
+        .collect();
+    if eligible.is_empty() {
+        return Err(SelectError::Unavailable(if allowed.subset.is_some() {
+            "subset hint matches no eligible endpoint".into()
+        } else {
+            format!("no ready worker serves model {}", clip(model))
+        }));
+    }
+    Ok(eligible)
+}
+
+/// Narrows `eligible` to the pinned worker (and rank). The pinned worker must be schedulable and
+/// inside the allowed set; a pin that contradicts a hard binding is a bad request, and under soft
+/// affinity it wins (the binding is ignored: `bound` becomes `None`).
+pub(crate) fn apply_pin(
+    slots: &[(RankKey, Slot)],
+    eligible: &mut Vec<usize>,
+    pin: Pin,
+    bound: &mut Option<RankKey>,
+    mode: AffinityMode,
+) -> Result<(), SelectError> {
+    let worker_ranks = || {
+        slots
+            .iter()
+            .filter(|(k, s)| k.worker_id == pin.worker_id && s.schedulable)
+    };
+    if worker_ranks().next().is_none() {
+        return Err(SelectError::Unavailable(format!(
+            "pinned worker {} is not available",
+            pin.worker_id
+        )));
+    }
+    if let Some(rank) = pin.dp_rank {
+        if !worker_ranks().any(|(k, _)| k.dp_rank == rank) {
+            return Err(SelectError::BadRequest(format!(
+                "dp rank {rank} is out of range for worker {}",
+                pin.worker_id
+            )));
+        }
+    }
+    let pin_matches =
+        |k: &RankKey| k.worker_id == pin.worker_id && pin.dp_rank.is_none_or(|r| r == k.dp_rank);
+    if let Some(b) = bound.filter(|b| !pin_matches(b)) {
+        if mode == AffinityMode::Hard {
+            return Err(SelectError::BadRequest(format!(
+                "pin to worker {} contradicts the session's binding to worker {} rank {}",
+                pin.worker_id, b.worker_id, b.dp_rank
+            )));
+        }
+        *bound = None;
+    }
+    eligible.retain(|&i| slots.get(i).is_some_and(|(k, _)| pin_matches(k)));
+    if eligible.is_empty() {
+        return Err(SelectError::Unavailable(
+            "pinned worker is outside the allowed endpoints".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// Narrows `eligible` to ranks with the requested adapter loaded.
+pub(crate) fn narrow_adapter(
+    slots: &[(RankKey, Slot)],
+    eligible: &mut Vec<usize>,
+    allowed: &Allowed,
+) -> Result<(), SelectError> {
+    let Some(adapter) = allowed.adapter else {
+        return Ok(());
+    };
+    eligible.retain(|&i| slots.get(i).is_some_and(|(_, s)| allowed.has_adapter(s)));
+    if eligible.is_empty() {
+        return Err(SelectError::Unavailable(format!(
+            "no eligible worker has adapter {} loaded",
+            clip(adapter)
+        )));
+    }
+    Ok(())
+}
+
+/// Whether a rank is at or over a busy threshold, each scaled by `fraction` (sheddable requests
+/// see lower thresholds, so they are shed before critical ones).
+pub(crate) fn is_busy(load: &RankLoad, busy: &BusyThresholds, fraction: f64) -> bool {
+    let over = |value: u64, threshold: u64| value as f64 >= threshold as f64 * fraction;
+    busy.active_decode_blocks
+        .is_some_and(|t| over(load.active_decode_blocks, t))
+        || busy
+            .active_prefill_tokens
+            .is_some_and(|t| over(load.active_prefill_tokens, t))
+}
+
+/// Drops ranks over a busy threshold; a hard-bound rank keeps its session even when busy.
+pub(crate) fn drop_busy(
+    slots: &[(RankKey, Slot)],
+    eligible: &mut Vec<usize>,
+    busy: &BusyThresholds,
+    priority: i32,
+    hard_bound: Option<RankKey>,
+    pinned: bool,
+) -> Result<(), SelectError> {
+    let sheddable = priority < 0;
+    let fraction = if sheddable {
+        busy.sheddable_fraction
+    } else {
+        1.0
+    };
+    eligible.retain(|&i| {
+        slots
+            .get(i)
+            .is_some_and(|(k, s)| !is_busy(&s.load, busy, fraction) || Some(*k) == hard_bound)
+    });
+    if eligible.is_empty() {
+        return Err(SelectError::Overloaded(if pinned {
+            "pinned worker is over its busy threshold".into()
+        } else if sheddable {
+            "sheddable request shed: every eligible worker is near its busy threshold".into()
+        } else {
+            "all eligible workers are over their busy thresholds".into()
+        }));
+    }
+    Ok(())
+}
+
+/// The eligible ranks with their load and the prompt's matched depths. Both `eligible` and
+/// `matches` are in rank order, so one merge pass joins them.
+pub(crate) fn candidates(
+    slots: &[(RankKey, Slot)],
+    eligible: &[usize],
+    matches: &[(RankKey, TierDepths)],
+) -> Vec<Candidate> {
+    let mut next_match = matches.iter().peekable();
+    eligible
+        .iter()
+        .filter_map(|&i| slots.get(i))
+        .map(|(key, slot)| {
+            while next_match.peek().is_some_and(|(k, _)| k < key) {
+                next_match.next();
+            }
+            let overlap = match next_match.peek() {
+                Some((k, d)) if k == key => *d,
+                _ => TierDepths::default(),
+            };
+            Candidate {
+                key: *key,
+                active_prefill_tokens: slot.load.active_prefill_tokens,
+                active_decode_blocks: slot.load.active_decode_blocks,
+                active_requests: slot.load.active_requests,
+                overlap,
+            }
+        })
+        .collect()
+}
+
+/// What session affinity did to the decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Affinity {
+    /// No usable binding: the decision stands.
+    Unbound,
+    /// The bound rank was moved to the front of the ranking.
+    Kept,
+    /// Soft mode: the bound rank cost too much (or was not a candidate); the binding goes.
+    Overridden,
+}
+
+/// Hard affinity keeps the bound rank whenever it is a candidate; soft keeps it while its cost is
+/// within `soft_margin_blocks` of the best.
+pub(crate) fn apply_affinity(
+    decision: &mut Decision,
+    candidates: &[Candidate],
+    bound: Option<RankKey>,
+    sessions: &SessionConfig,
+) -> Affinity {
+    let Some(b) = bound else {
+        return Affinity::Unbound;
+    };
+    let position = candidates.iter().position(|c| c.key == b);
+    let best_cost = decision
+        .ranking
+        .first()
+        .and_then(|&i| decision.costs.get(i))
+        .copied()
+        .unwrap_or(f64::INFINITY);
+    let keep = match (sessions.mode, position) {
+        (AffinityMode::Hard, Some(_)) => true,
+        (AffinityMode::Soft, Some(p)) => decision
+            .costs
+            .get(p)
+            .is_some_and(|&c| c <= best_cost + sessions.soft_margin_blocks),
+        (_, None) => false,
+    };
+    match (keep, position) {
+        (true, Some(p)) => {
+            decision.ranking.retain(|&i| i != p);
+            decision.ranking.insert(0, p);
+            Affinity::Kept
+        }
+        _ => Affinity::Overridden,
+    }
+}
+
+fn picked(slots: &[(RankKey, Slot)], position: usize) -> Option<PickedRank> {
+    slots.get(position).map(|(key, s)| PickedRank {
+        key: *key,
+        worker_name: s.worker_name.to_string(),
+        endpoint: s.endpoint,
+        multiplexed: s.multiplexed,
+    })
+}
+
+/// The primary (the ranking's first) and up to `fallbacks` runners-up on distinct endpoints
+/// (multiplexed ranks of one pod share an address, so they are not fallbacks for each other).
+pub(crate) fn picked_ranks(
+    slots: &[(RankKey, Slot)],
+    eligible: &[usize],
+    ranking: &[usize],
+    fallbacks: usize,
+) -> Option<(PickedRank, Vec<PickedRank>)> {
+    let position = |candidate: &usize| eligible.get(*candidate).copied();
+    let primary = picked(slots, position(ranking.first()?)?)?;
+    let mut rest: Vec<PickedRank> = Vec::new();
+    for candidate in ranking.iter().skip(1) {
+        if rest.len() == fallbacks {
+            break;
+        }
+        let Some(next) = position(candidate).and_then(|p| picked(slots, p)) else {
+            continue;
+        };
+        if next.endpoint != primary.endpoint && rest.iter().all(|f| f.endpoint != next.endpoint) {
+            rest.push(next);
+        }
+    }
+    Some((primary, rest))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,88 @@
+//! A partition's ranks as scheduled: their endpoint, adapters, schedulability and load. Only the
+//! partition mutates them; the pipeline stages read them.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::types::{RankKey, RankLoad};
+
+#[derive(Debug)]
+pub(crate) struct Slot {
+    pub worker_name: Arc<str>,
+    pub endpoint: SocketAddr,
+    pub multiplexed: bool,
+    pub lora_adapters: Arc<[String]>,
+    pub schedulable: bool,
+    pub kv_events: bool,
+    pub load: RankLoad,
+}
+
+/// The partition's ranks: a vector sorted by `RankKey` (the hot path walks it by index, in the
+/// same order as index matches) plus a key -> position map. Mutations during a catalog batch may
+/// leave it unsorted; [`RankTable::finish`] restores order once per batch.
+#[derive(Debug, Default)]
+pub(crate) struct RankTable {
+    pub slots: Vec<(RankKey, Slot)>,
+    positions: HashMap<RankKey, usize>,
+}
+
+impl RankTable {
+    pub fn get(&self, key: &RankKey) -> Option<&Slot> {
+        self.positions
+            .get(key)
+            .and_then(|&i| self.slots.get(i))
+            .map(|(_, s)| s)
+    }
+
+    pub fn get_mut(&mut self, key: &RankKey) -> Option<&mut Slot> {
+        self.positions
+            .get(key)
+            .and_then(|&i| self.slots.get_mut(i))
+            .map(|(_, s)| s)
+    }
+
+    pub fn keys(&self) -> impl Iterator<Item = &RankKey> {
+        self.slots.iter().map(|(k, _)| k)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&RankKey, &Slot)> {
+        self.slots.iter().map(|(k, s)| (k, s))
+    }
+
+    pub fn values(&self) -> impl Iterator<Item = &Slot> {
+        self.slots.iter().map(|(_, s)| s)
+    }
+
+    pub fn get_or_insert_with(&mut self, key: RankKey, make: impl FnOnce() -> Slot) -> &mut Slot {
+        let i = match self.positions.get(&key) {
+            Some(&i) => i,
+            None => {
+                self.slots.push((key, make()));
+                let i = self.slots.len() - 1;
+                self.positions.insert(key, i);
+                i
+            }
+        };
+        &mut self.slots[i].1
+    }
+
+    pub fn remove(&mut self, key: &RankKey) -> Option<Slot> {
+        let i = self.positions.remove(key)?;
+        let (_, slot) = self.slots.swap_remove(i);
+        if let Some((moved, _)) = self.slots.get(i) {
+            self.positions.insert(*moved, i);
+        }
+        Some(slot)
+    }
+
+    pub fn finish(&mut self) {
+        self.slots.sort_unstable_by_key(|(k, _)| *k);
+        self.positions = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(i, (k, _))| (*k, i))
+            .collect();
+    }
+}

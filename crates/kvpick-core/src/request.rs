@@ -1,0 +1,248 @@
+//! What a host knows about a request that matters for the pick ([`SelectionRequest`]), and the
+//! one place its fields are validated, for every host. Bounds here are on values that come from
+//! the network, so all arithmetic on them is checked.
+
+use std::collections::HashSet;
+use std::net::{IpAddr, SocketAddr};
+
+use crate::error::SelectError;
+
+/// Longest accepted session id, in bytes.
+pub const MAX_SESSION_ID_BYTES: usize = 256;
+/// Longest accepted request (booking) id, in characters.
+pub const MAX_REQUEST_ID_CHARS: usize = 256;
+/// What a session id of [`MAX_SESSION_ID_BYTES`] raw bytes can become once a host has made it a
+/// string (lossy UTF-8 turns one invalid byte into the 3-byte U+FFFD).
+const MAX_SESSION_ID_STRING_BYTES: usize = 3 * MAX_SESSION_ID_BYTES;
+/// Most fallback endpoints one request may ask for.
+pub const MAX_FALLBACKS: usize = 16;
+/// Largest prompt a request may declare (tokens). Far above any context window; it only keeps
+/// load arithmetic (tokens summed over bookings) far from overflow.
+pub const MAX_PROMPT_TOKENS: u64 = 1 << 32;
+
+/// Restricts candidates to a set of endpoints (`ip:port` exact, or bare `ip` for any port).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EndpointFilter {
+    exact: HashSet<SocketAddr>,
+    any_port: HashSet<IpAddr>,
+}
+
+impl EndpointFilter {
+    /// Parses entries; unparsable entries are ignored (they match nothing).
+    pub fn parse<'a>(entries: impl IntoIterator<Item = &'a str>) -> Self {
+        let mut filter = EndpointFilter::default();
+        for raw in entries {
+            let entry = raw.trim();
+            if let Ok(addr) = entry.parse::<SocketAddr>() {
+                filter.exact.insert(addr);
+            } else if let Ok(ip) = entry.trim_matches(['[', ']']).parse::<IpAddr>() {
+                filter.any_port.insert(ip);
+            }
+        }
+        filter
+    }
+
+    pub fn matches(&self, endpoint: &SocketAddr) -> bool {
+        self.exact.contains(endpoint) || self.any_port.contains(&endpoint.ip())
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.exact.is_empty() && self.any_port.is_empty()
+    }
+}
+
+/// What to do when a live booking already has the request id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DuplicateId {
+    /// ext_proc: suffix the id so two streams never share a booking.
+    #[default]
+    Suffix,
+    /// gRPC API: refuse (a [`SelectError::Conflict`]).
+    Reject,
+}
+
+/// The prompt as far as the host knows it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PromptInput {
+    /// No prompt (e.g. `GET /v1/models`): load-only routing.
+    #[default]
+    None,
+    /// Engine token ids: exact block hashes.
+    Tokens(Vec<u32>),
+    /// Precomputed chained block hashes (gRPC callers that hash themselves).
+    BlockHashes {
+        seq_hashes: Vec<u64>,
+        prompt_tokens: u64,
+    },
+    /// Prompt text without a tokenizer: hashed in 4-byte pseudo-tokens. Prefix-stable, so our own
+    /// routing decisions still find shared prefixes, but never comparable with engine KV events.
+    Text(Vec<u8>),
+}
+
+/// An explicit pin to a worker (and optionally one of its ranks).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pin {
+    pub worker_id: u64,
+    pub dp_rank: Option<u32>,
+}
+
+/// Everything a host knows about a request that matters for the pick.
+#[derive(Debug, Clone, Default)]
+pub struct SelectionRequest {
+    pub request_id: String,
+    /// `None` for requests without a model (e.g. `GET /v1/models`): any partition.
+    pub model: Option<String>,
+    pub routing_group: String,
+    pub prompt: PromptInput,
+    pub cache_salt: Option<String>,
+    /// Subset hint / allowed set; `None` means the whole pool.
+    pub subset: Option<EndpointFilter>,
+    pub pin: Option<Pin>,
+    pub fallbacks: usize,
+    /// Per-request override of `router_temperature`.
+    pub temperature: Option<f64>,
+    /// Negative = sheddable.
+    pub priority: i32,
+    /// Session for affinity (at most [`MAX_SESSION_ID_BYTES`]).
+    pub session_id: Option<String>,
+    pub on_duplicate: DuplicateId,
+}
+
+/// The session-id rule, on the bytes the client sent: a host applies it to the raw value before
+/// any lossy conversion to a string; [`SelectionRequest::validate`] bounds the string it got.
+pub fn check_session_id_len(len: usize, what: &str) -> Result<(), SelectError> {
+    if len > MAX_SESSION_ID_BYTES {
+        return Err(SelectError::BadRequest(format!(
+            "{what} longer than {MAX_SESSION_ID_BYTES} bytes"
+        )));
+    }
+    Ok(())
+}
+
+impl SelectionRequest {
+    /// Checks every field that comes from a client. The core calls it before any pick, so both
+    /// hosts refuse the same requests with the same messages.
+    pub fn validate(&self) -> Result<(), SelectError> {
+        if let Some(sid) = &self.session_id {
+            if sid.len() > MAX_SESSION_ID_STRING_BYTES {
+                check_session_id_len(sid.len(), "session id")?;
+            }
+        }
+        if self.request_id.len() > MAX_REQUEST_ID_CHARS
+            && self.request_id.chars().count() > MAX_REQUEST_ID_CHARS
+        {
+            return Err(SelectError::BadRequest(format!(
+                "request id longer than {MAX_REQUEST_ID_CHARS} characters"
+            )));
+        }
+        if self.fallbacks > MAX_FALLBACKS {
+            return Err(SelectError::BadRequest(format!(
+                "at most {MAX_FALLBACKS} fallbacks, got {}",
+                self.fallbacks
+            )));
+        }
+        if let Some(t) = self.temperature {
+            if !(t.is_finite() && t >= 0.0) {
+                return Err(SelectError::BadRequest(
+                    "temperature must be a finite number >= 0".into(),
+                ));
+            }
+        }
+        let tokens = match &self.prompt {
+            PromptInput::None => 0,
+            PromptInput::Tokens(t) => t.len() as u64,
+            PromptInput::BlockHashes { prompt_tokens, .. } => *prompt_tokens,
+            PromptInput::Text(bytes) => (bytes.len() as u64).div_ceil(4),
+        };
+        if tokens > MAX_PROMPT_TOKENS {
+            return Err(SelectError::BadRequest(format!(
+                "prompt of {tokens} tokens is over the {MAX_PROMPT_TOKENS}-token limit"
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Keeps client input in messages short (never more than 128 bytes echoed).
+pub fn clip(s: &str) -> String {
+    const MAX: usize = 128;
+    if s.len() <= MAX {
+        return s.to_string();
+    }
+    format!("{}...", crate::event::truncate(s, MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> SelectionRequest {
+        SelectionRequest {
+            request_id: "r".into(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn every_bounded_field_is_checked() {
+        assert_eq!(request().validate(), Ok(()));
+        let err = check_session_id_len(MAX_SESSION_ID_BYTES + 1, "session id").unwrap_err();
+        assert_eq!(err.label(), "bad_request");
+        assert!(err.to_string().contains("longer than 256 bytes"), "{err}");
+        assert_eq!(
+            check_session_id_len(MAX_SESSION_ID_BYTES, "session id"),
+            Ok(())
+        );
+        let long_session = SelectionRequest {
+            session_id: Some("s".repeat(MAX_SESSION_ID_STRING_BYTES + 1)),
+            ..request()
+        };
+        assert!(long_session.validate().is_err());
+        let at_limit = SelectionRequest {
+            // 256 invalid bytes made lossy: 768 bytes of U+FFFD.
+            session_id: Some("\u{fffd}".repeat(MAX_SESSION_ID_BYTES)),
+            request_id: "é".repeat(MAX_REQUEST_ID_CHARS),
+            fallbacks: MAX_FALLBACKS,
+            ..request()
+        };
+        assert_eq!(at_limit.validate(), Ok(()));
+        for bad in [
+            SelectionRequest {
+                request_id: "r".repeat(MAX_REQUEST_ID_CHARS + 1),
+                ..request()
+            },
+            SelectionRequest {
+                fallbacks: MAX_FALLBACKS + 1,
+                ..request()
+            },
+            SelectionRequest {
+                temperature: Some(f64::NAN),
+                ..request()
+            },
+            SelectionRequest {
+                temperature: Some(-1.0),
+                ..request()
+            },
+            SelectionRequest {
+                prompt: PromptInput::BlockHashes {
+                    seq_hashes: vec![1],
+                    prompt_tokens: u64::MAX,
+                },
+                ..request()
+            },
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(SelectError::BadRequest(_))),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn clip_keeps_messages_short() {
+        assert_eq!(clip("short"), "short");
+        let long = "é".repeat(100);
+        let clipped = clip(&long);
+        assert!(clipped.len() <= 131 && clipped.ends_with("..."));
+    }
+}

@@ -1,0 +1,17 @@
+//! kvpick-sim: everything kvpick needs to measure routing without GPUs, kept out of the
+//! production library.
+//!
+//! # Layout
+//! - [`sim`]: the vLLM-like simulator: [`sim::engine`] (one rank, pure and clock-agnostic),
+//!   [`sim::server`] (the real-time HTTP + ZeroMQ fleet behind `kvpick sim`), [`sim::wire`] (its
+//!   KV-event encoder).
+//! - [`replay`]: `kvpick replay`, the virtual-clock replay of a trace through every routing
+//!   policy ([`replay::policy`]), the kvpick one being [`kvpick_core::Core`] itself.
+
+#![forbid(unsafe_code)]
+// A benchmark and test tool, never in a request path: a broken invariant of the simulated engine
+// should stop the run loudly rather than produce numbers.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod replay;
+pub mod sim;
