@@ -4,7 +4,7 @@
 
 use crate::event::{KvEvent, Medium};
 use crate::hash;
-use crate::index::{MixedMap, Tier};
+use crate::index::{MixedMap, PrefixIndex, Tier};
 use crate::types::RankKey;
 
 use super::Partition;
@@ -30,6 +30,69 @@ fn tier_of(medium: &Medium) -> Tier {
         Medium::Cpu => Tier::Host,
         Medium::Disk | Medium::Other(_) => Tier::Disk,
     }
+}
+
+/// One `BlockStored` event, as [`store_blocks`] needs it.
+struct StoredBlocks<'a> {
+    block_hashes: &'a [u64],
+    parent: Option<u64>,
+    token_ids: &'a [u32],
+    event_block_size: usize,
+    tier: Tier,
+    seed: u64,
+}
+
+/// Indexes stored blocks under our own chained hashes (recomputed from the token ids; a tokenless
+/// store is resolved through the engine map). False when any block could not be applied: a chain
+/// we never saw the start of, a block-size mismatch, a tokenless block we do not know, or too few
+/// tokens.
+fn store_blocks(
+    index: &mut PrefixIndex,
+    map: &mut EngineMap,
+    rank: RankKey,
+    stored: &StoredBlocks,
+    block_size: usize,
+) -> bool {
+    let tokenless = stored.token_ids.is_empty();
+    let mut parent = match stored.parent {
+        None => None,
+        Some(h) => match map.entries.get(&h) {
+            Some(&seq) => Some(seq),
+            None if tokenless => None,
+            // A chain we never saw the start of cannot be hashed like requests.
+            None => return false,
+        },
+    };
+    if !tokenless && stored.event_block_size != block_size {
+        return false;
+    }
+    let mut ok = true;
+    for (i, engine_hash) in stored.block_hashes.iter().enumerate() {
+        let seq = if tokenless {
+            match map.entries.get(engine_hash) {
+                Some(&seq) => seq,
+                None => {
+                    ok = false;
+                    continue;
+                }
+            }
+        } else {
+            let start = i.saturating_mul(block_size);
+            let Some(block) = stored
+                .token_ids
+                .get(start..start.saturating_add(block_size))
+            else {
+                ok = false;
+                break;
+            };
+            let local = hash::block_hash(block, stored.seed);
+            parent.map_or(local, |p| hash::chain(p, local))
+        };
+        map.entries.insert(*engine_hash, seq);
+        index.insert(rank, &[seq], stored.tier, None);
+        parent = Some(seq);
+    }
+    ok
 }
 
 impl Partition {
@@ -79,51 +142,15 @@ impl Partition {
                     lora_name,
                     ..
                 } => {
-                    let tier = tier_of(medium);
-                    let seed = hash::block_seed(lora_name.as_deref(), None);
-                    let mut parent = match parent_block_hash {
-                        None => None,
-                        Some(h) => match map.entries.get(h) {
-                            Some(&seq) => Some(seq),
-                            None if token_ids.is_empty() => None,
-                            // A chain we never saw the start of cannot be hashed like requests.
-                            None => {
-                                stats.dropped += 1;
-                                continue;
-                            }
-                        },
+                    let stored = StoredBlocks {
+                        block_hashes,
+                        parent: *parent_block_hash,
+                        token_ids,
+                        event_block_size: *event_block_size as usize,
+                        tier: tier_of(medium),
+                        seed: hash::block_seed(lora_name.as_deref(), None),
                     };
-                    if !token_ids.is_empty() && *event_block_size as usize != block_size {
-                        stats.dropped += 1;
-                        continue;
-                    }
-                    let mut ok = true;
-                    for (i, engine_hash) in block_hashes.iter().enumerate() {
-                        let seq = if token_ids.is_empty() {
-                            match map.entries.get(engine_hash) {
-                                Some(&seq) => seq,
-                                None => {
-                                    ok = false;
-                                    continue;
-                                }
-                            }
-                        } else {
-                            let Some(block) = token_ids.get(i * block_size..(i + 1) * block_size)
-                            else {
-                                ok = false;
-                                break;
-                            };
-                            let local = hash::block_hash(block, seed);
-                            match parent {
-                                None => local,
-                                Some(p) => hash::chain(p, local),
-                            }
-                        };
-                        map.entries.insert(*engine_hash, seq);
-                        state.index.insert(rank, &[seq], tier, None);
-                        parent = Some(seq);
-                    }
-                    ok
+                    store_blocks(&mut state.index, map, rank, &stored, block_size)
                 }
             };
             if ok {
