@@ -3,6 +3,8 @@
 //! expiry because the caller, not a stream, owns them. Workers upserted here form the "api"
 //! catalog source, merged with the file/Kubernetes source.
 
+#![warn(clippy::arithmetic_side_effects)]
+
 use std::sync::Arc;
 
 use tonic::{Request, Response, Status};

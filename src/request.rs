@@ -1,6 +1,8 @@
 //! Parsing of OpenAI-style request bodies into what routing needs (model, stream flag, salt).
 //! Shared by every host; it never mutates the body (the echoed body stays byte-identical).
 
+#![warn(clippy::arithmetic_side_effects)]
+
 use serde::Deserialize;
 
 /// What a request body tells the router.
@@ -94,7 +96,7 @@ fn token_ids(raw: &str) -> Option<Vec<u32>> {
 fn fast_token_ids(bytes: &[u8]) -> Option<Vec<u32>> {
     let skip_ws = |mut i: usize| {
         while i < bytes.len() && matches!(bytes[i], b' ' | b'\t' | b'\n' | b'\r') {
-            i += 1;
+            i = i.saturating_add(1);
         }
         i
     };
@@ -102,31 +104,32 @@ fn fast_token_ids(bytes: &[u8]) -> Option<Vec<u32>> {
     if bytes.get(i) != Some(&b'[') {
         return None;
     }
-    i = skip_ws(i + 1);
+    i = skip_ws(i.saturating_add(1));
     // Token ids average a few digits: a byte-length estimate avoids regrowing.
     let mut ids = Vec::with_capacity(bytes.len() / 4);
     if bytes.get(i) == Some(&b']') {
-        return (skip_ws(i + 1) == bytes.len()).then_some(ids);
+        return (skip_ws(i.saturating_add(1)) == bytes.len()).then_some(ids);
     }
     loop {
         let start = i;
         let mut value: u64 = 0;
         while i < bytes.len() && bytes[i].is_ascii_digit() {
-            value = value * 10 + (bytes[i] - b'0') as u64;
+            let digit = u64::from(bytes[i].wrapping_sub(b'0'));
+            value = value.checked_mul(10)?.checked_add(digit)?;
             if value > u32::MAX as u64 {
                 return None;
             }
-            i += 1;
+            i = i.saturating_add(1);
         }
         // No digits, or a leading zero (not JSON): serde decides.
-        if i == start || (bytes[start] == b'0' && i - start > 1) {
+        if i == start || (bytes[start] == b'0' && i.saturating_sub(start) > 1) {
             return None;
         }
         ids.push(value as u32);
         i = skip_ws(i);
         match bytes.get(i) {
-            Some(b',') => i = skip_ws(i + 1),
-            Some(b']') => return (skip_ws(i + 1) == bytes.len()).then_some(ids),
+            Some(b',') => i = skip_ws(i.saturating_add(1)),
+            Some(b']') => return (skip_ws(i.saturating_add(1)) == bytes.len()).then_some(ids),
             _ => return None,
         }
     }
@@ -182,6 +185,7 @@ fn short_json_error(e: &serde_json::Error) -> String {
     msg
 }
 
+#[allow(clippy::arithmetic_side_effects)]
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,6 +2,8 @@
 //! SSE, fed chunk by chunk as they stream past. Never holds more than a bounded amount of the
 //! response and never delays a chunk: it only observes.
 
+#![warn(clippy::arithmetic_side_effects)]
+
 use serde::Deserialize;
 
 /// Token counts an engine reported for one response.
@@ -72,7 +74,7 @@ impl UsageTracker {
     /// Observes one body chunk.
     pub fn feed(&mut self, chunk: &[u8]) {
         if !self.sse {
-            if self.overflowed || self.pending.len() + chunk.len() > MAX_KEPT {
+            if self.overflowed || self.pending.len().saturating_add(chunk.len()) > MAX_KEPT {
                 self.overflowed = true;
                 self.pending = Vec::new();
             } else {
@@ -95,7 +97,7 @@ impl UsageTracker {
             rest = &tail[1..];
         }
         if !rest.is_empty() && !self.overflowed {
-            if self.pending.len() + rest.len() > MAX_KEPT {
+            if self.pending.len().saturating_add(rest.len()) > MAX_KEPT {
                 self.overflowed = true;
                 self.pending = Vec::new();
             } else {
@@ -142,6 +144,7 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
 

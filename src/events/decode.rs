@@ -28,6 +28,8 @@
 //! This module knows only the wire and the core's event types (`kvpick_core::event`), nothing
 //! above them.
 
+#![warn(clippy::arithmetic_side_effects)]
+
 use rmpv::decode::read_value_ref_with_max_depth;
 use rmpv::ValueRef;
 
@@ -155,11 +157,13 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         .or_else(|| fields.get(2, "attn_dp_rank"));
     let data_parallel_rank = rank.map(|v| as_u32(v, "data_parallel_rank")).transpose()?;
     let mut events = Vec::with_capacity(list.len());
-    let mut skipped_unknown = 0;
+    let mut skipped_unknown: u32 = 0;
     for (index, event) in list.iter().enumerate() {
         match decode_event(event) {
             Ok(event) => events.push(event),
-            Err(DecodeError::UnknownEventType(_)) => skipped_unknown += 1,
+            Err(DecodeError::UnknownEventType(_)) => {
+                skipped_unknown = skipped_unknown.saturating_add(1)
+            }
             Err(e) => {
                 return Err(DecodeError::Event {
                     index,
@@ -305,7 +309,10 @@ fn infer_block_size(tokens: usize, blocks: usize) -> Result<u32, DecodeError> {
     if blocks == 0 || !tokens.is_multiple_of(blocks) {
         return Err(err);
     }
-    u32::try_from(tokens / blocks).map_err(|_| err)
+    tokens
+        .checked_div(blocks)
+        .and_then(|size| u32::try_from(size).ok())
+        .ok_or(err)
 }
 
 fn hashes(fields: &Fields<'_, '_>) -> Result<Vec<EngineHash>, DecodeError> {
@@ -395,6 +402,7 @@ fn as_str<'v>(v: &'v ValueRef<'_>) -> Option<&'v str> {
 
 /// `s` cut to at most `max` bytes on a char boundary.
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)]
 mod tests {
     use super::*;
     use rmpv::Value;

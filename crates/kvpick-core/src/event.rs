@@ -2,6 +2,10 @@
 //! (`kvpick::events::decode`) turns ZeroMQ/msgpack bytes into these; the partition applies them to
 //! the index. Nothing here knows a byte format, a socket or a clock.
 
+// Request fields and KV events come from the network: arithmetic on them says what happens at
+// the edge (checked, saturating) instead of wrapping in release builds and panicking in debug.
+#![warn(clippy::arithmetic_side_effects)]
+
 /// Longest untrusted tier name kept in [`Medium::Other`].
 const MAX_TIER_NAME: usize = 64;
 
@@ -73,9 +77,9 @@ pub enum KvEvent {
 
 /// The longest prefix of `s` of at most `max` bytes that ends on a char boundary.
 pub fn truncate(s: &str, max: usize) -> &str {
-    let mut end = max.min(s.len());
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
+    let end = (0..=max.min(s.len()))
+        .rev()
+        .find(|&i| s.is_char_boundary(i))
+        .unwrap_or(0);
     s.get(..end).unwrap_or_default()
 }

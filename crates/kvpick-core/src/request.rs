@@ -2,6 +2,8 @@
 //! one place its fields are validated, for every host. Bounds here are on values that come from
 //! the network, so all arithmetic on them is checked.
 
+#![warn(clippy::arithmetic_side_effects)]
+
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 

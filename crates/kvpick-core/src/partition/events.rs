@@ -154,9 +154,9 @@ impl Partition {
                 }
             };
             if ok {
-                stats.applied += 1;
+                stats.applied = stats.applied.saturating_add(1);
             } else {
-                stats.dropped += 1;
+                stats.dropped = stats.dropped.saturating_add(1);
             }
         }
         stats

@@ -6,6 +6,10 @@
 //! Layout: [`ranks`] (the rank table), [`pipeline`] (the selection stages), [`events`] (KV events
 //! applied to the index).
 
+// Request fields and KV events come from the network: arithmetic on them says what happens at
+// the edge (checked, saturating) instead of wrapping in release builds and panicking in debug.
+#![warn(clippy::arithmetic_side_effects)]
+
 mod events;
 mod pipeline;
 mod ranks;
@@ -86,6 +90,17 @@ fn cost_trace(candidates: &[crate::decide::Candidate], costs: &[f64]) -> String 
         .map(|(c, cost)| format!("{}:{}={:.3}", c.key.worker_id, c.key.dp_rank, cost))
         .collect::<Vec<_>>()
         .join(",")
+}
+
+/// `-n` as a gauge delta, saturating.
+fn negative(n: u64) -> i64 {
+    i64::try_from(n).map_or(i64::MIN, |n| 0i64.saturating_sub(n))
+}
+
+/// Heap bytes of a hash map of `(u64, u64)` entries with this capacity (7/8 load, 1 control byte).
+#[allow(clippy::arithmetic_side_effects)] // capacities are small and never from the network
+fn engine_map_bytes(capacity: usize) -> usize {
+    capacity * 8 / 7 * (std::mem::size_of::<(u64, u64)>() + 1)
 }
 
 fn load_fact(slot: &Slot, key: RankKey) -> Fact {
@@ -320,7 +335,7 @@ impl Partition {
         for sid in leases {
             state.sessions.release(&sid, now);
         }
-        facts.push(Fact::Inflight(-(slot.load.active_requests as i64)));
+        facts.push(Fact::Inflight(negative(slot.load.active_requests)));
         facts.push(Fact::RankGone {
             worker: slot.worker_name,
             dp_rank: key.dp_rank,
@@ -380,7 +395,7 @@ impl Partition {
             &config.cost,
             temperature,
             // Enough runners-up to find distinct fallback endpoints among multiplexed ranks.
-            1 + request.fallbacks.saturating_mul(8),
+            request.fallbacks.saturating_mul(8).saturating_add(1),
             &mut state.rng,
         );
         let affinity = pipeline::apply_affinity(&mut decision, &candidates, bound, sessions);
@@ -522,7 +537,7 @@ impl Partition {
             .min(tokens);
         let booking = Booking {
             rank: pick.rank,
-            prefill_tokens: tokens - cached_tokens,
+            prefill_tokens: tokens.saturating_sub(cached_tokens),
             decode_blocks: tokens.div_ceil(block_size),
             prefill_complete: false,
             created: now,
@@ -552,7 +567,7 @@ impl Partition {
         if !hashes.is_empty() {
             state
                 .index
-                .insert(pick.rank, hashes, Tier::Gpu, Some(now + ttl));
+                .insert(pick.rank, hashes, Tier::Gpu, now.checked_add(ttl));
             facts.push(self.index_fact(state, None));
             facts.push(Fact::PredictedOverlap(
                 f64::from(pick.overlap.gpu) / hashes.len() as f64,
@@ -705,14 +720,14 @@ impl Partition {
         }
         state.index.purge_expired(now);
         let idle = state.sessions.reap(now, ttl_sessions);
-        facts.push(Fact::SessionsLive(-(idle as i64)));
+        facts.push(Fact::SessionsLive(negative(idle as u64)));
         facts.push(Fact::SessionsExpired(idle as u64));
         let engine_bytes: usize = state
             .engines
             .values()
-            .map(|m| m.entries.capacity() * 8 / 7 * (std::mem::size_of::<(u64, u64)>() + 1))
-            .sum();
-        let bytes = state.index.heap_bytes() + engine_bytes;
+            .map(|m| engine_map_bytes(m.entries.capacity()))
+            .fold(0usize, usize::saturating_add);
+        let bytes = state.index.heap_bytes().saturating_add(engine_bytes);
         facts.push(self.index_fact(state, Some(bytes)));
         expired
     }

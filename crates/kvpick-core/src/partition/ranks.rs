@@ -58,8 +58,8 @@ impl RankTable {
         let i = match self.positions.get(&key) {
             Some(&i) => i,
             None => {
+                let i = self.slots.len();
                 self.slots.push((key, make()));
-                let i = self.slots.len() - 1;
                 self.positions.insert(key, i);
                 i
             }
