@@ -17,8 +17,8 @@ use crate::proto::{
     RankLoad, SelectRequest, SelectResponse, Worker, WorkerSpec,
 };
 use crate::selection::{
-    self, CatalogError, DuplicateId, EndpointFilter, PickedRank, Pin, PromptInput, SelectError,
-    SelectionCore, SelectionRequest, WorkerView,
+    self, CatalogError, Claim, DuplicateId, EndpointFilter, Holder, PickedRank, Pin, PromptInput,
+    SelectError, SelectionCore, SelectionRequest, WorkerView,
 };
 use kvpick_core::request::check_session_id_len;
 
@@ -132,6 +132,7 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         priority: req.priority,
         session_id: (!req.session_id.is_empty()).then_some(req.session_id),
         on_duplicate: DuplicateId::Reject,
+        holder: crate::selection::Holder::Stream,
     })
 }
 
@@ -198,7 +199,10 @@ impl Selection for SelectionApi {
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is required"));
         }
-        let req = selection_request(req)?;
+        let req = SelectionRequest {
+            holder: Holder::Api,
+            ..selection_request(req)?
+        };
         let reservation = self
             .core
             .select_and_reserve(&req)
@@ -210,14 +214,18 @@ impl Selection for SelectionApi {
         &self,
         request: Request<BookingRef>,
     ) -> Result<Response<BookingAck>, Status> {
-        let found = self
-            .core
-            .mark_prefill_complete(&request.into_inner().request_id);
+        // The API can only touch bookings an API call made, never an ext_proc stream's.
+        let found = self.core.mark_prefill_complete_claimed(
+            &request.into_inner().request_id,
+            Claim::HeldBy(Holder::Api),
+        );
         Ok(Response::new(BookingAck { found }))
     }
 
     async fn free(&self, request: Request<BookingRef>) -> Result<Response<BookingAck>, Status> {
-        let found = self.core.free(&request.into_inner().request_id);
+        let found = self
+            .core
+            .free_claimed(&request.into_inner().request_id, Claim::HeldBy(Holder::Api));
         Ok(Response::new(BookingAck { found }))
     }
 

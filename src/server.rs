@@ -109,9 +109,15 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fallbacks: usize,
 
-    /// Seconds after which a booking whose response never ended is reaped.
+    /// Seconds after which a gRPC API booking that was never freed is reaped. ext_proc bookings
+    /// never expire: each is freed when its stream ends, however long the response runs.
     #[arg(long, default_value_t = 300, value_name = "SECONDS")]
     pub booking_ttl: u64,
+
+    /// Most live bookings gRPC API callers may hold at once (`SelectAndReserve` past it is
+    /// RESOURCE_EXHAUSTED until some are freed or expire).
+    #[arg(long, default_value_t = 10_000, value_name = "N")]
+    pub max_api_bookings: usize,
 
     /// Seed for random tie-breaks and sampling (reproducible picks); default: random.
     #[arg(long, value_name = "N")]
@@ -334,6 +340,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
     }
     Ok(CoreConfig {
         booking_ttl: Duration::from_secs(args.booking_ttl),
+        max_api_bookings: args.max_api_bookings,
         seed: args.seed,
         cost: CostParams {
             overlap_score_credit: args.overlap_score_credit,

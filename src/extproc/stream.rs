@@ -465,6 +465,7 @@ impl StreamMachine {
             priority: self.priority,
             session_id: self.session_id.clone(),
             on_duplicate: DuplicateId::Suffix,
+            holder: crate::selection::Holder::Stream,
         };
         let reservation = match self.core.select_and_reserve(&request) {
             Ok(r) => r,

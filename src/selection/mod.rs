@@ -19,10 +19,10 @@ pub use kvpick_core::session;
 use kvpick_core::Core;
 pub use kvpick_core::{
     clip, cost, decide, overlap_score, AffinityMode, ApplyReport, BusyThresholds, Candidate,
-    CatalogError, CoreConfig, CostParams, Decision, DuplicateId, EndpointFilter, EventStats, Fact,
-    Facts, Lifecycle, PartitionKey, PickedRank, Pin, PromptInput, RankKey, RankLoad, SelectError,
-    Selection, SelectionRequest, SessionConfig, SessionOutcome, SourceName, WorkerRecord,
-    WorkerView, DEFAULT_BLOCK_SIZE,
+    CatalogError, Claim, CoreConfig, CostParams, Decision, DuplicateId, EndpointFilter, EventStats,
+    Fact, Facts, Holder, Lifecycle, PartitionKey, PickedRank, Pin, PromptInput, RankKey, RankLoad,
+    SelectError, Selection, SelectionRequest, SessionConfig, SessionOutcome, SourceName,
+    WorkerRecord, WorkerView, DEFAULT_BLOCK_SIZE,
 };
 
 use crate::catalog::WorkerSpec;
@@ -171,21 +171,33 @@ impl SelectionCore {
 
     /// Marks the booking's prefill as done (first response byte). Unknown ids are ignored.
     pub fn mark_prefill_complete(&self, booking_id: &str) -> bool {
-        let (done, facts) = self.core.mark_prefill_complete(booking_id);
+        self.mark_prefill_complete_claimed(booking_id, Claim::Any)
+    }
+
+    /// [`SelectionCore::mark_prefill_complete`] of the booking `claim` names.
+    pub fn mark_prefill_complete_claimed(&self, booking_id: &str, claim: Claim) -> bool {
+        let (done, facts) = self.core.mark_prefill_complete(booking_id, claim);
         self.record(facts);
         done
     }
 
-    /// Frees a booking exactly once; unknown or repeated frees are no-ops returning false.
+    /// Frees the id's current booking exactly once, whoever holds it (tests, tools); unknown or
+    /// repeated frees are no-ops returning false.
     pub fn free(&self, booking_id: &str) -> bool {
-        let (freed, facts) = self.core.free(booking_id, now());
+        self.free_claimed(booking_id, Claim::Any)
+    }
+
+    /// Frees the booking `claim` names: a stream frees only its own generation, the API only
+    /// bookings the API made.
+    pub fn free_claimed(&self, booking_id: &str, claim: Claim) -> bool {
+        let (freed, facts) = self.core.free(booking_id, claim, now());
         self.record(facts);
         freed
     }
 
     /// Moves a booking to the endpoint that actually served it (Envoy may fall back).
-    pub fn move_booking(&self, booking_id: &str, served: SocketAddr) -> bool {
-        let (moved, facts) = self.core.move_booking(booking_id, served, now());
+    pub fn move_booking(&self, booking_id: &str, claim: Claim, served: SocketAddr) -> bool {
+        let (moved, facts) = self.core.move_booking(booking_id, claim, served, now());
         self.record(facts);
         moved
     }
@@ -279,19 +291,26 @@ impl Reservation {
         &self.selection.booking_id
     }
 
+    fn own(&self) -> Claim {
+        Claim::Generation(self.selection.generation)
+    }
+
     pub fn mark_prefill_complete(&self) {
-        self.core.mark_prefill_complete(&self.selection.booking_id);
+        self.core
+            .mark_prefill_complete_claimed(&self.selection.booking_id, self.own());
     }
 
     /// Moves the booking to the endpoint that served the request.
     pub fn served_by(&self, endpoint: SocketAddr) -> bool {
-        self.core.move_booking(&self.selection.booking_id, endpoint)
+        self.core
+            .move_booking(&self.selection.booking_id, self.own(), endpoint)
     }
 
     /// Frees the booking now.
     pub fn free(mut self) {
         self.armed = false;
-        self.core.free(&self.selection.booking_id);
+        self.core
+            .free_claimed(&self.selection.booking_id, self.own());
     }
 
     /// Keeps the booking alive past this guard: it is freed by an explicit
@@ -305,7 +324,10 @@ impl Reservation {
 impl Drop for Reservation {
     fn drop(&mut self) {
         if self.armed {
-            self.core.free(&self.selection.booking_id);
+            self.core.free_claimed(
+                &self.selection.booking_id,
+                Claim::Generation(self.selection.generation),
+            );
         }
     }
 }

@@ -528,11 +528,33 @@ fn served_endpoint_moves_the_booking() {
 }
 
 #[test]
+fn a_long_stream_keeps_its_booking_past_the_ttl() {
+    let core = core();
+    core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+        .unwrap();
+    let stream = core.select_and_reserve(&request("r", Some("m"))).unwrap();
+    assert_eq!(
+        core.reap_expired(Instant::now() + Duration::from_secs(3_600)),
+        0,
+        "a stream still open is still load"
+    );
+    assert_eq!(core.metrics().inflight_total.get(), 1);
+    drop(stream);
+    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.live_bookings(), 0);
+}
+
+#[test]
 fn expired_bookings_are_reaped() {
     let core = core();
     core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
         .unwrap();
-    let pick = core.select_and_reserve(&request("r", Some("m"))).unwrap();
+    // Only API bookings expire; a stream's booking lives as long as its stream (the next test).
+    let api = SelectionRequest {
+        holder: Holder::Api,
+        ..request("r", Some("m"))
+    };
+    let pick = core.select_and_reserve(&api).unwrap();
     assert_eq!(core.reap_expired(Instant::now()), 0);
     assert_eq!(
         core.reap_expired(Instant::now() + Duration::from_secs(301)),

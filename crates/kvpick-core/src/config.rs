@@ -49,6 +49,8 @@ pub struct CoreConfig {
     /// Keep a trace of the last N decisions (differential tests, debugging); 0 = off.
     pub trace_decisions: usize,
     pub sessions: SessionConfig,
+    /// Most live bookings the gRPC API may hold at once (each lives until `Free` or expiry).
+    pub max_api_bookings: usize,
 }
 
 impl Default for CoreConfig {
@@ -65,6 +67,7 @@ impl Default for CoreConfig {
             index_max_blocks: 1 << 20,
             trace_decisions: 0,
             sessions: SessionConfig::default(),
+            max_api_bookings: 10_000,
         }
     }
 }

@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, VecDeque};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,9 +18,26 @@ use crate::event::KvEvent;
 use crate::facts::{Fact, Facts};
 use crate::index::{Tier, TierDepths};
 use crate::partition::{EventStats, Partition, SelectOutcome};
-use crate::request::{clip, DuplicateId, SelectionRequest};
+use crate::request::{clip, Claim, DuplicateId, Holder, SelectionRequest};
 use crate::types::{PartitionKey, RankKey, RankLoad};
 use crate::{PickedRank, Selection, WorkerView};
+
+/// A live booking in the registry: where it lives and which generation of its id it is.
+struct Registered {
+    partition: Arc<Partition>,
+    generation: u64,
+    holder: Holder,
+}
+
+impl Registered {
+    fn answers(&self, claim: Claim) -> bool {
+        match claim {
+            Claim::Generation(g) => self.generation == g,
+            Claim::HeldBy(h) => self.holder == h,
+            Claim::Any => true,
+        }
+    }
+}
 
 /// The selection core shared by every host.
 pub struct Core {
@@ -30,7 +47,11 @@ pub struct Core {
     synced: AtomicBool,
     partitions: RwLock<BTreeMap<PartitionKey, Arc<Partition>>>,
     /// Live booking ids -> the partition holding them (claims are made before scheduling).
-    bookings: DashMap<String, Arc<Partition>>,
+    bookings: DashMap<String, Registered>,
+    /// Source of booking generations (never 0, which means "nothing booked").
+    generations: AtomicU64,
+    /// Live bookings made through the API (bounded by `max_api_bookings`).
+    api_bookings: AtomicUsize,
     trace: Mutex<VecDeque<String>>,
 }
 
@@ -42,6 +63,8 @@ impl Core {
             synced: AtomicBool::new(false),
             partitions: RwLock::new(BTreeMap::new()),
             bookings: DashMap::new(),
+            generations: AtomicU64::new(0),
+            api_bookings: AtomicUsize::new(0),
             trace: Mutex::new(VecDeque::new()),
         }
     }
@@ -85,8 +108,8 @@ impl Core {
                     report.failed.push((name, reason));
                 }
             }
-            for id in batch.dropped_bookings {
-                self.bookings.remove(&id);
+            for (id, generation) in batch.dropped_bookings {
+                self.unregister(&id, Claim::Generation(generation));
             }
         }
         self.synced.store(true, Ordering::Release);
@@ -207,48 +230,88 @@ impl Core {
         now: Instant,
     ) -> Result<(Selection, Facts), SelectError> {
         let partition = self.ensure_ready(request)?;
-        let booking_id = self.claim(&request.request_id, request.on_duplicate, &partition)?;
+        let (booking_id, generation) = self.claim(request, &partition)?;
         let mut facts = Facts::default();
-        match partition.select(request, Some(&booking_id), &self.config, now, &mut facts) {
+        let booking = Some((booking_id.as_str(), generation));
+        match partition.select(request, booking, &self.config, now, &mut facts) {
             Ok(outcome) => {
                 self.record_trace(request, &outcome);
                 Ok((outcome.selection, facts))
             }
             Err(err) => {
-                self.bookings.remove(&booking_id);
+                self.unregister(&booking_id, Claim::Generation(generation));
                 Err(err)
             }
         }
     }
 
+    /// Claims the request id in the registry with a fresh generation. A live duplicate is
+    /// refused (API) or suffixed (ext_proc): `#2` first, then the generation, which no live
+    /// booking has, so a claim takes O(1) tries however often an id repeats.
     fn claim(
         &self,
-        request_id: &str,
-        on_duplicate: DuplicateId,
+        request: &SelectionRequest,
         partition: &Arc<Partition>,
-    ) -> Result<String, SelectError> {
-        let mut n: u64 = 1;
+    ) -> Result<(String, u64), SelectError> {
+        if request.holder == Holder::Api {
+            let max = self.config.max_api_bookings;
+            let taken = self
+                .api_bookings
+                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                    (n < max).then(|| n.saturating_add(1))
+                });
+            if taken.is_err() {
+                return Err(SelectError::Overloaded(format!(
+                    "{max} API bookings are live; free some first"
+                )));
+            }
+        }
+        let mut id = request.request_id.clone();
+        let mut duplicates: u32 = 0;
         loop {
-            let id = if n == 1 {
-                request_id.to_string()
-            } else {
-                format!("{request_id}#{n}")
-            };
+            let generation = self
+                .generations
+                .fetch_add(1, Ordering::Relaxed)
+                .saturating_add(1);
             match self.bookings.entry(id) {
                 dashmap::Entry::Vacant(v) => {
                     let id = v.key().clone();
-                    v.insert(Arc::clone(partition));
-                    return Ok(id);
+                    v.insert(Registered {
+                        partition: Arc::clone(partition),
+                        generation,
+                        holder: request.holder,
+                    });
+                    return Ok((id, generation));
                 }
-                dashmap::Entry::Occupied(_) if on_duplicate == DuplicateId::Reject => {
+                dashmap::Entry::Occupied(_) if request.on_duplicate == DuplicateId::Reject => {
+                    if request.holder == Holder::Api {
+                        self.api_bookings.fetch_sub(1, Ordering::AcqRel);
+                    }
                     return Err(SelectError::Conflict(format!(
                         "request id {} already has a live booking",
-                        clip(request_id)
-                    )))
+                        clip(&request.request_id)
+                    )));
                 }
-                dashmap::Entry::Occupied(_) => n = n.saturating_add(1),
+                dashmap::Entry::Occupied(_) => {
+                    duplicates = duplicates.saturating_add(1);
+                    id = if duplicates == 1 {
+                        format!("{}#2", request.request_id)
+                    } else {
+                        format!("{}#{generation}", request.request_id)
+                    };
+                }
             }
         }
+    }
+
+    /// Removes a booking from the registry if `claim` names it; returns its generation and
+    /// partition.
+    fn unregister(&self, id: &str, claim: Claim) -> Option<(u64, Arc<Partition>)> {
+        let (_, entry) = self.bookings.remove_if(id, |_, r| r.answers(claim))?;
+        if entry.holder == Holder::Api {
+            self.api_bookings.fetch_sub(1, Ordering::AcqRel);
+        }
+        Some((entry.generation, entry.partition))
     }
 
     fn record_trace(&self, request: &SelectionRequest, outcome: &SelectOutcome) {
@@ -279,26 +342,30 @@ impl Core {
         self.trace.lock().iter().cloned().collect()
     }
 
-    fn booked_partition(&self, booking_id: &str) -> Option<Arc<Partition>> {
-        self.bookings.get(booking_id).map(|p| Arc::clone(&p))
+    fn booked(&self, id: &str, claim: Claim) -> Option<(u64, Arc<Partition>)> {
+        let entry = self.bookings.get(id).filter(|r| r.answers(claim))?;
+        Some((entry.generation, Arc::clone(&entry.partition)))
     }
 
     /// Marks the booking's prefill as done (first response byte). Unknown ids are ignored.
-    pub fn mark_prefill_complete(&self, booking_id: &str) -> (bool, Facts) {
+    pub fn mark_prefill_complete(&self, booking_id: &str, claim: Claim) -> (bool, Facts) {
         let mut facts = Facts::default();
         let done = self
-            .booked_partition(booking_id)
-            .is_some_and(|p| p.prefill_complete(booking_id, &mut facts));
+            .booked(booking_id, claim)
+            .is_some_and(|(generation, p)| {
+                p.prefill_complete(&(booking_id.to_string(), generation), &mut facts)
+            });
         (done, facts)
     }
 
-    /// Frees a booking exactly once; unknown or repeated frees are no-ops returning false.
-    pub fn free(&self, booking_id: &str, now: Instant) -> (bool, Facts) {
+    /// Frees a booking exactly once; unknown, repeated or foreign frees (a claim that does not
+    /// name the id's current booking) are no-ops returning false.
+    pub fn free(&self, booking_id: &str, claim: Claim, now: Instant) -> (bool, Facts) {
         let mut facts = Facts::default();
-        let Some((_, partition)) = self.bookings.remove(booking_id) else {
+        let Some((generation, partition)) = self.unregister(booking_id, claim) else {
             return (false, facts);
         };
-        let freed = partition.free(booking_id, now, &mut facts);
+        let freed = partition.free(&(booking_id.to_string(), generation), now, &mut facts);
         (freed, facts)
     }
 
@@ -306,18 +373,26 @@ impl Core {
     pub fn move_booking(
         &self,
         booking_id: &str,
+        claim: Claim,
         served: SocketAddr,
         now: Instant,
     ) -> (bool, Facts) {
         let mut facts = Facts::default();
         let moved = self
-            .booked_partition(booking_id)
-            .is_some_and(|p| p.move_booking(booking_id, served, now, &mut facts));
+            .booked(booking_id, claim)
+            .is_some_and(|(generation, p)| {
+                p.move_booking(
+                    &(booking_id.to_string(), generation),
+                    served,
+                    now,
+                    &mut facts,
+                )
+            });
         (moved, facts)
     }
 
-    /// Reaps bookings older than `booking_ttl`, expired index entries and idle sessions; returns
-    /// the bookings reaped.
+    /// Reaps API bookings older than `booking_ttl` (streams free their own), expired index
+    /// entries and idle sessions; returns the bookings reaped.
     pub fn reap_expired(&self, now: Instant) -> (usize, Facts) {
         let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
         let mut facts = Facts::default();
@@ -329,8 +404,8 @@ impl Core {
                 self.config.sessions.ttl,
                 &mut facts,
             );
-            for id in ids {
-                self.bookings.remove(&id);
+            for (id, generation) in ids {
+                self.unregister(&id, Claim::Generation(generation));
                 reaped = reaped.saturating_add(1);
             }
         }
@@ -496,5 +571,172 @@ mod tests {
             }
         });
         assert!(core.records().is_empty());
+    }
+}
+
+#[cfg(test)]
+mod booking_tests {
+    use super::*;
+    use crate::catalog::RankLayout;
+    use crate::request::PromptInput;
+    use std::time::Duration;
+
+    fn core_with(config: CoreConfig) -> Core {
+        let core = Core::new(config);
+        let specs = vec![
+            WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![1])),
+            WorkerSpec::for_test("b", "m", RankLayout::PerPort(vec![2])),
+        ];
+        core.apply_source_snapshot("catalog", specs, Instant::now())
+            .unwrap();
+        core
+    }
+
+    fn request(id: &str, holder: Holder) -> SelectionRequest {
+        SelectionRequest {
+            request_id: id.into(),
+            model: Some("m".into()),
+            prompt: PromptInput::Tokens(vec![7; 64]),
+            holder,
+            on_duplicate: if holder == Holder::Api {
+                DuplicateId::Reject
+            } else {
+                DuplicateId::Suffix
+            },
+            ..Default::default()
+        }
+    }
+
+    fn inflight(core: &Core) -> u64 {
+        core.list_workers(None)
+            .iter()
+            .flat_map(|w| &w.loads)
+            .map(|l| l.active_requests)
+            .sum()
+    }
+
+    /// An API booking expires and its id is reused by a new booking: the first holder's late
+    /// free (its own generation) must not free the second.
+    #[test]
+    fn a_stale_free_never_frees_a_newer_booking_of_the_same_id() {
+        let core = core_with(CoreConfig::default());
+        let t0 = Instant::now();
+        let (first, _) = core
+            .select_and_reserve(&request("r", Holder::Api), t0)
+            .unwrap();
+        let (reaped, _) = core.reap_expired(t0 + Duration::from_secs(301));
+        assert_eq!(reaped, 1);
+        let (second, _) = core
+            .select_and_reserve(&request("r", Holder::Api), t0)
+            .unwrap();
+        assert_eq!(second.booking_id, "r", "the id is free again");
+        assert_ne!(first.generation, second.generation);
+        let (freed, _) = core.free("r", Claim::Generation(first.generation), t0);
+        assert!(
+            !freed,
+            "the first holder's free names a booking that is gone"
+        );
+        assert_eq!(inflight(&core), 1, "the second booking still counts");
+        let (freed, _) = core.free("r", Claim::Generation(second.generation), t0);
+        assert!(freed);
+        assert_eq!((inflight(&core), core.live_bookings()), (0, 0));
+    }
+
+    /// A worker leaves with a booking, the id is booked again on another worker, then the catalog
+    /// pass that dropped the first forgets it: the registry must keep the new booking.
+    #[test]
+    fn dropping_a_worker_forgets_only_its_own_generation() {
+        let core = core_with(CoreConfig::default());
+        let now = Instant::now();
+        let (first, _) = core
+            .select_and_reserve(&request("r", Holder::Stream), now)
+            .unwrap();
+        let gone = first.primary.worker_name.clone();
+        let keep = if gone == "a" { "b" } else { "a" };
+        core.delete_source_worker("catalog", &gone, now).unwrap();
+        assert_eq!(core.live_bookings(), 0);
+        let (second, _) = core
+            .select_and_reserve(&request("r", Holder::Stream), now)
+            .unwrap();
+        assert_eq!(second.primary.worker_name, keep);
+        // A late free of the first booking (its stream ends now) is a no-op.
+        assert!(!core.free("r", Claim::Generation(first.generation), now).0);
+        assert_eq!(inflight(&core), 1);
+        assert!(core.free("r", Claim::Generation(second.generation), now).0);
+    }
+
+    #[test]
+    fn the_api_frees_only_api_bookings_and_holds_a_bounded_number() {
+        let core = core_with(CoreConfig {
+            max_api_bookings: 2,
+            ..CoreConfig::default()
+        });
+        let now = Instant::now();
+        let (stream, _) = core
+            .select_and_reserve(&request("s", Holder::Stream), now)
+            .unwrap();
+        assert!(
+            !core.free("s", Claim::HeldBy(Holder::Api), now).0,
+            "not the API's"
+        );
+        assert!(
+            !core
+                .mark_prefill_complete("s", Claim::HeldBy(Holder::Api))
+                .0
+        );
+        assert_eq!(inflight(&core), 1);
+        core.select_and_reserve(&request("x", Holder::Api), now)
+            .unwrap();
+        core.select_and_reserve(&request("y", Holder::Api), now)
+            .unwrap();
+        let err = core
+            .select_and_reserve(&request("z", Holder::Api), now)
+            .unwrap_err();
+        assert_eq!(err.label(), "overloaded", "{err}");
+        assert!(core.free("y", Claim::HeldBy(Holder::Api), now).0);
+        // A refused duplicate does not use up the bound: "z" still fits after it.
+        assert_eq!(
+            core.select_and_reserve(&request("x", Holder::Api), now)
+                .unwrap_err()
+                .label(),
+            "conflict"
+        );
+        core.select_and_reserve(&request("z", Holder::Api), now)
+            .unwrap();
+        assert!(core.free("s", Claim::Generation(stream.generation), now).0);
+    }
+
+    #[test]
+    fn only_api_bookings_expire() {
+        let core = core_with(CoreConfig::default());
+        let t0 = Instant::now();
+        core.select_and_reserve(&request("s", Holder::Stream), t0)
+            .unwrap();
+        core.select_and_reserve(&request("a", Holder::Api), t0)
+            .unwrap();
+        let (reaped, _) = core.reap_expired(t0 + Duration::from_secs(3_600));
+        assert_eq!(reaped, 1);
+        assert_eq!(core.live_bookings(), 1);
+        assert_eq!(inflight(&core), 1);
+    }
+
+    /// Repeated live ids are suffixed in O(1) tries: `#2`, then the generation.
+    #[test]
+    fn repeated_ids_get_distinct_suffixes() {
+        let core = core_with(CoreConfig::default());
+        let now = Instant::now();
+        let ids: Vec<String> = (0..50)
+            .map(|_| {
+                core.select_and_reserve(&request("dup", Holder::Stream), now)
+                    .unwrap()
+                    .0
+                    .booking_id
+            })
+            .collect();
+        assert_eq!(ids[0], "dup");
+        assert_eq!(ids[1], "dup#2");
+        let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+        assert_eq!(distinct.len(), 50);
+        assert_eq!(core.live_bookings(), 50);
     }
 }

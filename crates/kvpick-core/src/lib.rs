@@ -42,7 +42,9 @@ pub use crate::decide::{cost, decide, overlap_score, Candidate, CostParams, Deci
 pub use crate::error::{CatalogError, SelectError};
 pub use crate::facts::{Fact, Facts};
 pub use crate::partition::EventStats;
-pub use crate::request::{clip, DuplicateId, EndpointFilter, Pin, PromptInput, SelectionRequest};
+pub use crate::request::{
+    clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, SelectionRequest,
+};
 pub use crate::session::{AffinityMode, SessionConfig, SessionOutcome};
 pub use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
 
@@ -59,6 +61,9 @@ pub struct PickedRank {
 #[derive(Debug, Clone)]
 pub struct Selection {
     pub booking_id: String,
+    /// Tells this booking apart from any other that ever had the same id; 0 when nothing was
+    /// booked.
+    pub generation: u64,
     pub partition: PartitionKey,
     pub primary: PickedRank,
     pub fallbacks: Vec<PickedRank>,

@@ -63,6 +63,29 @@ pub enum DuplicateId {
     Reject,
 }
 
+/// Who holds a booking, and so who may end it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Holder {
+    /// A live ext_proc stream. Its guard frees the booking when the stream ends, however long the
+    /// response runs, so the booking never expires.
+    #[default]
+    Stream,
+    /// A gRPC API caller: freed by that caller's `Free`, or expired after `booking_ttl`. API
+    /// calls can end only bookings an API call made.
+    Api,
+}
+
+/// Which booking of an id an operation means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Exactly this booking (the holder's own guard).
+    Generation(u64),
+    /// The id's current booking if this kind of holder made it (the API's `Free`).
+    HeldBy(Holder),
+    /// The id's current booking, whoever holds it (tests and the replay, which hold every id).
+    Any,
+}
+
 /// The prompt as far as the host knows it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum PromptInput {
@@ -108,6 +131,7 @@ pub struct SelectionRequest {
     /// Session for affinity (at most [`MAX_SESSION_ID_BYTES`]).
     pub session_id: Option<String>,
     pub on_duplicate: DuplicateId,
+    pub holder: Holder,
 }
 
 /// The session-id rule, on the bytes the client sent: a host applies it to the raw value before

@@ -36,13 +36,17 @@ use crate::error::SelectError;
 use crate::facts::{Fact, Facts};
 use crate::hash;
 use crate::index::{PrefixIndex, Tier, TierDepths};
-use crate::request::SelectionRequest;
+use crate::request::{Holder, SelectionRequest};
 use crate::session::{Invalidation, SessionOutcome, SessionTable};
 use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
 use crate::{PickedRank, Selection};
 
 #[derive(Debug)]
 struct Booking {
+    /// Unique per booking: a request id reused later (a retry, a reaped stream) is a new
+    /// generation, so freeing one never frees the other.
+    generation: u64,
+    holder: Holder,
     rank: RankKey,
     prefill_tokens: u64,
     decode_blocks: u64,
@@ -64,9 +68,12 @@ struct State {
     rng: StdRng,
 }
 
+/// A booking's identity: its id and generation.
+pub(crate) type BookingRef = (String, u64);
+
 pub(crate) struct BatchResult {
     pub failed: Vec<(u64, String)>,
-    pub dropped_bookings: Vec<String>,
+    pub dropped_bookings: Vec<BookingRef>,
 }
 
 pub(crate) struct SelectOutcome {
@@ -251,7 +258,7 @@ impl Partition {
         record: &WorkerRecord,
         now: Instant,
         facts: &mut Facts,
-        dropped: &mut Vec<String>,
+        dropped: &mut Vec<BookingRef>,
     ) {
         let wanted: HashMap<u32, _> = record.ranks.iter().map(|r| (r.dp_rank, *r)).collect();
         let stale: Vec<RankKey> = state
@@ -298,7 +305,7 @@ impl Partition {
         worker_id: u64,
         now: Instant,
         facts: &mut Facts,
-        dropped: &mut Vec<String>,
+        dropped: &mut Vec<BookingRef>,
     ) {
         let keys: Vec<RankKey> = state
             .ranks
@@ -316,7 +323,7 @@ impl Partition {
         key: RankKey,
         now: Instant,
         facts: &mut Facts,
-        dropped: &mut Vec<String>,
+        dropped: &mut Vec<BookingRef>,
     ) {
         let Some(slot) = state.ranks.remove(&key) else {
             return;
@@ -325,7 +332,7 @@ impl Partition {
         let mut leases = Vec::new();
         state.bookings.retain(|id, b| {
             if b.rank == key {
-                dropped.push(id.clone());
+                dropped.push((id.clone(), b.generation));
                 leases.extend(b.session.take());
                 false
             } else {
@@ -352,7 +359,7 @@ impl Partition {
     pub fn select(
         &self,
         request: &SelectionRequest,
-        booking_id: Option<&str>,
+        booking: Option<(&str, u64)>,
         config: &CoreConfig,
         now: Instant,
         facts: &mut Facts,
@@ -371,7 +378,7 @@ impl Partition {
                 state,
                 sid,
                 &allowed,
-                booking_id.is_some(),
+                booking.is_some(),
                 sessions,
                 now,
                 facts,
@@ -410,10 +417,11 @@ impl Partition {
         } else {
             String::new()
         };
-        let session = match booking_id {
-            Some(id) => {
+        let session = match booking {
+            Some((id, generation)) => {
                 let pick = Pick {
                     booking_id: id,
+                    generation,
                     rank: primary.key,
                     overlap,
                     prompt: &prompt,
@@ -424,7 +432,8 @@ impl Partition {
             None => (affinity == Affinity::Kept).then_some(SessionOutcome::Reused),
         };
         let selection = Selection {
-            booking_id: booking_id.unwrap_or_default().to_string(),
+            booking_id: booking.map(|(id, _)| id).unwrap_or_default().to_string(),
+            generation: booking.map_or(0, |(_, g)| g),
             partition: (*self.key).clone(),
             primary,
             fallbacks,
@@ -536,6 +545,8 @@ impl Partition {
             .saturating_mul(block_size)
             .min(tokens);
         let booking = Booking {
+            generation: pick.generation,
+            holder: request.holder,
             rank: pick.rank,
             prefill_tokens: tokens.saturating_sub(cached_tokens),
             decode_blocks: tokens.div_ceil(block_size),
@@ -611,10 +622,14 @@ impl Partition {
         }
     }
 
-    pub fn prefill_complete(&self, booking_id: &str, facts: &mut Facts) -> bool {
+    pub fn prefill_complete(&self, booking: &BookingRef, facts: &mut Facts) -> bool {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let Some(booking) = state.bookings.get_mut(booking_id) else {
+        let Some(booking) = state
+            .bookings
+            .get_mut(&booking.0)
+            .filter(|b| b.generation == booking.1)
+        else {
             return false;
         };
         if !booking.prefill_complete {
@@ -630,9 +645,16 @@ impl Partition {
         true
     }
 
-    pub fn free(&self, booking_id: &str, now: Instant, facts: &mut Facts) -> bool {
+    pub fn free(&self, booking: &BookingRef, now: Instant, facts: &mut Facts) -> bool {
         let mut state = self.state.lock();
-        let Some(booking) = state.bookings.remove(booking_id) else {
+        if state
+            .bookings
+            .get(&booking.0)
+            .is_none_or(|b| b.generation != booking.1)
+        {
+            return false;
+        }
+        let Some(booking) = state.bookings.remove(&booking.0) else {
             return false;
         };
         Self::release(&mut state, &booking, now, facts);
@@ -641,14 +663,19 @@ impl Partition {
 
     pub fn move_booking(
         &self,
-        booking_id: &str,
+        (booking_id, generation): &BookingRef,
         served: SocketAddr,
         now: Instant,
         facts: &mut Facts,
     ) -> bool {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let Some(current) = state.bookings.get(booking_id).map(|b| b.rank) else {
+        let Some(current) = state
+            .bookings
+            .get(booking_id)
+            .filter(|b| b.generation == *generation)
+            .map(|b| b.rank)
+        else {
             return false;
         };
         if state
@@ -687,7 +714,7 @@ impl Partition {
         facts.push(load_fact(slot, target));
         facts.push(Fact::Inflight(1));
         state.bookings.insert(
-            booking_id.to_string(),
+            booking_id.clone(),
             Booking {
                 rank: target,
                 ..booking
@@ -696,24 +723,27 @@ impl Partition {
         true
     }
 
-    /// Reaps bookings older than `ttl` (returned) and purges expired index entries and idle
-    /// sessions.
+    /// Reaps API bookings older than `ttl` (returned) and purges expired index entries and idle
+    /// sessions. A stream's booking never expires: its stream's guard frees it when the stream
+    /// ends, however long the response runs.
     pub fn reap(
         &self,
         now: Instant,
         ttl: Duration,
         ttl_sessions: Duration,
         facts: &mut Facts,
-    ) -> Vec<String> {
+    ) -> Vec<BookingRef> {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let expired: Vec<String> = state
+        let expired: Vec<BookingRef> = state
             .bookings
             .iter()
-            .filter(|(_, b)| now.saturating_duration_since(b.created) >= ttl)
-            .map(|(id, _)| id.clone())
+            .filter(|(_, b)| {
+                b.holder == Holder::Api && now.saturating_duration_since(b.created) >= ttl
+            })
+            .map(|(id, b)| (id.clone(), b.generation))
             .collect();
-        for id in &expired {
+        for (id, _) in &expired {
             if let Some(booking) = state.bookings.remove(id) {
                 Self::release(state, &booking, now, facts);
             }
@@ -787,6 +817,7 @@ impl Partition {
 /// What the decision chose, as the booking stage needs it.
 struct Pick<'a> {
     booking_id: &'a str,
+    generation: u64,
     rank: RankKey,
     overlap: TierDepths,
     prompt: &'a PromptBlocks,

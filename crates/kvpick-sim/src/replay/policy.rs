@@ -34,7 +34,7 @@ use crate::sim::engine::EngineStats;
 use kvpick_core::catalog::{RankLayout, WorkerSpec};
 use kvpick_core::event::KvEvent;
 use kvpick_core::hash;
-use kvpick_core::{Core, CoreConfig, CostParams, PromptInput, RankKey, SelectionRequest};
+use kvpick_core::{Claim, Core, CoreConfig, CostParams, PromptInput, RankKey, SelectionRequest};
 
 /// Names accepted by `--policy`, in report order.
 pub const ALL: [&str; 6] = [
@@ -534,12 +534,12 @@ impl Policy for Kvpick {
     }
     fn on_first_token(&mut self, id: u64, _: usize) {
         if let Some(b) = self.bookings.get(&id) {
-            self.core.mark_prefill_complete(b);
+            self.core.mark_prefill_complete(b, Claim::Any);
         }
     }
     fn on_complete(&mut self, id: u64, _: usize) {
         if let Some(b) = self.bookings.remove(&id) {
-            self.core.free(&b, now());
+            self.core.free(&b, Claim::Any, now());
         }
     }
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
