@@ -105,6 +105,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 32 << 20, value_name = "BYTES")]
     pub max_body_bytes: usize,
 
+    /// Request-body bytes all ext_proc streams together may buffer; a request whose body would
+    /// go over it gets 503 (`request body budget exhausted, retry later`).
+    #[arg(long, default_value_t = crate::extproc::DEFAULT_BUDGET_BYTES, value_name = "BYTES")]
+    pub max_buffered_body_bytes: usize,
+
+    /// Most concurrent HTTP/2 streams per connection on the ext_proc port (SETTINGS_MAX_CONCURRENT_STREAMS);
+    /// Envoy opens more connections past it.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_concurrent_streams: u32,
+
     /// Extra fallback endpoints appended to x-gateway-destination-endpoint, in preference order.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fallbacks: usize,
@@ -456,6 +466,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .filter(|h| !h.is_empty())
                 .collect(),
             tokenizers,
+            body_budget: crate::extproc::BodyBudget::new(
+                args.max_buffered_body_bytes,
+                metrics.body_bytes_buffered.clone(),
+            ),
         },
     );
     let drained = || {
@@ -466,6 +480,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     let grpc_server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .max_concurrent_streams(Some(args.max_concurrent_streams))
         .add_service(health_service.clone())
         .add_service(extproc.into_server())
         .add_service(

@@ -2,6 +2,7 @@
 //! per Envoy stream and forwards its answers. It translates protocol only; every decision is the
 //! selection core's.
 
+pub mod budget;
 pub mod stream;
 
 use std::pin::Pin;
@@ -19,6 +20,7 @@ use tonic::{Request, Response, Status, Streaming};
 use crate::selection::SelectionCore;
 use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
+pub use budget::{BodyBudget, BodyLease, DEFAULT_BUDGET_BYTES};
 pub use stream::StreamMachine;
 
 /// Per-process ext_proc settings.
@@ -31,6 +33,8 @@ pub struct ExtProcSettings {
     pub session_headers: Vec<String>,
     /// Per-model tokenizers for text and chat prompts (`--tokenizer-config`).
     pub tokenizers: Option<Arc<Tokenizers>>,
+    /// Request-body bytes all streams together may buffer (`--max-buffered-body-bytes`).
+    pub body_budget: Arc<BodyBudget>,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -48,6 +52,7 @@ impl Default for ExtProcSettings {
             conformance_test_mode: false,
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tokenizers: None,
+            body_budget: BodyBudget::unmetered(DEFAULT_BUDGET_BYTES),
         }
     }
 }

@@ -27,6 +27,7 @@ use crate::selection::{
 use crate::tokenize::TokenizeOutcome;
 use crate::usage::UsageTracker;
 
+use super::budget::BodyLease;
 use super::ExtProcSettings;
 
 /// Largest body chunk sent back to Envoy in one streamed_response.
@@ -69,6 +70,9 @@ pub struct Step {
     /// The host must tokenize this prompt and call [`StreamMachine::resume`] with the outcome
     /// before handing the machine another message.
     pub tokenize: Option<TokenizeJob>,
+    /// The budget held by the body echoed in `responses`: the host drops it once they are sent,
+    /// so the bytes count against the budget for as long as kvpick holds them.
+    pub body_lease: Option<BodyLease>,
 }
 
 /// A prompt to tokenize off the state machine (DESIGN §9).
@@ -84,7 +88,9 @@ pub struct TokenizeJob {
 struct PendingRoute {
     parsed: ParsedBody,
     started: Instant,
-    body: bytes::Bytes,
+    /// The body as received, echoed once routed; the lease also covers the job's copy.
+    body: Vec<Vec<u8>>,
+    lease: BodyLease,
     body_end_of_stream: bool,
     /// The body ended with trailers: answer them after routing.
     trailers: bool,
@@ -100,7 +106,7 @@ pub struct StreamMachine {
     request_id: Option<String>,
     conformance_filter: Option<EndpointFilter>,
     subset: Option<EndpointFilter>,
-    body: Vec<u8>,
+    body: BodyBuf,
     body_started: Option<Instant>,
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
@@ -119,7 +125,6 @@ impl StreamMachine {
     pub fn new(core: Arc<SelectionCore>, settings: Arc<ExtProcSettings>) -> Self {
         StreamMachine {
             core,
-            settings,
             phase: Phase::RequestHeaders,
             header_names: Vec::new(),
             path: String::new(),
@@ -127,7 +132,11 @@ impl StreamMachine {
             request_id: None,
             conformance_filter: None,
             subset: None,
-            body: Vec::new(),
+            body: BodyBuf {
+                chunks: Vec::new(),
+                len: 0,
+                lease: settings.body_budget.lease(),
+            },
             body_started: None,
             reservation: None,
             picked_at: None,
@@ -139,6 +148,7 @@ impl StreamMachine {
             header_error: None,
             session_id: None,
             pending: None,
+            settings,
         }
     }
 
@@ -306,7 +316,7 @@ impl StreamMachine {
             ));
         }
         self.body_started.get_or_insert_with(Instant::now);
-        if self.body.len() + body.body.len() > self.settings.max_body_bytes {
+        if self.body.len + body.body.len() > self.settings.max_body_bytes {
             return Ok(self.reject(
                 413,
                 &format!(
@@ -315,7 +325,10 @@ impl StreamMachine {
                 ),
             ));
         }
-        self.body.extend_from_slice(&body.body);
+        if !self.body.lease.try_grow(body.body.len()) {
+            return Ok(self.reject_budget());
+        }
+        self.body.push(body.body);
         if !body.end_of_stream {
             return Ok(Step::default());
         }
@@ -348,9 +361,13 @@ impl StreamMachine {
 
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
-        let parsed = match parse_request_body(self.content_type.as_deref(), &self.body) {
+        let whole = self.body.contiguous();
+        let parsed = match parse_request_body(self.content_type.as_deref(), &whole) {
             Ok(parsed) => parsed,
-            Err(err) => return Ok(self.reject(400, &body_error_message(&err))),
+            Err(err) => {
+                drop(whole);
+                return Ok(self.reject(400, &body_error_message(&err)));
+            }
         };
         if let Some(p) = &parsed {
             let wants_tokens = matches!(p.prompt, Prompt::Text(_))
@@ -360,16 +377,23 @@ impl StreamMachine {
                     .as_ref()
                     .is_some_and(|t| t.has(&p.model));
             if wants_tokens {
-                let body = bytes::Bytes::from(std::mem::take(&mut self.body));
+                // The job needs its own contiguous copy (it runs off this task while the
+                // chunks wait to be echoed): it is buffered body too, so it takes budget.
+                let job_body = bytes::Bytes::from(whole.into_owned());
+                if !self.body.lease.try_grow(job_body.len()) {
+                    return Ok(self.reject_budget());
+                }
+                let (chunks, lease) = self.body.take();
                 let job = TokenizeJob {
                     model: p.model.clone(),
                     path: self.path.clone(),
-                    body: body.clone(),
+                    body: job_body,
                 };
                 self.pending = Some(PendingRoute {
                     parsed: parsed.expect("checked"),
                     started,
-                    body,
+                    body: chunks,
+                    lease,
                     body_end_of_stream,
                     trailers: false,
                 });
@@ -380,14 +404,16 @@ impl StreamMachine {
                 });
             }
         }
+        drop(whole);
         self.phase = Phase::Response;
         let mut step = self.route(parsed, started, false);
         if step.finished {
             return Ok(step);
         }
-        let body = std::mem::take(&mut self.body);
+        let (chunks, lease) = self.body.take();
         step.responses
-            .extend(body_chunks(&body, body_end_of_stream));
+            .extend(body_chunks(chunks, body_end_of_stream));
+        step.body_lease = Some(lease);
         Ok(step)
     }
 
@@ -409,7 +435,8 @@ impl StreamMachine {
             return step;
         }
         step.responses
-            .extend(body_chunks(&pending.body, pending.body_end_of_stream));
+            .extend(body_chunks(pending.body, pending.body_end_of_stream));
+        step.body_lease = Some(pending.lease);
         if pending.trailers {
             step.responses.push(ProcessingResponse {
                 response: Some(processing_response::Response::RequestTrailers(
@@ -538,8 +565,7 @@ impl StreamMachine {
             .observe(started.elapsed().as_secs_f64());
         Step {
             responses: vec![response],
-            finished: false,
-            tokenize: None,
+            ..Step::default()
         }
     }
 
@@ -649,9 +675,21 @@ impl StreamMachine {
         self.reject(err.http_status(), &err.to_string())
     }
 
+    /// 503 for a body the global budget cannot hold: memory is shared by every stream, so a
+    /// retry (elsewhere or later) can succeed where buffering more could starve the process.
+    fn reject_budget(&mut self) -> Step {
+        self.core.metrics().body_budget_rejected.inc();
+        tracing::debug!(
+            limit = self.settings.body_budget.limit(),
+            "request body budget exhausted"
+        );
+        self.reject(503, "request body budget exhausted, retry later")
+    }
+
     fn reject(&mut self, status: u16, message: &str) -> Step {
         self.phase = Phase::Finished;
-        self.body = Vec::new();
+        drop(self.body.take());
+        self.pending = None;
         self.core
             .metrics()
             .requests
@@ -660,7 +698,7 @@ impl StreamMachine {
         Step {
             responses: vec![immediate(status, message)],
             finished: true,
-            tokenize: None,
+            ..Step::default()
         }
     }
 }
@@ -775,24 +813,80 @@ fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
     }
 }
 
-/// The request body echoed back in chunks of at most [`MAX_BODY_CHUNK`] bytes; an empty body is
-/// still answered (Envoy needs a body response to continue).
-fn body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
-    if body.is_empty() {
-        return vec![ProcessingResponse {
-            response: Some(processing_response::Response::RequestBody(streamed_body(
-                Vec::new(),
-                end_of_stream,
-            ))),
-            ..Default::default()
-        }];
+/// Below this size a body chunk is appended to the previous one instead of kept alone, so a
+/// peer sending many tiny chunks costs a copy of a few bytes, not an allocation and an echoed
+/// message each.
+const COALESCE_BELOW: usize = 1024;
+
+/// The request body as Envoy sent it, chunk by chunk. Echoing the received chunks themselves
+/// (moved, not copied) saves a copy of the body; the lease holds its bytes in the global budget.
+#[derive(Debug)]
+struct BodyBuf {
+    chunks: Vec<Vec<u8>>,
+    len: usize,
+    lease: BodyLease,
+}
+
+impl BodyBuf {
+    fn push(&mut self, chunk: Vec<u8>) {
+        if chunk.is_empty() {
+            return;
+        }
+        self.len += chunk.len();
+        if chunk.len() < COALESCE_BELOW {
+            if let Some(last) = self.chunks.last_mut() {
+                if last.len() + chunk.len() <= MAX_BODY_CHUNK {
+                    last.extend_from_slice(&chunk);
+                    return;
+                }
+            }
+        }
+        self.chunks.push(chunk);
     }
-    let n = body.len().div_ceil(MAX_BODY_CHUNK);
-    body.chunks(MAX_BODY_CHUNK)
+
+    /// The whole body in one slice: borrowed when Envoy sent it in one chunk (the usual case
+    /// for small requests), else one copy for the parser.
+    fn contiguous(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self.chunks.as_slice() {
+            [] => std::borrow::Cow::Borrowed(&[]),
+            [one] => std::borrow::Cow::Borrowed(one),
+            many => std::borrow::Cow::Owned(many.concat()),
+        }
+    }
+
+    /// The chunks and the lease covering them; leaves an empty buffer with a fresh lease.
+    fn take(&mut self) -> (Vec<Vec<u8>>, BodyLease) {
+        self.len = 0;
+        let fresh = self.lease.fresh();
+        (
+            std::mem::take(&mut self.chunks),
+            std::mem::replace(&mut self.lease, fresh),
+        )
+    }
+}
+
+/// The request body echoed back in chunks of at most [`MAX_BODY_CHUNK`] bytes, the received
+/// chunks moved as they are (only a chunk over the limit is split, which copies it); an empty
+/// body is still answered (Envoy needs a body response to continue).
+fn body_chunks(chunks: Vec<Vec<u8>>, end_of_stream: bool) -> Vec<ProcessingResponse> {
+    let mut pieces: Vec<Vec<u8>> = Vec::with_capacity(chunks.len());
+    for chunk in chunks {
+        if chunk.len() <= MAX_BODY_CHUNK {
+            pieces.push(chunk);
+        } else {
+            pieces.extend(chunk.chunks(MAX_BODY_CHUNK).map(<[u8]>::to_vec));
+        }
+    }
+    if pieces.is_empty() {
+        pieces.push(Vec::new());
+    }
+    let n = pieces.len();
+    pieces
+        .into_iter()
         .enumerate()
-        .map(|(i, chunk)| ProcessingResponse {
+        .map(|(i, piece)| ProcessingResponse {
             response: Some(processing_response::Response::RequestBody(streamed_body(
-                chunk.to_vec(),
+                piece,
                 end_of_stream && i + 1 == n,
             ))),
             ..Default::default()
@@ -806,8 +900,7 @@ fn one(response: processing_response::Response) -> Step {
             response: Some(response),
             ..Default::default()
         }],
-        finished: false,
-        tokenize: None,
+        ..Step::default()
     }
 }
 

@@ -1163,3 +1163,167 @@ fn models_without_a_tokenizer_and_token_id_prompts_route_at_once() {
     assert!(step.tokenize.is_none());
     assert_eq!(step.responses.len(), 2);
 }
+
+fn budget_settings(limit: usize) -> ExtProcSettings {
+    ExtProcSettings {
+        body_budget: crate::extproc::BodyBudget::unmetered(limit),
+        ..ExtProcSettings::default()
+    }
+}
+
+#[test]
+fn body_budget_is_shared_by_streams_and_returned_at_every_exit() {
+    let settings = Arc::new(budget_settings(100));
+    let budget = Arc::clone(&settings.body_budget);
+    let core = pool_core();
+    let machine = || StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+
+    // A stream mid-body holds its bytes.
+    let mut a = machine();
+    a.handle(post_headers()).unwrap();
+    a.handle(body(&CHAT[..50], false)).unwrap();
+    assert_eq!(budget.in_use(), 50);
+
+    // Another stream whose body would go over the shared budget: 503, holding nothing.
+    let mut b = machine();
+    b.handle(post_headers()).unwrap();
+    b.handle(body(&CHAT[..30], false)).unwrap();
+    let step = b.handle(body(&CHAT[30..], true)).unwrap();
+    assert_eq!(
+        immediate_status(&step),
+        (
+            503,
+            "kvpick: 503: request body budget exhausted, retry later\n".into()
+        )
+    );
+    assert_eq!(core.metrics().body_budget_rejected.get(), 1);
+    assert_eq!(core.live_bookings(), 0, "a rejected stream books nothing");
+    assert_eq!(budget.in_use(), 50);
+
+    // The client goes away mid-body: dropping the stream returns its bytes.
+    drop(a);
+    assert_eq!(budget.in_use(), 0);
+
+    // Routed: the echoed body keeps its bytes until the host has sent the step.
+    let mut c = machine();
+    c.handle(post_headers()).unwrap();
+    let step = c.handle(body(CHAT, true)).unwrap();
+    assert!(!step.finished);
+    assert_eq!(budget.in_use(), CHAT.len());
+    drop(step);
+    assert_eq!(budget.in_use(), 0);
+    assert_eq!(core.live_bookings(), 1);
+
+    // Rejected after buffering (400, 413): returned at once.
+    let mut d = machine();
+    d.handle(post_headers()).unwrap();
+    d.handle(body(b"{not json", false)).unwrap();
+    assert_eq!(budget.in_use(), 9);
+    let step = d.handle(body(b"", true)).unwrap();
+    assert_eq!(immediate_status(&step).0, 400);
+    assert_eq!(budget.in_use(), 0);
+    let small = Arc::new(ExtProcSettings {
+        max_body_bytes: 40,
+        ..budget_settings(100)
+    });
+    let mut e = StreamMachine::new(Arc::clone(&core), Arc::clone(&small));
+    e.handle(post_headers()).unwrap();
+    e.handle(body(&CHAT[..30], false)).unwrap();
+    assert_eq!(small.body_budget.in_use(), 30);
+    assert_eq!(
+        immediate_status(&e.handle(body(&CHAT[30..], true)).unwrap()).0,
+        413
+    );
+    assert_eq!(small.body_budget.in_use(), 0);
+}
+
+#[test]
+fn body_budget_covers_the_tokenizer_copy_until_the_body_is_echoed() {
+    let base = tokenizer_settings();
+    let settings = Arc::new(ExtProcSettings {
+        body_budget: crate::extproc::BodyBudget::unmetered(2 * CHAT.len()),
+        ..base
+    });
+    let budget = Arc::clone(&settings.body_budget);
+    let core = pool_core();
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(post_headers()).unwrap();
+    m.handle(body(&CHAT[..20], false)).unwrap();
+    let step = m.handle(body(&CHAT[20..], true)).unwrap();
+    let job = step.tokenize.expect("tokenization job");
+    assert_eq!(&job.body[..], CHAT);
+    assert_eq!(budget.in_use(), 2 * CHAT.len(), "chunks and the job's copy");
+    drop(job);
+    let step = m.resume(crate::tokenize::TokenizeOutcome::NotApplicable);
+    // Tiny chunks are coalesced: headers, then one body chunk.
+    assert_eq!(step.responses.len(), 2);
+    assert_eq!(streamed(&step.responses[1]), (CHAT, true));
+    drop(step);
+    assert_eq!(budget.in_use(), 0);
+
+    // Disconnected while tokenizing.
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(post_headers()).unwrap();
+    assert!(m.handle(body(CHAT, true)).unwrap().tokenize.is_some());
+    assert_eq!(budget.in_use(), 2 * CHAT.len());
+    drop(m);
+    assert_eq!(budget.in_use(), 0);
+
+    // No room for the copy: 503 like any body over the budget.
+    let tight = Arc::new(ExtProcSettings {
+        body_budget: crate::extproc::BodyBudget::unmetered(CHAT.len() + 10),
+        ..tokenizer_settings()
+    });
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&tight));
+    m.handle(post_headers()).unwrap();
+    assert_eq!(
+        immediate_status(&m.handle(body(CHAT, true)).unwrap()).0,
+        503
+    );
+    assert_eq!(tight.body_budget.in_use(), 0);
+}
+
+#[test]
+fn echoed_body_chunks_are_the_received_buffers_not_copies() {
+    let (_core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    m.handle(post_headers()).unwrap();
+    let mut first = br#"{"model":"m","prompt":""#.to_vec();
+    first.extend(std::iter::repeat_n(b'x', 40_000));
+    let second = [vec![b'y'; 50_000], br#""}"#.to_vec()].concat();
+    let addresses = [first.as_ptr(), second.as_ptr()];
+    let expected = [first.clone(), second.clone()].concat();
+    assert!(m
+        .handle(body_owned(first, false))
+        .unwrap()
+        .responses
+        .is_empty());
+    let step = m.handle(body_owned(second, true)).unwrap();
+    let echoed: Vec<(&[u8], bool)> = step.responses[1..].iter().map(streamed).collect();
+    assert_eq!(echoed.len(), 2);
+    assert_eq!(
+        echoed[0].0.as_ptr(),
+        addresses[0],
+        "first chunk moved, not copied"
+    );
+    assert_eq!(
+        echoed[1].0.as_ptr(),
+        addresses[1],
+        "second chunk moved, not copied"
+    );
+    assert_eq!(
+        echoed.iter().map(|(_, eos)| *eos).collect::<Vec<_>>(),
+        [false, true]
+    );
+    assert_eq!([echoed[0].0, echoed[1].0].concat(), expected);
+}
+
+fn body_owned(bytes: Vec<u8>, end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: bytes,
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
