@@ -46,6 +46,16 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
     pub tokenizer_config: Option<PathBuf>,
 
+    /// Request bodies larger than this are not tokenized: they are routed on load alone
+    /// (counted in `kvpick_tokenize_skipped_total{reason="body_too_large"}`).
+    #[arg(long, default_value_t = crate::tokenize::DEFAULT_TOKENIZE_MAX_BODY_BYTES, value_name = "BYTES")]
+    pub tokenize_max_body_bytes: usize,
+
+    /// Milliseconds a request waits for a tokenizer CPU permit (one per core) before it is routed
+    /// on load alone (`kvpick_tokenize_skipped_total{reason="permit_timeout"}`).
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub tokenize_permit_timeout_ms: u64,
+
     /// Kubernetes source: the InferencePool (`inference.networking.k8s.io/v1`) whose pods are the
     /// workers. Excludes --config.
     #[arg(long, value_name = "NAME", help_heading = "Kubernetes")]
@@ -386,10 +396,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
     let tokenizers = match &args.tokenizer_config {
-        Some(path) => Some(Arc::new(crate::tokenize::Tokenizers::load(
-            path,
-            &metrics.registry,
-        )?)),
+        Some(path) => Some(Arc::new(
+            crate::tokenize::Tokenizers::load(path, &metrics.registry)?.with_limits(
+                crate::tokenize::TokenizeLimits {
+                    max_body_bytes: args.tokenize_max_body_bytes,
+                    permit_timeout: Duration::from_millis(args.tokenize_permit_timeout_ms),
+                },
+            ),
+        )),
         None => None,
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);

@@ -362,21 +362,30 @@ impl StreamMachine {
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
         let whole = self.body.contiguous();
-        let parsed = match parse_request_body(self.content_type.as_deref(), &whole) {
+        let mut parsed = match parse_request_body(self.content_type.as_deref(), &whole) {
             Ok(parsed) => parsed,
             Err(err) => {
                 drop(whole);
                 return Ok(self.reject(400, &body_error_message(&err)));
             }
         };
-        if let Some(p) = &parsed {
+        if let Some(p) = &mut parsed {
             let wants_tokens = matches!(p.prompt, Prompt::Text(_))
                 && self
                     .settings
                     .tokenizers
                     .as_ref()
                     .is_some_and(|t| t.has(&p.model));
-            if wants_tokens {
+            if wants_tokens
+                && !self
+                    .settings
+                    .tokenizers
+                    .as_ref()
+                    .is_some_and(|t| t.admits_body(&p.model, whole.len()))
+            {
+                // Too big to tokenize: load-only, as for a failed tokenization, and no copy.
+                p.prompt = Prompt::Absent;
+            } else if wants_tokens {
                 // The job needs its own contiguous copy (it runs off this task while the
                 // chunks wait to be echoed): it is buffered body too, so it takes budget.
                 let job_body = bytes::Bytes::from(whole.into_owned());
@@ -426,7 +435,9 @@ impl StreamMachine {
         let mut parsed = pending.parsed;
         match outcome {
             TokenizeOutcome::Tokens { ids, .. } => parsed.prompt = Prompt::TokenIds(ids),
-            TokenizeOutcome::Fallback { .. } => parsed.prompt = Prompt::Absent,
+            TokenizeOutcome::Fallback { .. } | TokenizeOutcome::Skipped { .. } => {
+                parsed.prompt = Prompt::Absent
+            }
             TokenizeOutcome::NotApplicable => {}
         }
         self.phase = Phase::Response;

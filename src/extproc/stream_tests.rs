@@ -1074,6 +1074,10 @@ fn deeply_nested_json_response_is_echoed_and_frees_the_booking() {
 }
 
 fn tokenizer_settings() -> ExtProcSettings {
+    tokenizer_settings_with(crate::tokenize::TokenizeLimits::default())
+}
+
+fn tokenizer_settings_with(limits: crate::tokenize::TokenizeLimits) -> ExtProcSettings {
     let dir = std::env::temp_dir().join(format!("kvpick-tok-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(
@@ -1087,7 +1091,8 @@ fn tokenizer_settings() -> ExtProcSettings {
     .unwrap();
     let tokenizers =
         crate::tokenize::Tokenizers::from_entries(&entries, &dir, &prometheus::Registry::new())
-            .unwrap();
+            .unwrap()
+            .with_limits(limits);
     std::fs::remove_dir_all(&dir).unwrap();
     ExtProcSettings {
         tokenizers: Some(Arc::new(tokenizers)),
@@ -1326,4 +1331,27 @@ fn body_owned(bytes: Vec<u8>, end_of_stream: bool) -> ProcessingRequest {
         })),
         ..Default::default()
     }
+}
+
+#[test]
+fn a_body_over_the_tokenize_cap_routes_at_once_on_load_alone() {
+    let settings = tokenizer_settings_with(crate::tokenize::TokenizeLimits {
+        max_body_bytes: CHAT.len() - 1,
+        ..Default::default()
+    });
+    let tokenizers = Arc::clone(settings.tokenizers.as_ref().unwrap());
+    let (_core, mut m) = setup(default_pool(), settings);
+    m.handle(post_headers()).unwrap();
+    let step = m.handle(body(CHAT, true)).unwrap();
+    assert!(step.tokenize.is_none(), "no tokenization job");
+    assert_eq!(step.responses.len(), 2, "routed and echoed at once");
+    assert_eq!(streamed(&step.responses[1]), (CHAT, true));
+    assert_eq!(
+        tokenizers
+            .metrics()
+            .skipped
+            .with_label_values(&["m", crate::tokenize::SKIP_BODY_TOO_LARGE])
+            .get(),
+        1
+    );
 }
