@@ -57,6 +57,9 @@ enum Phase {
     Tokenizing,
     /// Routed; waiting for (or streaming) the response.
     Response,
+    /// Envoy answered the request itself (a local reply such as 431 or 400) before it was
+    /// routed, and sends that reply's response path to us: it is passed through unchanged.
+    LocalReply,
     /// An immediate response was sent; nothing more is answered.
     Finished,
 }
@@ -173,17 +176,24 @@ impl StreamMachine {
         if self.phase == Phase::Finished {
             return Ok(Step::default());
         }
+        if self.phase == Phase::LocalReply {
+            return Ok(self.on_local_reply(request));
+        }
         match request {
             Request::RequestHeaders(h) => self.on_request_headers(h),
             Request::RequestBody(b) => self.on_request_body(b),
             Request::RequestTrailers(_) => self.on_request_trailers(),
-            Request::ResponseHeaders(h) => self.on_response_headers(h),
-            Request::ResponseBody(b) => {
-                self.expect_response("response body")?;
-                Ok(self.on_response_body(b))
+            Request::ResponseHeaders(_)
+            | Request::ResponseBody(_)
+            | Request::ResponseTrailers(_)
+                if self.phase != Phase::Response =>
+            {
+                self.start_local_reply();
+                Ok(self.on_local_reply(request))
             }
+            Request::ResponseHeaders(h) => self.on_response_headers(h),
+            Request::ResponseBody(b) => Ok(self.on_response_body(b)),
             Request::ResponseTrailers(_) => {
-                self.expect_response("response trailers")?;
                 self.release();
                 Ok(one(processing_response::Response::ResponseTrailers(
                     TrailersResponse::default(),
@@ -192,14 +202,34 @@ impl StreamMachine {
         }
     }
 
-    /// Response messages are only valid once the request was routed.
-    fn expect_response(&self, what: &str) -> Result<(), Status> {
-        if self.phase == Phase::Response {
-            Ok(())
-        } else {
-            Err(Status::failed_precondition(format!(
-                "{what} received before the request was routed"
-            )))
+    /// A response before the request was routed is Envoy's own answer (it replies locally,
+    /// e.g. 431 for oversized headers, and still runs the response path through ext_proc).
+    /// Nothing was booked; what was buffered of the request will never be routed.
+    fn start_local_reply(&mut self) {
+        tracing::debug!(phase = ?self.phase, "response before routing: Envoy's local reply, passed through");
+        self.phase = Phase::LocalReply;
+        drop(self.body.take());
+        self.pending = None;
+    }
+
+    /// Passes a local reply's response messages through unchanged. Request messages after
+    /// it are ignored: the request is over for Envoy, and failing the stream now would make
+    /// Envoy reset the client instead of sending its status.
+    fn on_local_reply(&mut self, request: processing_request::Request) -> Step {
+        use processing_request::Request;
+        match request {
+            Request::ResponseHeaders(_) => one(processing_response::Response::ResponseHeaders(
+                HeadersResponse::default(),
+            )),
+            Request::ResponseBody(b) => one(processing_response::Response::ResponseBody(
+                streamed_body(b.body, b.end_of_stream),
+            )),
+            Request::ResponseTrailers(_) => one(processing_response::Response::ResponseTrailers(
+                TrailersResponse::default(),
+            )),
+            Request::RequestHeaders(_) | Request::RequestBody(_) | Request::RequestTrailers(_) => {
+                Step::default()
+            }
         }
     }
 
@@ -581,11 +611,6 @@ impl StreamMachine {
     }
 
     fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
-        if self.phase != Phase::Response {
-            return Err(Status::failed_precondition(
-                "response headers received before the request was routed",
-            ));
-        }
         let sse = headers
             .headers
             .iter()

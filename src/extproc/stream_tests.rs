@@ -352,8 +352,6 @@ fn out_of_order_messages_are_rejected() {
         m.handle(body(CHAT, true)).unwrap_err().code(),
         tonic::Code::FailedPrecondition
     );
-    let (_core2, mut m2) = setup(default_pool(), ExtProcSettings::default());
-    assert!(m2.handle(response_headers("application/json")).is_err());
     m.handle(post_headers()).unwrap();
     assert_eq!(
         m.handle(post_headers()).unwrap_err().code(),
@@ -987,36 +985,6 @@ fn out_of_order_sequences_are_errors_without_leaks() {
     let cases: Vec<(&str, Seq, ProcessingRequest)> = vec![
         ("body before headers", vec![], body(CHAT, true)),
         ("trailers before headers", vec![], request_trailers()),
-        (
-            "response headers before request",
-            vec![],
-            response_headers("application/json"),
-        ),
-        (
-            "response body before request",
-            vec![],
-            response_body(b"{}", true),
-        ),
-        (
-            "response trailers before request",
-            vec![],
-            response_trailers(),
-        ),
-        (
-            "response headers before the body ended",
-            vec![post_headers(), body(b"{", false)],
-            response_headers("application/json"),
-        ),
-        (
-            "response body before the body ended",
-            vec![post_headers()],
-            response_body(b"data", false),
-        ),
-        (
-            "response trailers before the body ended",
-            vec![post_headers()],
-            response_trailers(),
-        ),
         ("headers twice", vec![post_headers()], post_headers()),
         ("headers again after routing", routed(), post_headers()),
         ("body again after routing", routed(), body(CHAT, true)),
@@ -1354,4 +1322,67 @@ fn a_body_over_the_tokenize_cap_routes_at_once_on_load_alone() {
             .get(),
         1
     );
+}
+
+/// Envoy's local replies (431 for oversized headers, 400, ...) run the response path through
+/// ext_proc before the request was routed, even before any request message: each message is
+/// passed through unchanged, nothing is booked, and a request message after it is ignored.
+#[test]
+fn local_replies_before_routing_pass_through_unchanged() {
+    let settings = Arc::new(budget_settings(1 << 20));
+    let core = pool_core();
+    type Seq = Vec<ProcessingRequest>;
+    let cases: Vec<(&str, Seq)> = vec![
+        ("before any request message", vec![]),
+        ("after the request headers", vec![post_headers()]),
+        ("mid-body", vec![post_headers(), body(&CHAT[..10], false)]),
+    ];
+    for (what, before) in cases {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+        for msg in before {
+            assert!(m.handle(msg).unwrap().responses.is_empty(), "{what}");
+        }
+        let step = m.handle(response_headers("text/plain")).expect(what);
+        assert!(!step.finished);
+        match step.responses[..] {
+            [ProcessingResponse {
+                response: Some(R::ResponseHeaders(HeadersResponse { response: None })),
+                dynamic_metadata: None,
+                ..
+            }] => {}
+            ref other => panic!("{what}: {other:?}"),
+        }
+        assert_eq!(
+            settings.body_budget.in_use(),
+            0,
+            "{what}: the request body is dropped"
+        );
+        let reply = b"Request Header Fields Too Large";
+        let step = m.handle(response_body(&reply[..7], false)).expect(what);
+        assert_eq!(streamed(&step.responses[0]), (&reply[..7], false), "{what}");
+        let step = m.handle(response_body(&reply[7..], true)).expect(what);
+        assert_eq!(streamed(&step.responses[0]), (&reply[7..], true), "{what}");
+        let step = m.handle(response_trailers()).expect(what);
+        assert!(
+            matches!(
+                step.responses[..],
+                [ProcessingResponse {
+                    response: Some(R::ResponseTrailers(_)),
+                    ..
+                }]
+            ),
+            "{what}"
+        );
+        // Request messages that still arrive are ignored, not errors.
+        assert!(
+            m.handle(body(CHAT, true)).unwrap().responses.is_empty(),
+            "{what}"
+        );
+        assert_eq!(core.live_bookings(), 0, "{what}: nothing booked");
+    }
+    // A response body alone (no headers first) passes too.
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    let step = m.handle(response_body(b"x", true)).unwrap();
+    assert_eq!(streamed(&step.responses[0]), (&b"x"[..], true));
+    assert_eq!(core.live_bookings(), 0);
 }
