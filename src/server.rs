@@ -1,6 +1,8 @@
 //! `kvpick serve`: wires the selection core to its catalog source and hosts, binds the three
 //! ports (ext_proc + health + selection API, health, metrics), and runs until SIGTERM/SIGINT, then
-//! drains: health goes NOT_SERVING, listeners stop accepting, open streams get a bounded grace.
+//! drains: readiness goes NOT_SERVING and new ext_proc streams are refused while every port keeps
+//! answering (so probes and Envoy's health checks see NOT_SERVING, not a refused connection); open
+//! streams get a bounded grace; then the listeners close and the process exits.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -486,8 +488,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             ),
         },
     );
+    let extproc = extproc.with_drain(shutdown_rx.clone());
+    let live_streams = extproc.live_streams();
+    // Listeners close only once draining is over: until then health answers NOT_SERVING.
+    let (exit_tx, exit_rx) = watch::channel(false);
     let drained = || {
-        let mut rx = shutdown_rx.clone();
+        let mut rx = exit_rx.clone();
         async move {
             let _ = rx.wait_for(|s| *s).await;
         }
@@ -503,13 +509,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .into_server(),
         )
         .serve_with_incoming_shutdown(
-            crate::net::incoming(grpc_listener, tls, shutdown_rx.clone()),
+            crate::net::incoming(grpc_listener, tls, exit_rx.clone()),
             drained(),
         );
     let health_server = tonic::transport::Server::builder()
         .add_service(health_service)
         .serve_with_incoming_shutdown(
-            crate::net::incoming(health_listener, None, shutdown_rx.clone()),
+            crate::net::incoming(health_listener, None, exit_rx.clone()),
             drained(),
         );
     let metrics_for_http = metrics.clone();
@@ -552,20 +558,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     shutdown_tx.send_replace(true);
     let grace = Duration::from_secs(args.shutdown_grace);
-    let drained = tokio::time::timeout(grace, async {
-        let _ = grpc_task.await;
-        let _ = health_task.await;
-        let _ = metrics_task.await;
-    })
-    .await;
+    let drained = tokio::time::timeout(grace, live_streams.idle()).await;
     if drained.is_err() {
         tracing::warn!(
             live_bookings = core.live_bookings(),
+            streams = live_streams.count(),
             "grace period over; closing remaining streams"
         );
     } else {
         tracing::info!(live_bookings = core.live_bookings(), "drained");
     }
+    exit_tx.send_replace(true);
+    // The servers now close their (idle) connections; a peer that does not let go of one
+    // cannot hold the exit.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = grpc_task.await;
+        let _ = health_task.await;
+        let _ = metrics_task.await;
+    })
+    .await;
     Ok(())
 }
 

@@ -13,7 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse,
 };
 use futures::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -57,10 +57,49 @@ impl Default for ExtProcSettings {
     }
 }
 
+/// Counts the ext_proc streams being served, so a draining process can wait for them while
+/// its listeners (and health answers) stay up.
+#[derive(Clone, Debug)]
+pub struct LiveStreams(Arc<watch::Sender<usize>>);
+
+impl Default for LiveStreams {
+    fn default() -> Self {
+        LiveStreams(Arc::new(watch::channel(0).0))
+    }
+}
+
+impl LiveStreams {
+    pub fn count(&self) -> usize {
+        *self.0.borrow()
+    }
+
+    /// Resolves once no stream is being served.
+    pub async fn idle(&self) {
+        let mut rx = self.0.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    fn enter(&self) -> LiveStream {
+        self.0.send_modify(|n| *n += 1);
+        LiveStream(self.clone())
+    }
+}
+
+struct LiveStream(LiveStreams);
+
+impl Drop for LiveStream {
+    fn drop(&mut self) {
+        self.0 .0.send_modify(|n| *n -= 1);
+    }
+}
+
 #[derive(Clone)]
 pub struct ExtProcService {
     core: Arc<SelectionCore>,
     settings: Arc<ExtProcSettings>,
+    live: LiveStreams,
+    /// True once the process drains: new streams are refused, open ones run to their end.
+    draining: Option<watch::Receiver<bool>>,
 }
 
 impl ExtProcService {
@@ -68,7 +107,20 @@ impl ExtProcService {
         ExtProcService {
             core,
             settings: Arc::new(settings),
+            live: LiveStreams::default(),
+            draining: None,
         }
+    }
+
+    /// Refuse new streams (UNAVAILABLE) once `draining` turns true.
+    pub fn with_drain(mut self, draining: watch::Receiver<bool>) -> Self {
+        self.draining = Some(draining);
+        self
+    }
+
+    /// The streams being served by this service (and its clones).
+    pub fn live_streams(&self) -> LiveStreams {
+        self.live.clone()
     }
 
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
@@ -88,6 +140,10 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        if self.draining.as_ref().is_some_and(|d| *d.borrow()) {
+            return Err(Status::unavailable("kvpick: shutting down"));
+        }
+        let live = self.live.enter();
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(64);
         let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
@@ -142,6 +198,7 @@ impl ExternalProcessor for ExtProcService {
             metrics.streams.with_label_values(&[end]).inc();
             // Dropping the machine frees any booking still held (client disconnect mid-stream).
             drop(machine);
+            drop(live);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
