@@ -2,14 +2,16 @@
 # Validates the kustomization in manifests/ and the Helm chart charts/kvpick without a cluster:
 #   - `kubectl kustomize manifests/` renders; helm lint --strict and helm template with the default
 #     values (InferencePool mode), data-parallel ranks (four targetPorts), no-CRD selector mode,
-#     static-catalog mode, certSecretName, h2c and pool.create=false; the chart's guards fail;
+#     static-catalog mode, certSecretName, h2c, pool.create=false and a pool in another namespace
+#     (pool.namespace); the chart's guards fail;
 #   - kubectl parses every rendered document (`kubectl label --local`: `kubectl apply|create
 #     --dry-run=client` need a reachable API server for discovery even with --validate=false);
 #   - every core object validates against the Kubernetes 1.35 JSON schemas shipped in PyPI
 #     `kubernetes-validate` (strict: unknown fields fail) and, field by field, against the API models
 #     of @kubernetes/client-node;
 #   - semantic checks in Python: args per mode (`serve --pool-name` / `--endpoint-selector` +
-#     `--target-ports` / `--config`), gRPC probes on 9003, NAMESPACE from the downward API, RBAC,
+#     `--target-ports` / `--config`), gRPC probes on 9003, NAMESPACE from the downward API, RBAC
+#     (in the --pool-namespace; none in static mode),
 #     Service wiring, the InferencePool (v1 fields; endpointPickerRef -> the Service), the static
 #     catalog, and the chart's default render matching manifests/;
 #   - the chart's rendered InferencePools equal tests/fixtures/manifests/*.yaml, which
@@ -135,6 +137,8 @@ render static "${STATIC_ARGS[@]}"
 render certs --set certSecretName=kvpick-tls
 render h2c --set secureServing=false
 render nopool --set pool.create=false
+# The pool and its pods in another namespace than the release (the pool managed elsewhere).
+render poolns --set pool.namespace=models --set pool.create=false
 must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
   local what=$1
   shift
@@ -148,6 +152,8 @@ must_fail "mode=crd" --set mode=crd
 must_fail "nine targetPorts" --set-json 'pool.targetPorts=[{"number":1},{"number":2},{"number":3},{"number":4},{"number":5},{"number":6},{"number":7},{"number":8},{"number":9}]'
 must_fail "failureMode=Open" --set pool.failureMode=Open
 must_fail "a pool without selector labels" --set pool.selector.matchLabels=null
+must_fail "pool.create with pool.namespace other than the release's (endpointPickerRef is namespace-local)" \
+  --namespace "$ns" --set pool.namespace=models
 
 # The chart's InferencePools, as the Rust test reads them (tests/manifests_pool.rs).
 fixtures=tests/fixtures/manifests
@@ -170,10 +176,13 @@ pool_render default
 pool_render dp "${DP_ARGS[@]}"
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
-files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool}.yaml)
+files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns}.yaml)
 for f in "${files[@]}"; do
   run "$KUBECTL" label --local -f "$f" -o name kvpick.io/check=ok
-  [ "$(grep -c . "$log")" -ge 6 ] || { cat "$log" >&2; fail "kubectl saw fewer than 6 objects in $f"; }
+  # Static mode has no Role / RoleBinding.
+  min=6
+  [ "$f" = "$rendered/helm-static.yaml" ] && min=4
+  [ "$(grep -c . "$log")" -ge $min ] || { cat "$log" >&2; fail "kubectl saw fewer than $min objects in $f"; }
 done
 run "$KUBECTL" label --local -f manifests/examples/ -o name kvpick.io/check=ok
 
@@ -204,7 +213,8 @@ MAX_DP_RANKS = 64
 # What each render must be: (mode, expects an InferencePool object).
 EXPECT = {"kustomize": ("pool", True), "default": ("pool", True), "dp": ("pool", True),
           "selector": ("selector", False), "static": ("static", False), "certs": ("pool", True),
-          "h2c": ("pool", True), "nopool": ("pool", False)}
+          "h2c": ("pool", True), "nopool": ("pool", False), "poolns": ("pool", False)}
+RBAC = ("Role", "RoleBinding")
 
 def arg_value(args, flag):
     """Value of `--flag V` or `--flag=V`, else None."""
@@ -288,15 +298,25 @@ def check_set(where, docs, mode, want_pool):
             check(key[1] not in by_kind, where, f"two {key[1]} objects")
             by_kind[key[1]] = d
         check(isinstance(d.get("metadata", {}).get("name"), str), where, f"{key[1]} without metadata.name")
-    for kind in CORE:
+    # Static mode makes no Kubernetes API calls: no Role to read pods or pools.
+    core = [k for k in CORE if mode != "static" or k not in RBAC]
+    for kind in core:
         check(kind in by_kind, where, f"no {kind}")
+    for kind in RBAC:
+        if mode == "static":
+            check(kind not in by_kind, where, f"a {kind} in static mode (it makes no API calls)")
     check(("InferencePool" in by_kind) == want_pool, where,
           f"InferencePool {'missing' if want_pool else 'unexpected'}")
-    if not all(k in by_kind for k in CORE):
+    if not all(k in by_kind for k in core):
         return None
     name = lambda kind: by_kind[kind]["metadata"]["name"]
+    if mode != "static":
+        check_rbac(where, by_kind, name)
+    return check_rest(where, by_kind, name, mode)
 
-    # RBAC: namespaced read-only on pods and inferencepools, bound to the ServiceAccount.
+def check_rbac(where, by_kind, name):
+    # RBAC: namespaced read-only on pods and inferencepools, bound to the ServiceAccount, in the
+    # namespace kvpick watches (--pool-namespace, else its own).
     rules = {(g, r): sorted(rule.get("verbs", [])) for rule in by_kind["Role"].get("rules", [])
              for g in rule.get("apiGroups", []) for r in rule.get("resources", [])}
     check(rules == {("", "pods"): sorted(READ), ("inference.networking.k8s.io", "inferencepools"): sorted(READ)},
@@ -309,7 +329,18 @@ def check_set(where, docs, mode, want_pool):
     subj = rb.get("subjects") or [{}]
     check(len(subj) == 1 and subj[0].get("kind") == "ServiceAccount" and subj[0].get("name") == name("ServiceAccount"),
           where, "RoleBinding subject is not the ServiceAccount")
+    dep = by_kind["Deployment"]
+    own_ns = dep["metadata"].get("namespace")
+    args = [str(a) for a in dep["spec"]["template"]["spec"]["containers"][0].get("args", [])]
+    pool_ns = arg_value(args, "--pool-namespace") or own_ns
+    for kind in RBAC:
+        check(by_kind[kind]["metadata"].get("namespace") == pool_ns, where,
+              f"{kind} in namespace {by_kind[kind]['metadata'].get('namespace')}, not the watched {pool_ns}")
+    sa_ns = by_kind["ServiceAccount"]["metadata"].get("namespace")
+    check(subj[0].get("namespace", rb["metadata"].get("namespace")) == sa_ns, where,
+          f"RoleBinding subject namespace {subj[0].get('namespace')} is not the ServiceAccount's {sa_ns}")
 
+def check_rest(where, by_kind, name, mode):
     # Deployment.
     dep = by_kind["Deployment"]
     pod = dep["spec"]["template"]["spec"]
@@ -450,6 +481,9 @@ st = summary.get("static")
 check(st and st["catalog"] and len(st["catalog"]["workers"]) == 1, "helm template (static)", "want one static worker")
 certs = summary.get("certs")
 check(certs and certs["cert_path"] == "/etc/kvpick/certs", "helm template (certs)", "no --cert-path /etc/kvpick/certs")
+pns = summary.get("poolns")
+check(pns and arg_value(pns["args"], "--pool-namespace") == "models", "helm template (poolns)",
+      "want --pool-namespace models")
 h2c = summary.get("h2c")
 check(h2c and "--secure-serving=false" in h2c["args"], "helm template (h2c)", "no --secure-serving=false")
 

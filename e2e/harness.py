@@ -856,19 +856,22 @@ class Stack:
 
     def __init__(self, workers: list[dict[str, Any]], *, secure: bool = True,
                  subset_hints: dict[str, Any] | None = None, name: str = "stack",
+                 envoy_config: dict[str, Any] | None = None,
                  **kvpick_kwargs: Any) -> None:
         self.workdir = new_workdir(name)
         self.kvpick = Kvpick(workers, workdir=self.workdir / "kvpick", secure=secure,
                              **kvpick_kwargs)
         self.secure = secure
         self.subset_hints = subset_hints
+        self.envoy_config = envoy_config
         self.envoy: Envoy | None = None
 
     def start(self) -> "Stack":
         try:
             self.kvpick.start()
             self.envoy = Envoy(kvpick_port=self.kvpick.grpc_port, secure=self.secure,
-                               subset_hints=self.subset_hints, workdir=self.workdir / "envoy")
+                               subset_hints=self.subset_hints, workdir=self.workdir / "envoy",
+                               config=self.envoy_config)
             self.envoy.start()
         except BaseException:
             self.stop()

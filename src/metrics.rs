@@ -61,6 +61,10 @@ pub struct Metrics {
     pub session_events: IntCounterVec,
     /// Session bindings dropped, by reason.
     pub session_invalidated: IntCounterVec,
+    /// Request-body bytes currently buffered by ext_proc streams (the global body budget in use).
+    pub body_bytes_buffered: IntGauge,
+    /// Requests answered 503 because the global body budget could not hold their body.
+    pub body_budget_rejected: IntCounter,
 }
 
 fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> T {
@@ -371,7 +375,25 @@ impl Metrics {
             )
             .unwrap(),
         );
+        let body_bytes_buffered = register(
+            &registry,
+            IntGauge::new(
+                "kvpick_body_bytes_buffered",
+                "Request-body bytes buffered by ext_proc streams (--max-buffered-body-bytes in use)",
+            )
+            .unwrap(),
+        );
+        let body_budget_rejected = register(
+            &registry,
+            IntCounter::new(
+                "kvpick_body_budget_rejected_total",
+                "Requests answered 503 because --max-buffered-body-bytes was exhausted",
+            )
+            .unwrap(),
+        );
         Metrics {
+            body_bytes_buffered,
+            body_budget_rejected,
             kv_events,
             kv_event_gaps,
             kv_replays,

@@ -1,6 +1,8 @@
 //! `kvpick serve`: wires the selection core to its catalog source and hosts, binds the three
 //! ports (ext_proc + health + selection API, health, metrics), and runs until SIGTERM/SIGINT, then
-//! drains: health goes NOT_SERVING, listeners stop accepting, open streams get a bounded grace.
+//! drains: readiness goes NOT_SERVING and new ext_proc streams are refused while every port keeps
+//! answering (so probes and Envoy's health checks see NOT_SERVING, not a refused connection); open
+//! streams get a bounded grace; then the listeners close and the process exits.
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
@@ -45,6 +47,16 @@ pub struct ServeArgs {
     /// Without it, text prompts are hashed as pseudo tokens (see README "Tokenization").
     #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
     pub tokenizer_config: Option<PathBuf>,
+
+    /// Request bodies larger than this are not tokenized: they are routed on load alone
+    /// (counted in `kvpick_tokenize_skipped_total{reason="body_too_large"}`).
+    #[arg(long, default_value_t = crate::tokenize::DEFAULT_TOKENIZE_MAX_BODY_BYTES, value_name = "BYTES")]
+    pub tokenize_max_body_bytes: usize,
+
+    /// Milliseconds a request waits for a tokenizer CPU permit (one per core) before it is routed
+    /// on load alone (`kvpick_tokenize_skipped_total{reason="permit_timeout"}`).
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub tokenize_permit_timeout_ms: u64,
 
     /// Kubernetes source: the InferencePool (`inference.networking.k8s.io/v1`) whose pods are the
     /// workers. Excludes --config.
@@ -104,6 +116,16 @@ pub struct ServeArgs {
     /// Largest request body accepted; larger requests get 413.
     #[arg(long, default_value_t = 32 << 20, value_name = "BYTES")]
     pub max_body_bytes: usize,
+
+    /// Request-body bytes all ext_proc streams together may buffer; a request whose body would
+    /// go over it gets 503 (`request body budget exhausted, retry later`).
+    #[arg(long, default_value_t = crate::extproc::DEFAULT_BUDGET_BYTES, value_name = "BYTES")]
+    pub max_buffered_body_bytes: usize,
+
+    /// Most concurrent HTTP/2 streams per connection on the ext_proc port (SETTINGS_MAX_CONCURRENT_STREAMS);
+    /// Envoy opens more connections past it.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_concurrent_streams: u32,
 
     /// Extra fallback endpoints appended to x-gateway-destination-endpoint, in preference order.
     #[arg(long, default_value_t = 0, value_name = "N")]
@@ -385,10 +407,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
     let tokenizers = match &args.tokenizer_config {
-        Some(path) => Some(Arc::new(crate::tokenize::Tokenizers::load(
-            path,
-            &metrics.registry,
-        )?)),
+        Some(path) => Some(Arc::new(
+            crate::tokenize::Tokenizers::load(path, &metrics.registry)?.with_limits(
+                crate::tokenize::TokenizeLimits {
+                    max_body_bytes: args.tokenize_max_body_bytes,
+                    permit_timeout: Duration::from_millis(args.tokenize_permit_timeout_ms),
+                },
+            ),
+        )),
         None => None,
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
@@ -465,16 +491,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .filter(|h| !h.is_empty())
                 .collect(),
             tokenizers,
+            body_budget: crate::extproc::BodyBudget::new(
+                args.max_buffered_body_bytes,
+                metrics.body_bytes_buffered.clone(),
+            ),
         },
     );
+    let extproc = extproc.with_drain(shutdown_rx.clone());
+    let live_streams = extproc.live_streams();
+    // Listeners close only once draining is over: until then health answers NOT_SERVING.
+    let (exit_tx, exit_rx) = watch::channel(false);
     let drained = || {
-        let mut rx = shutdown_rx.clone();
+        let mut rx = exit_rx.clone();
         async move {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
     let grpc_server = tonic::transport::Server::builder()
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .max_concurrent_streams(Some(args.max_concurrent_streams))
         .add_service(health_service.clone())
         .add_service(extproc.into_server())
         .add_service(
@@ -483,13 +518,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .into_server(),
         )
         .serve_with_incoming_shutdown(
-            crate::net::incoming(grpc_listener, tls, shutdown_rx.clone()),
+            crate::net::incoming(grpc_listener, tls, exit_rx.clone()),
             drained(),
         );
     let health_server = tonic::transport::Server::builder()
         .add_service(health_service)
         .serve_with_incoming_shutdown(
-            crate::net::incoming(health_listener, None, shutdown_rx.clone()),
+            crate::net::incoming(health_listener, None, exit_rx.clone()),
             drained(),
         );
     let metrics_for_http = metrics.clone();
@@ -532,20 +567,25 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     );
     shutdown_tx.send_replace(true);
     let grace = Duration::from_secs(args.shutdown_grace);
-    let drained = tokio::time::timeout(grace, async {
-        let _ = grpc_task.await;
-        let _ = health_task.await;
-        let _ = metrics_task.await;
-    })
-    .await;
+    let drained = tokio::time::timeout(grace, live_streams.idle()).await;
     if drained.is_err() {
         tracing::warn!(
             live_bookings = core.live_bookings(),
+            streams = live_streams.count(),
             "grace period over; closing remaining streams"
         );
     } else {
         tracing::info!(live_bookings = core.live_bookings(), "drained");
     }
+    exit_tx.send_replace(true);
+    // The servers now close their (idle) connections; a peer that does not let go of one
+    // cannot hold the exit.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = grpc_task.await;
+        let _ = health_task.await;
+        let _ = metrics_task.await;
+    })
+    .await;
     Ok(())
 }
 

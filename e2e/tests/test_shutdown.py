@@ -1,5 +1,5 @@
-"""SIGTERM during traffic: kvpick stops taking new streams, lets open ones finish, frees
-everything and exits 0 within the grace period."""
+"""SIGTERM during traffic: kvpick answers NOT_SERVING, stops taking new streams, lets open ones
+finish, frees everything and exits 0 within the grace period."""
 
 from __future__ import annotations
 
@@ -26,8 +26,13 @@ def test_sigterm_drains_open_streams_and_refuses_new_ones(make_stack, make_upstr
         assert kv.metric("kvpick_inflight_total") == 1
 
         kv.process.proc.send_signal(signal.SIGTERM)
-        # Health turns NOT_SERVING / unreachable and new requests are refused while the open
-        # stream is still running.
+        # While draining, both gRPC ports keep answering: readiness NOT_SERVING (what the
+        # kubelet and Envoy's health checks must see), liveness SERVING.
+        wait_until(lambda: kv.health("readiness") == "NOT_SERVING"
+                   and kv.health("readiness", port=kv.grpc_port) == "NOT_SERVING", 10,
+                   desc="readiness NOT_SERVING on both ports after SIGTERM")
+        assert kv.health("liveness") == "SERVING"
+        # New requests are refused while the open stream is still running.
         def refused():
             r = client.post(stack.url() + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
             return r.status_code >= 500 and r.status_code

@@ -2,7 +2,7 @@
 //! metadata handling (session ids, pins, priority, request ids, subset hints of any shape, binary
 //! and oversized values), bodies, trailers and response messages in any order and any number.
 //! It may answer with errors or immediate responses, but it must never panic, and once the stream
-//! is gone no booking may remain.
+//! is gone no booking and no body-budget bytes may remain.
 //!
 //! Input: a sequence of messages, each `[op][flags][len][bytes...]` (see `next_message`).
 
@@ -215,4 +215,5 @@ fuzz_target!(|data: &[u8]| {
     }
     drop(machine);
     assert_eq!(core.live_bookings(), 0, "a booking outlived its stream");
+    assert_eq!(settings.body_budget.in_use(), 0, "body bytes outlived their stream");
 });

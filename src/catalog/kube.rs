@@ -37,7 +37,9 @@ use super::{RankLayout, WorkerSpec, MAX_DP_RANKS};
 pub const ACTIVE_PORTS_ANNOTATION: &str = "inference.networking.k8s.io/active-ports";
 /// Pod annotation or label: number of data-parallel ranks multiplexed behind the first target port.
 pub const DP_SIZE_KEY: &str = "kvpick.io/data-parallel-size";
-/// Pod label naming the served model (when `--model` is not given).
+/// Pod annotation (or label) naming the served model when `--model` is not given. The annotation
+/// comes first: model names such as `meta-llama/Llama-3.1-8B` contain `/`, which a label value
+/// cannot hold; the label still works for names that fit.
 pub const MODEL_LABEL: &str = "kvpick.io/model";
 /// Pod annotation overriding the KV-event port of rank 0 (`off` or `0` disables KV events).
 pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvpick.io/kv-events-port";
@@ -222,9 +224,13 @@ fn pod_to_spec(
     let annotations = pod.annotations();
     let model = match model {
         Some(m) => m.to_string(),
-        None => match labels.get(MODEL_LABEL) {
-            Some(m) if !m.is_empty() => m.clone(),
-            _ => bail!("no model: pass --model or label the pod {MODEL_LABEL}"),
+        None => match annotations
+            .get(MODEL_LABEL)
+            .filter(|m| !m.trim().is_empty())
+            .or_else(|| labels.get(MODEL_LABEL).filter(|m| !m.is_empty()))
+        {
+            Some(m) => m.trim().to_string(),
+            None => bail!("no model: pass --model or annotate the pod {MODEL_LABEL}"),
         },
     };
 
@@ -631,6 +637,46 @@ mod tests {
         );
         assert_eq!(specs[1].model, "lm");
         assert_eq!(specs[2].kv_events, None);
+    }
+
+    #[test]
+    fn model_from_the_annotation_holds_a_slash_and_wins_over_the_label() {
+        let pods = [
+            pod(
+                "annotated",
+                true,
+                Some("10.0.0.1"),
+                serde_json::json!({"annotations": {"kvpick.io/model": "meta-llama/Llama-3.1-8B"}}),
+            ),
+            pod(
+                "both",
+                true,
+                Some("10.0.0.2"),
+                serde_json::json!({
+                    "labels": {"kvpick.io/model": "old"},
+                    "annotations": {"kvpick.io/model": "org/new"},
+                }),
+            ),
+            pod(
+                "label",
+                true,
+                Some("10.0.0.3"),
+                serde_json::json!({"labels": {"kvpick.io/model": "lm"}}),
+            ),
+        ];
+        let specs = snapshot(&view(), &pods, None);
+        let models: Vec<_> = specs
+            .iter()
+            .map(|s| (s.name.as_str(), s.model.as_str()))
+            .collect();
+        assert_eq!(
+            models,
+            [
+                ("annotated", "meta-llama/Llama-3.1-8B"),
+                ("both", "org/new"),
+                ("label", "lm")
+            ]
+        );
     }
 
     #[test]

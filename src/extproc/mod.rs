@@ -2,6 +2,7 @@
 //! per Envoy stream and forwards its answers. It translates protocol only; every decision is the
 //! selection core's.
 
+pub mod budget;
 pub mod stream;
 
 use std::pin::Pin;
@@ -12,13 +13,14 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse,
 };
 use futures::Stream;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::selection::SelectionCore;
 use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
+pub use budget::{BodyBudget, BodyLease, DEFAULT_BUDGET_BYTES};
 pub use stream::StreamMachine;
 
 /// Per-process ext_proc settings.
@@ -31,6 +33,8 @@ pub struct ExtProcSettings {
     pub session_headers: Vec<String>,
     /// Per-model tokenizers for text and chat prompts (`--tokenizer-config`).
     pub tokenizers: Option<Arc<Tokenizers>>,
+    /// Request-body bytes all streams together may buffer (`--max-buffered-body-bytes`).
+    pub body_budget: Arc<BodyBudget>,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -48,7 +52,44 @@ impl Default for ExtProcSettings {
             conformance_test_mode: false,
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tokenizers: None,
+            body_budget: BodyBudget::unmetered(DEFAULT_BUDGET_BYTES),
         }
+    }
+}
+
+/// Counts the ext_proc streams being served, so a draining process can wait for them while
+/// its listeners (and health answers) stay up.
+#[derive(Clone, Debug)]
+pub struct LiveStreams(Arc<watch::Sender<usize>>);
+
+impl Default for LiveStreams {
+    fn default() -> Self {
+        LiveStreams(Arc::new(watch::channel(0).0))
+    }
+}
+
+impl LiveStreams {
+    pub fn count(&self) -> usize {
+        *self.0.borrow()
+    }
+
+    /// Resolves once no stream is being served.
+    pub async fn idle(&self) {
+        let mut rx = self.0.subscribe();
+        let _ = rx.wait_for(|n| *n == 0).await;
+    }
+
+    fn enter(&self) -> LiveStream {
+        self.0.send_modify(|n| *n += 1);
+        LiveStream(self.clone())
+    }
+}
+
+struct LiveStream(LiveStreams);
+
+impl Drop for LiveStream {
+    fn drop(&mut self) {
+        self.0 .0.send_modify(|n| *n -= 1);
     }
 }
 
@@ -56,6 +97,9 @@ impl Default for ExtProcSettings {
 pub struct ExtProcService {
     core: Arc<SelectionCore>,
     settings: Arc<ExtProcSettings>,
+    live: LiveStreams,
+    /// True once the process drains: new streams are refused, open ones run to their end.
+    draining: Option<watch::Receiver<bool>>,
 }
 
 impl ExtProcService {
@@ -63,7 +107,20 @@ impl ExtProcService {
         ExtProcService {
             core,
             settings: Arc::new(settings),
+            live: LiveStreams::default(),
+            draining: None,
         }
+    }
+
+    /// Refuse new streams (UNAVAILABLE) once `draining` turns true.
+    pub fn with_drain(mut self, draining: watch::Receiver<bool>) -> Self {
+        self.draining = Some(draining);
+        self
+    }
+
+    /// The streams being served by this service (and its clones).
+    pub fn live_streams(&self) -> LiveStreams {
+        self.live.clone()
     }
 
     pub fn into_server(self) -> ExternalProcessorServer<Self> {
@@ -83,6 +140,10 @@ impl ExternalProcessor for ExtProcService {
         &self,
         request: Request<Streaming<ProcessingRequest>>,
     ) -> Result<Response<Self::ProcessStream>, Status> {
+        if self.draining.as_ref().is_some_and(|d| *d.borrow()) {
+            return Err(Status::unavailable("kvpick: shutting down"));
+        }
+        let live = self.live.enter();
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(64);
         let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
@@ -137,6 +198,7 @@ impl ExternalProcessor for ExtProcService {
             metrics.streams.with_label_values(&[end]).inc();
             // Dropping the machine frees any booking still held (client disconnect mid-stream).
             drop(machine);
+            drop(live);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }

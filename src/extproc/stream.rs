@@ -29,6 +29,7 @@ use crate::tokenize::TokenizeOutcome;
 use crate::usage::UsageTracker;
 use kvpick_core::request::check_session_id_len;
 
+use super::budget::BodyLease;
 use super::ExtProcSettings;
 
 /// Largest body chunk sent back to Envoy in one streamed_response.
@@ -58,6 +59,9 @@ enum Phase {
     Tokenizing,
     /// Routed; waiting for (or streaming) the response.
     Response,
+    /// Envoy answered the request itself (a local reply such as 431 or 400) before it was
+    /// routed, and sends that reply's response path to us: it is passed through unchanged.
+    LocalReply,
     /// An immediate response was sent; nothing more is answered.
     Finished,
 }
@@ -71,6 +75,9 @@ pub struct Step {
     /// The host must tokenize this prompt and call [`StreamMachine::resume`] with the outcome
     /// before handing the machine another message.
     pub tokenize: Option<TokenizeJob>,
+    /// The budget held by the body echoed in `responses`: the host drops it once they are sent,
+    /// so the bytes count against the budget for as long as kvpick holds them.
+    pub body_lease: Option<BodyLease>,
 }
 
 /// A prompt to tokenize off the state machine (ARCHITECTURE.md §8).
@@ -86,7 +93,9 @@ pub struct TokenizeJob {
 struct PendingRoute {
     parsed: ParsedBody,
     started: Instant,
-    body: bytes::Bytes,
+    /// The body as received, echoed once routed; the lease also covers the job's copy.
+    body: Vec<Vec<u8>>,
+    lease: BodyLease,
     body_end_of_stream: bool,
     /// The body ended with trailers: answer them after routing.
     trailers: bool,
@@ -102,7 +111,7 @@ pub struct StreamMachine {
     request_id: Option<String>,
     conformance_filter: Option<EndpointFilter>,
     subset: Option<EndpointFilter>,
-    body: Vec<u8>,
+    body: BodyBuf,
     body_started: Option<Instant>,
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
@@ -121,7 +130,6 @@ impl StreamMachine {
     pub fn new(core: Arc<SelectionCore>, settings: Arc<ExtProcSettings>) -> Self {
         StreamMachine {
             core,
-            settings,
             phase: Phase::RequestHeaders,
             header_names: Vec::new(),
             path: String::new(),
@@ -129,7 +137,11 @@ impl StreamMachine {
             request_id: None,
             conformance_filter: None,
             subset: None,
-            body: Vec::new(),
+            body: BodyBuf {
+                chunks: Vec::new(),
+                len: 0,
+                lease: settings.body_budget.lease(),
+            },
             body_started: None,
             reservation: None,
             picked_at: None,
@@ -141,6 +153,7 @@ impl StreamMachine {
             header_error: None,
             session_id: None,
             pending: None,
+            settings,
         }
     }
 
@@ -165,17 +178,24 @@ impl StreamMachine {
         if self.phase == Phase::Finished {
             return Ok(Step::default());
         }
+        if self.phase == Phase::LocalReply {
+            return Ok(self.on_local_reply(request));
+        }
         match request {
             Request::RequestHeaders(h) => self.on_request_headers(h),
             Request::RequestBody(b) => self.on_request_body(b),
             Request::RequestTrailers(_) => self.on_request_trailers(),
-            Request::ResponseHeaders(h) => self.on_response_headers(h),
-            Request::ResponseBody(b) => {
-                self.expect_response("response body")?;
-                Ok(self.on_response_body(b))
+            Request::ResponseHeaders(_)
+            | Request::ResponseBody(_)
+            | Request::ResponseTrailers(_)
+                if self.phase != Phase::Response =>
+            {
+                self.start_local_reply();
+                Ok(self.on_local_reply(request))
             }
+            Request::ResponseHeaders(h) => self.on_response_headers(h),
+            Request::ResponseBody(b) => Ok(self.on_response_body(b)),
             Request::ResponseTrailers(_) => {
-                self.expect_response("response trailers")?;
                 self.release();
                 Ok(one(processing_response::Response::ResponseTrailers(
                     TrailersResponse::default(),
@@ -184,14 +204,34 @@ impl StreamMachine {
         }
     }
 
-    /// Response messages are only valid once the request was routed.
-    fn expect_response(&self, what: &str) -> Result<(), Status> {
-        if self.phase == Phase::Response {
-            Ok(())
-        } else {
-            Err(Status::failed_precondition(format!(
-                "{what} received before the request was routed"
-            )))
+    /// A response before the request was routed is Envoy's own answer (it replies locally,
+    /// e.g. 431 for oversized headers, and still runs the response path through ext_proc).
+    /// Nothing was booked; what was buffered of the request will never be routed.
+    fn start_local_reply(&mut self) {
+        tracing::debug!(phase = ?self.phase, "response before routing: Envoy's local reply, passed through");
+        self.phase = Phase::LocalReply;
+        drop(self.body.take());
+        self.pending = None;
+    }
+
+    /// Passes a local reply's response messages through unchanged. Request messages after
+    /// it are ignored: the request is over for Envoy, and failing the stream now would make
+    /// Envoy reset the client instead of sending its status.
+    fn on_local_reply(&mut self, request: processing_request::Request) -> Step {
+        use processing_request::Request;
+        match request {
+            Request::ResponseHeaders(_) => one(processing_response::Response::ResponseHeaders(
+                HeadersResponse::default(),
+            )),
+            Request::ResponseBody(b) => one(processing_response::Response::ResponseBody(
+                streamed_body(b.body, b.end_of_stream),
+            )),
+            Request::ResponseTrailers(_) => one(processing_response::Response::ResponseTrailers(
+                TrailersResponse::default(),
+            )),
+            Request::RequestHeaders(_) | Request::RequestBody(_) | Request::RequestTrailers(_) => {
+                Step::default()
+            }
         }
     }
 
@@ -309,7 +349,7 @@ impl StreamMachine {
             ));
         }
         self.body_started.get_or_insert_with(Instant::now);
-        if self.body.len() + body.body.len() > self.settings.max_body_bytes {
+        if self.body.len + body.body.len() > self.settings.max_body_bytes {
             return Ok(self.reject(
                 413,
                 &format!(
@@ -318,7 +358,10 @@ impl StreamMachine {
                 ),
             ));
         }
-        self.body.extend_from_slice(&body.body);
+        if !self.body.lease.try_grow(body.body.len()) {
+            return Ok(self.reject_budget());
+        }
+        self.body.push(body.body);
         if !body.end_of_stream {
             return Ok(Step::default());
         }
@@ -353,28 +396,48 @@ impl StreamMachine {
     #[allow(clippy::expect_used)]
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
-        let parsed = match parse_request_body(self.content_type.as_deref(), &self.body) {
+        let whole = self.body.contiguous();
+        let mut parsed = match parse_request_body(self.content_type.as_deref(), &whole) {
             Ok(parsed) => parsed,
-            Err(err) => return Ok(self.reject(400, &body_error_message(&err))),
+            Err(err) => {
+                drop(whole);
+                return Ok(self.reject(400, &body_error_message(&err)));
+            }
         };
-        if let Some(p) = &parsed {
+        if let Some(p) = &mut parsed {
             let wants_tokens = matches!(p.prompt, Prompt::Text(_))
                 && self
                     .settings
                     .tokenizers
                     .as_ref()
                     .is_some_and(|t| t.has(&p.model));
-            if wants_tokens {
-                let body = bytes::Bytes::from(std::mem::take(&mut self.body));
+            if wants_tokens
+                && !self
+                    .settings
+                    .tokenizers
+                    .as_ref()
+                    .is_some_and(|t| t.admits_body(&p.model, whole.len()))
+            {
+                // Too big to tokenize: load-only, as for a failed tokenization, and no copy.
+                p.prompt = Prompt::Absent;
+            } else if wants_tokens {
+                // The job needs its own contiguous copy (it runs off this task while the
+                // chunks wait to be echoed): it is buffered body too, so it takes budget.
+                let job_body = bytes::Bytes::from(whole.into_owned());
+                if !self.body.lease.try_grow(job_body.len()) {
+                    return Ok(self.reject_budget());
+                }
+                let (chunks, lease) = self.body.take();
                 let job = TokenizeJob {
                     model: p.model.clone(),
                     path: self.path.clone(),
-                    body: body.clone(),
+                    body: job_body,
                 };
                 self.pending = Some(PendingRoute {
                     parsed: parsed.expect("checked"),
                     started,
-                    body,
+                    body: chunks,
+                    lease,
                     body_end_of_stream,
                     trailers: false,
                 });
@@ -385,14 +448,16 @@ impl StreamMachine {
                 });
             }
         }
+        drop(whole);
         self.phase = Phase::Response;
         let mut step = self.route(parsed, started, false);
         if step.finished {
             return Ok(step);
         }
-        let body = std::mem::take(&mut self.body);
+        let (chunks, lease) = self.body.take();
         step.responses
-            .extend(body_chunks(&body, body_end_of_stream));
+            .extend(body_chunks(chunks, body_end_of_stream));
+        step.body_lease = Some(lease);
         Ok(step)
     }
 
@@ -405,7 +470,9 @@ impl StreamMachine {
         let mut parsed = pending.parsed;
         match outcome {
             TokenizeOutcome::Tokens { ids, .. } => parsed.prompt = Prompt::TokenIds(ids),
-            TokenizeOutcome::Fallback { .. } => parsed.prompt = Prompt::Absent,
+            TokenizeOutcome::Fallback { .. } | TokenizeOutcome::Skipped { .. } => {
+                parsed.prompt = Prompt::Absent
+            }
             TokenizeOutcome::NotApplicable => {}
         }
         self.phase = Phase::Response;
@@ -414,7 +481,8 @@ impl StreamMachine {
             return step;
         }
         step.responses
-            .extend(body_chunks(&pending.body, pending.body_end_of_stream));
+            .extend(body_chunks(pending.body, pending.body_end_of_stream));
+        step.body_lease = Some(pending.lease);
         if pending.trailers {
             step.responses.push(ProcessingResponse {
                 response: Some(processing_response::Response::RequestTrailers(
@@ -544,17 +612,11 @@ impl StreamMachine {
             .observe(started.elapsed().as_secs_f64());
         Step {
             responses: vec![response],
-            finished: false,
-            tokenize: None,
+            ..Step::default()
         }
     }
 
     fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
-        if self.phase != Phase::Response {
-            return Err(Status::failed_precondition(
-                "response headers received before the request was routed",
-            ));
-        }
         let sse = headers
             .headers
             .iter()
@@ -655,9 +717,21 @@ impl StreamMachine {
         self.reject(err.http_status(), &err.to_string())
     }
 
+    /// 503 for a body the global budget cannot hold: memory is shared by every stream, so a
+    /// retry (elsewhere or later) can succeed where buffering more could starve the process.
+    fn reject_budget(&mut self) -> Step {
+        self.core.metrics().body_budget_rejected.inc();
+        tracing::debug!(
+            limit = self.settings.body_budget.limit(),
+            "request body budget exhausted"
+        );
+        self.reject(503, "request body budget exhausted, retry later")
+    }
+
     fn reject(&mut self, status: u16, message: &str) -> Step {
         self.phase = Phase::Finished;
-        self.body = Vec::new();
+        drop(self.body.take());
+        self.pending = None;
         self.core
             .metrics()
             .requests
@@ -666,7 +740,7 @@ impl StreamMachine {
         Step {
             responses: vec![immediate(status, message)],
             finished: true,
-            tokenize: None,
+            ..Step::default()
         }
     }
 }
@@ -781,24 +855,80 @@ fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
     }
 }
 
-/// The request body echoed back in chunks of at most [`MAX_BODY_CHUNK`] bytes; an empty body is
-/// still answered (Envoy needs a body response to continue).
-fn body_chunks(body: &[u8], end_of_stream: bool) -> Vec<ProcessingResponse> {
-    if body.is_empty() {
-        return vec![ProcessingResponse {
-            response: Some(processing_response::Response::RequestBody(streamed_body(
-                Vec::new(),
-                end_of_stream,
-            ))),
-            ..Default::default()
-        }];
+/// Below this size a body chunk is appended to the previous one instead of kept alone, so a
+/// peer sending many tiny chunks costs a copy of a few bytes, not an allocation and an echoed
+/// message each.
+const COALESCE_BELOW: usize = 1024;
+
+/// The request body as Envoy sent it, chunk by chunk. Echoing the received chunks themselves
+/// (moved, not copied) saves a copy of the body; the lease holds its bytes in the global budget.
+#[derive(Debug)]
+struct BodyBuf {
+    chunks: Vec<Vec<u8>>,
+    len: usize,
+    lease: BodyLease,
+}
+
+impl BodyBuf {
+    fn push(&mut self, chunk: Vec<u8>) {
+        if chunk.is_empty() {
+            return;
+        }
+        self.len += chunk.len();
+        if chunk.len() < COALESCE_BELOW {
+            if let Some(last) = self.chunks.last_mut() {
+                if last.len() + chunk.len() <= MAX_BODY_CHUNK {
+                    last.extend_from_slice(&chunk);
+                    return;
+                }
+            }
+        }
+        self.chunks.push(chunk);
     }
-    let n = body.len().div_ceil(MAX_BODY_CHUNK);
-    body.chunks(MAX_BODY_CHUNK)
+
+    /// The whole body in one slice: borrowed when Envoy sent it in one chunk (the usual case
+    /// for small requests), else one copy for the parser.
+    fn contiguous(&self) -> std::borrow::Cow<'_, [u8]> {
+        match self.chunks.as_slice() {
+            [] => std::borrow::Cow::Borrowed(&[]),
+            [one] => std::borrow::Cow::Borrowed(one),
+            many => std::borrow::Cow::Owned(many.concat()),
+        }
+    }
+
+    /// The chunks and the lease covering them; leaves an empty buffer with a fresh lease.
+    fn take(&mut self) -> (Vec<Vec<u8>>, BodyLease) {
+        self.len = 0;
+        let fresh = self.lease.fresh();
+        (
+            std::mem::take(&mut self.chunks),
+            std::mem::replace(&mut self.lease, fresh),
+        )
+    }
+}
+
+/// The request body echoed back in chunks of at most [`MAX_BODY_CHUNK`] bytes, the received
+/// chunks moved as they are (only a chunk over the limit is split, which copies it); an empty
+/// body is still answered (Envoy needs a body response to continue).
+fn body_chunks(chunks: Vec<Vec<u8>>, end_of_stream: bool) -> Vec<ProcessingResponse> {
+    let mut pieces: Vec<Vec<u8>> = Vec::with_capacity(chunks.len());
+    for chunk in chunks {
+        if chunk.len() <= MAX_BODY_CHUNK {
+            pieces.push(chunk);
+        } else {
+            pieces.extend(chunk.chunks(MAX_BODY_CHUNK).map(<[u8]>::to_vec));
+        }
+    }
+    if pieces.is_empty() {
+        pieces.push(Vec::new());
+    }
+    let n = pieces.len();
+    pieces
+        .into_iter()
         .enumerate()
-        .map(|(i, chunk)| ProcessingResponse {
+        .map(|(i, piece)| ProcessingResponse {
             response: Some(processing_response::Response::RequestBody(streamed_body(
-                chunk.to_vec(),
+                piece,
                 end_of_stream && i + 1 == n,
             ))),
             ..Default::default()
@@ -812,8 +942,7 @@ fn one(response: processing_response::Response) -> Step {
             response: Some(response),
             ..Default::default()
         }],
-        finished: false,
-        tokenize: None,
+        ..Step::default()
     }
 }
 

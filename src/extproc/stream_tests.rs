@@ -352,8 +352,6 @@ fn out_of_order_messages_are_rejected() {
         m.handle(body(CHAT, true)).unwrap_err().code(),
         tonic::Code::FailedPrecondition
     );
-    let (_core2, mut m2) = setup(default_pool(), ExtProcSettings::default());
-    assert!(m2.handle(response_headers("application/json")).is_err());
     m.handle(post_headers()).unwrap();
     assert_eq!(
         m.handle(post_headers()).unwrap_err().code(),
@@ -987,36 +985,6 @@ fn out_of_order_sequences_are_errors_without_leaks() {
     let cases: Vec<(&str, Seq, ProcessingRequest)> = vec![
         ("body before headers", vec![], body(CHAT, true)),
         ("trailers before headers", vec![], request_trailers()),
-        (
-            "response headers before request",
-            vec![],
-            response_headers("application/json"),
-        ),
-        (
-            "response body before request",
-            vec![],
-            response_body(b"{}", true),
-        ),
-        (
-            "response trailers before request",
-            vec![],
-            response_trailers(),
-        ),
-        (
-            "response headers before the body ended",
-            vec![post_headers(), body(b"{", false)],
-            response_headers("application/json"),
-        ),
-        (
-            "response body before the body ended",
-            vec![post_headers()],
-            response_body(b"data", false),
-        ),
-        (
-            "response trailers before the body ended",
-            vec![post_headers()],
-            response_trailers(),
-        ),
         ("headers twice", vec![post_headers()], post_headers()),
         ("headers again after routing", routed(), post_headers()),
         ("body again after routing", routed(), body(CHAT, true)),
@@ -1074,6 +1042,10 @@ fn deeply_nested_json_response_is_echoed_and_frees_the_booking() {
 }
 
 fn tokenizer_settings() -> ExtProcSettings {
+    tokenizer_settings_with(crate::tokenize::TokenizeLimits::default())
+}
+
+fn tokenizer_settings_with(limits: crate::tokenize::TokenizeLimits) -> ExtProcSettings {
     let dir = std::env::temp_dir().join(format!("kvpick-tok-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(
@@ -1087,7 +1059,8 @@ fn tokenizer_settings() -> ExtProcSettings {
     .unwrap();
     let tokenizers =
         crate::tokenize::Tokenizers::from_entries(&entries, &dir, &prometheus::Registry::new())
-            .unwrap();
+            .unwrap()
+            .with_limits(limits);
     std::fs::remove_dir_all(&dir).unwrap();
     ExtProcSettings {
         tokenizers: Some(Arc::new(tokenizers)),
@@ -1162,4 +1135,254 @@ fn models_without_a_tokenizer_and_token_id_prompts_route_at_once() {
         .unwrap();
     assert!(step.tokenize.is_none());
     assert_eq!(step.responses.len(), 2);
+}
+
+fn budget_settings(limit: usize) -> ExtProcSettings {
+    ExtProcSettings {
+        body_budget: crate::extproc::BodyBudget::unmetered(limit),
+        ..ExtProcSettings::default()
+    }
+}
+
+#[test]
+fn body_budget_is_shared_by_streams_and_returned_at_every_exit() {
+    let settings = Arc::new(budget_settings(100));
+    let budget = Arc::clone(&settings.body_budget);
+    let core = pool_core();
+    let machine = || StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+
+    // A stream mid-body holds its bytes.
+    let mut a = machine();
+    a.handle(post_headers()).unwrap();
+    a.handle(body(&CHAT[..50], false)).unwrap();
+    assert_eq!(budget.in_use(), 50);
+
+    // Another stream whose body would go over the shared budget: 503, holding nothing.
+    let mut b = machine();
+    b.handle(post_headers()).unwrap();
+    b.handle(body(&CHAT[..30], false)).unwrap();
+    let step = b.handle(body(&CHAT[30..], true)).unwrap();
+    assert_eq!(
+        immediate_status(&step),
+        (
+            503,
+            "kvpick: 503: request body budget exhausted, retry later\n".into()
+        )
+    );
+    assert_eq!(core.metrics().body_budget_rejected.get(), 1);
+    assert_eq!(core.live_bookings(), 0, "a rejected stream books nothing");
+    assert_eq!(budget.in_use(), 50);
+
+    // The client goes away mid-body: dropping the stream returns its bytes.
+    drop(a);
+    assert_eq!(budget.in_use(), 0);
+
+    // Routed: the echoed body keeps its bytes until the host has sent the step.
+    let mut c = machine();
+    c.handle(post_headers()).unwrap();
+    let step = c.handle(body(CHAT, true)).unwrap();
+    assert!(!step.finished);
+    assert_eq!(budget.in_use(), CHAT.len());
+    drop(step);
+    assert_eq!(budget.in_use(), 0);
+    assert_eq!(core.live_bookings(), 1);
+
+    // Rejected after buffering (400, 413): returned at once.
+    let mut d = machine();
+    d.handle(post_headers()).unwrap();
+    d.handle(body(b"{not json", false)).unwrap();
+    assert_eq!(budget.in_use(), 9);
+    let step = d.handle(body(b"", true)).unwrap();
+    assert_eq!(immediate_status(&step).0, 400);
+    assert_eq!(budget.in_use(), 0);
+    let small = Arc::new(ExtProcSettings {
+        max_body_bytes: 40,
+        ..budget_settings(100)
+    });
+    let mut e = StreamMachine::new(Arc::clone(&core), Arc::clone(&small));
+    e.handle(post_headers()).unwrap();
+    e.handle(body(&CHAT[..30], false)).unwrap();
+    assert_eq!(small.body_budget.in_use(), 30);
+    assert_eq!(
+        immediate_status(&e.handle(body(&CHAT[30..], true)).unwrap()).0,
+        413
+    );
+    assert_eq!(small.body_budget.in_use(), 0);
+}
+
+#[test]
+fn body_budget_covers_the_tokenizer_copy_until_the_body_is_echoed() {
+    let base = tokenizer_settings();
+    let settings = Arc::new(ExtProcSettings {
+        body_budget: crate::extproc::BodyBudget::unmetered(2 * CHAT.len()),
+        ..base
+    });
+    let budget = Arc::clone(&settings.body_budget);
+    let core = pool_core();
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(post_headers()).unwrap();
+    m.handle(body(&CHAT[..20], false)).unwrap();
+    let step = m.handle(body(&CHAT[20..], true)).unwrap();
+    let job = step.tokenize.expect("tokenization job");
+    assert_eq!(&job.body[..], CHAT);
+    assert_eq!(budget.in_use(), 2 * CHAT.len(), "chunks and the job's copy");
+    drop(job);
+    let step = m.resume(crate::tokenize::TokenizeOutcome::NotApplicable);
+    // Tiny chunks are coalesced: headers, then one body chunk.
+    assert_eq!(step.responses.len(), 2);
+    assert_eq!(streamed(&step.responses[1]), (CHAT, true));
+    drop(step);
+    assert_eq!(budget.in_use(), 0);
+
+    // Disconnected while tokenizing.
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(post_headers()).unwrap();
+    assert!(m.handle(body(CHAT, true)).unwrap().tokenize.is_some());
+    assert_eq!(budget.in_use(), 2 * CHAT.len());
+    drop(m);
+    assert_eq!(budget.in_use(), 0);
+
+    // No room for the copy: 503 like any body over the budget.
+    let tight = Arc::new(ExtProcSettings {
+        body_budget: crate::extproc::BodyBudget::unmetered(CHAT.len() + 10),
+        ..tokenizer_settings()
+    });
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&tight));
+    m.handle(post_headers()).unwrap();
+    assert_eq!(
+        immediate_status(&m.handle(body(CHAT, true)).unwrap()).0,
+        503
+    );
+    assert_eq!(tight.body_budget.in_use(), 0);
+}
+
+#[test]
+fn echoed_body_chunks_are_the_received_buffers_not_copies() {
+    let (_core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    m.handle(post_headers()).unwrap();
+    let mut first = br#"{"model":"m","prompt":""#.to_vec();
+    first.extend(std::iter::repeat_n(b'x', 40_000));
+    let second = [vec![b'y'; 50_000], br#""}"#.to_vec()].concat();
+    let addresses = [first.as_ptr(), second.as_ptr()];
+    let expected = [first.clone(), second.clone()].concat();
+    assert!(m
+        .handle(body_owned(first, false))
+        .unwrap()
+        .responses
+        .is_empty());
+    let step = m.handle(body_owned(second, true)).unwrap();
+    let echoed: Vec<(&[u8], bool)> = step.responses[1..].iter().map(streamed).collect();
+    assert_eq!(echoed.len(), 2);
+    assert_eq!(
+        echoed[0].0.as_ptr(),
+        addresses[0],
+        "first chunk moved, not copied"
+    );
+    assert_eq!(
+        echoed[1].0.as_ptr(),
+        addresses[1],
+        "second chunk moved, not copied"
+    );
+    assert_eq!(
+        echoed.iter().map(|(_, eos)| *eos).collect::<Vec<_>>(),
+        [false, true]
+    );
+    assert_eq!([echoed[0].0, echoed[1].0].concat(), expected);
+}
+
+fn body_owned(bytes: Vec<u8>, end_of_stream: bool) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: bytes,
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn a_body_over_the_tokenize_cap_routes_at_once_on_load_alone() {
+    let settings = tokenizer_settings_with(crate::tokenize::TokenizeLimits {
+        max_body_bytes: CHAT.len() - 1,
+        ..Default::default()
+    });
+    let tokenizers = Arc::clone(settings.tokenizers.as_ref().unwrap());
+    let (_core, mut m) = setup(default_pool(), settings);
+    m.handle(post_headers()).unwrap();
+    let step = m.handle(body(CHAT, true)).unwrap();
+    assert!(step.tokenize.is_none(), "no tokenization job");
+    assert_eq!(step.responses.len(), 2, "routed and echoed at once");
+    assert_eq!(streamed(&step.responses[1]), (CHAT, true));
+    assert_eq!(
+        tokenizers
+            .metrics()
+            .skipped
+            .with_label_values(&["m", crate::tokenize::SKIP_BODY_TOO_LARGE])
+            .get(),
+        1
+    );
+}
+
+/// Envoy's local replies (431 for oversized headers, 400, ...) run the response path through
+/// ext_proc before the request was routed, even before any request message: each message is
+/// passed through unchanged, nothing is booked, and a request message after it is ignored.
+#[test]
+fn local_replies_before_routing_pass_through_unchanged() {
+    let settings = Arc::new(budget_settings(1 << 20));
+    let core = pool_core();
+    type Seq = Vec<ProcessingRequest>;
+    let cases: Vec<(&str, Seq)> = vec![
+        ("before any request message", vec![]),
+        ("after the request headers", vec![post_headers()]),
+        ("mid-body", vec![post_headers(), body(&CHAT[..10], false)]),
+    ];
+    for (what, before) in cases {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+        for msg in before {
+            assert!(m.handle(msg).unwrap().responses.is_empty(), "{what}");
+        }
+        let step = m.handle(response_headers("text/plain")).expect(what);
+        assert!(!step.finished);
+        match step.responses[..] {
+            [ProcessingResponse {
+                response: Some(R::ResponseHeaders(HeadersResponse { response: None })),
+                dynamic_metadata: None,
+                ..
+            }] => {}
+            ref other => panic!("{what}: {other:?}"),
+        }
+        assert_eq!(
+            settings.body_budget.in_use(),
+            0,
+            "{what}: the request body is dropped"
+        );
+        let reply = b"Request Header Fields Too Large";
+        let step = m.handle(response_body(&reply[..7], false)).expect(what);
+        assert_eq!(streamed(&step.responses[0]), (&reply[..7], false), "{what}");
+        let step = m.handle(response_body(&reply[7..], true)).expect(what);
+        assert_eq!(streamed(&step.responses[0]), (&reply[7..], true), "{what}");
+        let step = m.handle(response_trailers()).expect(what);
+        assert!(
+            matches!(
+                step.responses[..],
+                [ProcessingResponse {
+                    response: Some(R::ResponseTrailers(_)),
+                    ..
+                }]
+            ),
+            "{what}"
+        );
+        // Request messages that still arrive are ignored, not errors.
+        assert!(
+            m.handle(body(CHAT, true)).unwrap().responses.is_empty(),
+            "{what}"
+        );
+        assert_eq!(core.live_bookings(), 0, "{what}: nothing booked");
+    }
+    // A response body alone (no headers first) passes too.
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    let step = m.handle(response_body(b"x", true)).unwrap();
+    assert_eq!(streamed(&step.responses[0]), (&b"x"[..], true));
+    assert_eq!(core.live_bookings(), 0);
 }

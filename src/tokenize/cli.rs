@@ -18,7 +18,12 @@ pub struct TokenizeArgs {
 
 pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
-    let tokenizers = Tokenizers::load(&args.tokenizer_config, &registry)?;
+    // A checking tool tokenizes one body at a time, whatever its size: no request limits.
+    let tokenizers =
+        Tokenizers::load(&args.tokenizer_config, &registry)?.with_limits(super::TokenizeLimits {
+            max_body_bytes: usize::MAX,
+            permit_timeout: std::time::Duration::from_secs(3600),
+        });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -40,6 +45,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
                 serde_json::json!({"ids": ids, "source": source.label()})
             }
             TokenizeOutcome::Fallback { reason } => serde_json::json!({ "fallback": reason }),
+            TokenizeOutcome::Skipped { reason } => serde_json::json!({ "fallback": reason }),
             TokenizeOutcome::NotApplicable => serde_json::json!({ "fallback": "not applicable" }),
         };
         writeln!(out, "{answer}")?;

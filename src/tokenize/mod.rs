@@ -17,7 +17,7 @@ pub mod template;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
@@ -30,6 +30,35 @@ pub use prefix_cache::IncrementalTokenizer;
 use prompt::{ChatPrompt, ContentFormat, Endpoint, PromptSpec};
 use render::{RenderClient, RenderKind};
 use template::ChatTemplate;
+
+/// Default of `--tokenize-max-body-bytes`: bodies over it are routed on load alone.
+pub const DEFAULT_TOKENIZE_MAX_BODY_BYTES: usize = 4 << 20;
+/// Default of `--tokenize-permit-timeout-ms`.
+pub const DEFAULT_TOKENIZE_PERMIT_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// Bounds on what one request may cost the tokenizer. Tokenization holds one of a few CPU
+/// permits (one per core); without these, a handful of multi-MiB chat bodies would hold every
+/// permit and every other tokenized request would wait behind them with no deadline.
+#[derive(Debug, Clone, Copy)]
+pub struct TokenizeLimits {
+    /// Larger request bodies are not tokenized (load-only routing).
+    pub max_body_bytes: usize,
+    /// How long a request waits for a CPU permit before routing on load alone.
+    pub permit_timeout: Duration,
+}
+
+impl Default for TokenizeLimits {
+    fn default() -> Self {
+        TokenizeLimits {
+            max_body_bytes: DEFAULT_TOKENIZE_MAX_BODY_BYTES,
+            permit_timeout: DEFAULT_TOKENIZE_PERMIT_TIMEOUT,
+        }
+    }
+}
+
+/// Why a request was routed without tokenizing it (`kvpick_tokenize_skipped_total{reason}`).
+pub const SKIP_BODY_TOO_LARGE: &str = "body_too_large";
+pub const SKIP_PERMIT_TIMEOUT: &str = "permit_timeout";
 
 /// Default bound of each model's prefix cache, in tokens (~12 bytes per token plus the text).
 pub const DEFAULT_PREFIX_CACHE_TOKENS: usize = 2_000_000;
@@ -127,6 +156,9 @@ pub enum TokenizeOutcome {
     Tokens { ids: Vec<u32>, source: Source },
     /// Tokenization failed (counted): route on load alone.
     Fallback { reason: String },
+    /// Not tokenized because of a [`TokenizeLimits`] bound (counted, `reason` is the metric
+    /// label): route on load alone.
+    Skipped { reason: &'static str },
     /// The model has no tokenizer configured, or the body has no prompt: the caller keeps its
     /// default handling.
     NotApplicable,
@@ -365,6 +397,8 @@ pub struct TokenizeMetrics {
     pub errors: IntCounterVec,
     /// Time to obtain the ids, by model and source.
     pub seconds: HistogramVec,
+    /// Requests not tokenized because of a [`TokenizeLimits`] bound, by model and reason.
+    pub skipped: IntCounterVec,
 }
 
 impl TokenizeMetrics {
@@ -399,7 +433,16 @@ impl TokenizeMetrics {
             &["model", "source"],
         )
         .unwrap();
+        let skipped = IntCounterVec::new(
+            Opts::new(
+                "kvpick_tokenize_skipped_total",
+                "Prompts routed on load alone without tokenizing, by reason (body_too_large, permit_timeout)",
+            ),
+            &["model", "reason"],
+        )
+        .unwrap();
         // Registration fails only if registered twice on one registry (tests reuse metrics).
+        let _ = registry.register(Box::new(skipped.clone()));
         let _ = registry.register(Box::new(outcomes.clone()));
         let _ = registry.register(Box::new(errors.clone()));
         let _ = registry.register(Box::new(seconds.clone()));
@@ -407,6 +450,7 @@ impl TokenizeMetrics {
             outcomes,
             errors,
             seconds,
+            skipped,
         }
     }
 }
@@ -416,6 +460,7 @@ pub struct Tokenizers {
     models: HashMap<String, Arc<ModelTokenizer>>,
     metrics: TokenizeMetrics,
     cpu: Arc<Semaphore>,
+    limits: TokenizeLimits,
 }
 
 impl std::fmt::Debug for Tokenizers {
@@ -498,7 +543,40 @@ impl Tokenizers {
             models,
             metrics: TokenizeMetrics::register(registry),
             cpu: Arc::new(Semaphore::new(cpus.max(1))),
+            limits: TokenizeLimits::default(),
         })
+    }
+
+    /// The same registry with other [`TokenizeLimits`].
+    pub fn with_limits(mut self, limits: TokenizeLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    pub fn limits(&self) -> TokenizeLimits {
+        self.limits
+    }
+
+    /// Whether a body of `len` bytes is small enough to tokenize; if not, the skip is counted
+    /// (the caller routes on load alone without copying the body for a job).
+    pub fn admits_body(&self, model: &str, len: usize) -> bool {
+        if len <= self.limits.max_body_bytes {
+            return true;
+        }
+        self.skipped(model, SKIP_BODY_TOO_LARGE);
+        false
+    }
+
+    fn skipped(&self, model: &str, reason: &str) {
+        tracing::debug!(model, reason, "not tokenized: routing on load");
+        self.metrics
+            .skipped
+            .with_label_values(&[model, reason])
+            .inc();
+        self.metrics
+            .outcomes
+            .with_label_values(&[model, "fallback"])
+            .inc();
     }
 
     pub fn has(&self, model: &str) -> bool {
@@ -529,6 +607,11 @@ impl Tokenizers {
         let Some(m) = self.models.get(model).cloned() else {
             return TokenizeOutcome::NotApplicable;
         };
+        if !self.admits_body(model, body.len()) {
+            return TokenizeOutcome::Skipped {
+                reason: SKIP_BODY_TOO_LARGE,
+            };
+        }
         let started = Instant::now();
         let outcome = self.tokenize_model(&m, endpoint, body).await;
         match &outcome {
@@ -549,6 +632,7 @@ impl Tokenizers {
                     .with_label_values(&[model, "fallback"])
                     .inc();
             }
+            TokenizeOutcome::Skipped { reason } => self.skipped(model, reason),
             TokenizeOutcome::NotApplicable => {}
         }
         outcome
@@ -567,11 +651,21 @@ impl Tokenizers {
                 .inc();
         };
         // Parse and tokenize on the blocking pool: 100k-token prompts take milliseconds.
-        let permit = match Arc::clone(&self.cpu).acquire_owned().await {
-            Ok(p) => p,
-            Err(_) => {
+        let permit = match tokio::time::timeout(
+            self.limits.permit_timeout,
+            Arc::clone(&self.cpu).acquire_owned(),
+        )
+        .await
+        {
+            Ok(Ok(p)) => p,
+            Ok(Err(_)) => {
                 return TokenizeOutcome::Fallback {
                     reason: "shutting down".into(),
+                }
+            }
+            Err(_) => {
+                return TokenizeOutcome::Skipped {
+                    reason: SKIP_PERMIT_TIMEOUT,
                 }
             }
         };
@@ -710,4 +804,94 @@ fn render_request(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind
     }
     let out = serde_json::to_vec(&Json::object(entries)).ok()?;
     Some((RenderKind::Chat, Bytes::from(out)))
+}
+
+#[cfg(test)]
+mod limit_tests {
+    use super::*;
+
+    fn tokenizers(limits: TokenizeLimits) -> Tokenizers {
+        let dir = std::env::temp_dir().join(format!("kvpick-limits-{}", uuid::Uuid::new_v4()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("tokenizer.json"),
+            prefix_cache::testutil::tokenizer_json(),
+        )
+        .unwrap();
+        let entries: Vec<ModelEntry> = serde_yaml::from_str(
+            "- model: m\n  tokenizer_json: tokenizer.json\n  chat_template: \"{% for m in messages %}{{ m.content }}\\n{% endfor %}\"\n",
+        )
+        .unwrap();
+        let t = Tokenizers::from_entries(&entries, &dir, &Registry::new()).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        t.with_limits(limits)
+    }
+
+    fn chat(content: &str) -> Bytes {
+        Bytes::from(
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]})
+                .to_string(),
+        )
+    }
+
+    fn skipped(t: &Tokenizers, reason: &str) -> u64 {
+        t.metrics().skipped.with_label_values(&["m", reason]).get()
+    }
+
+    #[tokio::test]
+    async fn bodies_over_the_cap_are_not_tokenized() {
+        let t = tokenizers(TokenizeLimits {
+            max_body_bytes: 100,
+            ..TokenizeLimits::default()
+        });
+        assert!(matches!(
+            t.tokenize("m", chat("hello")).await,
+            TokenizeOutcome::Tokens { .. }
+        ));
+        let big = chat(&"word ".repeat(40));
+        assert!(big.len() > 100);
+        assert_eq!(
+            t.tokenize("m", big).await,
+            TokenizeOutcome::Skipped {
+                reason: SKIP_BODY_TOO_LARGE
+            }
+        );
+        assert_eq!(skipped(&t, SKIP_BODY_TOO_LARGE), 1);
+        assert_eq!(
+            t.metrics()
+                .outcomes
+                .with_label_values(&["m", "fallback"])
+                .get(),
+            1
+        );
+        assert!(!t.admits_body("m", 101));
+        assert_eq!(skipped(&t, SKIP_BODY_TOO_LARGE), 2);
+    }
+
+    /// Paused clock: the permit deadline passes as soon as the runtime is idle, so this takes
+    /// no wall time; without a deadline the wait would never end (the outer timeout says so).
+    #[tokio::test(start_paused = true)]
+    async fn waiting_for_a_busy_tokenizer_times_out_to_load_only() {
+        let t = tokenizers(TokenizeLimits {
+            permit_timeout: Duration::from_millis(20),
+            ..TokenizeLimits::default()
+        });
+        let all = t.cpu.available_permits() as u32;
+        let held = Arc::clone(&t.cpu).acquire_many_owned(all).await.unwrap();
+        let outcome = tokio::time::timeout(Duration::from_secs(60), t.tokenize("m", chat("hi")))
+            .await
+            .expect("the permit wait has a deadline");
+        assert_eq!(
+            outcome,
+            TokenizeOutcome::Skipped {
+                reason: SKIP_PERMIT_TIMEOUT
+            }
+        );
+        assert_eq!(skipped(&t, SKIP_PERMIT_TIMEOUT), 1);
+        drop(held);
+        assert!(matches!(
+            t.tokenize("m", chat("hi")).await,
+            TokenizeOutcome::Tokens { .. }
+        ));
+    }
 }

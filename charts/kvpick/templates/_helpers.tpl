@@ -30,6 +30,11 @@ contains the chart name (`helm install kvpick ...` gives `kvpick`), else `<relea
 {{- required "pool.name is required with mode=pool" .Values.pool.name }}
 {{- end }}
 
+{{/* The namespace of the pool / pods kvpick watches: pool.namespace, else the release's. */}}
+{{- define "kvpick.poolNamespace" -}}
+{{- default .Release.Namespace .Values.pool.namespace }}
+{{- end }}
+
 {{/* `k=v,...` from pool.selector.matchLabels (selector mode's --endpoint-selector). */}}
 {{- define "kvpick.endpointSelector" -}}
 {{- $pairs := list }}

@@ -1,0 +1,137 @@
+//! A process-wide budget of request-body bytes buffered by ext_proc streams. Each stream holds
+//! its whole body until routing (DESIGN §2), so without a global bound a burst of large bodies
+//! grows memory with the number of streams times `max_body_bytes`. A stream takes a
+//! [`BodyLease`] from the budget as its body grows; the lease gives its bytes back when dropped,
+//! so every way a stream can end (routed, rejected, Envoy or the client gone) returns them.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use prometheus::IntGauge;
+
+/// Default of `--max-buffered-body-bytes`: 1 GiB over all streams.
+pub const DEFAULT_BUDGET_BYTES: usize = 1 << 30;
+
+#[derive(Debug)]
+pub struct BodyBudget {
+    limit: usize,
+    used: AtomicUsize,
+    /// Mirrors `used` for Prometheus (`kvpick_body_bytes_buffered`).
+    gauge: IntGauge,
+}
+
+impl BodyBudget {
+    /// A budget of `limit` bytes whose use is reported on `gauge`.
+    pub fn new(limit: usize, gauge: IntGauge) -> Arc<Self> {
+        Arc::new(BodyBudget {
+            limit,
+            used: AtomicUsize::new(0),
+            gauge,
+        })
+    }
+
+    /// A budget reporting to a gauge nobody exports (tests, fuzzing).
+    pub fn unmetered(limit: usize) -> Arc<Self> {
+        Self::new(
+            limit,
+            IntGauge::new("kvpick_body_bytes_buffered", "unexported").expect("valid name"),
+        )
+    }
+
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Bytes currently held by leases.
+    pub fn in_use(&self) -> usize {
+        self.used.load(Ordering::Acquire)
+    }
+
+    /// An empty lease on this budget.
+    pub fn lease(self: &Arc<Self>) -> BodyLease {
+        BodyLease {
+            budget: Arc::clone(self),
+            held: 0,
+        }
+    }
+
+    fn try_take(&self, n: usize) -> bool {
+        let taken = self
+            .used
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |used| {
+                used.checked_add(n).filter(|&total| total <= self.limit)
+            })
+            .is_ok();
+        if taken {
+            self.gauge.add(n as i64);
+        }
+        taken
+    }
+
+    fn give_back(&self, n: usize) {
+        self.used.fetch_sub(n, Ordering::AcqRel);
+        self.gauge.sub(n as i64);
+    }
+}
+
+/// Bytes one stream holds from the [`BodyBudget`]; returned on drop.
+#[derive(Debug)]
+pub struct BodyLease {
+    budget: Arc<BodyBudget>,
+    held: usize,
+}
+
+impl BodyLease {
+    /// Takes `n` more bytes, or nothing (and `false`) when the budget cannot cover them.
+    pub fn try_grow(&mut self, n: usize) -> bool {
+        if n == 0 {
+            return true;
+        }
+        if self.budget.try_take(n) {
+            self.held += n;
+            true
+        } else {
+            false
+        }
+    }
+
+    pub fn held(&self) -> usize {
+        self.held
+    }
+
+    /// An empty lease on the same budget.
+    pub fn fresh(&self) -> BodyLease {
+        self.budget.lease()
+    }
+}
+
+impl Drop for BodyLease {
+    fn drop(&mut self) {
+        if self.held > 0 {
+            self.budget.give_back(self.held);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn leases_share_the_limit_and_give_back_on_drop() {
+        let budget = BodyBudget::unmetered(100);
+        let mut a = budget.lease();
+        let mut b = budget.lease();
+        assert!(a.try_grow(60));
+        assert!(!b.try_grow(41), "over the limit: nothing taken");
+        assert_eq!(budget.in_use(), 60);
+        assert!(b.try_grow(40));
+        assert!(!a.try_grow(1));
+        drop(a);
+        assert_eq!(budget.in_use(), 40);
+        assert!(b.try_grow(60));
+        drop(b);
+        assert_eq!(budget.in_use(), 0);
+        assert!(!budget.lease().try_grow(usize::MAX), "no overflow");
+    }
+}

@@ -1,0 +1,178 @@
+//! Resource limits of the real ext_proc server over loopback: the global request-body budget
+//! (503 past it, bytes returned when a client disconnects mid-body) and the HTTP/2
+//! concurrent-stream limit it advertises.
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    external_processor_client::ExternalProcessorClient, processing_request, processing_response,
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+};
+use tokio::sync::mpsc;
+use tonic_health::pb::health_check_response::ServingStatus;
+
+mod common;
+
+use common::{start_static, wait_readiness};
+
+const CATALOG: &str = "workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000]}\n";
+
+fn headers() -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: [(":method", "POST"), ("content-type", "application/json")]
+                    .iter()
+                    .map(|(k, v)| HeaderValue {
+                        key: k.to_string(),
+                        value: String::new(),
+                        raw_value: v.as_bytes().to_vec(),
+                    })
+                    .collect(),
+            }),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+/// A completions body of exactly `len` bytes.
+fn body_of(len: usize, end_of_stream: bool) -> ProcessingRequest {
+    let head = br#"{"model":"m","prompt":""#;
+    let mut body = head.to_vec();
+    body.resize(len - 2, b'x');
+    body.extend_from_slice(br#""}"#);
+    ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body,
+            end_of_stream,
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+fn metric(port: u16, name: &str) -> f64 {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} not exported"))
+}
+
+/// Polls kvpick's metric until it equals `want` (bounded: 10 s).
+async fn wait_metric(port: u16, name: &str, want: f64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(port, name) != want {
+        assert!(Instant::now() < deadline, "{name} never became {want}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+type Client = ExternalProcessorClient<tonic::transport::Channel>;
+
+async fn open(
+    client: &mut Client,
+) -> (
+    mpsc::Sender<ProcessingRequest>,
+    tonic::Streaming<ProcessingResponse>,
+) {
+    let (tx, rx) = mpsc::channel(8);
+    let inbound = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, inbound)
+}
+
+#[tokio::test]
+async fn body_budget_503_and_bytes_come_back_when_the_client_disconnects() {
+    let serve = start_static(CATALOG, &["--max-buffered-body-bytes", "1000"]);
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+    let mut client = Client::connect(format!("http://127.0.0.1:{}", serve.grpc))
+        .await
+        .unwrap();
+
+    // A stream holding 600 bytes mid-body.
+    let (held_tx, held_rx) = open(&mut client).await;
+    held_tx.send(headers()).await.unwrap();
+    held_tx.send(body_of(600, false)).await.unwrap();
+    wait_metric(serve.metrics, "kvpick_body_bytes_buffered", 600.0).await;
+
+    // A second 600-byte body does not fit next to it: 503 with the budget message.
+    let (tx, mut inbound) = open(&mut client).await;
+    tx.send(headers()).await.unwrap();
+    tx.send(body_of(600, true)).await.unwrap();
+    let answer = inbound
+        .message()
+        .await
+        .unwrap()
+        .expect("an immediate response");
+    let Some(processing_response::Response::ImmediateResponse(i)) = answer.response else {
+        panic!("not an immediate response: {answer:?}");
+    };
+    assert_eq!(i.status.unwrap().code, 503);
+    assert_eq!(
+        String::from_utf8(i.body).unwrap(),
+        "kvpick: 503: request body budget exhausted, retry later\n"
+    );
+    assert_eq!(
+        metric(serve.metrics, "kvpick_body_budget_rejected_total"),
+        1.0
+    );
+
+    // The first client goes away mid-body: its 600 bytes come back, and the same body fits.
+    drop((held_tx, held_rx));
+    wait_metric(serve.metrics, "kvpick_body_bytes_buffered", 0.0).await;
+    let (tx, mut inbound) = open(&mut client).await;
+    tx.send(headers()).await.unwrap();
+    tx.send(body_of(600, true)).await.unwrap();
+    let answer = inbound.message().await.unwrap().expect("a routing answer");
+    assert!(
+        matches!(
+            answer.response,
+            Some(processing_response::Response::RequestHeaders(_))
+        ),
+        "{answer:?}"
+    );
+    let echoed = inbound.message().await.unwrap().expect("the echoed body");
+    assert!(matches!(
+        echoed.response,
+        Some(processing_response::Response::RequestBody(_))
+    ));
+    wait_metric(serve.metrics, "kvpick_body_bytes_buffered", 0.0).await;
+}
+
+#[tokio::test]
+async fn ext_proc_port_advertises_its_concurrent_stream_limit() {
+    let serve = start_static(CATALOG, &["--max-concurrent-streams", "3"]);
+    let tcp = tokio::net::TcpStream::connect(("127.0.0.1", serve.grpc))
+        .await
+        .unwrap();
+    let (send, connection) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(connection);
+    let mut send = send.ready().await.unwrap();
+    // One round trip: by its answer the server's SETTINGS have been applied.
+    let request = http::Request::post(format!(
+        "http://127.0.0.1:{}/grpc.health.v1.Health/Check",
+        serve.grpc
+    ))
+    .header("content-type", "application/grpc")
+    .header("te", "trailers")
+    .body(())
+    .unwrap();
+    let (response, mut stream) = send.send_request(request, false).unwrap();
+    // An empty HealthCheckRequest: 5-byte gRPC frame header, no payload.
+    stream
+        .send_data(bytes::Bytes::from_static(&[0, 0, 0, 0, 0]), true)
+        .unwrap();
+    let response = response.await.unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(send.current_max_send_streams(), 3);
+}
