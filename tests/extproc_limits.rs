@@ -2,6 +2,8 @@
 //! (503 past it, bytes returned when a client disconnects mid-body) and the HTTP/2
 //! concurrent-stream limit it advertises.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 

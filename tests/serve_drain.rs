@@ -2,6 +2,8 @@
 //! health port and the ext_proc port keep answering gRPC health, with readiness NOT_SERVING and
 //! liveness SERVING, and new ext_proc streams are refused; then kvpick exits 0.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
