@@ -493,7 +493,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tokenizers,
             body_budget: crate::extproc::BodyBudget::new(
                 args.max_buffered_body_bytes,
-                metrics.body_bytes_buffered.clone(),
+                metrics.extproc.body_bytes_buffered.clone(),
             ),
         },
     );
@@ -608,7 +608,7 @@ fn start_static_source(
     let initial = static_file::parse_catalog(&initial_text)
         .with_context(|| format!("in catalog file {}", config_path.display()))?;
     let (catalog_tx, catalog_rx) = watch::channel(Some(initial));
-    let reloads = core.metrics().catalog_reloads.clone();
+    let reloads = core.metrics().catalog.catalog_reloads.clone();
     tokio::spawn(static_file::watch_catalog(
         config_path,
         initial_text,

@@ -92,6 +92,7 @@ impl RankStream {
         if batch.skipped_unknown > 0 {
             self.core
                 .metrics()
+                .events
                 .kv_events
                 .with_label_values(&["unknown_type"])
                 .inc_by(batch.skipped_unknown as u64);
@@ -108,7 +109,7 @@ impl RankStream {
             SeqAction::Duplicate => {}
             SeqAction::Restart => {
                 tracing::info!(endpoint = %self.endpoint, seq, "KV-event publisher restarted; clearing rank");
-                metrics.kv_resets.inc();
+                metrics.events.kv_resets.inc();
                 self.core.clear_rank(self.rank);
                 self.seq.restarted();
                 if seq > 0 && self.replay.is_some() {
@@ -120,7 +121,7 @@ impl RankStream {
                 }
             }
             SeqAction::Gap { from } => {
-                metrics.kv_event_gaps.inc();
+                metrics.events.kv_event_gaps.inc();
                 if self.replay.is_some() {
                     self.replay_from(from).await;
                 } else {
@@ -151,7 +152,11 @@ impl RankStream {
             }
             Err(_) => "incomplete",
         };
-        metrics.kv_replays.with_label_values(&[outcome]).inc();
+        metrics
+            .events
+            .kv_replays
+            .with_label_values(&[outcome])
+            .inc();
         self.seq.replayed(from);
     }
 
@@ -198,6 +203,7 @@ impl RankStream {
                 Err(err) => {
                     self.core
                         .metrics()
+                        .events
                         .kv_events
                         .with_label_values(&["decode_error"])
                         .inc();
@@ -227,7 +233,7 @@ impl RankStream {
                 continue;
             }
             backoff = BACKOFF_START;
-            metrics.kv_subscriptions.inc();
+            metrics.events.kv_subscriptions.inc();
             tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, "subscribed to KV events");
             if first && self.replay.is_some() {
                 // Catch up on what the engine already holds.
@@ -246,12 +252,16 @@ impl RankStream {
                 match decode_message(&frames) {
                     Ok((_, seq, batch)) => self.handle(seq, batch).await,
                     Err(err) => {
-                        metrics.kv_events.with_label_values(&["decode_error"]).inc();
+                        metrics
+                            .events
+                            .kv_events
+                            .with_label_values(&["decode_error"])
+                            .inc();
                         tracing::debug!(endpoint = %self.endpoint, %err, "undecodable KV-event message");
                     }
                 }
             }
-            metrics.kv_subscriptions.dec();
+            metrics.events.kv_subscriptions.dec();
         }
     }
 }

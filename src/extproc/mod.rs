@@ -195,7 +195,7 @@ impl ExternalProcessor for ExtProcService {
                     }
                 }
             };
-            metrics.streams.with_label_values(&[end]).inc();
+            metrics.extproc.streams.with_label_values(&[end]).inc();
             // Dropping the machine frees any booking still held (client disconnect mid-stream).
             drop(machine);
             drop(live);

@@ -606,8 +606,9 @@ impl StreamMachine {
         self.reservation = Some(reservation);
         self.picked_at = Some(Instant::now());
         let metrics = self.core.metrics();
-        metrics.requests.with_label_values(&["200"]).inc();
+        metrics.extproc.requests.with_label_values(&["200"]).inc();
         metrics
+            .extproc
             .pick_latency
             .observe(started.elapsed().as_secs_f64());
         Step {
@@ -679,6 +680,7 @@ impl StreamMachine {
                 if let Some(at) = self.picked_at {
                     self.core
                         .metrics()
+                        .extproc
                         .time_to_first_byte
                         .with_label_values(&[&r.selection().primary.worker_name])
                         .observe(at.elapsed().as_secs_f64());
@@ -701,7 +703,7 @@ impl StreamMachine {
     /// Frees the booking (response complete) and records usage.
     fn release(&mut self) {
         if let Some(usage) = self.usage.as_mut().and_then(UsageTracker::finish) {
-            let m = &self.core.metrics().usage_tokens;
+            let m = &self.core.metrics().extproc.usage_tokens;
             m.with_label_values(&["prompt"]).inc_by(usage.prompt_tokens);
             m.with_label_values(&["completion"])
                 .inc_by(usage.completion_tokens);
@@ -720,7 +722,7 @@ impl StreamMachine {
     /// 503 for a body the global budget cannot hold: memory is shared by every stream, so a
     /// retry (elsewhere or later) can succeed where buffering more could starve the process.
     fn reject_budget(&mut self) -> Step {
-        self.core.metrics().body_budget_rejected.inc();
+        self.core.metrics().extproc.body_budget_rejected.inc();
         tracing::debug!(
             limit = self.settings.body_budget.limit(),
             "request body budget exhausted"
@@ -734,6 +736,7 @@ impl StreamMachine {
         self.pending = None;
         self.core
             .metrics()
+            .extproc
             .requests
             .with_label_values(&[&status.to_string()])
             .inc();

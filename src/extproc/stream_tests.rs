@@ -501,10 +501,17 @@ fn response_is_echoed_chunk_by_chunk_and_frees_the_booking() {
     let step = m.handle(response_body(rest, true)).unwrap();
     assert_eq!(streamed(&step.responses[0]), (rest, true));
     assert_eq!(core.live_bookings(), 0);
-    let usage = &core.metrics().usage_tokens;
+    let usage = &core.metrics().extproc.usage_tokens;
     assert_eq!(usage.with_label_values(&["prompt"]).get(), 10);
     assert_eq!(usage.with_label_values(&["cached"]).get(), 4);
-    assert_eq!(core.metrics().requests.with_label_values(&["200"]).get(), 1);
+    assert_eq!(
+        core.metrics()
+            .extproc
+            .requests
+            .with_label_values(&["200"])
+            .get(),
+        1
+    );
 }
 
 #[test]
@@ -1169,7 +1176,7 @@ fn body_budget_is_shared_by_streams_and_returned_at_every_exit() {
             "kvpick: 503: request body budget exhausted, retry later\n".into()
         )
     );
-    assert_eq!(core.metrics().body_budget_rejected.get(), 1);
+    assert_eq!(core.metrics().extproc.body_budget_rejected.get(), 1);
     assert_eq!(core.live_bookings(), 0, "a rejected stream books nothing");
     assert_eq!(budget.in_use(), 50);
 

@@ -26,6 +26,7 @@ pub async fn run(core: Arc<SelectionCore>, source: SourceName, mut rx: SnapshotR
                 Ok(report) => {
                     retry = false;
                     core.metrics()
+                        .catalog
                         .catalog_reloads
                         .with_label_values(&["applied"])
                         .inc();
@@ -44,6 +45,7 @@ pub async fn run(core: Arc<SelectionCore>, source: SourceName, mut rx: SnapshotR
                 Err(err) => {
                     retry = true;
                     core.metrics()
+                        .catalog
                         .catalog_reloads
                         .with_label_values(&["rejected"])
                         .inc();
@@ -71,6 +73,7 @@ mod tests {
 
     fn count(core: &SelectionCore, result: &str) -> u64 {
         core.metrics()
+            .catalog
             .catalog_reloads
             .with_label_values(&[result])
             .get()

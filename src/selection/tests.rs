@@ -152,7 +152,7 @@ fn load_is_derived_from_bookings() {
     drop(pick);
     drop(second);
     assert_eq!(core.list_workers(None)[0].loads[0], RankLoad::default());
-    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
 }
 
 #[test]
@@ -166,11 +166,11 @@ fn least_loaded_rank_wins_and_bookings_free_on_drop() {
     // No prompt: costs tie on prefill; decode blocks are 0 too, so use the active-request weight.
     let _ = (&first, &second);
     assert_eq!(core.live_bookings(), 2);
-    assert_eq!(core.metrics().inflight_total.get(), 2);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 2);
     drop(first);
     second.free();
     assert_eq!(core.live_bookings(), 0);
-    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
     assert!(!core.free("r1"), "repeated free is a no-op");
 }
 
@@ -420,9 +420,9 @@ fn snapshot_rules() {
     let report = core.apply_snapshot(vec![b.clone()]).unwrap();
     assert_eq!(report.removed, 1);
     assert_eq!(core.live_bookings(), 0);
-    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
     drop(held);
-    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
     // Empty snapshot: not ready, 503.
     core.apply_snapshot(vec![]).unwrap();
     assert!(!*core.readiness().borrow());
@@ -538,9 +538,9 @@ fn a_long_stream_keeps_its_booking_past_the_ttl() {
         0,
         "a stream still open is still load"
     );
-    assert_eq!(core.metrics().inflight_total.get(), 1);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 1);
     drop(stream);
-    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
     assert_eq!(core.live_bookings(), 0);
 }
 
@@ -561,10 +561,10 @@ fn expired_bookings_are_reaped() {
         1
     );
     assert_eq!(core.live_bookings(), 0);
-    assert_eq!(core.metrics().inflight_total.get(), 0);
-    assert_eq!(core.metrics().bookings_expired.get(), 1);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.bookings_expired.get(), 1);
     drop(pick);
-    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
 }
 
 #[tokio::test]
@@ -586,7 +586,7 @@ async fn a_selection_dropped_at_an_await_frees_its_booking() {
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
     assert_eq!(core.live_bookings(), 0);
-    assert_eq!(core.metrics().inflight_total.get(), 0);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
 }
 
 #[test]
@@ -665,6 +665,7 @@ fn session_core(sessions: SessionConfig, busy: BusyThresholds) -> Arc<SelectionC
 
 fn events(core: &SelectionCore, event: &str) -> u64 {
     core.metrics()
+        .selection
         .session_events
         .with_label_values(&[event])
         .get()
@@ -690,7 +691,7 @@ fn hard_sessions_stick_even_against_load_and_cache() {
     }
     assert_eq!(events(&core, "created"), 1);
     assert_eq!(events(&core, "reused"), 19);
-    assert_eq!(core.metrics().sessions_live.get(), 1);
+    assert_eq!(core.metrics().selection.sessions_live.get(), 1);
 }
 
 #[test]
@@ -758,6 +759,7 @@ fn removed_rank_moves_its_sessions_once_and_they_stick() {
     }
     let invalidated = core
         .metrics()
+        .selection
         .session_invalidated
         .with_label_values(&["gone"])
         .get();
@@ -814,6 +816,7 @@ fn subset_pins_and_full_tables() {
     assert_eq!(moved.primary.endpoint.to_string(), elsewhere);
     assert_eq!(
         core.metrics()
+            .selection
             .session_invalidated
             .with_label_values(&["outside_subset"])
             .get(),
@@ -895,6 +898,7 @@ fn soft_sessions_yield_to_overload() {
     assert_ne!(moved.primary.key, home);
     assert_eq!(
         core.metrics()
+            .selection
             .session_invalidated
             .with_label_values(&["soft_override"])
             .get(),
@@ -917,17 +921,17 @@ async fn session_ttl_expiry_frees_entries() {
     tokio::time::advance(Duration::from_secs(120)).await;
     core.reap_expired(Instant::now());
     assert_eq!(
-        core.metrics().sessions_live.get(),
+        core.metrics().selection.sessions_live.get(),
         1,
         "a leased session never expires"
     );
     drop(held);
     tokio::time::advance(Duration::from_secs(29)).await;
     core.reap_expired(Instant::now());
-    assert_eq!(core.metrics().sessions_live.get(), 1);
+    assert_eq!(core.metrics().selection.sessions_live.get(), 1);
     tokio::time::advance(Duration::from_secs(1)).await;
     core.reap_expired(Instant::now());
-    assert_eq!(core.metrics().sessions_live.get(), 0);
+    assert_eq!(core.metrics().selection.sessions_live.get(), 0);
     assert_eq!(events(&core, "expired"), 1);
     let next = core
         .select_and_reserve(&session_request("e1", "ttl", vec![1; 16]))
@@ -1021,6 +1025,7 @@ mod kv_events {
         assert_eq!(core.select(&r).unwrap().primary.key, b);
         assert_eq!(
             core.metrics()
+                .events
                 .kv_events
                 .with_label_values(&["applied"])
                 .get(),
@@ -1071,6 +1076,7 @@ mod kv_events {
         let a = rank_of(&core, "a", 0);
         let bytes = || {
             core.metrics()
+                .selection
                 .index_bytes
                 .with_label_values(&["m", ""])
                 .get()
@@ -1084,6 +1090,7 @@ mod kv_events {
         assert!(bytes() > empty + 64 * 16, "index and engine map counted");
         assert_eq!(
             core.metrics()
+                .selection
                 .index_blocks
                 .with_label_values(&["m", ""])
                 .get(),
