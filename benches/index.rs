@@ -164,6 +164,8 @@ fn core_with(ranks: usize) -> (Arc<SelectionCore>, Vec<RankKey>) {
         kv_events: None,
         kv_replay: None,
         lora_adapters: vec![],
+        draining: false,
+        incarnation: 0,
     }])
     .unwrap();
     let id = core.list_workers(None)[0].record.id;

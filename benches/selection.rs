@@ -63,6 +63,8 @@ fn fixture(ranks: usize) -> Fixture {
             kv_events: None,
             kv_replay: None,
             lora_adapters: vec![],
+            draining: false,
+            incarnation: 0,
         })
         .collect();
     core.apply_snapshot(specs).unwrap();

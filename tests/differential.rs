@@ -37,6 +37,8 @@ fn catalog() -> Vec<WorkerSpec> {
         kv_events: None,
         kv_replay: None,
         lora_adapters: vec![],
+        draining: false,
+        incarnation: 0,
     };
     vec![
         worker("a", RankLayout::PerPort(vec![8000, 8001])),

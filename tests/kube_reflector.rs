@@ -514,11 +514,14 @@ async fn api(serve: &Serve) -> Api {
     common::api(serve.grpc).await
 }
 
-/// The catalog as `name addr addr...` lines (one address per rank, in rank order), sorted.
+/// The schedulable catalog as `name addr addr...` lines (one address per rank, in rank order),
+/// sorted. Draining workers (NotReady or terminating pods, kept for their in-flight load) are
+/// left out; [`draining`] lists them.
 async fn catalog(api: &mut Api) -> Vec<String> {
     let workers = common::list_workers(api).await;
     let mut out: Vec<String> = workers
         .iter()
+        .filter(|w| w.lifecycle != "Draining")
         .map(|w| {
             assert_eq!(w.namespace, NS);
             assert_eq!(w.worker_id, kvpick::catalog::worker_id(NS, &w.name));
@@ -527,6 +530,18 @@ async fn catalog(api: &mut Api) -> Vec<String> {
             let addrs: Vec<String> = ranks.iter().map(|r| r.address.clone()).collect();
             format!("{} {}", w.name, addrs.join(" "))
         })
+        .collect();
+    out.sort();
+    out
+}
+
+/// Names of the draining workers, sorted.
+async fn draining(api: &mut Api) -> Vec<String> {
+    let mut out: Vec<String> = common::list_workers(api)
+        .await
+        .into_iter()
+        .filter(|w| w.lifecycle == "Draining")
+        .map(|w| w.name)
         .collect();
     out.sort();
     out
@@ -583,6 +598,7 @@ async fn pool_pods_lifecycle_dp_shapes_readiness_and_latency() {
     .await;
     fake.put_pod(pod("b", "10.0.0.2").ready(false).build());
     expect_catalog(&mut api, "b not ready", &["a 10.0.0.1:8000 10.0.0.1:8001"]).await;
+    assert_eq!(draining(&mut api).await, ["b"], "a NotReady pod drains");
 
     // No IP yet, then an IP; IP change.
     fake.put_pod(pod("c", "").no_ip().build());

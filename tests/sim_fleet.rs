@@ -243,6 +243,8 @@ async fn ingest_indexes_what_the_sim_announced(encoding: &str) {
             kv_events: Some(format!("tcp://127.0.0.1:{}", w.ranks[0].events.unwrap())),
             kv_replay: Some(format!("tcp://127.0.0.1:{}", w.ranks[0].replay.unwrap())),
             lora_adapters: vec![],
+            draining: false,
+            incarnation: 0,
         })
         .collect();
     core.apply_snapshot(specs).unwrap();

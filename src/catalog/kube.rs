@@ -45,6 +45,9 @@ pub const MODEL_LABEL: &str = "kvpick.io/model";
 pub const KV_EVENTS_PORT_ANNOTATION: &str = "kvpick.io/kv-events-port";
 /// Pod annotation setting the replay (ROUTER) port of rank 0.
 pub const KV_REPLAY_PORT_ANNOTATION: &str = "kvpick.io/kv-replay-port";
+/// Pod annotation: the engine's KV block size in tokens (vLLM `--block-size`). Without it the
+/// partition learns the size from the engine's KV events.
+pub const BLOCK_SIZE_ANNOTATION: &str = "kvpick.io/block-size";
 /// Default KV-event port of rank 0 (vLLM's default).
 pub const DEFAULT_KV_EVENTS_PORT: u16 = 5557;
 /// Most target ports an InferencePool may list.
@@ -194,13 +197,31 @@ pub fn parse_selector(text: &str) -> anyhow::Result<BTreeMap<String, String>> {
     Ok(out)
 }
 
-/// Why a pod is not a worker (`Ok(None)` = not selected / not ready, silently skipped).
+/// Which run of the pod's engine this is: the pod uid and its containers' restart counts. A
+/// container restarted (an OOM, a crash) has an empty KV cache, so the core forgets the rank's
+/// blocks when this changes.
+fn incarnation(pod: &Pod) -> u64 {
+    let mut key = pod.metadata.uid.clone().unwrap_or_default().into_bytes();
+    for c in pod
+        .status
+        .iter()
+        .flat_map(|s| s.container_statuses.iter().flatten())
+    {
+        key.extend_from_slice(c.name.as_bytes());
+        key.extend_from_slice(&c.restart_count.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_64(&key)
+}
+
+/// Why a pod is not a worker (`Ok(None)` = not selected or without an IP, silently skipped). A
+/// pod that is not Ready, or is terminating, is a *draining* worker: not schedulable, but its
+/// in-flight bookings keep counting until it is Ready again or deleted.
 fn pod_to_spec(
     pool: &PoolView,
     pod: &Pod,
     model: Option<&str>,
 ) -> anyhow::Result<Option<WorkerSpec>> {
-    if pod.metadata.deletion_timestamp.is_some() || !pool.matches(pod) {
+    if !pool.matches(pod) {
         return Ok(None);
     }
     let Some(status) = &pod.status else {
@@ -211,9 +232,7 @@ fn pod_to_spec(
         .iter()
         .flatten()
         .any(|c| c.type_ == "Ready" && c.status == "True");
-    if !ready {
-        return Ok(None);
-    }
+    let draining = !ready || pod.metadata.deletion_timestamp.is_some();
     let Some(ip) = status.pod_ip.as_deref().filter(|ip| !ip.is_empty()) else {
         return Ok(None);
     };
@@ -293,6 +312,17 @@ fn pod_to_spec(
                 .with_context(|| format!("{key} must be a port number, got {v:?}")),
         }
     };
+    let block_size = match annotations.get(BLOCK_SIZE_ANNOTATION).map(|v| v.trim()) {
+        None => None,
+        Some(v) => Some(
+            v.parse::<u32>()
+                .ok()
+                .filter(|n| (1..=1 << 16).contains(n))
+                .with_context(|| {
+                    format!("{BLOCK_SIZE_ANNOTATION} must be a block size in tokens, got {v:?}")
+                })?,
+        ),
+    };
     let endpoint = |port: u16| format!("tcp://{}", SocketAddr::new(address, port));
     let kv_events = match port_annotation(KV_EVENTS_PORT_ANNOTATION)? {
         None => Some(endpoint(DEFAULT_KV_EVENTS_PORT)),
@@ -310,10 +340,12 @@ fn pod_to_spec(
         routing_group: String::new(),
         address,
         ranks,
-        block_size: None,
+        block_size,
         kv_events,
         kv_replay,
         lora_adapters: Vec::new(),
+        draining,
+        incarnation: incarnation(pod),
     }))
 }
 
@@ -559,7 +591,7 @@ mod tests {
     }
 
     #[test]
-    fn worker_iff_ready_with_ip_matching_and_not_terminating() {
+    fn workers_are_matching_pods_with_an_ip_and_not_ready_ones_drain() {
         let pods = [
             pod("a", true, Some("10.0.0.1"), serde_json::json!({})),
             pod("b", false, Some("10.0.0.2"), serde_json::json!({})),
@@ -578,13 +610,60 @@ mod tests {
             ),
         ];
         let specs = snapshot(&view(), &pods, Some("m"));
-        assert_eq!(specs.len(), 1);
+        let summary: Vec<(&str, bool)> = specs
+            .iter()
+            .map(|s| (s.name.as_str(), s.draining))
+            .collect();
+        assert_eq!(
+            summary,
+            vec![("a", false), ("b", true), ("d", true)],
+            "NotReady (b) and terminating (d) pods drain; c has no IP, e is not selected"
+        );
         let a = &specs[0];
         assert_eq!((a.namespace.as_str(), a.name.as_str()), ("ns", "a"));
         assert_eq!(a.ranks, RankLayout::PerPort(vec![8000, 8001]));
         assert_eq!(a.kv_events.as_deref(), Some("tcp://10.0.0.1:5557"));
         assert_eq!(a.kv_replay, None);
         assert_eq!(a.worker_id(), super::super::worker_id("ns", "a"));
+        assert_eq!(a.block_size, None);
+    }
+
+    #[test]
+    fn a_container_restart_is_a_new_incarnation_and_block_size_comes_from_an_annotation() {
+        let with = |restarts: i32, extra: serde_json::Value| {
+            let mut p = pod("a", true, Some("10.0.0.1"), extra);
+            p.metadata.uid = Some("uid-1".into());
+            p.status.as_mut().unwrap().container_statuses = Some(vec![serde_json::from_value(
+                serde_json::json!({"name": "vllm", "restartCount": restarts, "ready": true,
+                                   "image": "i", "imageID": "", "started": true}),
+            )
+            .unwrap()]);
+            snapshot(&view(), &[p], Some("m")).remove(0)
+        };
+        let first = with(0, serde_json::json!({}));
+        assert_eq!(
+            first.incarnation,
+            with(0, serde_json::json!({})).incarnation
+        );
+        assert_ne!(
+            first.incarnation,
+            with(1, serde_json::json!({})).incarnation
+        );
+        let sized = with(
+            0,
+            serde_json::json!({"annotations": {"kvpick.io/block-size": "64"}}),
+        );
+        assert_eq!(sized.block_size, Some(64));
+        let bad = pod(
+            "a",
+            true,
+            Some("10.0.0.1"),
+            serde_json::json!({"annotations": {"kvpick.io/block-size": "lots"}}),
+        );
+        assert!(
+            snapshot(&view(), &[bad], Some("m")).is_empty(),
+            "refused, with a warning"
+        );
     }
 
     #[test]

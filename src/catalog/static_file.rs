@@ -114,6 +114,8 @@ pub fn to_spec(w: StaticWorker, namespace: &str) -> anyhow::Result<WorkerSpec> {
         kv_events: w.kv_events,
         kv_replay: w.kv_replay,
         lora_adapters: w.lora_adapters,
+        draining: false,
+        incarnation: 0,
     })
 }
 

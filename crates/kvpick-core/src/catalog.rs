@@ -38,6 +38,13 @@ pub struct WorkerSpec {
     /// Replay (ROUTER) endpoint of rank 0, offset by rank like `kv_events`.
     pub kv_replay: Option<String>,
     pub lora_adapters: Vec<String>,
+    /// Kept in the catalog but not schedulable (e.g. its pod is NotReady or terminating): its
+    /// in-flight bookings still count as load until it is deleted or ready again.
+    pub draining: bool,
+    /// Which run of the engine this is (e.g. a hash of the pod uid and container restart counts);
+    /// when it changes, the engine's KV cache is gone and the rank's index entries are dropped.
+    /// Sources that cannot tell leave it 0.
+    pub incarnation: u64,
 }
 
 /// One schedulable endpoint of a worker.
@@ -104,6 +111,8 @@ impl WorkerSpec {
             kv_events: None,
             kv_replay: None,
             lora_adapters: vec![],
+            draining: false,
+            incarnation: 0,
         }
     }
 }
@@ -135,6 +144,8 @@ impl WorkerRecord {
         let ranks = spec.rank_endpoints();
         let (lifecycle, reason) = if ranks.is_empty() {
             (Lifecycle::Incomplete, "no ranks".to_string())
+        } else if spec.draining {
+            (Lifecycle::Draining, "not ready".to_string())
         } else {
             (Lifecycle::Schedulable, String::new())
         };
@@ -338,6 +349,8 @@ mod tests {
             kv_events: None,
             kv_replay: None,
             lora_adapters: vec!["lora-a".into()],
+            draining: false,
+            incarnation: 0,
         };
         let ranks = spec.rank_endpoints();
         assert_eq!(ranks.len(), 3);

@@ -740,3 +740,145 @@ mod booking_tests {
         assert_eq!(core.live_bookings(), 50);
     }
 }
+
+#[cfg(test)]
+mod lifecycle_tests {
+    use super::*;
+    use crate::catalog::RankLayout;
+    use crate::event::{KvEvent, Medium};
+    use crate::request::PromptInput;
+    use crate::types::Lifecycle;
+
+    const BS: usize = 16;
+
+    fn worker(name: &str, port: u16) -> WorkerSpec {
+        WorkerSpec {
+            block_size: Some(BS as u32),
+            kv_events: Some(format!("tcp://127.0.0.1:{}", 5557 + port)),
+            ..WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![port]))
+        }
+    }
+
+    fn rank(spec: &WorkerSpec) -> RankKey {
+        RankKey {
+            worker_id: spec.worker_id(),
+            dp_rank: 0,
+        }
+    }
+
+    fn tokens() -> Vec<u32> {
+        (0..(4 * BS) as u32).collect()
+    }
+
+    /// The engine announces the prompt's four blocks.
+    fn announce(core: &Core, spec: &WorkerSpec) {
+        let event = KvEvent::BlockStored {
+            block_hashes: vec![11, 12, 13, 14],
+            parent_block_hash: None,
+            token_ids: tokens(),
+            block_size: BS as u32,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            group_idx: None,
+        };
+        let (stats, _) = core.apply_kv_events(rank(spec), &[event]);
+        assert_eq!(stats.applied, 1);
+    }
+
+    fn overlap_on(core: &Core, name: &str) -> u32 {
+        let request = SelectionRequest {
+            model: Some("m".into()),
+            prompt: PromptInput::Tokens(tokens()),
+            ..Default::default()
+        };
+        let (_, ranks) = core.overlap_scores(&request, Instant::now()).unwrap();
+        ranks
+            .iter()
+            .find(|(r, _)| r.worker_name == name)
+            .map_or(0, |(_, d)| d.gpu)
+    }
+
+    fn apply(core: &Core, specs: Vec<WorkerSpec>) -> ApplyReport {
+        core.apply_source_snapshot("catalog", specs, Instant::now())
+            .unwrap()
+            .0
+    }
+
+    #[test]
+    fn a_worker_that_leaves_and_returns_with_a_fresh_engine_has_no_phantom_cache() {
+        let core = Core::new(CoreConfig::default());
+        let (a, b) = (worker("a", 1), worker("b", 2));
+        apply(&core, vec![a.clone(), b.clone()]);
+        announce(&core, &a);
+        assert_eq!(overlap_on(&core, "a"), 4);
+        apply(&core, vec![b.clone()]);
+        apply(&core, vec![a.clone(), b]);
+        assert_eq!(
+            overlap_on(&core, "a"),
+            0,
+            "the old engine's blocks left with it"
+        );
+    }
+
+    #[test]
+    fn a_new_incarnation_forgets_the_cache_and_a_metadata_change_does_not() {
+        let core = Core::new(CoreConfig::default());
+        let a = worker("a", 1);
+        apply(&core, vec![a.clone()]);
+        announce(&core, &a);
+        let relabelled = WorkerSpec {
+            lora_adapters: vec!["x".into()],
+            ..a.clone()
+        };
+        apply(&core, vec![relabelled.clone()]);
+        assert_eq!(overlap_on(&core, "a"), 4, "same engine, new metadata");
+        let restarted = WorkerSpec {
+            incarnation: 7,
+            ..relabelled
+        };
+        apply(&core, vec![restarted]);
+        assert_eq!(overlap_on(&core, "a"), 0, "the engine restarted");
+    }
+
+    #[test]
+    fn a_draining_worker_keeps_its_load_until_it_is_ready_again_or_deleted() {
+        let core = Core::new(CoreConfig::default());
+        let (a, b) = (worker("a", 1), worker("b", 2));
+        apply(&core, vec![a.clone(), b.clone()]);
+        let request = |id: &str| SelectionRequest {
+            request_id: id.into(),
+            model: Some("m".into()),
+            subset: Some(crate::request::EndpointFilter::parse(["127.0.0.1:1"])),
+            ..Default::default()
+        };
+        let now = Instant::now();
+        let (booked, _) = core.select_and_reserve(&request("r"), now).unwrap();
+        assert_eq!(booked.primary.worker_name, "a");
+        let load_of_a = |core: &Core| {
+            core.list_workers(None)
+                .into_iter()
+                .find(|w| w.record.spec.name == "a")
+                .map(|w| (w.record.lifecycle, w.loads[0].active_requests))
+        };
+        let draining = WorkerSpec {
+            draining: true,
+            ..a.clone()
+        };
+        let report = apply(&core, vec![draining, b.clone()]);
+        assert!(report.ready, "b is still schedulable");
+        assert_eq!(load_of_a(&core), Some((Lifecycle::Draining, 1)));
+        assert_eq!(core.live_bookings(), 1);
+        let err = core.select(&request("x"), now).unwrap_err();
+        assert_eq!(err.label(), "unavailable", "a draining rank is not picked");
+        apply(&core, vec![a.clone(), b.clone()]);
+        assert_eq!(
+            load_of_a(&core),
+            Some((Lifecycle::Schedulable, 1)),
+            "back from a readiness flap with its in-flight load"
+        );
+        apply(&core, vec![b]);
+        assert_eq!(load_of_a(&core), None);
+        assert_eq!(core.live_bookings(), 0, "deleted: its bookings go");
+    }
+}

@@ -289,8 +289,15 @@ impl Partition {
                 lora_adapters: Arc::clone(&lora),
                 schedulable: false,
                 kv_events: false,
+                incarnation: record.spec.incarnation,
                 load: RankLoad::default(),
             });
+            if slot.incarnation != record.spec.incarnation {
+                // The engine restarted under the same worker: its KV cache is empty now.
+                slot.incarnation = record.spec.incarnation;
+                state.index.clear_rank(key);
+                state.engines.remove(&key);
+            }
             slot.worker_name = Arc::clone(&name);
             slot.multiplexed = rank.multiplexed;
             slot.lora_adapters = Arc::clone(&lora);
@@ -328,6 +335,9 @@ impl Partition {
         let Some(slot) = state.ranks.remove(&key) else {
             return;
         };
+        // The rank's engine is gone (deleted, moved, re-addressed): what it cached must not
+        // attract requests if a worker of the same id comes back with a fresh engine.
+        state.index.clear_rank(key);
         state.engines.remove(&key);
         let mut leases = Vec::new();
         state.bookings.retain(|id, b| {

@@ -15,6 +15,8 @@ pub(crate) struct Slot {
     pub lora_adapters: Arc<[String]>,
     pub schedulable: bool,
     pub kv_events: bool,
+    /// The engine run this slot's index entries belong to ([`crate::WorkerSpec::incarnation`]).
+    pub incarnation: u64,
     pub load: RankLoad,
 }
 

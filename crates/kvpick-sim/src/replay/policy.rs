@@ -462,6 +462,8 @@ pub fn fleet_specs(
             kv_events: events_base.map(|p| format!("tcp://{address}:{}", p + i as u16)),
             kv_replay: None,
             lora_adapters: vec![],
+            draining: false,
+            incarnation: 0,
         })
         .collect()
 }

@@ -18,6 +18,7 @@ fn slot(port: u16) -> Slot {
         lora_adapters: Arc::from(Vec::<String>::new()),
         schedulable: true,
         kv_events: false,
+        incarnation: 0,
         load: RankLoad::default(),
     }
 }
