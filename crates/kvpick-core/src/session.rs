@@ -4,7 +4,7 @@
 //! partition consults it inside the same lock as the decision, which is also what makes concurrent
 //! first requests of one session converge on one binding.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use std::time::Instant;
@@ -81,6 +81,8 @@ struct Binding {
     leases: u32,
     /// When the last lease ended (or the binding was made); the idle clock.
     idle_since: Instant,
+    /// Bumped each time the binding becomes idle; names its current place in the idle queue.
+    idle_stamp: u64,
 }
 
 /// Why a binding was dropped.
@@ -96,6 +98,8 @@ pub enum Invalidation {
     Adapter,
     /// Soft mode: the cost function overrode the binding.
     SoftOverride,
+    /// The table was full: the least recently idle binding made room for a new session.
+    Evicted,
 }
 
 impl Invalidation {
@@ -106,6 +110,7 @@ impl Invalidation {
             Invalidation::OutsideSubset => "outside_subset",
             Invalidation::Adapter => "adapter",
             Invalidation::SoftOverride => "soft_override",
+            Invalidation::Evicted => "evicted",
         }
     }
 }
@@ -142,6 +147,19 @@ impl SessionOutcome {
 #[derive(Debug, Default)]
 pub struct SessionTable {
     entries: HashMap<String, Binding>,
+    /// Bindings in the order they became idle, `(id, idle_stamp)`; an entry whose stamp no longer
+    /// matches (the binding was leased again, re-idled or removed) is stale and skipped.
+    idle: VecDeque<(String, u64)>,
+    stamps: u64,
+}
+
+/// What [`SessionTable::bind`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bound {
+    /// Bound (or rebound); `evicted` says whether an idle binding made room.
+    Yes { evicted: bool },
+    /// The table is full of sessions with requests in flight.
+    Full,
 }
 
 impl SessionTable {
@@ -176,41 +194,89 @@ impl SessionTable {
         self.entries.remove(id).map(|b| b.leases)
     }
 
-    /// Binds `id` to `rank` (replacing any binding, keeping its leases). Returns false when the
-    /// table is full and `id` is not in it.
-    pub fn bind(&mut self, id: &str, rank: RankKey, now: Instant, max_entries: usize) -> bool {
+    /// Binds `id` to `rank` (replacing any binding, keeping its leases). When the table is full
+    /// the least recently idle binding (no request in flight) makes room, so a flood of one-shot
+    /// session ids cannot lock new sessions out; only a table full of sessions with requests in
+    /// flight refuses ([`Bound::Full`]).
+    pub fn bind(&mut self, id: &str, rank: RankKey, now: Instant, max_entries: usize) -> Bound {
         if let Some(b) = self.entries.get_mut(id) {
             b.rank = rank;
-            return true;
+            return Bound::Yes { evicted: false };
         }
+        let mut evicted = false;
         if self.entries.len() >= max_entries {
-            return false;
+            if !self.evict_oldest_idle() {
+                return Bound::Full;
+            }
+            evicted = true;
         }
+        let stamp = self.next_stamp();
         self.entries.insert(
             id.to_string(),
             Binding {
                 rank,
                 leases: 0,
                 idle_since: now,
+                idle_stamp: stamp,
             },
         );
-        true
+        self.push_idle(id, stamp);
+        Bound::Yes { evicted }
+    }
+
+    fn next_stamp(&mut self) -> u64 {
+        self.stamps = self.stamps.wrapping_add(1);
+        self.stamps
+    }
+
+    fn push_idle(&mut self, id: &str, stamp: u64) {
+        self.idle.push_back((id.to_string(), stamp));
+        // Stale queue entries are dropped lazily; keep the queue within a constant factor of
+        // the table.
+        if self.idle.len() > 2 * self.entries.len() + 64 {
+            let entries = &self.entries;
+            self.idle.retain(|(id, stamp)| {
+                entries
+                    .get(id)
+                    .is_some_and(|b| b.leases == 0 && b.idle_stamp == *stamp)
+            });
+        }
+    }
+
+    /// Removes the binding that has been idle longest; false when every binding is leased.
+    fn evict_oldest_idle(&mut self) -> bool {
+        while let Some((id, stamp)) = self.idle.pop_front() {
+            let current = self
+                .entries
+                .get(&id)
+                .is_some_and(|b| b.leases == 0 && b.idle_stamp == stamp);
+            if current {
+                self.entries.remove(&id);
+                return true;
+            }
+        }
+        false
     }
 
     /// An in-flight request of the session starts.
     pub fn acquire(&mut self, id: &str) {
         if let Some(b) = self.entries.get_mut(id) {
-            b.leases += 1;
+            b.leases = b.leases.saturating_add(1);
         }
     }
 
     /// An in-flight request of the session ended: the idle clock starts when the last one does.
     pub fn release(&mut self, id: &str, now: Instant) {
-        if let Some(b) = self.entries.get_mut(id) {
-            b.leases = b.leases.saturating_sub(1);
-            if b.leases == 0 {
-                b.idle_since = now;
-            }
+        let stamp = self.stamps.wrapping_add(1);
+        let Some(b) = self.entries.get_mut(id) else {
+            return;
+        };
+        b.leases = b.leases.saturating_sub(1);
+        if b.leases == 0 {
+            b.idle_since = now;
+            b.idle_stamp = stamp;
+            self.stamps = stamp;
+            self.push_idle(id, stamp);
         }
     }
 
@@ -240,7 +306,10 @@ mod tests {
     fn idle_ttl_starts_when_the_last_lease_ends() {
         let mut clock = Instant::now();
         let mut t = SessionTable::default();
-        assert!(t.bind("s", rank(1), clock, 10));
+        assert_eq!(
+            t.bind("s", rank(1), clock, 10),
+            Bound::Yes { evicted: false }
+        );
         t.acquire("s");
         t.acquire("s");
         clock += Duration::from_secs(60);
@@ -264,13 +333,23 @@ mod tests {
     fn expired_entries_are_gone_on_lookup_and_the_table_is_bounded() {
         let mut clock = Instant::now();
         let mut t = SessionTable::default();
-        assert!(t.bind("a", rank(1), clock, 2));
-        assert!(t.bind("b", rank(2), clock, 2));
-        assert!(!t.bind("c", rank(3), clock, 2), "full");
-        assert!(
+        let yes = Bound::Yes { evicted: false };
+        assert_eq!(t.bind("a", rank(1), clock, 2), yes);
+        assert_eq!(t.bind("b", rank(2), clock, 2), yes);
+        t.acquire("a");
+        t.acquire("b");
+        assert_eq!(
+            t.bind("c", rank(3), clock, 2),
+            Bound::Full,
+            "full of leased sessions"
+        );
+        assert_eq!(
             t.bind("a", rank(4), clock, 2),
+            yes,
             "rebinding an existing id is fine"
         );
+        t.release("a", clock);
+        t.release("b", clock);
         clock += TTL;
         let lookup = t.bound_rank("a", clock, TTL);
         assert_eq!(
@@ -280,7 +359,44 @@ mod tests {
                 expired: true
             }
         );
-        assert!(t.bind("c", rank(3), clock, 2), "room again");
+        assert_eq!(t.bind("c", rank(3), clock, 2), yes, "room again");
+    }
+
+    /// A flood of one-shot sessions: the table stays bounded, new sessions still bind (the
+    /// longest-idle ones make room), and leased sessions are never evicted.
+    #[test]
+    fn a_full_table_evicts_the_longest_idle_binding() {
+        let clock = Instant::now();
+        let mut t = SessionTable::default();
+        t.bind("busy", rank(9), clock, 100);
+        t.acquire("busy");
+        for i in 0..1_000 {
+            let bound = t.bind(&format!("flood-{i}"), rank(1), clock, 100);
+            assert!(matches!(bound, Bound::Yes { .. }), "{i}: {bound:?}");
+        }
+        assert_eq!(t.len(), 100);
+        assert_eq!(
+            t.bound_rank("busy", clock, TTL).rank,
+            Some(rank(9)),
+            "a session with a request in flight is never evicted"
+        );
+        assert_eq!(t.bound_rank("flood-999", clock, TTL).rank, Some(rank(1)));
+        assert_eq!(
+            t.bound_rank("flood-0", clock, TTL).rank,
+            None,
+            "oldest went first"
+        );
+        // A session that was just active is younger than the flood before it.
+        t.acquire("flood-950");
+        t.release("flood-950", clock);
+        for i in 0..98 {
+            t.bind(&format!("late-{i}"), rank(2), clock, 100);
+        }
+        assert_eq!(t.bound_rank("flood-950", clock, TTL).rank, Some(rank(1)));
+        assert!(
+            t.idle.len() <= 2 * t.len() + 64,
+            "the idle queue stays bounded"
+        );
     }
 
     #[test]

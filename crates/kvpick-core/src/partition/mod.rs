@@ -36,8 +36,8 @@ use crate::error::SelectError;
 use crate::facts::{Fact, Facts};
 use crate::hash;
 use crate::index::{PrefixIndex, Tier, TierDepths};
-use crate::request::{Holder, SelectionRequest};
-use crate::session::{Invalidation, SessionOutcome, SessionTable};
+use crate::request::{Holder, PromptInput, SelectionRequest};
+use crate::session::{Bound, Invalidation, SessionOutcome, SessionTable};
 use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
 use crate::{PickedRank, Selection};
 
@@ -527,20 +527,30 @@ impl Partition {
     ) -> Option<SessionOutcome> {
         let mut outcome = None;
         let mut leased_session = None;
-        if let Some(sid) = request.session_id.as_deref() {
+        // A request without a prompt (`GET /v1/models`, header-only) holds no KV cache: it may
+        // follow a binding but never creates one, so it cannot fill the table.
+        let may_bind = affinity == Affinity::Kept || request.prompt != PromptInput::None;
+        if let Some(sid) = request.session_id.as_deref().filter(|_| may_bind) {
             if affinity == Affinity::Overridden {
                 Self::invalidate_session(state, sid, Invalidation::SoftOverride, facts);
             }
             let result = if affinity == Affinity::Kept {
                 SessionOutcome::Reused
-            } else if state
-                .sessions
-                .bind(sid, pick.rank, now, config.sessions.max_entries)
-            {
-                facts.push(Fact::SessionsLive(1));
-                SessionOutcome::Created
             } else {
-                SessionOutcome::TableFull
+                match state
+                    .sessions
+                    .bind(sid, pick.rank, now, config.sessions.max_entries)
+                {
+                    Bound::Yes { evicted } => {
+                        if evicted {
+                            facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
+                        } else {
+                            facts.push(Fact::SessionsLive(1));
+                        }
+                        SessionOutcome::Created
+                    }
+                    Bound::Full => SessionOutcome::TableFull,
+                }
             };
             facts.push(Fact::Session(result));
             if result != SessionOutcome::TableFull {
