@@ -141,6 +141,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 10_000, value_name = "N")]
     pub max_api_bookings: usize,
 
+    /// Most leading KV blocks of one prompt that are hashed, matched against the index and
+    /// inserted (the load of the whole prompt still counts). Bounds the work and index churn of
+    /// one huge prompt.
+    #[arg(long, default_value_t = 16_384, value_name = "BLOCKS")]
+    pub max_prompt_blocks: usize,
+
     /// Seed for random tie-breaks and sampling (reproducible picks); default: random.
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
@@ -363,6 +369,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
     Ok(CoreConfig {
         booking_ttl: Duration::from_secs(args.booking_ttl),
         max_api_bookings: args.max_api_bookings,
+        max_prompt_blocks: args.max_prompt_blocks,
         seed: args.seed,
         cost: CostParams {
             overlap_score_credit: args.overlap_score_credit,

@@ -51,6 +51,9 @@ pub struct CoreConfig {
     pub sessions: SessionConfig,
     /// Most live bookings the gRPC API may hold at once (each lives until `Free` or expiry).
     pub max_api_bookings: usize,
+    /// Most leading blocks of one prompt hashed, matched and inserted (a prefix match needs only
+    /// the prefix; a 32 MiB prompt must not flush the index or hold the lock).
+    pub max_prompt_blocks: usize,
 }
 
 impl Default for CoreConfig {
@@ -68,6 +71,7 @@ impl Default for CoreConfig {
             trace_decisions: 0,
             sessions: SessionConfig::default(),
             max_api_bookings: 10_000,
+            max_prompt_blocks: 16_384,
         }
     }
 }

@@ -520,7 +520,7 @@ impl Core {
     ) -> Result<(u32, Vec<(PickedRank, TierDepths)>), SelectError> {
         request.validate()?;
         let partition = self.resolve_partition(request)?;
-        Ok(partition.overlaps(request, now))
+        Ok(partition.overlaps(request, self.config.max_prompt_blocks, now))
     }
 }
 

@@ -375,7 +375,12 @@ impl Partition {
         facts: &mut Facts,
     ) -> Result<SelectOutcome, SelectError> {
         let block_size = self.block_size();
-        let prompt = pipeline::prompt_blocks(&request.prompt, block_size, self.seed_for(request));
+        let prompt = pipeline::prompt_blocks(
+            &request.prompt,
+            block_size,
+            self.seed_for(request),
+            config.max_prompt_blocks,
+        );
         let mut guard = self.state.lock();
         let state = &mut *guard;
         let allowed = Allowed {
@@ -790,10 +795,15 @@ impl Partition {
     pub fn overlaps(
         &self,
         request: &SelectionRequest,
+        max_blocks: usize,
         now: Instant,
     ) -> (u32, Vec<(PickedRank, TierDepths)>) {
-        let prompt =
-            pipeline::prompt_blocks(&request.prompt, self.block_size(), self.seed_for(request));
+        let prompt = pipeline::prompt_blocks(
+            &request.prompt,
+            self.block_size(),
+            self.seed_for(request),
+            max_blocks,
+        );
         let state = self.state.lock();
         let matches: HashMap<RankKey, TierDepths> = state
             .index

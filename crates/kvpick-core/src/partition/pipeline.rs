@@ -34,8 +34,17 @@ pub(crate) struct PromptBlocks {
     pub seq_hashes: Vec<u64>,
 }
 
-pub(crate) fn prompt_blocks(prompt: &PromptInput, block_size: u32, seed: u64) -> PromptBlocks {
+/// The prompt's token count and the chained hashes of at most `max_blocks` leading blocks: a
+/// prefix match needs only the prefix, and one huge prompt must not flush the index or hold the
+/// partition lock for long. The token count (the load it adds) is never capped.
+pub(crate) fn prompt_blocks(
+    prompt: &PromptInput,
+    block_size: u32,
+    seed: u64,
+    max_blocks: usize,
+) -> PromptBlocks {
     let bs = block_size as usize;
+    let max_tokens = max_blocks.saturating_mul(bs);
     match prompt {
         PromptInput::None => PromptBlocks {
             tokens: 0,
@@ -43,16 +52,17 @@ pub(crate) fn prompt_blocks(prompt: &PromptInput, block_size: u32, seed: u64) ->
         },
         PromptInput::Tokens(tokens) => PromptBlocks {
             tokens: tokens.len() as u64,
-            seq_hashes: hash::prompt_hashes(tokens, bs, seed),
+            seq_hashes: hash::prompt_hashes(&tokens[..tokens.len().min(max_tokens)], bs, seed),
         },
         PromptInput::BlockHashes {
             seq_hashes,
             prompt_tokens,
         } => PromptBlocks {
             tokens: *prompt_tokens,
-            seq_hashes: seq_hashes.clone(),
+            seq_hashes: seq_hashes[..seq_hashes.len().min(max_blocks)].to_vec(),
         },
-        PromptInput::Text(bytes) => {
+        PromptInput::Text(all) => {
+            let bytes = &all[..all.len().min(max_tokens.saturating_mul(4))];
             let words = bytes.chunks_exact(4);
             let tail = words.remainder();
             let mut pseudo: Vec<u32> = Vec::with_capacity(bytes.len().div_ceil(4));
@@ -63,7 +73,7 @@ pub(crate) fn prompt_blocks(prompt: &PromptInput, block_size: u32, seed: u64) ->
                 pseudo.push(u32::from_le_bytes(word));
             }
             PromptBlocks {
-                tokens: pseudo.len() as u64,
+                tokens: (all.len() as u64).div_ceil(4),
                 seq_hashes: hash::prompt_hashes(&pseudo, bs, seed),
             }
         }
