@@ -289,6 +289,11 @@ pub struct EventMetrics {
     pub kv_resets: IntCounter,
     /// KV-event subscriptions currently connected.
     pub kv_subscriptions: IntGauge,
+    /// Per rank: 1 once its engine's KV events apply (precise), 0 while only kvpick's own picks
+    /// feed its index (approximate).
+    pub rank_precise: IntGaugeVec,
+    /// KV stores dropped because their block size is not the partition's.
+    pub block_size_mismatches: IntCounter,
 }
 
 impl EventMetrics {
@@ -333,7 +338,28 @@ impl EventMetrics {
             )
             .unwrap(),
         );
+        let rank_precise = register(
+            registry,
+            IntGaugeVec::new(
+                Opts::new(
+                    "kvpick_rank_kv_events_precise",
+                    "1 once a rank's KV events apply (precise), 0 while only kvpick's picks feed its index",
+                ),
+                &["worker", "rank"],
+            )
+            .unwrap(),
+        );
+        let block_size_mismatches = register(
+            registry,
+            IntCounter::new(
+                "kvpick_kv_block_size_mismatch_total",
+                "KV stores dropped because their block size is not the partition's",
+            )
+            .unwrap(),
+        );
         EventMetrics {
+            rank_precise,
+            block_size_mismatches,
             kv_events,
             kv_event_gaps,
             kv_replays,
@@ -414,8 +440,18 @@ impl Metrics {
                         .with_label_values(&labels)
                         .set(load.active_decode_blocks as i64);
                 }
+                Fact::RankPrecise {
+                    worker,
+                    dp_rank,
+                    precise,
+                } => self
+                    .events
+                    .rank_precise
+                    .with_label_values(&[&**worker, &dp_rank.to_string()])
+                    .set(i64::from(*precise)),
                 Fact::RankGone { worker, dp_rank } => {
                     let labels = [&**worker, &dp_rank.to_string()];
+                    let _ = self.events.rank_precise.remove_label_values(&labels);
                     let _ = self.selection.inflight.remove_label_values(&labels);
                     let _ = self
                         .selection
@@ -461,7 +497,14 @@ impl Metrics {
                     }
                 }
                 Fact::PredictedOverlap(share) => self.selection.predicted_overlap.observe(*share),
-                Fact::KvEvents { applied, dropped } => {
+                Fact::KvEvents {
+                    applied,
+                    dropped,
+                    block_size_mismatches,
+                } => {
+                    self.events
+                        .block_size_mismatches
+                        .inc_by(*block_size_mismatches);
                     self.events
                         .kv_events
                         .with_label_values(&["applied"])

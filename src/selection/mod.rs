@@ -244,7 +244,7 @@ impl SelectionCore {
         rank: RankKey,
         events: &[kvpick_core::event::KvEvent],
     ) -> EventStats {
-        let (stats, facts) = self.core.apply_kv_events(rank, events);
+        let (stats, facts) = self.core.apply_kv_events(rank, events, now());
         self.record(facts);
         stats
     }

@@ -1017,7 +1017,8 @@ mod kv_events {
             stats,
             EventStats {
                 applied: 2,
-                dropped: 0
+                dropped: 0,
+                block_size_mismatches: 0,
             }
         );
         assert_eq!(overlap_on(&core, b, &tokens).gpu, 4);
@@ -1122,7 +1123,8 @@ mod kv_events {
             stats,
             EventStats {
                 applied: 1,
-                dropped: 3
+                dropped: 3,
+                block_size_mismatches: 1,
             }
         );
         let unknown_rank = RankKey {

@@ -473,20 +473,26 @@ impl Core {
     }
 
     /// Applies KV events published by one rank. Returns what was applied / dropped.
-    pub fn apply_kv_events(&self, rank: RankKey, events: &[KvEvent]) -> (EventStats, Facts) {
+    pub fn apply_kv_events(
+        &self,
+        rank: RankKey,
+        events: &[KvEvent],
+        now: Instant,
+    ) -> (EventStats, Facts) {
         let mut facts = Facts::default();
         let Some(partition) = self.partition_of_worker(rank.worker_id) else {
             // Not counted as facts: the rank is not (or no longer) in the catalog.
             let stats = EventStats {
-                applied: 0,
                 dropped: events.len() as u64,
+                ..EventStats::default()
             };
             return (stats, facts);
         };
-        let stats = partition.apply_events(rank, events);
+        let stats = partition.apply_events(rank, events, now, &mut facts);
         facts.push(Fact::KvEvents {
             applied: stats.applied,
             dropped: stats.dropped,
+            block_size_mismatches: stats.block_size_mismatches,
         });
         facts.push(partition.index_size());
         (stats, facts)
@@ -782,7 +788,7 @@ mod lifecycle_tests {
             lora_name: None,
             group_idx: None,
         };
-        let (stats, _) = core.apply_kv_events(rank(spec), &[event]);
+        let (stats, _) = core.apply_kv_events(rank(spec), &[event], Instant::now());
         assert_eq!(stats.applied, 1);
     }
 
@@ -880,5 +886,103 @@ mod lifecycle_tests {
         apply(&core, vec![b]);
         assert_eq!(load_of_a(&core), None);
         assert_eq!(core.live_bookings(), 0, "deleted: its bookings go");
+    }
+
+    fn overlap_at(core: &Core, name: &str, tokens: Vec<u32>, now: Instant) -> u32 {
+        let request = SelectionRequest {
+            model: Some("m".into()),
+            prompt: PromptInput::Tokens(tokens),
+            ..Default::default()
+        };
+        let (_, ranks) = core.overlap_scores(&request, now).unwrap();
+        ranks
+            .iter()
+            .find(|(r, _)| r.worker_name == name)
+            .map_or(0, |(_, d)| d.gpu)
+    }
+
+    /// A worker that declares a KV-event endpoint but whose engine publishes nothing is routed in
+    /// approximate mode (picks remembered for `approx_ttl`), not silently with 2 s predictions.
+    #[test]
+    fn a_rank_is_precise_only_once_its_events_arrive() {
+        let config = CoreConfig {
+            kv_events: true,
+            ..CoreConfig::default()
+        };
+        let core = Core::new(config);
+        let a = worker("a", 1);
+        apply(&core, vec![a.clone()]);
+        let t0 = Instant::now();
+        let pick = |id: &str, tokens: Vec<u32>| {
+            let request = SelectionRequest {
+                request_id: id.into(),
+                model: Some("m".into()),
+                prompt: PromptInput::Tokens(tokens),
+                ..Default::default()
+            };
+            let (s, facts) = core.select_and_reserve(&request, t0).unwrap();
+            core.free(&s.booking_id, Claim::Any, t0);
+            facts
+        };
+        let silent: Vec<u32> = (1_000..1_000 + 4 * BS as u32).collect();
+        pick("r1", silent.clone());
+        let later = t0 + std::time::Duration::from_secs(10);
+        assert_eq!(
+            overlap_at(&core, "a", silent.clone(), later),
+            4,
+            "no events yet: the pick is remembered past the 2 s prediction"
+        );
+        announce(&core, &a);
+        let (_, facts) = core.apply_kv_events(rank(&a), &[], t0);
+        assert!(facts.iter().all(|f| !matches!(f, Fact::RankPrecise { .. })));
+        let fresh: Vec<u32> = (5_000..5_000 + 4 * BS as u32).collect();
+        pick("r2", fresh.clone());
+        assert_eq!(
+            overlap_at(&core, "a", fresh, later),
+            0,
+            "precise: a prediction lives only until the engine's events could confirm it"
+        );
+    }
+
+    #[test]
+    fn the_block_size_is_learned_from_events_and_mismatches_are_counted() {
+        let core = Core::new(CoreConfig::default());
+        let a = WorkerSpec {
+            block_size: None,
+            ..worker("a", 1)
+        };
+        apply(&core, vec![a.clone()]);
+        let key = PartitionKey {
+            model: "m".into(),
+            routing_group: String::new(),
+        };
+        assert_eq!(core.block_size(&key), DEFAULT_BLOCK_SIZE);
+        let tokens: Vec<u32> = (0..128).collect();
+        let store = |hashes: Vec<u64>, tokens: Vec<u32>, size: u32| KvEvent::BlockStored {
+            block_hashes: hashes,
+            parent_block_hash: None,
+            token_ids: tokens,
+            block_size: size,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            group_idx: None,
+        };
+        let now = Instant::now();
+        let (stats, _) =
+            core.apply_kv_events(rank(&a), &[store(vec![1, 2], tokens.clone(), 64)], now);
+        assert_eq!((stats.applied, stats.block_size_mismatches), (1, 0));
+        assert_eq!(core.block_size(&key), 64, "learned from the engine");
+        assert_eq!(overlap_at(&core, "a", tokens.clone(), now), 2);
+        let (stats, facts) =
+            core.apply_kv_events(rank(&a), &[store(vec![3], (0..16).collect(), 16)], now);
+        assert_eq!((stats.dropped, stats.block_size_mismatches), (1, 1));
+        assert!(facts.iter().any(|f| matches!(
+            f,
+            Fact::KvEvents {
+                block_size_mismatches: 1,
+                ..
+            }
+        )));
     }
 }

@@ -36,8 +36,20 @@ pub enum Fact {
     },
     /// Share of a pick's prompt blocks already cached on the picked rank.
     PredictedOverlap(f64),
-    /// KV events applied and dropped.
-    KvEvents { applied: u64, dropped: u64 },
+    /// KV events applied and dropped (of which `block_size_mismatches` for a block size other
+    /// than the partition's).
+    KvEvents {
+        applied: u64,
+        dropped: u64,
+        block_size_mismatches: u64,
+    },
+    /// Whether a rank's index entries come from its engine's KV events (precise) or only from
+    /// kvpick's own picks (approximate).
+    RankPrecise {
+        worker: Arc<str>,
+        dp_rank: u32,
+        precise: bool,
+    },
     /// Workers in the catalog per lifecycle, in [`Lifecycle::ALL`] order.
     CatalogWorkers([usize; 4]),
     /// Bookings reaped because they outlived the booking TTL.

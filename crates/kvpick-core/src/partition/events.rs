@@ -2,7 +2,11 @@
 //! token ids, so engine hashes are only keys (for removals and tokenless stores), kept per rank in
 //! an [`EngineMap`].
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use crate::event::{KvEvent, Medium};
+use crate::facts::{Fact, Facts};
 use crate::hash;
 use crate::index::{MixedMap, PrefixIndex, Tier};
 use crate::types::RankKey;
@@ -15,6 +19,8 @@ pub struct EventStats {
     pub applied: u64,
     /// Events that could not be applied (unknown parent or block, block-size mismatch, unknown rank).
     pub dropped: u64,
+    /// Of `dropped`: stores whose block size is not the partition's.
+    pub block_size_mismatches: u64,
 }
 
 /// Engine block hash -> our chained hash, for one rank. Reference counts per tier live in the
@@ -98,8 +104,18 @@ fn store_blocks(
 impl Partition {
     /// Applies one rank's KV events to the index. The router recomputes block hashes from the
     /// events' token ids (engine hashes are only keys for removal and tokenless stores).
-    pub fn apply_events(&self, rank: RankKey, events: &[KvEvent]) -> EventStats {
-        let block_size = self.block_size() as usize;
+    ///
+    /// A partition whose workers never declared a block size learns it from the first stored
+    /// block of another size (its index starts afresh); after that, stores of another size are
+    /// dropped and counted as mismatches. A rank counts as precise (its picks' predicted entries
+    /// live only `predicted_ttl`) once one of its events has applied.
+    pub fn apply_events(
+        &self,
+        rank: RankKey,
+        events: &[KvEvent],
+        now: Instant,
+        facts: &mut Facts,
+    ) -> EventStats {
         let mut stats = EventStats::default();
         let mut guard = self.state.lock();
         let state = &mut *guard;
@@ -107,6 +123,8 @@ impl Partition {
             stats.dropped = events.len() as u64;
             return stats;
         }
+        self.learn_block_size(state, events, now);
+        let block_size = self.block_size() as usize;
         let map = state.engines.entry(rank).or_default();
         for event in events {
             let ok = match event {
@@ -141,6 +159,18 @@ impl Partition {
                     medium,
                     lora_name,
                     ..
+                } if !token_ids.is_empty() && *event_block_size as usize != block_size => {
+                    stats.block_size_mismatches = stats.block_size_mismatches.saturating_add(1);
+                    false
+                }
+                KvEvent::BlockStored {
+                    block_hashes,
+                    parent_block_hash,
+                    token_ids,
+                    block_size: event_block_size,
+                    medium,
+                    lora_name,
+                    ..
                 } => {
                     let stored = StoredBlocks {
                         block_hashes,
@@ -159,7 +189,41 @@ impl Partition {
                 stats.dropped = stats.dropped.saturating_add(1);
             }
         }
+        if stats.applied > 0 {
+            if let Some(slot) = state.ranks.get_mut(&rank).filter(|s| !s.events_seen) {
+                slot.events_seen = true;
+                facts.push(Fact::RankPrecise {
+                    worker: Arc::clone(&slot.worker_name),
+                    dp_rank: rank.dp_rank,
+                    precise: true,
+                });
+            }
+        }
         stats
+    }
+
+    /// Adopts the block size of the first stored block when no worker declared one.
+    fn learn_block_size(&self, state: &mut super::State, events: &[KvEvent], now: Instant) {
+        if state.declared_block_size.is_some() {
+            return;
+        }
+        let learned = events.iter().find_map(|e| match e {
+            KvEvent::BlockStored {
+                token_ids,
+                block_size,
+                ..
+            } if !token_ids.is_empty() && *block_size > 0 => Some(*block_size),
+            _ => None,
+        });
+        if let Some(size) = learned {
+            state.declared_block_size = Some(size);
+            if size != self.block_size() {
+                state.index = PrefixIndex::new(state.index.capacity(), now);
+                state.engines.clear();
+                self.block_size
+                    .store(size, std::sync::atomic::Ordering::Relaxed);
+            }
+        }
     }
 
     /// Forgets every block of a rank (engine restart).

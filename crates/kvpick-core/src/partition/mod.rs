@@ -242,7 +242,9 @@ impl Partition {
             Some(current) if current == declared => Ok(()),
             _ => {
                 if state.declared_block_size.is_some() || declared != DEFAULT_BLOCK_SIZE {
+                    // Engine hashes map to our hashes of the old size: both start afresh.
                     state.index = PrefixIndex::new(state.index.capacity(), now);
+                    state.engines.clear();
                 }
                 state.declared_block_size = Some(declared);
                 self.block_size.store(declared, Ordering::Relaxed);
@@ -282,6 +284,7 @@ impl Partition {
                 worker_id: record.id,
                 dp_rank: rank.dp_rank,
             };
+            let new_rank = state.ranks.get(&key).is_none();
             let slot = state.ranks.get_or_insert_with(key, || Slot {
                 worker_name: Arc::clone(&name),
                 endpoint: rank.endpoint,
@@ -290,6 +293,7 @@ impl Partition {
                 schedulable: false,
                 kv_events: false,
                 incarnation: record.spec.incarnation,
+                events_seen: false,
                 load: RankLoad::default(),
             });
             if slot.incarnation != record.spec.incarnation {
@@ -297,12 +301,20 @@ impl Partition {
                 slot.incarnation = record.spec.incarnation;
                 state.index.clear_rank(key);
                 state.engines.remove(&key);
+                slot.events_seen = false;
             }
             slot.worker_name = Arc::clone(&name);
             slot.multiplexed = rank.multiplexed;
             slot.lora_adapters = Arc::clone(&lora);
             slot.schedulable = record.lifecycle == Lifecycle::Schedulable;
             slot.kv_events = record.spec.kv_events.is_some();
+            if new_rank {
+                facts.push(Fact::RankPrecise {
+                    worker: Arc::clone(&name),
+                    dp_rank: key.dp_rank,
+                    precise: false,
+                });
+            }
         }
     }
 
@@ -591,7 +603,7 @@ impl Partition {
             .active_decode_blocks
             .saturating_add(booking.decode_blocks);
         slot.load.active_requests = slot.load.active_requests.saturating_add(1);
-        let ttl = if config.kv_events && slot.kv_events {
+        let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
             config.predicted_ttl
         } else {
             config.approx_ttl

@@ -17,6 +17,9 @@ pub(crate) struct Slot {
     pub kv_events: bool,
     /// The engine run this slot's index entries belong to ([`crate::WorkerSpec::incarnation`]).
     pub incarnation: u64,
+    /// One of the rank's KV events has applied: its index entries come from the engine, so the
+    /// pick's own predictions need to live only until the engine's events confirm them.
+    pub events_seen: bool,
     pub load: RankLoad,
 }
 

@@ -545,7 +545,7 @@ impl Policy for Kvpick {
         }
     }
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
-        let (stats, _) = self.core.apply_kv_events(self.ranks[rank], events);
+        let (stats, _) = self.core.apply_kv_events(self.ranks[rank], events, now());
         self.events_dropped += stats.dropped;
     }
 }

@@ -19,6 +19,7 @@ fn slot(port: u16) -> Slot {
         schedulable: true,
         kv_events: false,
         incarnation: 0,
+        events_seen: false,
         load: RankLoad::default(),
     }
 }
