@@ -63,6 +63,8 @@ fn core() -> &'static (Arc<SelectionCore>, Arc<ExtProcSettings>) {
             kv_events: None,
             kv_replay: None,
             lora_adapters: vec![],
+            draining: false,
+            incarnation: 0,
         };
         core.apply_snapshot(vec![
             spec("a", "10.0.0.1", RankLayout::PerPort(vec![8000, 8001])),

@@ -197,7 +197,7 @@ impl SelectionCore {
 
     /// Moves a booking to the endpoint that actually served it (Envoy may fall back).
     pub fn move_booking(&self, booking_id: &str, claim: Claim, served: SocketAddr) -> bool {
-        let (moved, facts) = self.core.move_booking(booking_id, claim, served, now());
+        let (moved, facts) = self.core.move_booking(booking_id, claim, served);
         self.record(facts);
         moved
     }

@@ -1229,3 +1229,83 @@ fn by_default_a_cached_prefix_outweighs_a_little_decode_load() {
     // With equal overlap, decode load still decides.
     assert!(cost(&cand(3, 0), 160, 16, &params) < cost(&cand(4, 0), 160, 16, &params));
 }
+
+#[test]
+fn a_moved_booking_keeps_its_session_lease() {
+    let core = session_core(SessionConfig::default(), BusyThresholds::default());
+    let pick = core
+        .select_and_reserve(&session_request("r", "s", vec![1; 32]))
+        .unwrap();
+    let other = if pick.selection().primary.worker_name == "a" {
+        "127.0.0.1:3"
+    } else {
+        "127.0.0.1:1"
+    };
+    assert!(pick.served_by(other.parse().unwrap()));
+    // Long past the idle TTL, but the request is still in flight: the binding must stay.
+    core.reap_expired(Instant::now() + Duration::from_secs(3_600));
+    assert_eq!(core.metrics().selection.sessions_live.get(), 1);
+    drop(pick);
+    core.reap_expired(Instant::now() + Duration::from_secs(3_600));
+    assert_eq!(core.metrics().selection.sessions_live.get(), 0);
+}
+
+#[test]
+fn a_multiplexed_fallback_is_booked_on_the_same_rank_of_the_serving_pod() {
+    let core = core_with(CoreConfig {
+        allow_pins: true,
+        ..Default::default()
+    });
+    let mux = |port| RankLayout::Multiplexed { port, size: 2 };
+    core.apply_snapshot(vec![spec("p1", "m", mux(1)), spec("p2", "m", mux(2))])
+        .unwrap();
+    let p1 = rank_of(&core, "p1", 1);
+    let mut r = request("r", Some("m"));
+    r.pin = Some(Pin {
+        worker_id: p1.worker_id,
+        dp_rank: Some(1),
+    });
+    let pick = core.select_and_reserve(&r).unwrap();
+    assert!(pick.served_by("127.0.0.1:2".parse().unwrap()));
+    let p2 = core
+        .list_workers(None)
+        .into_iter()
+        .find(|w| w.record.spec.name == "p2")
+        .unwrap();
+    let requests: Vec<u64> = p2.loads.iter().map(|l| l.active_requests).collect();
+    assert_eq!(
+        requests,
+        vec![0, 1],
+        "rank 1 of p2 runs it (X-data-parallel-rank: 1)"
+    );
+}
+
+#[test]
+fn a_soft_binding_moved_by_a_pin_is_still_one_live_session() {
+    let soft = SessionConfig {
+        mode: AffinityMode::Soft,
+        ..SessionConfig::default()
+    };
+    let core = session_core(soft, BusyThresholds::default());
+    let first = core
+        .select_and_reserve(&session_request("r1", "s", vec![1; 32]))
+        .unwrap()
+        .detach();
+    let other = if first.primary.worker_name == "a" {
+        "b"
+    } else {
+        "a"
+    };
+    let mut pinned = session_request("r2", "s", vec![2; 32]);
+    pinned.pin = Some(Pin {
+        worker_id: rank_of(&core, other, 0).worker_id,
+        dp_rank: None,
+    });
+    let second = core.select_and_reserve(&pinned).unwrap();
+    assert_eq!(
+        second.selection().primary.worker_name,
+        other,
+        "soft: the pin wins"
+    );
+    assert_eq!(core.metrics().selection.sessions_live.get(), 1);
+}

@@ -375,18 +375,12 @@ impl Core {
         booking_id: &str,
         claim: Claim,
         served: SocketAddr,
-        now: Instant,
     ) -> (bool, Facts) {
         let mut facts = Facts::default();
         let moved = self
             .booked(booking_id, claim)
             .is_some_and(|(generation, p)| {
-                p.move_booking(
-                    &(booking_id.to_string(), generation),
-                    served,
-                    now,
-                    &mut facts,
-                )
+                p.move_booking(&(booking_id.to_string(), generation), served, &mut facts)
             });
         (moved, facts)
     }

@@ -156,8 +156,9 @@ pub struct SessionTable {
 /// What [`SessionTable::bind`] did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Bound {
-    /// Bound (or rebound); `evicted` says whether an idle binding made room.
-    Yes { evicted: bool },
+    /// Bound: `created` unless an existing binding was moved; `evicted` when an idle binding made
+    /// room for it.
+    Yes { created: bool, evicted: bool },
     /// The table is full of sessions with requests in flight.
     Full,
 }
@@ -201,7 +202,10 @@ impl SessionTable {
     pub fn bind(&mut self, id: &str, rank: RankKey, now: Instant, max_entries: usize) -> Bound {
         if let Some(b) = self.entries.get_mut(id) {
             b.rank = rank;
-            return Bound::Yes { evicted: false };
+            return Bound::Yes {
+                created: false,
+                evicted: false,
+            };
         }
         let mut evicted = false;
         if self.entries.len() >= max_entries {
@@ -221,7 +225,10 @@ impl SessionTable {
             },
         );
         self.push_idle(id, stamp);
-        Bound::Yes { evicted }
+        Bound::Yes {
+            created: true,
+            evicted,
+        }
     }
 
     fn next_stamp(&mut self) -> u64 {
@@ -308,7 +315,10 @@ mod tests {
         let mut t = SessionTable::default();
         assert_eq!(
             t.bind("s", rank(1), clock, 10),
-            Bound::Yes { evicted: false }
+            Bound::Yes {
+                created: true,
+                evicted: false
+            }
         );
         t.acquire("s");
         t.acquire("s");
@@ -333,7 +343,14 @@ mod tests {
     fn expired_entries_are_gone_on_lookup_and_the_table_is_bounded() {
         let mut clock = Instant::now();
         let mut t = SessionTable::default();
-        let yes = Bound::Yes { evicted: false };
+        let yes = Bound::Yes {
+            created: true,
+            evicted: false,
+        };
+        let moved = Bound::Yes {
+            created: false,
+            evicted: false,
+        };
         assert_eq!(t.bind("a", rank(1), clock, 2), yes);
         assert_eq!(t.bind("b", rank(2), clock, 2), yes);
         t.acquire("a");
@@ -345,8 +362,8 @@ mod tests {
         );
         assert_eq!(
             t.bind("a", rank(4), clock, 2),
-            yes,
-            "rebinding an existing id is fine"
+            moved,
+            "rebinding an existing id is fine (and creates nothing)"
         );
         t.release("a", clock);
         t.release("b", clock);

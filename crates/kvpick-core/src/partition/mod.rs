@@ -558,10 +558,11 @@ impl Partition {
                     .sessions
                     .bind(sid, pick.rank, now, config.sessions.max_entries)
                 {
-                    Bound::Yes { evicted } => {
+                    Bound::Yes { created, evicted } => {
                         if evicted {
+                            // One binding out, one in: the live count stays.
                             facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
-                        } else {
+                        } else if created {
                             facts.push(Fact::SessionsLive(1));
                         }
                         SessionOutcome::Created
@@ -638,10 +639,16 @@ impl Partition {
         }
     }
 
+    /// Ends a booking: its session lease and its load.
     fn release(state: &mut State, booking: &Booking, now: Instant, facts: &mut Facts) {
         if let Some(sid) = &booking.session {
             state.sessions.release(sid, now);
         }
+        Self::unload(state, booking, facts);
+    }
+
+    /// Takes a booking's load off its rank (the booking itself lives on elsewhere or not).
+    fn unload(state: &mut State, booking: &Booking, facts: &mut Facts) {
         if let Some(slot) = state.ranks.get_mut(&booking.rank) {
             if !booking.prefill_complete {
                 slot.load.active_prefill_tokens = slot
@@ -702,7 +709,6 @@ impl Partition {
         &self,
         (booking_id, generation): &BookingRef,
         served: SocketAddr,
-        now: Instant,
         facts: &mut Facts,
     ) -> bool {
         let mut guard = self.state.lock();
@@ -722,10 +728,12 @@ impl Partition {
         {
             return false;
         }
-        let Some(target) = state
-            .ranks
-            .iter()
-            .find(|(_, s)| s.endpoint == served)
+        // Multiplexed ranks share an address: the request still carries the picked rank's
+        // `X-data-parallel-rank`, so the same rank of the serving pod is the one that runs it.
+        let serving = || state.ranks.iter().filter(|(_, s)| s.endpoint == served);
+        let Some(target) = serving()
+            .find(|(k, _)| k.dp_rank == current.dp_rank)
+            .or_else(|| serving().min_by_key(|(_, s)| s.load.active_requests))
             .map(|(k, _)| *k)
         else {
             return false;
@@ -733,7 +741,8 @@ impl Partition {
         let Some(booking) = state.bookings.remove(booking_id) else {
             return false;
         };
-        Self::release(state, &booking, now, facts);
+        // The session lease moves with the booking; only the load changes rank.
+        Self::unload(state, &booking, facts);
         let Some(slot) = state.ranks.get_mut(&target) else {
             return false;
         };
