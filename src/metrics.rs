@@ -452,6 +452,10 @@ impl Metrics {
                 Fact::RankGone { worker, dp_rank } => {
                     let labels = [&**worker, &dp_rank.to_string()];
                     let _ = self.events.rank_precise.remove_label_values(&labels);
+                    let _ = self
+                        .extproc
+                        .time_to_first_byte
+                        .remove_label_values(&[&**worker]);
                     let _ = self.selection.inflight.remove_label_values(&labels);
                     let _ = self
                         .selection

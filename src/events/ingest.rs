@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -23,13 +23,19 @@ const BACKOFF_MAX: Duration = Duration::from_secs(5);
 /// How long a replay may go without a reply before it is abandoned as incomplete.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long after a replay queued live messages may still arrive as duplicates of it. They sat
+/// in the socket while the replay ran and are read right after it, so anything later that goes
+/// backwards is a new engine run, not a duplicate.
+pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
+
 /// Sequence bookkeeping of one publisher, separate from sockets so it is unit-testable.
 #[derive(Debug, Default)]
 pub struct SequenceTracker {
     last: Option<u64>,
-    /// Right after a replay from `n`, queued live messages with `n <= seq <= last` are duplicates;
-    /// the window closes at the next applied message.
-    replayed_from: Option<u64>,
+    /// Right after a replay from `n`, queued live messages with `n <= seq <= last` are
+    /// duplicates: `(lowest duplicate still expected, window end)`. Duplicates arrive in order,
+    /// so the low end follows them; the window closes at the next applied message or at its end.
+    duplicates: Option<(u64, Instant)>,
 }
 
 /// What to do with a message of sequence `seq`.
@@ -47,12 +53,17 @@ pub enum SeqAction {
 }
 
 impl SequenceTracker {
-    pub fn classify(&self, seq: u64) -> SeqAction {
+    pub fn classify(&self, seq: u64, now: Instant) -> SeqAction {
+        let queued_copy = self
+            .duplicates
+            .is_some_and(|(from, until)| seq >= from && now < until);
         match self.last {
             None => SeqAction::Apply,
-            Some(last) if seq == last + 1 => SeqAction::Apply,
-            Some(last) if seq > last => SeqAction::Gap { from: last + 1 },
-            Some(_) if self.replayed_from.is_some_and(|from| seq >= from) => SeqAction::Duplicate,
+            Some(last) if seq == last.saturating_add(1) => SeqAction::Apply,
+            Some(last) if seq > last => SeqAction::Gap {
+                from: last.saturating_add(1),
+            },
+            Some(_) if queued_copy => SeqAction::Duplicate,
             Some(last) if seq == last => SeqAction::Duplicate,
             Some(_) => SeqAction::Restart,
         }
@@ -62,16 +73,23 @@ impl SequenceTracker {
     /// which older sequence numbers count as duplicates (after it, going backwards is a restart).
     pub fn applied(&mut self, seq: u64) {
         self.last = Some(seq);
-        self.replayed_from = None;
+        self.duplicates = None;
+    }
+
+    /// A queued copy of a replayed message was dropped: the next copy comes after it.
+    pub fn duplicate(&mut self, seq: u64) {
+        if let Some((from, _)) = &mut self.duplicates {
+            *from = (*from).max(seq.saturating_add(1));
+        }
     }
 
     pub fn restarted(&mut self) {
         self.last = None;
-        self.replayed_from = None;
+        self.duplicates = None;
     }
 
-    pub fn replayed(&mut self, from: u64) {
-        self.replayed_from = Some(from);
+    pub fn replayed(&mut self, from: u64, now: Instant) {
+        self.duplicates = Some((from, now + DUPLICATE_WINDOW));
     }
 
     pub fn last(&self) -> Option<u64> {
@@ -104,9 +122,9 @@ impl RankStream {
     /// Handles one live message.
     async fn handle(&mut self, seq: u64, batch: EventBatch) {
         let metrics = self.core.metrics().clone();
-        match self.seq.classify(seq) {
+        match self.seq.classify(seq, Instant::now()) {
             SeqAction::Apply => self.apply(seq, &batch),
-            SeqAction::Duplicate => {}
+            SeqAction::Duplicate => self.seq.duplicate(seq),
             SeqAction::Restart => {
                 tracing::info!(endpoint = %self.endpoint, seq, "KV-event publisher restarted; clearing rank");
                 metrics.events.kv_resets.inc();
@@ -116,7 +134,7 @@ impl RankStream {
                     // Messages of the new run that arrived while we reconnected.
                     self.replay_from(0).await;
                 }
-                if self.seq.classify(seq) != SeqAction::Duplicate {
+                if self.seq.classify(seq, Instant::now()) != SeqAction::Duplicate {
                     self.apply(seq, &batch);
                 }
             }
@@ -127,7 +145,7 @@ impl RankStream {
                 } else {
                     tracing::warn!(endpoint = %self.endpoint, from, seq, "KV-event gap and no replay endpoint");
                 }
-                if self.seq.classify(seq) != SeqAction::Duplicate {
+                if self.seq.classify(seq, Instant::now()) != SeqAction::Duplicate {
                     self.apply(seq, &batch);
                 }
             }
@@ -157,7 +175,7 @@ impl RankStream {
             .kv_replays
             .with_label_values(&[outcome])
             .inc();
-        self.seq.replayed(from);
+        self.seq.replayed(from, Instant::now());
     }
 
     /// Returns whether the replay reached its end marker with no missing sequence numbers.
@@ -313,27 +331,57 @@ mod tests {
 
     #[test]
     fn sequence_rules() {
+        let now = Instant::now();
         let mut t = SequenceTracker::default();
-        assert_eq!(t.classify(5), SeqAction::Apply, "first message at any seq");
+        assert_eq!(
+            t.classify(5, now),
+            SeqAction::Apply,
+            "first message at any seq"
+        );
         t.applied(5);
-        assert_eq!(t.classify(6), SeqAction::Apply);
-        assert_eq!(t.classify(5), SeqAction::Duplicate);
-        assert_eq!(t.classify(9), SeqAction::Gap { from: 6 });
-        assert_eq!(t.classify(0), SeqAction::Restart);
-        assert_eq!(t.classify(3), SeqAction::Restart);
+        assert_eq!(t.classify(6, now), SeqAction::Apply);
+        assert_eq!(t.classify(5, now), SeqAction::Duplicate);
+        assert_eq!(t.classify(9, now), SeqAction::Gap { from: 6 });
+        assert_eq!(t.classify(0, now), SeqAction::Restart);
+        assert_eq!(t.classify(3, now), SeqAction::Restart);
         // A replay from 3 applied 3..=8; live copies of 3..=8 still queued are duplicates.
         t.applied(8);
-        t.replayed(3);
+        t.replayed(3, now);
         assert_eq!(
-            t.classify(4),
+            t.classify(4, now),
             SeqAction::Duplicate,
             "queued live copy of a replayed message"
         );
-        assert_eq!(t.classify(2), SeqAction::Restart);
+        assert_eq!(t.classify(2, now), SeqAction::Restart);
         // Once the live stream moves past the replay, going backwards means a restart again.
         t.applied(9);
-        assert_eq!(t.classify(4), SeqAction::Restart);
+        assert_eq!(t.classify(4, now), SeqAction::Restart);
         t.restarted();
-        assert_eq!(t.classify(0), SeqAction::Apply);
+        assert_eq!(t.classify(0, now), SeqAction::Apply);
+    }
+
+    /// A replay at subscribe time covers 0..=last. A much later engine restart whose sequence
+    /// starts again at 0 must not be taken for queued copies of that replay.
+    #[test]
+    fn the_duplicate_window_after_a_replay_is_short_and_follows_the_copies() {
+        let t0 = Instant::now();
+        let mut t = SequenceTracker::default();
+        t.applied(10);
+        t.replayed(0, t0);
+        assert_eq!(t.classify(4, t0), SeqAction::Duplicate, "a queued copy");
+        t.duplicate(4);
+        assert_eq!(t.classify(5, t0), SeqAction::Duplicate, "the next copy");
+        t.duplicate(5);
+        assert_eq!(
+            t.classify(0, t0),
+            SeqAction::Restart,
+            "copies arrive in order: going back below them is a new run"
+        );
+        let later = t0 + DUPLICATE_WINDOW;
+        assert_eq!(
+            t.classify(6, later),
+            SeqAction::Restart,
+            "past the window nothing old is a queued copy"
+        );
     }
 }

@@ -324,7 +324,7 @@ impl StreamMachine {
                     self.header_error.get_or_insert_with(|| err.to_string());
                 } else if !value.is_empty() && session.as_ref().is_none_or(|(p, _)| preference < *p)
                 {
-                    session = Some((preference, value.to_string()));
+                    session = Some((preference, session_key(h)));
                 }
             }
             self.header_names.push(name);
@@ -781,6 +781,26 @@ fn header_len(h: &HeaderValue) -> usize {
         h.value.len()
     } else {
         h.raw_value.len()
+    }
+}
+
+/// A session id as the table keys it: the header as sent when it is UTF-8; otherwise U+FFFD
+/// followed by the bytes in hex, so distinct invalid ids stay distinct (a lossy conversion would
+/// make every one of them the same run of U+FFFD).
+fn session_key(h: &HeaderValue) -> String {
+    if h.raw_value.is_empty() {
+        return h.value.clone();
+    }
+    match std::str::from_utf8(&h.raw_value) {
+        Ok(s) => s.to_string(),
+        Err(_) => {
+            let mut key = String::with_capacity(3 + 2 * h.raw_value.len());
+            key.push('\u{fffd}');
+            for b in &h.raw_value {
+                key.push_str(&format!("{b:02x}"));
+            }
+            key
+        }
     }
 }
 

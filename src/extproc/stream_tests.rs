@@ -844,6 +844,27 @@ fn odd_but_valid_bodies_route() {
 }
 
 #[test]
+fn session_ids_that_differ_only_in_invalid_bytes_stay_distinct() {
+    let core = pin_core();
+    let with_session = |sid: &[u8]| {
+        raw_headers(&[
+            (":method", b"POST"),
+            (":path", b"/v1/chat/completions"),
+            ("content-type", b"application/json"),
+            ("x-dynamo-session-id", sid),
+        ])
+    };
+    assert_eq!(outcome(&core, with_session(&[0xff; 8]), CHAT), 200);
+    assert_eq!(outcome(&core, with_session(&[0xfe; 8]), CHAT), 200);
+    assert_eq!(outcome(&core, with_session(b"plain"), CHAT), 200);
+    assert_eq!(
+        core.metrics().selection.sessions_live.get(),
+        3,
+        "a lossy conversion would have made the first two one session"
+    );
+}
+
+#[test]
 fn invalid_utf8_and_binary_header_values() {
     let core = pin_core();
     let h = |extra: &[(&str, &[u8])]| {

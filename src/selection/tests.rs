@@ -1309,3 +1309,24 @@ fn a_soft_binding_moved_by_a_pin_is_still_one_live_session() {
     );
     assert_eq!(core.metrics().selection.sessions_live.get(), 1);
 }
+
+#[test]
+fn a_departed_workers_series_are_removed() {
+    let core = core();
+    core.apply_snapshot(vec![
+        spec("a", "m", ports(&[1])),
+        spec("b", "m", ports(&[2])),
+    ])
+    .unwrap();
+    let ttfb = &core.metrics().extproc.time_to_first_byte;
+    ttfb.with_label_values(&["a"]).observe(0.1);
+    ttfb.with_label_values(&["b"]).observe(0.1);
+    core.select_and_reserve(&request("r", Some("m")))
+        .unwrap()
+        .free();
+    core.apply_snapshot(vec![spec("b", "m", ports(&[2]))])
+        .unwrap();
+    let text = core.metrics().render();
+    assert!(!text.contains("worker=\"a\""), "{text}");
+    assert!(text.contains("kvpick_time_to_first_byte_seconds_count{worker=\"b\"}"));
+}
