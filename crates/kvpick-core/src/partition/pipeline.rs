@@ -210,7 +210,9 @@ pub(crate) fn is_busy(load: &RankLoad, busy: &BusyThresholds, fraction: f64) -> 
             .is_some_and(|t| over(load.active_prefill_tokens, t))
 }
 
-/// Drops ranks over a busy threshold; a hard-bound rank keeps its session even when busy.
+/// Drops ranks over a busy threshold. A hard-bound rank over its threshold is not silently
+/// replaced (that would break hard affinity) nor silently overloaded: the request is refused with
+/// 429, like a pin, and a sheddable one is shed first (its threshold is scaled down).
 pub(crate) fn drop_busy(
     slots: &[(RankKey, Slot)],
     eligible: &mut Vec<usize>,
@@ -225,11 +227,25 @@ pub(crate) fn drop_busy(
     } else {
         1.0
     };
-    eligible.retain(|&i| {
+    let busy_rank = |i: usize| {
         slots
             .get(i)
-            .is_some_and(|(k, s)| !is_busy(&s.load, busy, fraction) || Some(*k) == hard_bound)
-    });
+            .is_none_or(|(_, s)| is_busy(&s.load, busy, fraction))
+    };
+    if let Some(bound) = hard_bound {
+        let bound_position = eligible
+            .iter()
+            .copied()
+            .find(|&i| slots.get(i).is_some_and(|(k, _)| *k == bound));
+        if bound_position.is_some_and(busy_rank) {
+            return Err(SelectError::Overloaded(if sheddable {
+                "sheddable request shed: the session's worker is near its busy threshold".into()
+            } else {
+                "the session's worker is over its busy threshold".into()
+            }));
+        }
+    }
+    eligible.retain(|&i| !busy_rank(i));
     if eligible.is_empty() {
         return Err(SelectError::Overloaded(if pinned {
             "pinned worker is over its busy threshold".into()

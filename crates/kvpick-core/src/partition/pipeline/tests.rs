@@ -202,7 +202,7 @@ fn adapter_requests_go_where_the_adapter_is_loaded() {
 }
 
 #[test]
-fn busy_ranks_are_dropped_sheddable_first_and_a_hard_binding_stays() {
+fn busy_ranks_are_dropped_sheddable_first_and_a_busy_hard_binding_is_refused() {
     let mut table = slots();
     table[0].1.load.active_prefill_tokens = 100;
     table[1].1.load.active_prefill_tokens = 85;
@@ -217,12 +217,25 @@ fn busy_ranks_are_dropped_sheddable_first_and_a_hard_binding_stays() {
     let mut eligible = vec![0, 1, 2];
     drop_busy(&table, &mut eligible, &busy, -1, None, false).unwrap();
     assert_eq!(eligible, vec![2], "sheddable requests see 80% of it");
-    let mut eligible = vec![0, 1];
-    drop_busy(&table, &mut eligible, &busy, 0, Some(key(1, 0)), false).unwrap();
+    let err = drop_busy(&table, &mut vec![0, 1], &busy, 0, Some(key(1, 0)), false);
+    assert_eq!(
+        err,
+        Err(SelectError::Overloaded(
+            "the session's worker is over its busy threshold".into()
+        )),
+        "a busy hard-bound rank is neither replaced nor overloaded"
+    );
+    let err = drop_busy(&table, &mut vec![1, 2], &busy, -1, Some(key(2, 0)), false);
+    assert!(
+        matches!(&err, Err(SelectError::Overloaded(m)) if m.contains("shed")),
+        "a sheddable request to a rank near its threshold is shed: {err:?}"
+    );
+    let mut eligible = vec![1, 2];
+    drop_busy(&table, &mut eligible, &busy, 0, Some(key(2, 0)), false).unwrap();
     assert_eq!(
         eligible,
-        vec![0, 1],
-        "the hard-bound rank stays although busy"
+        vec![1, 2],
+        "under its threshold the bound rank serves"
     );
     let err = drop_busy(&table, &mut vec![0], &busy, 0, None, true);
     assert_eq!(
