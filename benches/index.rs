@@ -114,6 +114,7 @@ fn store_events(ids: &[u64]) -> Vec<KvEvent> {
         lora_id: None,
         medium: Medium::Gpu,
         lora_name: None,
+        cache_salt: None,
         group_idx: None,
     }]
 }

@@ -17,6 +17,7 @@ fn sample() -> Vec<KvEvent> {
             lora_id: None,
             medium: Medium::Gpu,
             lora_name: None,
+            cache_salt: None,
             group_idx: None,
         },
         KvEvent::BlockStored {
@@ -27,6 +28,7 @@ fn sample() -> Vec<KvEvent> {
             lora_id: None,
             medium: Medium::Gpu,
             lora_name: None,
+            cache_salt: None,
             group_idx: None,
         },
         KvEvent::BlockRemoved {
@@ -82,4 +84,23 @@ fn array_encoding_has_vllms_shape() {
             "lora_name"
         ]
     );
+}
+
+#[test]
+fn a_salted_store_round_trips_through_both_encodings() {
+    let salted = vec![KvEvent::BlockStored {
+        block_hashes: vec![1, 2],
+        parent_block_hash: None,
+        token_ids: (0..32).collect(),
+        block_size: 16,
+        lora_id: None,
+        medium: Medium::Gpu,
+        lora_name: None,
+        cache_salt: Some("tenant-1".into()),
+        group_idx: None,
+    }];
+    for enc in [Encoding::Array, Encoding::Map] {
+        let batch = decode_batch(&encode_batch(0.0, &salted, None, enc)).unwrap();
+        assert_eq!(batch.events, salted, "{enc:?}");
+    }
 }

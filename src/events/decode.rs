@@ -247,8 +247,8 @@ fn decode_event(v: &ValueRef<'_>) -> Result<KvEvent, DecodeError> {
 }
 
 /// Positions (after the tag): block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-/// medium, lora_name, extra_keys (ignored), group_idx, kv_cache_spec_kind and
-/// kv_cache_spec_sliding_window (ignored), then anything newer (ignored).
+/// medium, lora_name, extra_keys (only the cache salt is read from it), group_idx,
+/// kv_cache_spec_kind and kv_cache_spec_sliding_window (ignored), then anything newer (ignored).
 fn decode_stored(fields: &Fields<'_, '_>) -> Result<KvEvent, DecodeError> {
     let block_hashes = hashes(fields)?;
     let parent_block_hash = match fields.get(1, "parent_block_hash") {
@@ -279,14 +279,30 @@ fn decode_stored(fields: &Fields<'_, '_>) -> Result<KvEvent, DecodeError> {
         None => None,
     };
     let medium = medium(fields.get(5, "medium"))?;
+    let mut sglang_salt = None;
     let lora_name = match fields.get(6, "lora_name") {
         Some(ValueRef::String(s)) => {
             Some(s.as_str().ok_or(wrong("lora_name", "UTF-8"))?.to_owned())
         }
         // Newer SGLang's BlockStoredWithMetadata puts a `{cache_salt}` map in this slot.
-        Some(ValueRef::Map(_)) if matches!(fields, Fields::Positional(_)) => None,
+        Some(ValueRef::Map(entries)) if matches!(fields, Fields::Positional(_)) => {
+            sglang_salt = entries.iter().find_map(|(k, v)| match (k, v) {
+                (ValueRef::String(k), ValueRef::String(v)) if k.as_str() == Some("cache_salt") => {
+                    v.as_str().map(|s| truncate(s, MAX_SALT).to_owned())
+                }
+                _ => None,
+            });
+            None
+        }
         Some(_) => return Err(wrong("lora_name", "string")),
         None => None,
+    };
+    // The salt only salts a sequence's first block: a store that continues a chain has none.
+    let cache_salt = match parent_block_hash {
+        Some(_) => None,
+        None => {
+            sglang_salt.or_else(|| salt_of_first_block(fields.get(7, "extra_keys"), &lora_name))
+        }
     };
     let group_idx = opt_u32(fields.get(8, "group_idx"), "group_idx")?;
     Ok(KvEvent::BlockStored {
@@ -297,8 +313,41 @@ fn decode_stored(fields: &Fields<'_, '_>) -> Result<KvEvent, DecodeError> {
         lora_id,
         medium,
         lora_name,
+        cache_salt,
         group_idx,
     })
+}
+
+/// Longest cache salt kept (longer ones are cut; a salt is an opaque tenant key).
+const MAX_SALT: usize = 256;
+
+/// vLLM's `extra_keys` is one entry per block (`tuple | None`); the first block's tuple is the
+/// LoRA name, multimodal `(identifier, offset)` tuples, the cache salt, then prompt-embedding
+/// keys, flattened. The salt is the last string after any multimodal tuple that is not the LoRA
+/// name (a non-string key after it is skipped; a tuple before it ends the search). Anything else
+/// in the field is ignored. (Old vLLM builds sent multimodal hashes as bare strings, which this
+/// cannot tell from a salt.)
+fn salt_of_first_block(
+    extra_keys: Option<&ValueRef<'_>>,
+    lora_name: &Option<String>,
+) -> Option<String> {
+    let ValueRef::Array(blocks) = extra_keys? else {
+        return None;
+    };
+    let ValueRef::Array(first) = blocks.first()? else {
+        return None;
+    };
+    for key in first.iter().rev() {
+        match key {
+            ValueRef::String(s) => {
+                let s = s.as_str()?;
+                return (lora_name.as_deref() != Some(s)).then(|| truncate(s, MAX_SALT).to_owned());
+            }
+            ValueRef::Array(_) | ValueRef::Map(_) => return None,
+            _ => {}
+        }
+    }
+    None
 }
 
 fn infer_block_size(tokens: usize, blocks: usize) -> Result<u32, DecodeError> {
@@ -453,6 +502,7 @@ mod tests {
             lora_id,
             medium,
             lora_name: lora_name.map(str::to_owned),
+            cache_salt: None,
             group_idx,
         }
     }
@@ -1209,5 +1259,79 @@ mod tests {
                 buf[i] = orig;
             }
         }
+    }
+
+    fn salted_store(extra_keys: rmpv::Value, parent: Option<u64>, lora: Option<&str>) -> Vec<u8> {
+        use rmpv::Value;
+        let event = Value::Array(vec![
+            Value::from("BlockStored"),
+            Value::Array(vec![Value::from(7u64), Value::from(8u64)]),
+            parent.map_or(Value::Nil, Value::from),
+            Value::Array((0..32u32).map(Value::from).collect()),
+            Value::from(16u32),
+            Value::Nil,
+            Value::from("GPU"),
+            lora.map_or(Value::Nil, Value::from),
+            extra_keys,
+        ]);
+        let batch = Value::Array(vec![
+            Value::from(1.0),
+            Value::Array(vec![event]),
+            Value::Nil,
+        ]);
+        let mut out = Vec::new();
+        rmpv::encode::write_value(&mut out, &batch).unwrap();
+        out
+    }
+
+    fn salt_of(bytes: &[u8]) -> Option<String> {
+        match &decode_batch(bytes).unwrap().events[0] {
+            KvEvent::BlockStored { cache_salt, .. } => cache_salt.clone(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_cache_salt_is_read_from_the_first_blocks_extra_keys() {
+        use rmpv::Value;
+        let keys = |first: Vec<Value>| Value::Array(vec![Value::Array(first), Value::Nil]);
+        let salt = Value::from("tenant-1");
+        assert_eq!(
+            salt_of(&salted_store(keys(vec![salt.clone()]), None, None)),
+            Some("tenant-1".into())
+        );
+        // LoRA name first, then the salt (vLLM's order).
+        let with_lora = keys(vec![Value::from("lora-x"), salt.clone()]);
+        assert_eq!(
+            salt_of(&salted_store(with_lora, None, Some("lora-x"))),
+            Some("tenant-1".into())
+        );
+        let lora_only = keys(vec![Value::from("lora-x")]);
+        assert_eq!(
+            salt_of(&salted_store(lora_only, None, Some("lora-x"))),
+            None
+        );
+        // A multimodal tuple last: no salt.
+        let mm = keys(vec![Value::Array(vec![Value::from("img"), Value::from(0)])]);
+        assert_eq!(salt_of(&salted_store(mm, None, None)), None);
+        // A store continuing a chain never carries the salt of the sequence start.
+        assert_eq!(
+            salt_of(&salted_store(keys(vec![salt.clone()]), Some(99), None)),
+            None
+        );
+        assert_eq!(salt_of(&salted_store(Value::Nil, None, None)), None);
+        // SGLang's metadata map in the lora_name slot.
+        let sglang = salted_store(Value::Nil, None, None);
+        let mut v = rmpv::decode::read_value(&mut &sglang[..]).unwrap();
+        if let Value::Array(batch) = &mut v {
+            if let Value::Array(events) = &mut batch[1] {
+                if let Value::Array(ev) = &mut events[0] {
+                    ev[7] = Value::Map(vec![(Value::from("cache_salt"), Value::from("s9"))]);
+                }
+            }
+        }
+        let mut bytes = Vec::new();
+        rmpv::encode::write_value(&mut bytes, &v).unwrap();
+        assert_eq!(salt_of(&bytes), Some("s9".into()));
     }
 }

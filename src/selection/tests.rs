@@ -976,6 +976,7 @@ mod kv_events {
             lora_id: None,
             medium,
             lora_name: None,
+            cache_salt: None,
             group_idx: None,
         }
     }

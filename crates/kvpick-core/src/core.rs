@@ -780,6 +780,7 @@ mod lifecycle_tests {
             lora_id: None,
             medium: Medium::Gpu,
             lora_name: None,
+            cache_salt: None,
             group_idx: None,
         };
         let (stats, _) = core.apply_kv_events(rank(spec), &[event], Instant::now());
@@ -960,6 +961,7 @@ mod lifecycle_tests {
             lora_id: None,
             medium: Medium::Gpu,
             lora_name: None,
+            cache_salt: None,
             group_idx: None,
         };
         let now = Instant::now();
@@ -978,5 +980,52 @@ mod lifecycle_tests {
                 ..
             }
         )));
+    }
+
+    /// vLLM mixes `cache_salt` into the first block: salted requests match only blocks stored
+    /// under the same salt, and unsalted requests never match salted blocks.
+    #[test]
+    fn salted_blocks_match_only_requests_with_the_same_salt() {
+        let core = Core::new(CoreConfig::default());
+        let (a, b) = (worker("a", 1), worker("b", 2));
+        apply(&core, vec![a.clone(), b.clone()]);
+        let store = |salt: Option<&str>| KvEvent::BlockStored {
+            block_hashes: vec![1, 2, 3, 4],
+            parent_block_hash: None,
+            token_ids: tokens(),
+            block_size: BS as u32,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            cache_salt: salt.map(str::to_owned),
+            group_idx: None,
+        };
+        let now = Instant::now();
+        core.apply_kv_events(rank(&a), &[store(Some("tenant-1"))], now);
+        core.apply_kv_events(rank(&b), &[store(None)], now);
+        let overlaps = |salt: Option<&str>| {
+            let request = SelectionRequest {
+                model: Some("m".into()),
+                prompt: PromptInput::Tokens(tokens()),
+                cache_salt: salt.map(str::to_owned),
+                ..Default::default()
+            };
+            let (_, ranks) = core.overlap_scores(&request, now).unwrap();
+            let mut out: Vec<(String, u32)> = ranks
+                .into_iter()
+                .map(|(r, d)| (r.worker_name, d.gpu))
+                .collect();
+            out.sort();
+            out
+        };
+        assert_eq!(
+            overlaps(Some("tenant-1")),
+            [("a".into(), 4), ("b".into(), 0)]
+        );
+        assert_eq!(overlaps(None), [("a".into(), 0), ("b".into(), 4)]);
+        assert_eq!(
+            overlaps(Some("tenant-2")),
+            [("a".into(), 0), ("b".into(), 0)]
+        );
     }
 }

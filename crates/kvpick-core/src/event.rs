@@ -62,6 +62,10 @@ pub enum KvEvent {
         lora_id: Option<i64>,
         medium: Medium,
         lora_name: Option<String>,
+        /// The request's `cache_salt`, which the engine mixed into the first block of the prompt
+        /// (vLLM: the first block's `extra_keys`; SGLang: its metadata); only on a store that starts
+        /// a sequence.
+        cache_salt: Option<String>,
         /// KV-cache group (hybrid models); `None` when not sent.
         group_idx: Option<u32>,
     },

@@ -6,7 +6,9 @@ use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 pub const BASE_SEED: u64 = 1337;
 
-/// The seed for a request's block hashes: 1337, salted by LoRA adapter and `cache_salt`.
+/// The seed of a block's hash: 1337, salted by LoRA adapter (every block) and `cache_salt` (the
+/// first block of a prompt only, as vLLM mixes it into the first block's `extra_keys`; the chain
+/// carries it to every later block).
 pub fn block_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
     let mut seed = BASE_SEED;
     if let Some(lora) = lora_name {
@@ -68,6 +70,30 @@ pub fn chain(parent: u64, local: u64) -> u64 {
 /// Sequence hashes of a token prompt in one call.
 pub fn prompt_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
     sequence_hashes(&local_hashes(tokens, block_size, seed))
+}
+
+/// `seed` with a `cache_salt` mixed in, for a prompt's first block.
+pub fn salted(seed: u64, cache_salt: Option<&str>) -> u64 {
+    match cache_salt {
+        Some(salt) => seed.wrapping_add(xxh3_64_with_seed(salt.as_bytes(), 1)),
+        None => seed,
+    }
+}
+
+/// Sequence hashes of a prompt whose first block carries `cache_salt` (every block `seed`).
+pub fn salted_prompt_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    cache_salt: Option<&str>,
+) -> Vec<u64> {
+    let mut local = local_hashes(tokens, block_size, seed);
+    if let (Some(first), Some(block)) = (local.first_mut(), tokens.get(..block_size)) {
+        if cache_salt.is_some() {
+            *first = block_hash(block, salted(seed, cache_salt));
+        }
+    }
+    sequence_hashes(&local)
 }
 
 /// A stable 64-bit id for a text fragment (used where no token ids exist).

@@ -46,6 +46,8 @@ struct StoredBlocks<'a> {
     event_block_size: usize,
     tier: Tier,
     seed: u64,
+    /// Mixed into the first block when this store starts a sequence.
+    cache_salt: Option<&'a str>,
 }
 
 /// Indexes stored blocks under our own chained hashes (recomputed from the token ids; a tokenless
@@ -91,7 +93,12 @@ fn store_blocks(
                 ok = false;
                 break;
             };
-            let local = hash::block_hash(block, stored.seed);
+            let seed = if i == 0 && stored.parent.is_none() {
+                hash::salted(stored.seed, stored.cache_salt)
+            } else {
+                stored.seed
+            };
+            let local = hash::block_hash(block, seed);
             parent.map_or(local, |p| hash::chain(p, local))
         };
         map.entries.insert(*engine_hash, seq);
@@ -170,6 +177,7 @@ impl Partition {
                     block_size: event_block_size,
                     medium,
                     lora_name,
+                    cache_salt,
                     ..
                 } => {
                     let stored = StoredBlocks {
@@ -179,6 +187,7 @@ impl Partition {
                         event_block_size: *event_block_size as usize,
                         tier: tier_of(medium),
                         seed: hash::block_seed(lora_name.as_deref(), None),
+                        cache_salt: cache_salt.as_deref(),
                     };
                     store_blocks(&mut state.index, map, rank, &stored, block_size)
                 }

@@ -371,9 +371,10 @@ impl Partition {
         });
     }
 
+    /// The request's block seed (its LoRA adapter); the cache salt goes into the first block only.
     fn seed_for(&self, request: &SelectionRequest) -> u64 {
         let lora = request.model.as_deref().filter(|m| *m != self.key.model);
-        hash::block_seed(lora, request.cache_salt.as_deref())
+        hash::block_seed(lora, None)
     }
 
     /// Runs the [`pipeline`] under the partition lock and, with `booking_id`, books the pick in
@@ -391,6 +392,7 @@ impl Partition {
             &request.prompt,
             block_size,
             self.seed_for(request),
+            request.cache_salt.as_deref(),
             config.max_prompt_blocks,
         );
         let mut guard = self.state.lock();
@@ -823,6 +825,7 @@ impl Partition {
             &request.prompt,
             self.block_size(),
             self.seed_for(request),
+            request.cache_salt.as_deref(),
             max_blocks,
         );
         let state = self.state.lock();

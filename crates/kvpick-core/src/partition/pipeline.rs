@@ -41,6 +41,7 @@ pub(crate) fn prompt_blocks(
     prompt: &PromptInput,
     block_size: u32,
     seed: u64,
+    cache_salt: Option<&str>,
     max_blocks: usize,
 ) -> PromptBlocks {
     let bs = block_size as usize;
@@ -52,7 +53,12 @@ pub(crate) fn prompt_blocks(
         },
         PromptInput::Tokens(tokens) => PromptBlocks {
             tokens: tokens.len() as u64,
-            seq_hashes: hash::prompt_hashes(&tokens[..tokens.len().min(max_tokens)], bs, seed),
+            seq_hashes: hash::salted_prompt_hashes(
+                &tokens[..tokens.len().min(max_tokens)],
+                bs,
+                seed,
+                cache_salt,
+            ),
         },
         PromptInput::BlockHashes {
             seq_hashes,
@@ -74,7 +80,7 @@ pub(crate) fn prompt_blocks(
             }
             PromptBlocks {
                 tokens: (all.len() as u64).div_ceil(4),
-                seq_hashes: hash::prompt_hashes(&pseudo, bs, seed),
+                seq_hashes: hash::salted_prompt_hashes(&pseudo, bs, seed, cache_salt),
             }
         }
     }

@@ -519,6 +519,7 @@ impl Engine {
                         lora_id: None,
                         medium: Medium::Gpu,
                         lora_name: None,
+                        cache_salt: None,
                         group_idx: None,
                     });
                 }

@@ -58,11 +58,24 @@ fn event(e: &KvEvent, encoding: Encoding) -> Value {
                 lora_id,
                 medium: m,
                 lora_name,
+                cache_salt,
                 group_idx,
             },
             _,
         ) => {
             let tokens = Value::Array(token_ids.iter().map(|&t| Value::from(t)).collect());
+            // vLLM: one entry per block; the salt is in the first block's tuple.
+            let extra_keys = match cache_salt {
+                Some(salt) => Value::Array(
+                    std::iter::once(Value::Array(vec![Value::from(salt.as_str())]))
+                        .chain(std::iter::repeat_n(
+                            Value::Nil,
+                            block_hashes.len().saturating_sub(1),
+                        ))
+                        .collect(),
+                ),
+                None => Value::Nil,
+            };
             match encoding {
                 Encoding::Array => Value::Array(vec![
                     Value::from("BlockStored"),
@@ -73,7 +86,7 @@ fn event(e: &KvEvent, encoding: Encoding) -> Value {
                     opt(*lora_id),
                     medium(m),
                     opt(lora_name.clone()),
-                    Value::Nil, // extra_keys
+                    extra_keys,
                     opt(*group_idx),
                     Value::Nil, // kv_cache_spec_kind
                     Value::Nil, // kv_cache_spec_sliding_window
@@ -89,6 +102,9 @@ fn event(e: &KvEvent, encoding: Encoding) -> Value {
                         ("medium", medium(m)),
                         ("lora_name", opt(lora_name.clone())),
                     ];
+                    if cache_salt.is_some() {
+                        fields.push(("extra_keys", extra_keys));
+                    }
                     if let Some(g) = group_idx {
                         fields.push(("group_idx", Value::from(*g)));
                     }

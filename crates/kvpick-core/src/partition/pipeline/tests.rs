@@ -43,21 +43,40 @@ const OPEN: Allowed<'static> = Allowed {
 #[test]
 fn prompt_blocks_hash_complete_blocks_only() {
     let tokens: Vec<u32> = (0..40).collect();
-    let blocks = prompt_blocks(&PromptInput::Tokens(tokens.clone()), 16, 7, 1000);
+    let blocks = prompt_blocks(&PromptInput::Tokens(tokens.clone()), 16, 7, None, 1000);
     assert_eq!(blocks.tokens, 40);
     assert_eq!(blocks.seq_hashes, hash::prompt_hashes(&tokens, 16, 7));
     assert_eq!(blocks.seq_hashes.len(), 2, "the 8-token tail is not hashed");
-    let text = prompt_blocks(&PromptInput::Text(vec![1; 66]), 16, 7, 1000);
+    let text = prompt_blocks(&PromptInput::Text(vec![1; 66]), 16, 7, None, 1000);
     assert_eq!(text.tokens, 17, "4-byte pseudo tokens, the tail padded");
     assert_eq!(text.seq_hashes.len(), 1);
-    let none = prompt_blocks(&PromptInput::None, 16, 7, 1000);
+    let none = prompt_blocks(&PromptInput::None, 16, 7, None, 1000);
     assert_eq!((none.tokens, none.seq_hashes.len()), (0, 0));
+}
+
+#[test]
+fn a_cache_salt_changes_the_first_block_and_so_the_whole_chain() {
+    let tokens: Vec<u32> = (0..48).collect();
+    let plain = prompt_blocks(&PromptInput::Tokens(tokens.clone()), 16, 7, None, 100);
+    let salted = prompt_blocks(&PromptInput::Tokens(tokens.clone()), 16, 7, Some("s"), 100);
+    let other = prompt_blocks(&PromptInput::Tokens(tokens.clone()), 16, 7, Some("t"), 100);
+    assert_eq!(salted.seq_hashes.len(), 3);
+    for i in 0..3 {
+        assert_ne!(plain.seq_hashes[i], salted.seq_hashes[i], "block {i}");
+        assert_ne!(salted.seq_hashes[i], other.seq_hashes[i], "block {i}");
+    }
+    // Only the first block's own hash is salted; later blocks differ through the chain.
+    let local = hash::local_hashes(&tokens, 16, 7);
+    assert_eq!(
+        salted.seq_hashes[1],
+        hash::chain(salted.seq_hashes[0], local[1])
+    );
 }
 
 #[test]
 fn a_huge_prompt_hashes_only_its_leading_blocks_but_counts_every_token() {
     let tokens: Vec<u32> = (0..16 * 100).collect();
-    let capped = prompt_blocks(&PromptInput::Tokens(tokens.clone()), 16, 7, 10);
+    let capped = prompt_blocks(&PromptInput::Tokens(tokens.clone()), 16, 7, None, 10);
     assert_eq!(capped.tokens, 1600, "the load is the whole prompt");
     assert_eq!(capped.seq_hashes.len(), 10);
     assert_eq!(
@@ -65,13 +84,13 @@ fn a_huge_prompt_hashes_only_its_leading_blocks_but_counts_every_token() {
         hash::prompt_hashes(&tokens, 16, 7)[..10].to_vec(),
         "the leading blocks hash as they would uncapped"
     );
-    let text = prompt_blocks(&PromptInput::Text(vec![3; 4 * 16 * 100]), 16, 7, 10);
+    let text = prompt_blocks(&PromptInput::Text(vec![3; 4 * 16 * 100]), 16, 7, None, 10);
     assert_eq!((text.tokens, text.seq_hashes.len()), (1600, 10));
     let hashes = PromptInput::BlockHashes {
         seq_hashes: (0..100).collect(),
         prompt_tokens: 1600,
     };
-    assert_eq!(prompt_blocks(&hashes, 16, 7, 10).seq_hashes.len(), 10);
+    assert_eq!(prompt_blocks(&hashes, 16, 7, None, 10).seq_hashes.len(), 10);
 }
 
 #[test]

@@ -116,6 +116,7 @@ fn kvpick_uses_announced_blocks_and_its_own_bookings() {
             lora_id: None,
             medium: kvpick_core::event::Medium::Gpu,
             lora_name: None,
+            cache_salt: None,
             group_idx: None,
         }],
     );
