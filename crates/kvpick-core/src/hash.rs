@@ -96,6 +96,12 @@ pub fn salted_prompt_hashes(
     sequence_hashes(&local)
 }
 
+/// A well-mixed 64-bit value of `n` (test data: keys the way chained hashes look).
+#[cfg(test)]
+pub(crate) fn text_id_u64(n: u64) -> u64 {
+    xxh3_64(&n.to_le_bytes())
+}
+
 /// A stable 64-bit id for a text fragment (used where no token ids exist).
 pub fn text_id(bytes: &[u8]) -> u64 {
     xxh3_64(bytes)

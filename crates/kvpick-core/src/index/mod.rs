@@ -162,6 +162,87 @@ impl Hasher for PreHashed {
 
 type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>>;
 
+/// Shards of the block table, so the periodic purge of expired entries walks one shard at a time
+/// (bounded work under the partition lock) instead of the whole index.
+pub const PURGE_SHARDS: usize = 16;
+
+/// The block table split by bits 40..44 of the (already uniform) key, which the table itself
+/// uses neither for its bucket index (low bits) nor for its control bytes (top 7 bits).
+#[derive(Debug)]
+struct Shards<V> {
+    maps: Vec<PreHashedMap<V>>,
+}
+
+impl<V> Default for Shards<V> {
+    fn default() -> Self {
+        Shards {
+            maps: (0..PURGE_SHARDS).map(|_| PreHashedMap::default()).collect(),
+        }
+    }
+}
+
+impl<V> Shards<V> {
+    fn shard(key: &BlockKey) -> usize {
+        ((key.0[1] >> 8) as usize) % PURGE_SHARDS
+    }
+
+    fn map(&self, key: &BlockKey) -> &PreHashedMap<V> {
+        &self.maps[Self::shard(key)]
+    }
+
+    fn map_mut(&mut self, key: &BlockKey) -> &mut PreHashedMap<V> {
+        &mut self.maps[Self::shard(key)]
+    }
+
+    fn get(&self, key: &BlockKey) -> Option<&V> {
+        self.map(key).get(key)
+    }
+
+    fn get_mut(&mut self, key: &BlockKey) -> Option<&mut V> {
+        self.map_mut(key).get_mut(key)
+    }
+
+    fn entry(&mut self, key: BlockKey) -> std::collections::hash_map::Entry<'_, BlockKey, V> {
+        self.map_mut(&key).entry(key)
+    }
+
+    fn remove(&mut self, key: &BlockKey) -> Option<V> {
+        self.map_mut(key).remove(key)
+    }
+
+    fn len(&self) -> usize {
+        self.maps.iter().map(HashMap::len).sum()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.maps.iter().all(HashMap::is_empty)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &V> {
+        self.maps.iter().flat_map(HashMap::values)
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.maps.iter_mut().flat_map(HashMap::values_mut)
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> impl Iterator<Item = &BlockKey> {
+        self.maps.iter().flat_map(HashMap::keys)
+    }
+
+    #[cfg(test)]
+    fn contains_key(&self, key: &BlockKey) -> bool {
+        self.map(key).contains_key(key)
+    }
+
+    fn retain(&mut self, mut keep: impl FnMut(&BlockKey, &mut V) -> bool) {
+        for m in &mut self.maps {
+            m.retain(&mut keep);
+        }
+    }
+}
+
 /// Hashes `u64` keys of unknown distribution (engine block hashes: sometimes small integers)
 /// with one splitmix64 finalizer instead of SipHash.
 #[derive(Default)]
@@ -187,7 +268,9 @@ pub type MixedMap<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
 /// Per-partition block index.
 #[derive(Debug)]
 pub struct PrefixIndex {
-    blocks: PreHashedMap<Entry>,
+    blocks: Shards<Entry>,
+    /// The shard the next [`PrefixIndex::purge_expired_step`] purges.
+    purge_cursor: usize,
     slab: Vec<Multi>,
     free_slab: Vec<u32>,
     rank_ids: HashMap<RankKey, u32>,
@@ -204,7 +287,8 @@ impl PrefixIndex {
     /// An empty index; `now` anchors its clock (expiries are kept relative to it).
     pub fn new(max_blocks: usize, now: Instant) -> Self {
         PrefixIndex {
-            blocks: HashMap::default(),
+            blocks: Shards::default(),
+            purge_cursor: 0,
             slab: Vec::new(),
             free_slab: Vec::new(),
             rank_ids: HashMap::new(),
@@ -231,11 +315,15 @@ impl PrefixIndex {
 
     /// Heap bytes held by the index (table, holder slab, rank interning), from capacities.
     pub fn heap_bytes(&self) -> usize {
-        let buckets = if self.blocks.capacity() == 0 {
-            0
-        } else {
-            (self.blocks.capacity() * 8 / 7).next_power_of_two()
-        };
+        let buckets: usize = self
+            .blocks
+            .maps
+            .iter()
+            .map(|m| match m.capacity() {
+                0 => 0,
+                c => (c * 8 / 7).next_power_of_two(),
+            })
+            .sum();
         let table = buckets * (std::mem::size_of::<(BlockKey, Entry)>() + 1);
         let slab = self.slab.capacity() * std::mem::size_of::<Multi>()
             + self
@@ -448,12 +536,23 @@ impl PrefixIndex {
         });
     }
 
-    /// Drops expired entries; moves the time epoch forward when expiries near the end of their
-    /// range.
+    /// Drops expired entries of every shard; moves the time epoch forward when expiries near the
+    /// end of their range.
     pub fn purge_expired(&mut self, now: Instant) {
+        for _ in 0..PURGE_SHARDS {
+            self.purge_expired_step(now);
+        }
+    }
+
+    /// Drops the expired entries of one shard (the next, round robin): 1/[`PURGE_SHARDS`] of the
+    /// work of a full purge, so a periodic caller bounds what it does under the partition lock.
+    /// Expired entries already count as absent; purging only returns their memory.
+    pub fn purge_expired_step(&mut self, now: Instant) {
         let now_units = self.units(now);
+        let shard = self.purge_cursor % PURGE_SHARDS;
+        self.purge_cursor = (shard + 1) % PURGE_SHARDS;
         let (slab, free) = (&mut self.slab, &mut self.free_slab);
-        self.blocks.retain(|_, entry| {
+        self.blocks.maps[shard].retain(|_, entry| {
             let fresh = match entry.holder.who {
                 MULTI => {
                     let m = &slab[entry.multi() as usize];
@@ -1071,5 +1170,34 @@ mod tests {
             .filter(|h| idx.blocks.contains_key(&BlockKey::new(*h)))
             .count();
         assert_eq!(oldest, 0);
+    }
+
+    /// A purge step walks one shard: an index full of expired predictions is emptied over
+    /// [`PURGE_SHARDS`] steps, each removing about its share, never all at once.
+    #[test]
+    fn purging_is_incremental_one_shard_per_step() {
+        let t0 = Instant::now();
+        let mut idx = PrefixIndex::new(1 << 20, t0);
+        let rank = RankKey {
+            worker_id: 1,
+            dp_rank: 0,
+        };
+        let hashes: Vec<u64> = (0..16_000u64).map(crate::hash::text_id_u64).collect();
+        idx.insert(rank, &hashes, Tier::Gpu, Some(t0 + Duration::from_secs(1)));
+        let later = t0 + Duration::from_secs(2);
+        let mut sizes = vec![idx.len()];
+        for _ in 0..PURGE_SHARDS {
+            idx.purge_expired_step(later);
+            sizes.push(idx.len());
+        }
+        assert_eq!(sizes[0], 16_000);
+        assert_eq!(*sizes.last().unwrap(), 0, "a full round purges everything");
+        for w in sizes.windows(2) {
+            let removed = w[0] - w[1];
+            assert!(
+                (600..1_400).contains(&removed),
+                "each step removes about 1/16 ({removed}): {sizes:?}"
+            );
+        }
     }
 }

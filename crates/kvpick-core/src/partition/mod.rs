@@ -796,7 +796,8 @@ impl Partition {
                 Self::release(state, &booking, now, facts);
             }
         }
-        state.index.purge_expired(now);
+        // One shard per reap: bounded work under the lock; expired entries already count as absent.
+        state.index.purge_expired_step(now);
         let idle = state.sessions.reap(now, ttl_sessions);
         facts.push(Fact::SessionsLive(negative(idle as u64)));
         facts.push(Fact::SessionsExpired(idle as u64));
