@@ -31,7 +31,6 @@ use ranks::{RankTable, Slot};
 
 use crate::catalog::WorkerRecord;
 use crate::config::{CoreConfig, DEFAULT_BLOCK_SIZE};
-use crate::decide::decide;
 use crate::error::SelectError;
 use crate::facts::{Fact, Facts};
 use crate::hash;
@@ -421,17 +420,12 @@ impl Partition {
             state.index.find_matches(&prompt.seq_hashes, now)
         };
         let candidates = pipeline::candidates(slots, &eligible, &matches);
-        let temperature = request
-            .temperature
-            .unwrap_or(config.cost.router_temperature);
-        let mut decision = decide(
+        let mut decision = pipeline::rank(
             &candidates,
-            prompt.tokens,
+            &prompt,
             block_size,
-            &config.cost,
-            temperature,
-            // Enough runners-up to find distinct fallback endpoints among multiplexed ranks.
-            request.fallbacks.saturating_mul(8).saturating_add(1),
+            request,
+            config,
             &mut state.rng,
         );
         let affinity = pipeline::apply_affinity(&mut decision, &candidates, bound, sessions);
@@ -544,41 +538,8 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> Option<SessionOutcome> {
-        let mut outcome = None;
-        let mut leased_session = None;
-        // A request without a prompt (`GET /v1/models`, header-only) holds no KV cache: it may
-        // follow a binding but never creates one, so it cannot fill the table.
-        let may_bind = affinity == Affinity::Kept || request.prompt != PromptInput::None;
-        if let Some(sid) = request.session_id.as_deref().filter(|_| may_bind) {
-            if affinity == Affinity::Overridden {
-                Self::invalidate_session(state, sid, Invalidation::SoftOverride, facts);
-            }
-            let result = if affinity == Affinity::Kept {
-                SessionOutcome::Reused
-            } else {
-                match state
-                    .sessions
-                    .bind(sid, pick.rank, now, config.sessions.max_entries)
-                {
-                    Bound::Yes { created, evicted } => {
-                        if evicted {
-                            // One binding out, one in: the live count stays.
-                            facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
-                        } else if created {
-                            facts.push(Fact::SessionsLive(1));
-                        }
-                        SessionOutcome::Created
-                    }
-                    Bound::Full => SessionOutcome::TableFull,
-                }
-            };
-            facts.push(Fact::Session(result));
-            if result != SessionOutcome::TableFull {
-                state.sessions.acquire(sid);
-                leased_session = Some(sid.to_string());
-            }
-            outcome = Some(result);
-        }
+        let (outcome, leased_session) =
+            Self::bind_session(state, request, pick.rank, affinity, config, now, facts);
         let block_size = u64::from(pick.block_size.max(1));
         let tokens = pick.prompt.tokens;
         let cached_tokens = u64::from(pick.overlap.gpu)
@@ -625,6 +586,54 @@ impl Partition {
             ));
         }
         outcome
+    }
+
+    /// The session part of booking: reuse, bind (evicting the longest-idle binding when full) or
+    /// route unpinned when the table is full of leased sessions; returns the outcome and the
+    /// session whose lease the booking holds.
+    fn bind_session(
+        state: &mut State,
+        request: &SelectionRequest,
+        rank: RankKey,
+        affinity: Affinity,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> (Option<SessionOutcome>, Option<String>) {
+        // A request without a prompt (`GET /v1/models`, header-only) holds no KV cache: it may
+        // follow a binding but never creates one, so it cannot fill the table.
+        let may_bind = affinity == Affinity::Kept || request.prompt != PromptInput::None;
+        let Some(sid) = request.session_id.as_deref().filter(|_| may_bind) else {
+            return (None, None);
+        };
+        if affinity == Affinity::Overridden {
+            Self::invalidate_session(state, sid, Invalidation::SoftOverride, facts);
+        }
+        let result = if affinity == Affinity::Kept {
+            SessionOutcome::Reused
+        } else {
+            match state
+                .sessions
+                .bind(sid, rank, now, config.sessions.max_entries)
+            {
+                Bound::Yes { created, evicted } => {
+                    if evicted {
+                        // One binding out, one in: the live count stays.
+                        facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
+                    } else if created {
+                        facts.push(Fact::SessionsLive(1));
+                    }
+                    SessionOutcome::Created
+                }
+                Bound::Full => SessionOutcome::TableFull,
+            }
+        };
+        facts.push(Fact::Session(result));
+        if result == SessionOutcome::TableFull {
+            return (Some(result), None);
+        }
+        state.sessions.acquire(sid);
+        (Some(result), Some(sid.to_string()))
     }
 
     fn invalidate_session(state: &mut State, sid: &str, reason: Invalidation, facts: &mut Facts) {

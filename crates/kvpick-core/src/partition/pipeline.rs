@@ -7,7 +7,7 @@
 //! 5. [`narrow_adapter`]: a LoRA request goes where its adapter is loaded;
 //! 6. [`drop_busy`]: ranks over a busy threshold go (a hard-bound rank stays);
 //! 7. [`candidates`]: the survivors with their load and cached overlap;
-//! 8. [`crate::decide::decide`]: the cost function;
+//! 8. [`rank`]: the cost function ([`crate::decide::decide`]);
 //! 9. [`apply_affinity`]: hard affinity keeps the bound rank, soft keeps it within a margin;
 //! 10. [`picked_ranks`]: the primary and distinct fallback endpoints.
 //!
@@ -292,6 +292,30 @@ pub(crate) fn candidates(
             }
         })
         .collect()
+}
+
+/// The cost function over the candidates ([`crate::decide::decide`]), with the request's
+/// temperature and enough runners-up to find distinct fallback endpoints among multiplexed ranks.
+pub(crate) fn rank<R: rand::Rng + ?Sized>(
+    candidates: &[Candidate],
+    prompt: &PromptBlocks,
+    block_size: u32,
+    request: &crate::request::SelectionRequest,
+    config: &crate::config::CoreConfig,
+    rng: &mut R,
+) -> Decision {
+    let temperature = request
+        .temperature
+        .unwrap_or(config.cost.router_temperature);
+    crate::decide::decide(
+        candidates,
+        prompt.tokens,
+        block_size,
+        &config.cost,
+        temperature,
+        request.fallbacks.saturating_mul(8).saturating_add(1),
+        rng,
+    )
 }
 
 /// What session affinity did to the decision.
