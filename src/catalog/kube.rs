@@ -1,7 +1,7 @@
 //! The Kubernetes catalog source: watches one `InferencePool` (`inference.networking.k8s.io/v1`)
 //! — or, without the CRD, a fixed label selector and target ports — and the pods it selects, and
 //! publishes complete desired snapshots (`Vec<WorkerSpec>`) into a `watch` channel for the
-//! CatalogReconciler (ARCHITECTURE.md §5, §10).
+//! CatalogReconciler (ARCHITECTURE.md §5, §9).
 //!
 //! It owns: the InferencePool type, the pod reflector (kube-rs `watcher` + `reflector`,
 //! server-side label selector, `managed_fields` dropped, default backoff, relist on 410), and the

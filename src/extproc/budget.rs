@@ -1,5 +1,5 @@
 //! A process-wide budget of request-body bytes buffered by ext_proc streams. Each stream holds
-//! its whole body until routing (DESIGN §2), so without a global bound a burst of large bodies
+//! its whole body until routing (ARCHITECTURE.md §2), so without a global bound a burst of large bodies
 //! grows memory with the number of streams times `max_body_bytes`. A stream takes a
 //! [`BodyLease`] from the budget as its body grows; the lease gives its bytes back when dropped,
 //! so every way a stream can end (routed, rejected, Envoy or the client gone) returns them.

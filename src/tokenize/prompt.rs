@@ -1,4 +1,4 @@
-//! What a request body asks the engine to tokenize (ARCHITECTURE.md §2, §9): chat messages (from
+//! What a request body asks the engine to tokenize (ARCHITECTURE.md §2, §8): chat messages (from
 //! `/v1/chat/completions` or converted from `/v1/responses`), completion text, or token ids.
 //! Mirrors vLLM's preprocessing before the chat template (content parts joined, tool-call
 //! arguments parsed). It reads bodies only; rendering and tokenization are elsewhere.
