@@ -388,34 +388,56 @@ def test_removed_worker_moves_its_sessions_exactly_once(make_stack, make_upstrea
 # 5. a full session table still routes, without affinity
 
 
-def test_full_session_table_routes_without_affinity(make_stack, make_upstream, client):
+def test_full_session_table_evicts_idle_bindings_and_refuses_only_when_all_are_leased(
+        make_stack, make_upstream, client):
     ups = [make_upstream(f"f{i}") for i in range(4)]
     s = make_stack(two_workers(ups), name="full", extra_args=["--session-max-entries", "5"])
     kv, url = s.kvpick, s.url()
+
+    # 20 sessions of 2 turns each, one after the other: every one binds (the binding idle longest
+    # makes room) and keeps its rank for its second turn; the table never grows past 5.
     convs = [Conversation(new_sid("full")) for _ in range(20)]
-    full_turns: list[tuple[str, int]] = []
-    statuses = Counter()
     for conv in convs:
-        for _ in range(2):
-            tf = m(kv, EVENTS, event="table_full")
-            conv.turn(client, url)  # asserts the 200
-            statuses[200] += 1
-            if m(kv, EVENTS, event="table_full") > tf:
-                full_turns.append((conv.sid, len(conv.landings) - 1))
-    assert statuses[200] == 40
-    assert m(kv, EVENTS, event="table_full") > 0
-    assert len(full_turns) == 30, f"expected 15 sessions x 2 turns over the limit, {full_turns}"
-    by_sid = {c.sid: c for c in convs}
-    for sid, turn in full_turns:
-        assert by_sid[sid].echoes[turn] is None, \
-            f"table-full response of {sid} turn {turn} carries {SID}: {by_sid[sid].echoes[turn]!r}"
-    full_sids = {sid for sid, _ in full_turns}
-    bound = [c for c in convs if c.sid not in full_sids]
-    assert [c.sid for c in bound] == [c.sid for c in convs[:5]]
-    for c in bound:
-        assert c.echoes == [c.sid, c.sid] and c.landings[0] == c.landings[1], c
+        conv.turn(client, url)
+        conv.turn(client, url)
+        assert conv.echoes == [conv.sid, conv.sid], conv
+        assert conv.landings[0] == conv.landings[1], conv
+        assert m(kv, BINDINGS) <= 5
+    assert m(kv, EVENTS, event="created") == 20 and m(kv, EVENTS, event="reused") == 20
+    assert m(kv, INVALIDATED, reason="evicted") == 15
+    assert m(kv, EVENTS, event="table_full") == 0
+
+    # Five sessions with a request in flight fill the table with leased bindings: a new session is
+    # routed without affinity (no echo), and counted.
+    gates = [Gate() for _ in range(5)]
+    done = []
+
+    def hold(gate: Gate, sid: str) -> None:
+        with httpx.Client(trust_env=False, timeout=60) as sc:
+            body = json.dumps(harness.chat_body(stream=True)).encode()
+            with sc.stream("POST", url + CHAT, content=body,
+                           headers={**JSON_CT, SID: sid, **gate.headers()}) as resp:
+                assert resp.status_code == 200
+                for _ in resp.iter_lines():
+                    pass
+        done.append(sid)
+
+    threads = [threading.Thread(target=hold, args=(g, new_sid("lease")), daemon=True)
+               for g in gates]
+    for t in threads:
+        t.start()
+    for g in gates:
+        assert g.first_sent.wait(20), "a leased stream never started"
+    resp, raw = post(client, url, headers={SID: new_sid("late")})
+    landing(resp, raw)
+    assert resp.headers.get(SID) is None, "a table full of leased sessions cannot bind"
+    assert m(kv, EVENTS, event="table_full") == 1
+    for g in gates:
+        g.release.set()
+    for t in threads:
+        t.join(30)
+    assert len(done) == 5
     assert m(kv, BINDINGS) == 5
-    assert m(kv, EVENTS, event="created") == 5 and m(kv, EVENTS, event="reused") == 5
 
 
 # ------------------------------------------------------------------------------------------------
