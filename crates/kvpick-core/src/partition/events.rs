@@ -159,12 +159,8 @@ impl Partition {
                     all_known
                 }
                 KvEvent::BlockStored {
-                    block_hashes,
-                    parent_block_hash,
                     token_ids,
                     block_size: event_block_size,
-                    medium,
-                    lora_name,
                     ..
                 } if !token_ids.is_empty() && *event_block_size as usize != block_size => {
                     stats.block_size_mismatches = stats.block_size_mismatches.saturating_add(1);

@@ -40,6 +40,17 @@ use crate::session::{Bound, Invalidation, SessionOutcome, SessionTable};
 use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
 use crate::{PickedRank, Selection};
 
+impl Booking {
+    /// Prefill tokens this booking still adds to its rank's queue.
+    fn queued_prefill(&self) -> u64 {
+        if self.prefill_complete {
+            0
+        } else {
+            self.prefill_tokens
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Booking {
     /// Unique per booking: a request id reused later (a retry, a reaped stream) is a new
@@ -558,15 +569,7 @@ impl Partition {
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
             return outcome;
         };
-        slot.load.active_prefill_tokens = slot
-            .load
-            .active_prefill_tokens
-            .saturating_add(booking.prefill_tokens);
-        slot.load.active_decode_blocks = slot
-            .load
-            .active_decode_blocks
-            .saturating_add(booking.decode_blocks);
-        slot.load.active_requests = slot.load.active_requests.saturating_add(1);
+        slot.add_load(booking.prefill_tokens, booking.decode_blocks);
         let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
             config.predicted_ttl
         } else {
@@ -661,17 +664,7 @@ impl Partition {
     /// Takes a booking's load off its rank (the booking itself lives on elsewhere or not).
     fn unload(state: &mut State, booking: &Booking, facts: &mut Facts) {
         if let Some(slot) = state.ranks.get_mut(&booking.rank) {
-            if !booking.prefill_complete {
-                slot.load.active_prefill_tokens = slot
-                    .load
-                    .active_prefill_tokens
-                    .saturating_sub(booking.prefill_tokens);
-            }
-            slot.load.active_decode_blocks = slot
-                .load
-                .active_decode_blocks
-                .saturating_sub(booking.decode_blocks);
-            slot.load.active_requests = slot.load.active_requests.saturating_sub(1);
+            slot.remove_load(booking.queued_prefill(), booking.decode_blocks);
             facts.push(load_fact(slot, booking.rank));
             facts.push(Fact::Inflight(-1));
         }
@@ -757,17 +750,7 @@ impl Partition {
         let Some(slot) = state.ranks.get_mut(&target) else {
             return false;
         };
-        if !booking.prefill_complete {
-            slot.load.active_prefill_tokens = slot
-                .load
-                .active_prefill_tokens
-                .saturating_add(booking.prefill_tokens);
-        }
-        slot.load.active_decode_blocks = slot
-            .load
-            .active_decode_blocks
-            .saturating_add(booking.decode_blocks);
-        slot.load.active_requests = slot.load.active_requests.saturating_add(1);
+        slot.add_load(booking.queued_prefill(), booking.decode_blocks);
         facts.push(load_fact(slot, target));
         facts.push(Fact::Inflight(1));
         state.bookings.insert(

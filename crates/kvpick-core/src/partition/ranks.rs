@@ -23,6 +23,24 @@ pub(crate) struct Slot {
     pub load: RankLoad,
 }
 
+impl Slot {
+    /// Adds one request's load: its queued prefill tokens and its KV blocks.
+    pub fn add_load(&mut self, prefill_tokens: u64, decode_blocks: u64) {
+        let load = &mut self.load;
+        load.active_prefill_tokens = load.active_prefill_tokens.saturating_add(prefill_tokens);
+        load.active_decode_blocks = load.active_decode_blocks.saturating_add(decode_blocks);
+        load.active_requests = load.active_requests.saturating_add(1);
+    }
+
+    /// Takes one request's load off again.
+    pub fn remove_load(&mut self, prefill_tokens: u64, decode_blocks: u64) {
+        let load = &mut self.load;
+        load.active_prefill_tokens = load.active_prefill_tokens.saturating_sub(prefill_tokens);
+        load.active_decode_blocks = load.active_decode_blocks.saturating_sub(decode_blocks);
+        load.active_requests = load.active_requests.saturating_sub(1);
+    }
+}
+
 /// The partition's ranks: a vector sorted by `RankKey` (the hot path walks it by index, in the
 /// same order as index matches) plus a key -> position map. Mutations during a catalog batch may
 /// leave it unsorted; [`RankTable::finish`] restores order once per batch.
