@@ -1,5 +1,5 @@
 """Mooncake JSONL traces and the deterministic token synthesis shared with `kvpick replay`
-(`src/replay/trace.rs`): each hash id is one 512-token block of a 64-bit LCG seeded by
+(`crates/kvpick-sim/src/replay/trace.rs`): each hash id is one 512-token block of a 64-bit LCG seeded by
 ``splitmix64(id)``, token ``(state >> 33) % 128000``; the last block is truncated to
 ``input_length``."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 MOONCAKE_BLOCK = 512
 VOCAB = 128_000
 _M = (1 << 64) - 1
-# src/replay/trace.rs asserts the same numbers.
+# crates/kvpick-sim/src/replay/trace.rs asserts the same numbers.
 KNOWN_VECTOR = [61292, 1891, 23524, 50541, 66863, 74704]
 
 
