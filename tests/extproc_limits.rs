@@ -7,10 +7,9 @@
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     external_processor_client::ExternalProcessorClient, processing_request, processing_response,
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    HttpBody, ProcessingRequest, ProcessingResponse,
 };
 use tokio::sync::mpsc;
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -23,19 +22,9 @@ const CATALOG: &str = "workers:\n  - {name: a, model: m, address: 127.0.0.1, por
 
 fn headers() -> ProcessingRequest {
     ProcessingRequest {
-        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: [(":method", "POST"), ("content-type", "application/json")]
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: k.to_string(),
-                        value: String::new(),
-                        raw_value: v.as_bytes().to_vec(),
-                    })
-                    .collect(),
-            }),
-            ..Default::default()
-        })),
+        request: Some(processing_request::Request::RequestHeaders(
+            common::http_headers(&[(":method", "POST"), ("content-type", "application/json")]),
+        )),
         ..Default::default()
     }
 }

@@ -6,9 +6,8 @@
 
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    external_processor_client::ExternalProcessorClient, processing_request, HttpBody, HttpHeaders,
+    external_processor_client::ExternalProcessorClient, processing_request, HttpBody,
     ProcessingRequest,
 };
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -25,19 +24,7 @@ fn headers(response: bool) -> ProcessingRequest {
     } else {
         &[(":method", "POST"), ("content-type", "application/json")]
     };
-    let h = HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
-        ..Default::default()
-    };
+    let h = common::http_headers(pairs);
     ProcessingRequest {
         request: Some(if response {
             processing_request::Request::ResponseHeaders(h)

@@ -291,10 +291,10 @@ async fn catalog_writes_need_the_worker_api_flag() {
 /// serving.
 #[tokio::test]
 async fn ext_proc_protocol_errors_over_the_wire() {
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
+    use envoy_types::pb::envoy::config::core::v3::Metadata;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
         external_processor_client::ExternalProcessorClient, processing_request, HttpBody,
-        HttpHeaders, ProcessingRequest, ProcessingResponse,
+        ProcessingRequest, ProcessingResponse,
     };
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
     use std::time::{Duration, Instant};
@@ -308,19 +308,9 @@ async fn ext_proc_protocol_errors_over_the_wire() {
         .unwrap();
 
     let headers = || ProcessingRequest {
-        request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: [(":method", "POST"), ("content-type", "application/json")]
-                    .iter()
-                    .map(|(k, v)| HeaderValue {
-                        key: k.to_string(),
-                        value: String::new(),
-                        raw_value: v.as_bytes().to_vec(),
-                    })
-                    .collect(),
-            }),
-            ..Default::default()
-        })),
+        request: Some(processing_request::Request::RequestHeaders(
+            common::http_headers(&[(":method", "POST"), ("content-type", "application/json")]),
+        )),
         ..Default::default()
     };
     let body = || ProcessingRequest {

@@ -153,3 +153,23 @@ pub async fn loads(api: &mut Api, model: &str) -> Vec<kvpick::proto::Worker> {
     .into_inner()
     .workers
 }
+
+/// An ext_proc header map of `pairs` as Envoy sends them (values in `raw_value`).
+pub fn http_headers(
+    pairs: &[(&str, &str)],
+) -> envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    envoy_types::pb::envoy::service::ext_proc::v3::HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: pairs
+                .iter()
+                .map(|(k, v)| HeaderValue {
+                    key: k.to_string(),
+                    value: String::new(),
+                    raw_value: v.as_bytes().to_vec(),
+                })
+                .collect(),
+        }),
+        ..Default::default()
+    }
+}
