@@ -149,6 +149,10 @@ pub struct SelectionMetrics {
     pub index_blocks: IntGaugeVec,
     /// Heap bytes of the KV index plus engine-hash maps per partition.
     pub index_bytes: IntGaugeVec,
+    /// |observed - predicted| TTFT of each pick, seconds (the estimator's error).
+    pub ttft_prediction_error: Histogram,
+    /// Observed / predicted TTFT of each pick (1 = exact; > 1: slower than predicted).
+    pub ttft_prediction_ratio: Histogram,
 }
 
 impl SelectionMetrics {
@@ -260,7 +264,33 @@ impl SelectionMetrics {
             )
             .unwrap(),
         );
+        let ttft_prediction_error = register(
+            registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpick_ttft_prediction_error_seconds",
+                    "|observed - predicted| time to first token per pick (the TTFT estimator's error)",
+                )
+                .buckets(prometheus::exponential_buckets(0.001, 2.0, 16).unwrap()),
+            )
+            .unwrap(),
+        );
+        let ttft_prediction_ratio = register(
+            registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpick_ttft_prediction_ratio",
+                    "Observed / predicted time to first token per pick (1 = exact)",
+                )
+                .buckets(vec![
+                    0.125, 0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0,
+                ]),
+            )
+            .unwrap(),
+        );
         SelectionMetrics {
+            ttft_prediction_error,
+            ttft_prediction_ratio,
             inflight,
             inflight_total,
             active_prefill_tokens,
@@ -527,6 +557,19 @@ impl Metrics {
                     }
                 }
                 Fact::BookingsExpired(n) => self.selection.bookings_expired.inc_by(*n),
+                Fact::TtftObserved {
+                    predicted_seconds,
+                    observed_seconds,
+                } => {
+                    self.selection
+                        .ttft_prediction_error
+                        .observe((observed_seconds - predicted_seconds).abs());
+                    if *predicted_seconds > 0.0 {
+                        self.selection
+                            .ttft_prediction_ratio
+                            .observe(observed_seconds / predicted_seconds);
+                    }
+                }
             }
         }
     }

@@ -188,6 +188,39 @@ pub struct ServeArgs {
     )]
     pub decode_active_request_weight: f64,
 
+    /// Cost: weight of the stall a pick's own uncached prefill inflicts on each request already
+    /// decoding on the rank, against the pick's own time to first token (1 = a second of
+    /// another request's delay counts like a second of this one's; 0 = TTFT only).
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        value_name = "X",
+        help_heading = "Scheduling"
+    )]
+    pub stall_weight: f64,
+
+    /// The stall may move a pick only to a rank whose own predicted TTFT is at most this factor of
+    /// the best candidate's (ranks beyond rank after all within); `inf` = no bound, 1 = fastest
+    /// first token first.
+    #[arg(
+        long,
+        default_value_t = 2.0,
+        value_name = "F",
+        help_heading = "Scheduling"
+    )]
+    pub ttft_slack: f64,
+
+    /// Calibrate the TTFT estimator from observed first response bytes (per partition line,
+    /// per rank scale); `false` keeps the prior line and treats every rank alike.
+    #[arg(
+        long,
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL",
+        help_heading = "Scheduling"
+    )]
+    pub calibrate: bool,
+
     /// 0 = always the cheapest rank (random among ties); T > 0 samples with softmax over costs.
     #[arg(
         long,
@@ -360,6 +393,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             args.decode_active_request_weight,
         ),
         ("--router-temperature", args.router_temperature),
+        ("--stall-weight", args.stall_weight),
         ("--session-soft-margin", args.session_soft_margin),
     ] {
         if !value.is_finite() || value < 0.0 {
@@ -377,7 +411,19 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             decode_block_weight: args.decode_block_weight,
             decode_active_request_weight: args.decode_active_request_weight,
             router_temperature: args.router_temperature,
+            stall_weight: args.stall_weight,
+            ttft_slack: {
+                let f = args.ttft_slack;
+                if f.is_nan() || f < 1.0 {
+                    anyhow::bail!("--ttft-slack must be >= 1 (inf = no bound), got {f}");
+                }
+                f
+            },
             ..CostParams::default()
+        },
+        estimator: kvpick_core::EstimatorConfig {
+            calibrate: args.calibrate,
+            ..Default::default()
         },
         busy: BusyThresholds {
             active_decode_blocks: args.active_decode_blocks_threshold,

@@ -176,7 +176,7 @@ impl SelectionCore {
 
     /// [`SelectionCore::mark_prefill_complete`] of the booking `claim` names.
     pub fn mark_prefill_complete_claimed(&self, booking_id: &str, claim: Claim) -> bool {
-        let (done, facts) = self.core.mark_prefill_complete(booking_id, claim);
+        let (done, facts) = self.core.mark_prefill_complete(booking_id, claim, now());
         self.record(facts);
         done
     }

@@ -73,10 +73,11 @@ fn not_synced_is_unavailable() {
 #[test]
 fn worked_example_through_the_core() {
     // Prefill 10 blocks of 16 on three workers, overlaps 2/5/8, decode 10/5/9 -> the second,
-    // with ARCHITECTURE.md §4's weight of a decode block (1.0).
+    // with DESIGN.md's weight of a decode block (1.0) and no stall term (DESIGN's cost has none).
     let core = core_with(CoreConfig {
         cost: CostParams {
             decode_block_weight: 1.0,
+            stall_weight: 0.0,
             ..Default::default()
         },
         ..Default::default()
@@ -1208,19 +1209,22 @@ fn by_default_a_cached_prefix_outweighs_a_little_decode_load() {
     // The worked example's ranks under the default weights: a decode block weighs 0.01 of an
     // uncached prefill block, so the rank holding 8 of 10 blocks wins despite 9 blocks of decode.
     let params = CostParams::default();
-    let cand = |decode: u64, overlap: u32| Candidate {
-        key: RankKey {
-            worker_id: decode,
-            dp_rank: 0,
-        },
-        active_prefill_tokens: 0,
-        active_decode_blocks: decode,
-        active_requests: 0,
-        overlap: kvpick_core::index::TierDepths {
-            gpu: overlap,
-            host: overlap,
-            disk: overlap,
-        },
+    let cand = |decode: u64, overlap: u32| {
+        Candidate::new(
+            RankKey {
+                worker_id: decode,
+                dp_rank: 0,
+            },
+            RankLoad {
+                active_decode_blocks: decode,
+                ..RankLoad::default()
+            },
+            kvpick_core::index::TierDepths {
+                gpu: overlap,
+                host: overlap,
+                disk: overlap,
+            },
+        )
     };
     let costs: Vec<f64> = [cand(10, 2), cand(5, 5), cand(9, 8)]
         .iter()

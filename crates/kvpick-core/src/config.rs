@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::decide::CostParams;
+use crate::estimate::EstimatorConfig;
 use crate::session::SessionConfig;
 
 /// Block size used by a partition whose workers do not declare one.
@@ -54,6 +55,8 @@ pub struct CoreConfig {
     /// Most leading blocks of one prompt hashed, matched and inserted (a prefix match needs only
     /// the prefix; a 32 MiB prompt must not flush the index or hold the lock).
     pub max_prompt_blocks: usize,
+    /// The TTFT estimator behind the cost ([`crate::estimate`]).
+    pub estimator: EstimatorConfig,
 }
 
 impl Default for CoreConfig {
@@ -72,6 +75,7 @@ impl Default for CoreConfig {
             sessions: SessionConfig::default(),
             max_api_bookings: 10_000,
             max_prompt_blocks: 16_384,
+            estimator: EstimatorConfig::default(),
         }
     }
 }

@@ -347,13 +347,19 @@ impl Core {
         Some((entry.generation, Arc::clone(&entry.partition)))
     }
 
-    /// Marks the booking's prefill as done (first response byte). Unknown ids are ignored.
-    pub fn mark_prefill_complete(&self, booking_id: &str, claim: Claim) -> (bool, Facts) {
+    /// Marks the booking's prefill as done (first response byte at `now`; the time since the
+    /// pick calibrates the TTFT estimator). Unknown ids are ignored.
+    pub fn mark_prefill_complete(
+        &self,
+        booking_id: &str,
+        claim: Claim,
+        now: Instant,
+    ) -> (bool, Facts) {
         let mut facts = Facts::default();
         let done = self
             .booked(booking_id, claim)
             .is_some_and(|(generation, p)| {
-                p.prefill_complete(&(booking_id.to_string(), generation), &mut facts)
+                p.prefill_complete(&(booking_id.to_string(), generation), now, &mut facts)
             });
         (done, facts)
     }
@@ -681,7 +687,7 @@ mod booking_tests {
         );
         assert!(
             !core
-                .mark_prefill_complete("s", Claim::HeldBy(Holder::Api))
+                .mark_prefill_complete("s", Claim::HeldBy(Holder::Api), now)
                 .0
         );
         assert_eq!(inflight(&core), 1);
@@ -1027,5 +1033,75 @@ mod lifecycle_tests {
             overlaps(Some("tenant-2")),
             [("a".into(), 0), ("b".into(), 0)]
         );
+    }
+}
+
+#[cfg(test)]
+mod calibration_tests {
+    //! The TTFT estimator end to end through the core: first tokens observed through
+    //! `mark_prefill_complete` steer later picks.
+    use super::*;
+    use crate::catalog::RankLayout;
+    use crate::request::PromptInput;
+    use std::time::Duration;
+
+    fn core(calibrate: bool) -> (Core, Instant) {
+        let core = Core::new(CoreConfig {
+            seed: Some(7),
+            estimator: crate::estimate::EstimatorConfig {
+                calibrate,
+                ..Default::default()
+            },
+            ..CoreConfig::default()
+        });
+        let t0 = Instant::now();
+        let specs = vec![
+            WorkerSpec::for_test("fast", "m", RankLayout::PerPort(vec![8001])),
+            WorkerSpec::for_test("slow", "m", RankLayout::PerPort(vec![8002])),
+        ];
+        core.apply_source_snapshot("catalog", specs, t0).unwrap();
+        (core, t0)
+    }
+
+    /// Distinct prompts of 50..=400 tokens (no shared prefix, so only speed tells the ranks
+    /// apart), each served alone: `slow` takes three times as long to its first token.
+    fn run(core: &Core, t0: Instant, requests: u32) -> [u32; 2] {
+        let mut picks = [0u32; 2];
+        let mut now = t0;
+        for i in 0..requests {
+            let len = 50 + (i * 37) % 351;
+            let request = SelectionRequest {
+                request_id: format!("r{i}"),
+                model: Some("m".into()),
+                prompt: PromptInput::Tokens((0..len).map(|t| t + i * 1000).collect()),
+                ..Default::default()
+            };
+            let (selection, _) = core.select_and_reserve(&request, now).unwrap();
+            let slow = selection.primary.worker_name == "slow";
+            picks[usize::from(slow)] += 1;
+            let per_token = if slow { 150 } else { 50 };
+            let ttft = Duration::from_micros(5_000 + per_token * u64::from(len));
+            now += ttft;
+            assert!(
+                core.mark_prefill_complete(&request.request_id, Claim::Any, now)
+                    .0
+            );
+            now += Duration::from_millis(1);
+            assert!(core.free(&request.request_id, Claim::Any, now).0);
+        }
+        picks
+    }
+
+    #[test]
+    fn a_rank_observed_slower_loses_its_share_of_idle_picks() {
+        let (calibrated, t0) = core(true);
+        // Until the slow rank has been seen slow enough, ties split; then the fast rank wins.
+        run(&calibrated, t0, 200);
+        let [fast, slow] = run(&calibrated, t0, 200);
+        assert!(fast >= 190, "fast {fast} slow {slow}");
+        // Without calibration both look the same: ties split evenly.
+        let (blind, t0) = core(false);
+        let [fast, slow] = run(&blind, t0, 400);
+        assert!((150..=250).contains(&fast), "fast {fast} slow {slow}");
     }
 }

@@ -1,10 +1,29 @@
-//! The pure decision (ARCHITECTURE.md §4): given eligible candidates with their load and cached overlap,
-//! compute each one's cost and choose. No locks, no clocks, no I/O: the same inputs and RNG state
-//! always give the same answer, which is what makes decisions unit-testable and replayable.
+//! The pure decision (ARCHITECTURE.md §4): given eligible candidates with their load, cached overlap
+//! and calibrated speed ([`crate::estimate`]), compute each one's cost and choose. No locks, no
+//! clocks, no I/O: the same inputs and RNG state always give the same answer, which is what makes
+//! decisions unit-testable and replayable.
+//!
+//! The cost estimates, in units of one uncached prefill block at the partition's calibrated
+//! speed, the latency a pick adds to the system:
+//! - the request's own time to first token on the rank: the rank's scale × (fixed time + the
+//!   prefill queued on it + its own uncached prefill), the [`crate::estimate`] model;
+//! - the stall it inflicts on the rank's running decodes: an engine runs a prefill in the same
+//!   iterations as its decodes (chunked prefill) or between them, so every request decoding
+//!   while it runs waits for the new request's own prefill. Those are all the rank's booked
+//!   requests: the ones decoding now, and the ones prefilling ahead of it (FIFO), which decode
+//!   by the time its turn comes — `booked requests × own uncached prefill`;
+//! - a small charge for held KV blocks and active requests (the decode batch it joins).
+//!
+//! Seconds of another request's delay count like seconds of this one's (`stall_weight` 1): the
+//! cost is the pick's share of the fleet's total latency, so it keeps long uncached prefills off
+//! ranks with many decodes, and as load rises (more decodes everywhere) the cached rank's saving
+//! is worth more and the cache hit rate goes up by itself. The trade is bounded (`ttft_slack`): a
+//! rank whose own predicted TTFT exceeds `ttft_slack ×` the best candidate's ranks after every rank
+//! within it, so no request waits without bound to spare others a short stall.
 
 use rand::Rng;
 
-use crate::types::{RankKey, TierDepths};
+use crate::types::{RankKey, RankLoad, TierDepths};
 
 /// Default weight of a decode block. ARCHITECTURE.md §4 counts a held KV block like an uncached prefill
 /// block (1.0); prefilling a block costs an engine far more GPU time than keeping one in a decode
@@ -23,6 +42,14 @@ pub struct CostParams {
     pub host_tier_weight: f64,
     pub disk_tier_weight: f64,
     pub router_temperature: f64,
+    /// The stall may only move a pick to a rank whose own predicted TTFT is at most this many
+    /// times the best candidate's (plus one block): a request is never made to wait without
+    /// bound to spare others a short stall. Ranks beyond it rank after every rank within it.
+    /// `f64::INFINITY` = no bound; 1 = the fastest first token, the stall only breaks ties.
+    pub ttft_slack: f64,
+    /// Weight of the stall a pick inflicts (its own uncached prefill, once per request booked on
+    /// the rank) against its own time to first token; 0 = TTFT only.
+    pub stall_weight: f64,
 }
 
 impl Default for CostParams {
@@ -35,18 +62,45 @@ impl Default for CostParams {
             host_tier_weight: 0.75,
             disk_tier_weight: 0.25,
             router_temperature: 0.0,
+            stall_weight: 1.0,
+            ttft_slack: 2.0,
         }
     }
 }
 
-/// One eligible rank: its load (from bookings) and the request's cached overlap on it.
+/// One eligible rank: its load (from bookings), the request's cached overlap on it and its
+/// calibrated speed.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
     pub key: RankKey,
     pub active_prefill_tokens: u64,
     pub active_decode_blocks: u64,
     pub active_requests: u64,
+    /// Requests a new prefill on the rank stalls: every booked one — those decoding now and those
+    /// still prefilling ahead of it (FIFO), which decode while its prefill runs.
+    pub stalled_requests: u64,
     pub overlap: TierDepths,
+    /// The rank's TTFT factor ([`crate::estimate::TtftEstimator::rank_scale`]); 1 = the
+    /// partition's line.
+    pub scale: f64,
+    /// The line's fixed time in blocks of prefill (`fixed_seconds / seconds_per_block`).
+    pub fixed_blocks: f64,
+}
+
+impl Candidate {
+    /// A candidate with this load and overlap at the partition's line (scale 1, no fixed time).
+    pub fn new(key: RankKey, load: RankLoad, overlap: TierDepths) -> Self {
+        Candidate {
+            key,
+            active_prefill_tokens: load.active_prefill_tokens,
+            active_decode_blocks: load.active_decode_blocks,
+            active_requests: load.active_requests,
+            stalled_requests: load.active_requests,
+            overlap,
+            scale: 1.0,
+            fixed_blocks: 0.0,
+        }
+    }
 }
 
 /// The outcome: every candidate index best first (`ranking[0]` is the pick) and each
@@ -65,13 +119,41 @@ pub fn overlap_score(depths: TierDepths, params: &CostParams) -> f64 {
     gpu + params.host_tier_weight * host_only + params.disk_tier_weight * disk_only
 }
 
-/// `prefill_load_scale * max(0, prefill_blocks - credit * overlap)
+/// The request's own uncached prefill on the candidate, in blocks.
+pub fn own_uncached_blocks(
+    c: &Candidate,
+    prompt_tokens: u64,
+    block_size: u32,
+    params: &CostParams,
+) -> f64 {
+    let own = prompt_tokens as f64 / f64::from(block_size.max(1));
+    (own - params.overlap_score_credit * overlap_score(c.overlap, params)).max(0.0)
+}
+
+/// Prefill blocks the request waits for on the candidate: the queue plus its own uncached part.
+pub fn ttft_blocks(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
+    let prefill_blocks =
+        (c.active_prefill_tokens + prompt_tokens) as f64 / f64::from(block_size.max(1));
+    (prefill_blocks - params.overlap_score_credit * overlap_score(c.overlap, params)).max(0.0)
+}
+
+/// The candidate's own predicted time to first token, in blocks at the partition's speed.
+pub fn ttft_cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
+    c.scale
+        * (c.fixed_blocks
+            + params.prefill_load_scale * ttft_blocks(c, prompt_tokens, block_size, params))
+}
+
+/// `scale * (fixed + prefill_load_scale * max(0, queued + prompt - credit * overlap))
+///  + stall_weight * scale * stalled_requests * own_uncached
 ///  + decode_block_weight * decode_blocks + decode_active_request_weight * active_requests`.
 pub fn cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
-    let prefill_blocks = (c.active_prefill_tokens + prompt_tokens) as f64 / block_size as f64;
-    let uncached =
-        (prefill_blocks - params.overlap_score_credit * overlap_score(c.overlap, params)).max(0.0);
-    params.prefill_load_scale * uncached
+    let ttft = c.fixed_blocks
+        + params.prefill_load_scale * ttft_blocks(c, prompt_tokens, block_size, params);
+    let stall = params.stall_weight
+        * c.stalled_requests as f64
+        * own_uncached_blocks(c, prompt_tokens, block_size, params);
+    c.scale * (ttft + stall)
         + params.decode_block_weight * c.active_decode_blocks as f64
         + params.decode_active_request_weight * c.active_requests as f64
 }
@@ -96,21 +178,30 @@ pub fn decide<R: Rng + ?Sized>(
         .iter()
         .map(|c| cost(c, prompt_tokens, block_size, params))
         .collect();
-    // A random key per candidate makes tie-breaking uniform and the order total.
-    let mut order: Vec<(f64, u64, usize)> = costs
+    let ttfts: Vec<f64> = candidates
         .iter()
-        .enumerate()
-        .map(|(i, &c)| (c, rng.random::<u64>(), i))
+        .map(|c| ttft_cost(c, prompt_tokens, block_size, params))
         .collect();
-    let by_cost =
-        |a: &(f64, u64, usize), b: &(f64, u64, usize)| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1));
+    let best_ttft = ttfts.iter().copied().fold(f64::INFINITY, f64::min);
+    let ttft_bound = params.ttft_slack.max(1.0) * best_ttft + 1.0;
+    // Ranks within the TTFT bound first, then by cost; a random key per candidate makes
+    // tie-breaking uniform and the order total.
+    let mut order: Vec<(bool, f64, u64, usize)> = costs
+        .iter()
+        .zip(&ttfts)
+        .enumerate()
+        .map(|(i, (&c, &t))| (t > ttft_bound, c, rng.random::<u64>(), i))
+        .collect();
+    let by_cost = |a: &(bool, f64, u64, usize), b: &(bool, f64, u64, usize)| {
+        a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2))
+    };
     let top = top.clamp(1, order.len());
     if order.len() > top {
         order.select_nth_unstable_by(top - 1, by_cost);
         order.truncate(top);
     }
     order.sort_unstable_by(by_cost);
-    let mut ranking: Vec<usize> = order.iter().map(|&(_, _, i)| i).collect();
+    let mut ranking: Vec<usize> = order.iter().map(|&(_, _, _, i)| i).collect();
     if temperature > 0.0 && candidates.len() > 1 {
         let (min, max) = costs
             .iter()
@@ -145,20 +236,22 @@ mod tests {
     use rand::SeedableRng;
 
     fn cand(w: u64, decode: u64, overlap_gpu: u32) -> Candidate {
-        Candidate {
-            key: RankKey {
+        Candidate::new(
+            RankKey {
                 worker_id: w,
                 dp_rank: 0,
             },
-            active_prefill_tokens: 0,
-            active_decode_blocks: decode,
-            active_requests: 0,
-            overlap: TierDepths {
+            RankLoad {
+                active_prefill_tokens: 0,
+                active_decode_blocks: decode,
+                active_requests: 0,
+            },
+            TierDepths {
                 gpu: overlap_gpu,
                 host: overlap_gpu,
                 disk: overlap_gpu,
             },
-        }
+        )
     }
 
     #[test]
@@ -201,6 +294,85 @@ mod tests {
         };
         // Only decode load is left: 3 blocks at the default weight 0.01.
         assert_eq!(cost(&c, 160, 16, &CostParams::default()), 0.03);
+    }
+
+    #[test]
+    fn stall_charges_own_uncached_prefill_per_booked_request() {
+        // 320 tokens = 20 blocks. Rank 1 caches 15 of them but runs 10 decodes; rank 2 caches
+        // nothing and runs none.
+        let mut busy = cand(1, 0, 15);
+        busy.stalled_requests = 10;
+        let idle = cand(2, 0, 0);
+        let p = CostParams {
+            decode_block_weight: 0.0,
+            ..Default::default()
+        };
+        // Own TTFT 5 blocks + 10 decodes × 5 blocks stalled = 55; idle: 20.
+        assert_eq!(cost(&busy, 320, 16, &p), 55.0);
+        assert_eq!(cost(&idle, 320, 16, &p), 20.0);
+        // TTFT only (stall weight 0): the cached rank wins.
+        let ttft_only = CostParams {
+            stall_weight: 0.0,
+            ..p
+        };
+        assert_eq!(cost(&busy, 320, 16, &ttft_only), 5.0);
+        // Queued prefill is waited for, not stalled: it adds once, whatever the decodes.
+        busy.active_prefill_tokens = 160;
+        assert_eq!(cost(&busy, 320, 16, &p), 65.0);
+    }
+
+    #[test]
+    fn the_ttft_slack_bounds_what_the_stall_may_cost_the_request() {
+        // The cached rank (5 blocks of own TTFT) runs 10 requests; the idle one would take 20.
+        let mut busy = cand(1, 0, 15);
+        busy.stalled_requests = 10;
+        let idle = cand(2, 0, 0);
+        let cs = [busy, idle];
+        let mut rng = StdRng::seed_from_u64(3);
+        let unbounded = CostParams {
+            ttft_slack: f64::INFINITY,
+            ..Default::default()
+        };
+        // Without a bound the stall (55 vs 20) sends it to the idle rank: 4x its best TTFT.
+        assert_eq!(
+            decide(&cs, 320, 16, &unbounded, 0.0, 2, &mut rng).ranking,
+            vec![1, 0]
+        );
+        // With slack 2 the idle rank is beyond 2 × 5 + 1 blocks: it ranks after the cached one.
+        let bounded = CostParams::default();
+        let d = decide(&cs, 320, 16, &bounded, 0.0, 2, &mut rng);
+        assert_eq!(d.ranking, vec![0, 1]);
+        // The costs reported are the same either way.
+        assert_eq!(d.costs[0], cost(&busy, 320, 16, &bounded));
+        // Slack 4: 20 <= 4 × 5 + 1, the stall decides again.
+        let loose = CostParams {
+            ttft_slack: 4.0,
+            ..Default::default()
+        };
+        assert_eq!(
+            decide(&cs, 320, 16, &loose, 0.0, 2, &mut rng).ranking,
+            vec![1, 0]
+        );
+    }
+
+    #[test]
+    fn a_rank_scale_multiplies_its_time_terms() {
+        let mut slow = cand(1, 100, 0);
+        slow.scale = 2.0;
+        slow.fixed_blocks = 3.0;
+        slow.stalled_requests = 1;
+        // 2 × (3 fixed + 10 own + 1 × 10 stall) + 0.01 × 100 decode blocks.
+        assert_eq!(cost(&slow, 160, 16, &CostParams::default()), 47.0);
+        let d = decide(
+            &[slow, cand(2, 100, 0)],
+            160,
+            16,
+            &CostParams::default(),
+            0.0,
+            2,
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!(d.ranking, vec![1, 0]);
     }
 
     #[test]

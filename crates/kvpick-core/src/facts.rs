@@ -54,6 +54,11 @@ pub enum Fact {
     CatalogWorkers([usize; 4]),
     /// Bookings reaped because they outlived the booking TTL.
     BookingsExpired(u64),
+    /// A booking's first token arrived: the TTFT its pick predicted and the one observed.
+    TtftObserved {
+        predicted_seconds: f64,
+        observed_seconds: f64,
+    },
 }
 
 /// The facts of one operation, in the order they happened.

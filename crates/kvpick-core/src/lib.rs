@@ -11,6 +11,7 @@
 //! - [`index`]: which ranks hold which blocks, per tier; longest-prefix matches.
 //! - [`error`], [`facts`], [`request`], [`config`]: what goes in and comes out of the core.
 //! - [`catalog`]: worker specs and records, the union of sources, the reconcile diff.
+//! - [`estimate`]: the TTFT estimator the cost is calibrated by (learnt from observations).
 //! - [`decide`]: the pure cost function and choice.
 //! - [`session`]: the session-affinity table.
 //! - `partition`: one `(model, routing_group)` behind one lock; its `pipeline` runs the selection
@@ -24,6 +25,7 @@ pub mod config;
 pub mod core;
 pub mod decide;
 pub mod error;
+pub mod estimate;
 pub mod event;
 pub mod facts;
 pub mod hash;
@@ -40,6 +42,7 @@ pub use crate::config::{BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE};
 pub use crate::core::Core;
 pub use crate::decide::{cost, decide, overlap_score, Candidate, CostParams, Decision};
 pub use crate::error::{CatalogError, SelectError};
+pub use crate::estimate::{Coefficients, EstimatorConfig, TtftEstimator};
 pub use crate::facts::{Fact, Facts};
 pub use crate::partition::EventStats;
 pub use crate::request::{

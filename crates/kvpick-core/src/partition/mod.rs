@@ -32,6 +32,7 @@ use ranks::{RankTable, Slot};
 use crate::catalog::WorkerRecord;
 use crate::config::{CoreConfig, DEFAULT_BLOCK_SIZE};
 use crate::error::SelectError;
+use crate::estimate::TtftEstimator;
 use crate::facts::{Fact, Facts};
 use crate::hash;
 use crate::index::{PrefixIndex, Tier, TierDepths};
@@ -62,6 +63,10 @@ struct Booking {
     decode_blocks: u64,
     prefill_complete: bool,
     created: Instant,
+    /// Prefill tokens the request waited for at its pick (queue + own uncached), the estimator's
+    /// input, and the TTFT it predicted (seconds): checked against the first token.
+    ttft_tokens: f64,
+    predicted_ttft: f64,
     /// The session whose lease this booking holds.
     session: Option<String>,
 }
@@ -75,6 +80,7 @@ struct State {
     sessions: SessionTable,
     /// Per rank: engine block hash -> our hash (KV events).
     engines: HashMap<RankKey, EngineMap>,
+    estimator: TtftEstimator,
     rng: StdRng,
 }
 
@@ -149,6 +155,7 @@ impl Partition {
                 bookings: HashMap::new(),
                 sessions: SessionTable::default(),
                 engines: HashMap::new(),
+                estimator: TtftEstimator::new(config.estimator),
                 rng,
             }),
         }
@@ -357,6 +364,7 @@ impl Partition {
         let Some(slot) = state.ranks.remove(&key) else {
             return;
         };
+        state.estimator.forget(&key);
         // The rank's engine is gone (deleted, moved, re-addressed): what it cached must not
         // attract requests if a worker of the same id comes back with a fresh engine.
         state.index.clear_rank(key);
@@ -430,7 +438,8 @@ impl Partition {
         } else {
             state.index.find_matches(&prompt.seq_hashes, now)
         };
-        let candidates = pipeline::candidates(slots, &eligible, &matches);
+        let candidates =
+            pipeline::candidates(slots, &eligible, &matches, &state.estimator, block_size);
         let mut decision = pipeline::rank(
             &candidates,
             &prompt,
@@ -446,6 +455,11 @@ impl Partition {
         let best = decision.ranking.first().copied().unwrap_or_default();
         let overlap = candidates.get(best).map(|c| c.overlap).unwrap_or_default();
         let cost = decision.costs.get(best).copied().unwrap_or_default();
+        let ttft_tokens = candidates.get(best).map_or(0.0, |c| {
+            crate::decide::ttft_blocks(c, prompt.tokens, block_size, &config.cost)
+                * f64::from(block_size)
+        });
+        let predicted_ttft = state.estimator.predict(&primary.key, ttft_tokens);
         let trace = if config.trace_decisions > 0 {
             cost_trace(&candidates, &decision.costs)
         } else {
@@ -460,6 +474,8 @@ impl Partition {
                     overlap,
                     prompt: &prompt,
                     block_size,
+                    ttft_tokens,
+                    predicted_ttft,
                 };
                 self.book(state, request, &pick, affinity, config, now, facts)
             }
@@ -564,6 +580,8 @@ impl Partition {
             decode_blocks: tokens.div_ceil(block_size),
             prefill_complete: false,
             created: now,
+            ttft_tokens: pick.ttft_tokens,
+            predicted_ttft: pick.predicted_ttft,
             session: leased_session,
         };
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
@@ -670,7 +688,9 @@ impl Partition {
         }
     }
 
-    pub fn prefill_complete(&self, booking: &BookingRef, facts: &mut Facts) -> bool {
+    /// The booking's first token arrived at `now`: its prefill leaves the rank's queue, and the
+    /// time since its pick is an observation for the TTFT estimator.
+    pub fn prefill_complete(&self, booking: &BookingRef, now: Instant, facts: &mut Facts) -> bool {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         let Some(booking) = state
@@ -688,6 +708,14 @@ impl Partition {
                     .active_prefill_tokens
                     .saturating_sub(booking.prefill_tokens);
                 facts.push(load_fact(slot, booking.rank));
+                let observed = now.saturating_duration_since(booking.created).as_secs_f64();
+                state
+                    .estimator
+                    .observe(booking.rank, booking.ttft_tokens, observed);
+                facts.push(Fact::TtftObserved {
+                    predicted_seconds: booking.predicted_ttft,
+                    observed_seconds: observed,
+                });
             }
         }
         true
@@ -869,4 +897,6 @@ struct Pick<'a> {
     overlap: TierDepths,
     prompt: &'a PromptBlocks,
     block_size: u32,
+    ttft_tokens: f64,
+    predicted_ttft: f64,
 }

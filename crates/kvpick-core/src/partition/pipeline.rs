@@ -18,6 +18,7 @@
 use crate::config::BusyThresholds;
 use crate::decide::{Candidate, Decision};
 use crate::error::SelectError;
+use crate::estimate::TtftEstimator;
 use crate::hash;
 use crate::index::TierDepths;
 use crate::request::{clip, EndpointFilter, Pin, PromptInput};
@@ -270,7 +271,11 @@ pub(crate) fn candidates(
     slots: &[(RankKey, Slot)],
     eligible: &[usize],
     matches: &[(RankKey, TierDepths)],
+    estimator: &TtftEstimator,
+    block_size: u32,
 ) -> Vec<Candidate> {
+    let line = estimator.coefficients();
+    let fixed_blocks = line.fixed_seconds / (line.seconds_per_token * f64::from(block_size.max(1)));
     let mut next_match = matches.iter().peekable();
     eligible
         .iter()
@@ -284,11 +289,9 @@ pub(crate) fn candidates(
                 _ => TierDepths::default(),
             };
             Candidate {
-                key: *key,
-                active_prefill_tokens: slot.load.active_prefill_tokens,
-                active_decode_blocks: slot.load.active_decode_blocks,
-                active_requests: slot.load.active_requests,
-                overlap,
+                scale: estimator.rank_scale(key),
+                fixed_blocks,
+                ..Candidate::new(*key, slot.load, overlap)
             }
         })
         .collect()

@@ -67,6 +67,18 @@ pub struct ReplayArgs {
     /// kvpick policy: lifetime of predicted blocks, seconds (as `kvpick serve`).
     #[arg(long, default_value_t = 2)]
     pub predicted_ttl: u64,
+    /// kvpick policy: weight of the stall a pick's prefill inflicts on the rank's decoding
+    /// requests against its own TTFT (as `kvpick serve`).
+    #[arg(long, default_value_t = 1.0)]
+    pub stall_weight: f64,
+    /// kvpick policy: the stall may move a pick only to a rank whose predicted TTFT is within
+    /// this factor of the best (as `kvpick serve`; `inf` = no bound).
+    #[arg(long, default_value_t = 2.0)]
+    pub ttft_slack: f64,
+    /// kvpick policy: calibrate the TTFT estimator from observed first tokens (`false` keeps
+    /// the prior line and every rank at scale 1; as `kvpick serve`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub calibrate: bool,
 }
 
 /// See [`ReplayArgs::arrival_speedup`].
@@ -98,6 +110,9 @@ pub struct PolicyReport {
     pub completed: u64,
     pub refused: u64,
     pub preemptions: u64,
+    /// How well the policy's TTFT estimate predicted the observed TTFT (kvpick only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_prediction: Option<policy::PredictionReport>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -121,6 +136,9 @@ pub struct KvpickCost {
     pub decode_block_weight: f64,
     pub decode_active_request_weight: f64,
     pub predicted_ttl_s: u64,
+    pub stall_weight: f64,
+    pub ttft_slack: f64,
+    pub calibrate: bool,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -386,6 +404,7 @@ async fn run_one(
         completed,
         refused,
         preemptions: ranks.iter().map(|r| r.engine.stats().preemptions).sum(),
+        ttft_prediction: policy.prediction_report(),
     }
 }
 
@@ -431,9 +450,15 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
             "--decode-active-request-weight",
             args.decode_active_request_weight,
         ),
+        ("--stall-weight", args.stall_weight),
     ] {
         anyhow::ensure!(v.is_finite() && v >= 0.0, "{name} must be >= 0, got {v}");
     }
+    anyhow::ensure!(
+        args.ttft_slack >= 1.0,
+        "--ttft-slack must be >= 1 (inf = no bound), got {}",
+        args.ttft_slack
+    );
     let options = policy::PolicyOptions {
         block_size: config.block_size,
         seed: args.seed,
@@ -443,6 +468,12 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
             prefill_load_scale: args.prefill_load_scale,
             decode_block_weight: args.decode_block_weight,
             decode_active_request_weight: args.decode_active_request_weight,
+            stall_weight: args.stall_weight,
+            ttft_slack: args.ttft_slack,
+            ..Default::default()
+        },
+        estimator: kvpick_core::EstimatorConfig {
+            calibrate: args.calibrate,
             ..Default::default()
         },
     };
@@ -460,6 +491,9 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
             decode_block_weight: options.cost.decode_block_weight,
             decode_active_request_weight: options.cost.decode_active_request_weight,
             predicted_ttl_s: args.predicted_ttl,
+            stall_weight: options.cost.stall_weight,
+            ttft_slack: options.cost.ttft_slack,
+            calibrate: options.estimator.calibrate,
         },
         offered_load: offered_load(&requests, &config, args.workers),
         infinite_cache_hit_rate: infinite_cache_hit_rate(&requests, config.block_size),

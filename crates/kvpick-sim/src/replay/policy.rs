@@ -67,6 +67,60 @@ pub trait Policy {
     fn on_complete(&mut self, _id: u64, _rank: usize) {}
     /// `rank` published these KV events.
     fn on_kv_events(&mut self, _rank: usize, _events: &[KvEvent]) {}
+    /// How well the policy's own TTFT estimate predicted the first tokens (if it makes one).
+    fn prediction_report(&self) -> Option<PredictionReport> {
+        None
+    }
+}
+
+/// Predicted vs observed TTFT over a replay.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct PredictionReport {
+    pub observations: u64,
+    /// Mean |observed - predicted|, milliseconds.
+    pub mean_abs_error_ms: f64,
+    /// Mean |observed - predicted| / observed.
+    pub mean_rel_error: f64,
+    /// Mean (predicted - observed), milliseconds (> 0: the estimate is pessimistic).
+    pub mean_bias_ms: f64,
+}
+
+/// Running sums behind a [`PredictionReport`].
+#[derive(Debug, Clone, Default)]
+struct PredictionSums {
+    n: u64,
+    abs: f64,
+    rel: f64,
+    bias: f64,
+}
+
+impl PredictionSums {
+    fn add(&mut self, facts: &kvpick_core::Facts) {
+        for fact in facts.iter() {
+            if let kvpick_core::Fact::TtftObserved {
+                predicted_seconds,
+                observed_seconds,
+            } = *fact
+            {
+                self.n += 1;
+                self.abs += (observed_seconds - predicted_seconds).abs();
+                self.bias += predicted_seconds - observed_seconds;
+                if observed_seconds > 0.0 {
+                    self.rel += (observed_seconds - predicted_seconds).abs() / observed_seconds;
+                }
+            }
+        }
+    }
+
+    fn report(&self) -> PredictionReport {
+        let n = self.n.max(1) as f64;
+        PredictionReport {
+            observations: self.n,
+            mean_abs_error_ms: self.abs / n * 1e3,
+            mean_rel_error: self.rel / n,
+            mean_bias_ms: self.bias / n * 1e3,
+        }
+    }
 }
 
 /// Settings every policy may use.
@@ -79,6 +133,8 @@ pub struct PolicyOptions {
     pub cost: CostParams,
     /// kvpick's predicted-block lifetime.
     pub predicted_ttl: std::time::Duration,
+    /// kvpick's TTFT estimator.
+    pub estimator: kvpick_core::EstimatorConfig,
 }
 
 impl PolicyOptions {
@@ -88,6 +144,7 @@ impl PolicyOptions {
             seed,
             cost: CostParams::default(),
             predicted_ttl: CoreConfig::default().predicted_ttl,
+            estimator: kvpick_core::EstimatorConfig::default(),
         }
     }
 }
@@ -434,6 +491,7 @@ pub struct Kvpick {
     ranks: Vec<RankKey>,
     port_to_rank: HashMap<u16, usize>,
     bookings: HashMap<u64, String>,
+    predictions: PredictionSums,
     pub rejected: u64,
     pub events_dropped: u64,
 }
@@ -475,6 +533,7 @@ impl Kvpick {
             seed: Some(options.seed),
             cost: options.cost,
             predicted_ttl: options.predicted_ttl,
+            estimator: options.estimator,
             kv_events: true,
             ..CoreConfig::default()
         }));
@@ -501,6 +560,7 @@ impl Kvpick {
                 .map(|i| (REPLAY_BASE_PORT + i as u16, i))
                 .collect(),
             bookings: HashMap::new(),
+            predictions: PredictionSums::default(),
             rejected: 0,
             events_dropped: 0,
         }
@@ -536,7 +596,8 @@ impl Policy for Kvpick {
     }
     fn on_first_token(&mut self, id: u64, _: usize) {
         if let Some(b) = self.bookings.get(&id) {
-            self.core.mark_prefill_complete(b, Claim::Any);
+            let (_, facts) = self.core.mark_prefill_complete(b, Claim::Any, now());
+            self.predictions.add(&facts);
         }
     }
     fn on_complete(&mut self, id: u64, _: usize) {
@@ -547,6 +608,9 @@ impl Policy for Kvpick {
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
         let (stats, _) = self.core.apply_kv_events(self.ranks[rank], events, now());
         self.events_dropped += stats.dropped;
+    }
+    fn prediction_report(&self) -> Option<PredictionReport> {
+        Some(self.predictions.report())
     }
 }
 

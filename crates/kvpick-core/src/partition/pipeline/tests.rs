@@ -285,15 +285,24 @@ fn candidates_join_eligible_ranks_with_their_matches() {
         (key(3, 0), depth(2)),
         (key(4, 1), depth(9)),
     ];
-    let got = candidates(&table, &[1, 2, 4], &matches);
-    let summary: Vec<(RankKey, u32, u64)> = got
+    let estimator = crate::estimate::TtftEstimator::default();
+    let got = candidates(&table, &[1, 2, 4], &matches, &estimator, 16);
+    let summary: Vec<(RankKey, u32, u64, u64)> = got
         .iter()
-        .map(|c| (c.key, c.overlap.gpu, c.active_requests))
+        .map(|c| (c.key, c.overlap.gpu, c.active_requests, c.stalled_requests))
         .collect();
     assert_eq!(
         summary,
-        vec![(key(2, 0), 0, 0), (key(3, 0), 2, 3), (key(4, 1), 9, 0)]
+        vec![
+            (key(2, 0), 0, 0, 0),
+            (key(3, 0), 2, 3, 3),
+            (key(4, 1), 9, 0, 0)
+        ]
     );
+    // The prior line: 20 ms fixed at 50 µs/token is 25 blocks of 16 tokens; no rank has a
+    // scale of its own yet.
+    assert!(got.iter().all(|c| c.scale == 1.0));
+    assert!((got[0].fixed_blocks - 25.0).abs() < 1e-9);
 }
 
 fn decision(costs: Vec<f64>) -> Decision {
@@ -304,13 +313,7 @@ fn decision(costs: Vec<f64>) -> Decision {
 
 fn cands(keys: &[RankKey]) -> Vec<Candidate> {
     keys.iter()
-        .map(|&key| Candidate {
-            key,
-            active_prefill_tokens: 0,
-            active_decode_blocks: 0,
-            active_requests: 0,
-            overlap: TierDepths::default(),
-        })
+        .map(|&key| Candidate::new(key, RankLoad::default(), TierDepths::default()))
         .collect()
 }
 
