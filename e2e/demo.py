@@ -1,23 +1,29 @@
-"""kvpick demo: the routing gain on a real trace, through a real Envoy, against simulated vLLM workers.
+"""kvpick demo: the routing gain on agentic traffic, through a real Envoy, against simulated vLLM workers.
 
-Replays the first requests of the Mooncake trace (``../shared/data/mooncake_trace_1000.jsonl``)
-twice, each time on a fresh ``kvpick sim`` fleet of 4 workers (vLLM-like: paged prefix cache,
-continuous batching, KV events over ZeroMQ):
+By default it generates an ``agentic`` workload (``kvpick workload``: tool loops on 4-16k-token
+tool prefixes, short calls, sub-agents branching off the shared history; seed 1) and replays it at
+offered load 0.85 (``kvpick replay --offered-load``: no-cache prefill demand / fleet prefill
+capacity) twice, each time on a fresh ``kvpick sim`` fleet of 4 workers (vLLM-like: paged prefix
+cache, continuous batching, KV events over ZeroMQ):
 
 1. through Envoy's own ``ROUND_ROBIN`` cluster (a plain Kubernetes Service, no endpoint picker);
 2. through Envoy + kvpick (ext_proc), which follows the engines' KV events and its own bookings.
 
-It prints progress while it runs, then the side-by-side table built from client-side timings and
-the ``usage.prompt_tokens_details.cached_tokens`` the workers return, and finally the offline
+It prints the workload's statistics, progress, the side-by-side table built from client-side
+timings and the ``usage.prompt_tokens_details.cached_tokens`` the workers return, and the offline
 (virtual-clock) replay of the same requests through every policy kvpick compares itself with.
-Flags: ``--limit N`` (default 500), ``--sim-speedup K`` (default 4), ``--workers N`` (default 4),
-``--arrival-speedup A`` (default 1.15: ~80% load for 4 workers). The whole trace on 8 workers:
-``--limit 1000 --workers 8 --arrival-speedup 2.3``.
+
+Flags: ``--family F`` (default agentic), ``--requests N`` (default 300), ``--load L`` (0.85),
+``--workers N`` (4), ``--sim-speedup K`` (4), ``--policy`` (the online columns; add
+``sglang-router`` once ``e2e/replay/online.py`` knows it). ``--trace FILE --arrival-speedup A``
+replays an existing Mooncake trace instead (the README's trace_1000 run:
+``--trace ../shared/data/mooncake_trace_1000.jsonl --limit 1000 --workers 8 --arrival-speedup 2.3``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,29 +35,63 @@ sys.path.insert(0, str(E2E / "replay"))
 import harness  # noqa: E402
 import online  # noqa: E402
 
-TRACE = E2E.parent.parent / "shared" / "data" / "mooncake_trace_1000.jsonl"
+
+def kvpick(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(harness.kvpick_binary()), *args], capture_output=True, text=True)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default=str(TRACE))
-    ap.add_argument("--limit", type=int, default=500)
+    ap.add_argument("--family", default="agentic")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--load", type=float, default=0.85,
+                    help="offered load the generated trace is rescaled to")
+    ap.add_argument("--trace", help="replay this Mooncake trace instead of generating one")
+    ap.add_argument("--limit", type=int, help="with --trace: its first N requests")
+    ap.add_argument("--arrival-speedup", type=float,
+                    help="with --trace: divide inter-arrival times by this (default: --load)")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--arrival-speedup", type=float, default=1.15,
-                    help="1.15 loads 4 default workers to ~80%% of their prefill capacity")
     ap.add_argument("--sim-speedup", type=float, default=4.0)
+    ap.add_argument("--policy", default="envoy-round-robin,kvpick",
+                    help="online columns, comma-separated (e2e/replay/online.py's policies)")
     args = ap.parse_args()
-    if not Path(args.trace).exists():
-        print(f"demo: trace not found: {args.trace}", file=sys.stderr)
+    work = harness.new_workdir("demo")
+    if args.trace:
+        trace = Path(args.trace)
+        if not trace.exists():
+            print(f"demo: trace not found: {trace}", file=sys.stderr)
+            return 2
+        what = f"{trace.name}" + (f", first {args.limit} requests" if args.limit else "")
+    else:
+        trace = work / f"{args.family}-{args.seed}.jsonl"
+        gen = kvpick("workload", "--family", args.family, "--seed", str(args.seed), "--requests",
+                     str(args.requests), "--out", str(trace))
+        if gen.returncode != 0:
+            print(gen.stderr, file=sys.stderr)
+            return 2
+        what = f"generated `{args.family}` workload (kvpick workload --seed {args.seed})"
+        print(gen.stdout)
+    limit = ["--limit", str(args.limit)] if args.limit else []
+    pace = (["--arrival-speedup", str(args.arrival_speedup)] if args.arrival_speedup
+            else ["--offered-load", str(args.load)])
+    offline_report = work / "offline.json"
+    offline = kvpick("replay", "--trace", str(trace), "--workers", str(args.workers), *limit, *pace,
+                     "--report", str(offline_report))
+    if offline.returncode != 0:
+        print(offline.stderr, file=sys.stderr)
         return 2
-    print(f"kvpick demo: first {args.limit} requests of {Path(args.trace).name}, {args.workers} "
-          f"simulated vLLM workers, arrivals x{args.arrival_speedup}, sim speedup x{args.sim_speedup}")
+    offline_json = json.loads(offline_report.read_text())
+    speedup = offline_json["arrival_speedup"]
+    print(f"kvpick demo: {what}, {offline_json['requests']} requests, {args.workers} simulated vLLM "
+          f"workers, offered load {offline_json['offered_load']:.2f} (arrivals x{speedup:.3g}), "
+          f"sim speedup x{args.sim_speedup}")
     print("client -> Envoy 1.40 -> (round-robin cluster | ext_proc kvpick) -> kvpick sim workers")
     print()
     try:
-        report = online.run_online(args.trace, limit=args.limit, workers=args.workers,
-                                   arrival_speedup=args.arrival_speedup,
-                                   sim_speedup=args.sim_speedup)
+        report = online.run_online(trace, limit=args.limit, workers=args.workers,
+                                   arrival_speedup=speedup, sim_speedup=args.sim_speedup,
+                                   policies=tuple(p for p in args.policy.split(",") if p))
     finally:
         harness.stop_all()
     print()
@@ -61,13 +101,9 @@ def main() -> int:
     print("Offline replay of the same requests (kvpick replay: same engine model, virtual clock, "
           "no sockets):")
     print()
-    offline = subprocess.run(
-        [str(harness.kvpick_binary()), "replay", "--trace", args.trace, "--limit", str(args.limit),
-         "--workers", str(args.workers), "--arrival-speedup", str(args.arrival_speedup)],
-        capture_output=True, text=True)
-    print(offline.stdout if offline.returncode == 0 else offline.stderr)
+    print(offline.stdout)
     errors = sum(p["errors"] for p in report["policies"])
-    return 0 if errors == 0 and offline.returncode == 0 else 1
+    return 0 if errors == 0 else 1
 
 
 if __name__ == "__main__":

@@ -25,6 +25,9 @@ enum Command {
     /// Offline, virtual-clock replay of a Mooncake trace through each routing policy and a
     /// simulated fleet; prints a Markdown table, optionally writes a JSON report.
     Replay(kvpick_sim::replay::ReplayArgs),
+    /// Write a seeded Mooncake JSONL trace of one workload family (chat, agentic, shared-docs,
+    /// small-families, no-reuse) and print its statistics.
+    Workload(kvpick_sim::workload::WorkloadArgs),
     /// A fleet of simulated vLLM workers (OpenAI HTTP, `vllm:*` metrics, KV events over ZeroMQ).
     Sim(kvpick_sim::sim::server::SimArgs),
     /// Print the token ids kvpick computes for request bodies (one JSON body per stdin line;
@@ -61,6 +64,13 @@ fn main() -> std::process::ExitCode {
             }
         }
         Command::Replay(args) => match kvpick_sim::replay::run(args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("kvpick: error: {err:#}");
+                std::process::ExitCode::from(2)
+            }
+        },
+        Command::Workload(args) => match kvpick_sim::workload::run(args) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("kvpick: error: {err:#}");

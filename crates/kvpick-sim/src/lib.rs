@@ -7,6 +7,8 @@
 //!   KV-event encoder).
 //! - [`replay`]: `kvpick replay`, the virtual-clock replay of a trace through every routing
 //!   policy ([`replay::policy`]), the kvpick one being [`kvpick_core::Core`] itself.
+//! - [`workload`]: `kvpick workload`, seeded generators of Mooncake traces in five workload
+//!   families (chat, agentic, shared-docs, small-families, no-reuse) and their statistics.
 
 #![forbid(unsafe_code)]
 // A benchmark and test tool, never in a request path: a broken invariant of the simulated engine
@@ -15,3 +17,4 @@
 
 pub mod replay;
 pub mod sim;
+pub mod workload;

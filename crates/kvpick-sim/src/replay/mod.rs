@@ -39,8 +39,12 @@ pub struct ReplayArgs {
     pub policy: Vec<String>,
     /// Divide the trace's inter-arrival times by this. The default loads 8 default workers to
     /// ~80% of their prefill capacity on `mooncake_trace_1000.jsonl` (see `offered_load`).
-    #[arg(long, default_value_t = DEFAULT_ARRIVAL_SPEEDUP)]
+    #[arg(long, default_value_t = DEFAULT_ARRIVAL_SPEEDUP, conflicts_with = "offered_load")]
     pub arrival_speedup: f64,
+    /// Rescale the trace's timestamps so its offered load (see `offered_load`) on `--workers`
+    /// engines is this, instead of `--arrival-speedup`.
+    #[arg(long)]
+    pub offered_load: Option<f64>,
     /// Replay only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
@@ -210,6 +214,18 @@ fn ratio(a: u64, b: u64) -> f64 {
     }
 }
 
+/// The engine time one request of `input_tokens` costs with nothing cached: the latency model's
+/// prefill terms (`prefill_overhead + prefill_per_token × input`). Decode is not counted: it rides
+/// on the same engine steps (chunked prefill batches decodes with prefill chunks).
+pub fn no_cache_prefill_ns(config: &EngineConfig, input_tokens: usize) -> u64 {
+    config.prefill_overhead_ns + config.prefill_ns_per_token * input_tokens as u64
+}
+
+/// **Offered load** = arrival rate × mean no-cache prefill time per request ÷ ranks, i.e. the sum
+/// of [`no_cache_prefill_ns`] over the trace / (ranks × arrival span): the fraction of the fleet's
+/// prefill capacity the trace would use if no prompt token were ever cached. It is a property of
+/// the trace and the engine model, the same for every policy; cache hits are what a router can
+/// take off it. 0 for a trace whose requests all arrive at once.
 pub fn offered_load(requests: &[Prepared], config: &EngineConfig, workers: usize) -> f64 {
     let span =
         requests.last().map_or(0, |r| r.arrival_ns) - requests.first().map_or(0, |r| r.arrival_ns);
@@ -218,9 +234,35 @@ pub fn offered_load(requests: &[Prepared], config: &EngineConfig, workers: usize
     }
     let demand: u64 = requests
         .iter()
-        .map(|r| config.prefill_overhead_ns + config.prefill_ns_per_token * r.tokens.len() as u64)
+        .map(|r| no_cache_prefill_ns(config, r.tokens.len()))
         .sum();
     demand as f64 / (workers as f64 * span as f64)
+}
+
+/// The arrival speedup that puts `records` at offered load `target` on `workers` engines
+/// (offered load is proportional to the speedup).
+pub fn speedup_for_load(
+    records: &[TraceRecord],
+    config: &EngineConfig,
+    workers: usize,
+    target: f64,
+) -> anyhow::Result<f64> {
+    anyhow::ensure!(
+        target.is_finite() && target > 0.0,
+        "--offered-load must be > 0, got {target}"
+    );
+    let first = records.iter().map(|r| r.timestamp).min().unwrap_or(0);
+    let last = records.iter().map(|r| r.timestamp).max().unwrap_or(0);
+    anyhow::ensure!(
+        last > first,
+        "--offered-load needs a trace whose arrivals span some time"
+    );
+    let demand: u64 = records
+        .iter()
+        .map(|r| no_cache_prefill_ns(config, r.input_length))
+        .sum();
+    let load_at_1 = demand as f64 / (workers as f64 * (last - first) as f64 * 1e6);
+    Ok(target / load_at_1)
 }
 
 fn stat(values: &mut [f64]) -> Stat {
@@ -435,13 +477,18 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
         args.arrival_speedup.is_finite() && args.arrival_speedup > 0.0,
         "--arrival-speedup must be > 0"
     );
+    anyhow::ensure!(args.workers > 0, "--workers must be at least 1");
     let mut records = trace::load(&args.trace)?;
     if let Some(limit) = args.limit {
         records.truncate(limit);
     }
     anyhow::ensure!(!records.is_empty(), "the trace has no requests");
     let config = args.engine.config()?;
-    let requests = prepare(&records, args.arrival_speedup);
+    let arrival_speedup = match args.offered_load {
+        Some(target) => speedup_for_load(&records, &config, args.workers, target)?,
+        None => args.arrival_speedup,
+    };
+    let requests = prepare(&records, arrival_speedup);
     for (name, v) in [
         ("--overlap-score-credit", args.overlap_score_credit),
         ("--prefill-load-scale", args.prefill_load_scale),
@@ -482,7 +529,7 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
         trace: args.trace.display().to_string(),
         requests: requests.len(),
         workers: args.workers,
-        arrival_speedup: args.arrival_speedup,
+        arrival_speedup,
         seed: args.seed,
         engine: EngineReport::from(&config),
         kvpick_cost: KvpickCost {

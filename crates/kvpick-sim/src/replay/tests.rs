@@ -140,3 +140,63 @@ fn infinite_bound_counts_prefixes_seen_before() {
     let expect = (512.0 + 1008.0) / 3072.0;
     assert_eq!(infinite_cache_hit_rate(&reqs, 16), expect);
 }
+
+#[test]
+fn offered_load_flag_rescales_arrivals_to_that_load() {
+    let records = small_trace();
+    let config = engine();
+    for target in [0.5, 0.95] {
+        let speedup = speedup_for_load(&records, &config, 3, target).unwrap();
+        let load = offered_load(&prepare(&records, speedup), &config, 3);
+        assert!((load - target).abs() < 1e-9, "{target}: {load}");
+    }
+    assert!(speedup_for_load(&records, &config, 3, 0.0).is_err());
+    assert!(speedup_for_load(&records[..1], &config, 3, 0.5).is_err());
+}
+
+#[test]
+fn offered_load_conflicts_with_arrival_speedup_and_lands_in_the_report() {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+    let both = Wrap::try_parse_from([
+        "replay",
+        "--trace",
+        "t",
+        "--offered-load",
+        "0.9",
+        "--arrival-speedup",
+        "2",
+    ]);
+    assert!(both.is_err());
+    let dir = std::env::temp_dir().join(format!("kvpick-replay-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let trace_path = dir.join("t.jsonl");
+    let text: String = small_trace()
+        .iter()
+        .map(|r| serde_json::to_string(r).unwrap() + "\n")
+        .collect();
+    std::fs::write(&trace_path, text).unwrap();
+    let args = Wrap::parse_from([
+        "replay",
+        "--trace",
+        trace_path.to_str().unwrap(),
+        "--workers",
+        "3",
+        "--policy",
+        "round-robin",
+        "--offered-load",
+        "0.75",
+    ])
+    .args;
+    let report = build_report(&args).unwrap();
+    assert!(
+        (report.offered_load - 0.75).abs() < 1e-9,
+        "{}",
+        report.offered_load
+    );
+    std::fs::remove_dir_all(&dir).ok();
+}

@@ -3,7 +3,7 @@
 //! synthesis is implemented in `e2e/replay/trace.py`, so online and offline replays send identical
 //! prompts. Owns nothing else.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// Tokens per Mooncake hash id.
 pub const MOONCAKE_BLOCK: usize = 512;
@@ -11,8 +11,8 @@ pub const MOONCAKE_BLOCK: usize = 512;
 /// Vocabulary the synthetic token ids are drawn from (Llama-3 sized).
 pub const VOCAB: u64 = 128_000;
 
-/// One trace line.
-#[derive(Debug, Clone, Deserialize, PartialEq)]
+/// One trace line (fields in Mooncake's order, which is also the order it is written in).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 pub struct TraceRecord {
     /// Arrival, milliseconds since the trace start.
     pub timestamp: u64,
