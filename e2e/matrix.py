@@ -34,6 +34,8 @@ KVPICK_PARAMS: dict[str, float | int] = {
     "--decode-block-weight": 0.01,
     "--decode-active-request-weight": 0.0,
     "--predicted-ttl": 2,
+    "--stall-weight": 1.0,
+    "--ttft-slack": 1.5,
 }
 
 # Requests per trace, per family: sized so the whole matrix fits ~20 minutes on 2 cores.

@@ -204,7 +204,7 @@ pub struct ServeArgs {
     /// first token first.
     #[arg(
         long,
-        default_value_t = 2.0,
+        default_value_t = kvpick_core::CostParams::default().ttft_slack,
         value_name = "F",
         help_heading = "Scheduling"
     )]

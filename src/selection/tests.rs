@@ -73,11 +73,13 @@ fn not_synced_is_unavailable() {
 #[test]
 fn worked_example_through_the_core() {
     // Prefill 10 blocks of 16 on three workers, overlaps 2/5/8, decode 10/5/9 -> the second,
-    // with DESIGN.md's weight of a decode block (1.0) and no stall term (DESIGN's cost has none).
+    // with DESIGN.md's weight of a decode block (1.0), no stall term and no TTFT bound (DESIGN's
+    // cost has neither).
     let core = core_with(CoreConfig {
         cost: CostParams {
             decode_block_weight: 1.0,
             stall_weight: 0.0,
+            ttft_slack: f64::INFINITY,
             ..Default::default()
         },
         ..Default::default()

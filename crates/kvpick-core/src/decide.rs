@@ -19,7 +19,8 @@
 //! ranks with many decodes, and as load rises (more decodes everywhere) the cached rank's saving
 //! is worth more and the cache hit rate goes up by itself. The trade is bounded (`ttft_slack`): a
 //! rank whose own predicted TTFT exceeds `ttft_slack ×` the best candidate's ranks after every rank
-//! within it, so no request waits without bound to spare others a short stall.
+//! within it, so no request waits without bound to spare others a short stall — unless it caches
+//! more of the prompt than the fastest candidate: that wait saves work everyone would queue behind.
 
 use rand::Rng;
 
@@ -44,7 +45,8 @@ pub struct CostParams {
     pub router_temperature: f64,
     /// The stall may only move a pick to a rank whose own predicted TTFT is at most this many
     /// times the best candidate's (plus one block): a request is never made to wait without
-    /// bound to spare others a short stall. Ranks beyond it rank after every rank within it.
+    /// bound to spare others a short stall. Ranks beyond it rank after every rank within it,
+    /// except ranks that cache more of the prompt than the fastest one (their wait saves work).
     /// `f64::INFINITY` = no bound; 1 = the fastest first token, the stall only breaks ties.
     pub ttft_slack: f64,
     /// Weight of the stall a pick inflicts (its own uncached prefill, once per request booked on
@@ -63,7 +65,7 @@ impl Default for CostParams {
             disk_tier_weight: 0.25,
             router_temperature: 0.0,
             stall_weight: 1.0,
-            ttft_slack: 2.0,
+            ttft_slack: 1.5,
         }
     }
 }
@@ -184,13 +186,27 @@ pub fn decide<R: Rng + ?Sized>(
         .collect();
     let best_ttft = ttfts.iter().copied().fold(f64::INFINITY, f64::min);
     let ttft_bound = params.ttft_slack.max(1.0) * best_ttft + 1.0;
+    let owns: Vec<f64> = candidates
+        .iter()
+        .map(|c| own_uncached_blocks(c, prompt_tokens, block_size, params))
+        .collect();
+    let fastest_own = ttfts
+        .iter()
+        .position(|&t| t == best_ttft)
+        .and_then(|i| owns.get(i).copied())
+        .unwrap_or(0.0);
     // Ranks within the TTFT bound first, then by cost; a random key per candidate makes
-    // tie-breaking uniform and the order total.
+    // tie-breaking uniform and the order total. A rank that caches more of the prompt than the
+    // fastest one is never pushed back: waiting for its cache saves prefill work the fleet would
+    // otherwise queue behind, so the bound only limits moves that cost work and time.
     let mut order: Vec<(bool, f64, u64, usize)> = costs
         .iter()
-        .zip(&ttfts)
+        .zip(ttfts.iter().zip(&owns))
         .enumerate()
-        .map(|(i, (&c, &t))| (t > ttft_bound, c, rng.random::<u64>(), i))
+        .map(|(i, (&c, (&t, &own)))| {
+            let beyond = t > ttft_bound && own >= fastest_own;
+            (beyond, c, rng.random::<u64>(), i)
+        })
         .collect();
     let by_cost = |a: &(bool, f64, u64, usize), b: &(bool, f64, u64, usize)| {
         a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2))
@@ -261,6 +277,7 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(0);
         let design = CostParams {
             decode_block_weight: 1.0,
+            ttft_slack: f64::INFINITY,
             ..Default::default()
         };
         let d = decide(&cs, 160, 16, &design, 0.0, 3, &mut rng);

@@ -77,7 +77,7 @@ pub struct ReplayArgs {
     pub stall_weight: f64,
     /// kvpick policy: the stall may move a pick only to a rank whose predicted TTFT is within
     /// this factor of the best (as `kvpick serve`; `inf` = no bound).
-    #[arg(long, default_value_t = 2.0)]
+    #[arg(long, default_value_t = kvpick_core::CostParams::default().ttft_slack)]
     pub ttft_slack: f64,
     /// kvpick policy: calibrate the TTFT estimator from observed first tokens (`false` keeps
     /// the prior line and every rank at scale 1; as `kvpick serve`).
