@@ -236,7 +236,7 @@ pub(crate) fn drop_busy(
     let busy_rank = |i: usize| {
         slots
             .get(i)
-            .is_none_or(|(_, s)| is_busy(&s.load, busy, fraction))
+            .is_none_or(|(_, s)| is_busy(&s.total_load(), busy, fraction))
     };
     if let Some(bound) = hard_bound {
         let bound_position = eligible
@@ -283,11 +283,12 @@ pub(crate) fn candidates(
                 Some((k, d)) if k == key => *d,
                 _ => TierDepths::default(),
             };
+            let load = slot.total_load();
             Candidate {
                 key: *key,
-                active_prefill_tokens: slot.load.active_prefill_tokens,
-                active_decode_blocks: slot.load.active_decode_blocks,
-                active_requests: slot.load.active_requests,
+                active_prefill_tokens: load.active_prefill_tokens,
+                active_decode_blocks: load.active_decode_blocks,
+                active_requests: load.active_requests,
                 overlap,
             }
         })
