@@ -94,7 +94,7 @@ pub fn add_into(total: &mut HashMap<RankKey, RankLoad>, loads: &[(RankKey, RankL
 }
 
 /// One exchange: publish ours, read the others', return their sum per rank.
-async fn exchange(
+pub(super) async fn exchange(
     shared: &SharedState,
     core: &SelectionCore,
 ) -> Result<HashMap<RankKey, RankLoad>, CallError> {

@@ -162,7 +162,7 @@ impl SharedState {
     }
 
     /// One compare-and-set; returns `(status, binding)` ([`CLAIM_SCRIPT`]).
-    async fn claim(
+    pub(super) async fn claim(
         &self,
         key: &str,
         expected: Option<&str>,
@@ -179,7 +179,7 @@ impl SharedState {
             .await
     }
 
-    async fn write(&self, core: &SelectionCore, write: SessionWrite) {
+    pub(super) async fn write(&self, core: &SelectionCore, write: SessionWrite) {
         let key = self.key_of(&write.partition, &write.session_id);
         let ours = encode_rank(write.ours);
         let expected = write.expected.map(encode_rank);
