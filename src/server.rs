@@ -304,7 +304,12 @@ pub struct ServeArgs {
     /// `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, `rediss://` (TLS; `#insecure` skips certificate
     /// checks), `valkey://`, `valkeys://`, `unix:///PATH`. Unset: every replica keeps its own,
     /// in-process state (the default).
-    #[arg(long, value_name = "URL", env = "KVPICK_SHARED_STATE", help_heading = "Replicas")]
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "KVPICK_SHARED_STATE",
+        help_heading = "Replicas"
+    )]
     pub shared_state: Option<String>,
 
     /// File holding the Redis password (e.g. a mounted Secret); overrides one in the URL.
@@ -317,17 +322,32 @@ pub struct ServeArgs {
     pub shared_state_ca_file: Option<PathBuf>,
 
     /// Prefix of every Redis key, so several pools can share one Redis.
-    #[arg(long, default_value = "kvpick", value_name = "PREFIX", help_heading = "Replicas")]
+    #[arg(
+        long,
+        default_value = "kvpick",
+        value_name = "PREFIX",
+        help_heading = "Replicas"
+    )]
     pub shared_state_prefix: String,
 
     /// Bound of every Redis call, in milliseconds. A slower or failed call counts as an outage:
     /// picks go on local state until Redis answers again.
-    #[arg(long, default_value_t = 20, value_name = "MS", help_heading = "Replicas")]
+    #[arg(
+        long,
+        default_value_t = 20,
+        value_name = "MS",
+        help_heading = "Replicas"
+    )]
     pub shared_state_timeout_ms: u64,
 
     /// Milliseconds between load exchanges (publish this replica's bookings, read the others').
     /// A replica's published load expires after 20 intervals (at least 1 s).
-    #[arg(long, default_value_t = 50, value_name = "MS", help_heading = "Replicas")]
+    #[arg(
+        long,
+        default_value_t = 50,
+        value_name = "MS",
+        help_heading = "Replicas"
+    )]
     pub shared_state_interval_ms: u64,
 
     /// Seconds open streams may take to finish after SIGTERM.
@@ -477,7 +497,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                     args.shared_state_password_file.is_some(),
                     "--shared-state-password-file",
                 ),
-                (args.shared_state_ca_file.is_some(), "--shared-state-ca-file"),
+                (
+                    args.shared_state_ca_file.is_some(),
+                    "--shared-state-ca-file",
+                ),
             ] {
                 if set {
                     anyhow::bail!("{flag} needs --shared-state URL");

@@ -164,7 +164,12 @@ impl SelectionCore {
 
     /// With shared state: the session's local binding before a pick, `Some(None)` when it has
     /// none here. `None` without shared state, a session id or a partition for the model.
-    fn local_binding(&self, model: Option<&str>, group: &str, sid: &str) -> Option<Option<RankKey>> {
+    fn local_binding(
+        &self,
+        model: Option<&str>,
+        group: &str,
+        sid: &str,
+    ) -> Option<Option<RankKey>> {
         self.shared.get()?;
         let (_, bound, facts) = self.core.session_binding(model, group, sid, now())?;
         self.record(facts);
@@ -181,7 +186,9 @@ impl SelectionCore {
     ) -> Option<SessionLookupJob> {
         let shared = self.shared.get()?;
         let sid = session_id?;
-        let (partition, bound, facts) = self.core.session_binding(model, routing_group, sid, now())?;
+        let (partition, bound, facts) =
+            self.core
+                .session_binding(model, routing_group, sid, now())?;
         self.record(facts);
         if bound.is_some() {
             return None;

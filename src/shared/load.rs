@@ -98,8 +98,7 @@ pub(super) async fn exchange(
     shared: &SharedState,
     core: &SelectionCore,
 ) -> Result<HashMap<RankKey, RankLoad>, CallError> {
-    let ttl_ms =
-        u64::try_from(load_ttl(shared.config.interval).as_millis()).unwrap_or(u64::MAX);
+    let ttl_ms = u64::try_from(load_ttl(shared.config.interval).as_millis()).unwrap_or(u64::MAX);
     let payload = encode(&core.inner().local_loads());
     let replicas = replicas_key(shared);
     let mut conn = shared.connection();

@@ -75,7 +75,10 @@ impl SharedConfig {
         let password = match password_file {
             Some(path) => {
                 let text = std::fs::read_to_string(path).with_context(|| {
-                    format!("cannot read --shared-state-password-file {}", path.display())
+                    format!(
+                        "cannot read --shared-state-password-file {}",
+                        path.display()
+                    )
                 })?;
                 let password = text.trim_end_matches(['\r', '\n']).to_string();
                 if password.is_empty() {

@@ -188,8 +188,9 @@ impl SharedState {
             Ok((0, _)) if write.reused => event("reconciled"),
             Ok((0 | 2, _)) => event("claimed"),
             Ok((3, theirs)) => {
-                let installed = decode_rank(&theirs)
-                    .is_some_and(|rank| core.install_session_binding(&write.partition, &write.session_id, rank));
+                let installed = decode_rank(&theirs).is_some_and(|rank| {
+                    core.install_session_binding(&write.partition, &write.session_id, rank)
+                });
                 if installed {
                     event("adopted");
                 } else if matches!(self.claim(&key, Some(&theirs), &ours).await, Ok((2, _))) {

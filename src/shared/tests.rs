@@ -55,7 +55,10 @@ impl RedisServer {
             tokio::task::yield_now().await;
             std::thread::sleep(Duration::from_millis(10));
         }
-        panic!("redis-server on {} did not answer PING", self.socket.display());
+        panic!(
+            "redis-server on {} did not answer PING",
+            self.socket.display()
+        );
     }
 }
 
@@ -142,7 +145,10 @@ fn ranks_round_trip_and_garbage_is_no_binding() {
         assert_eq!(sessions::decode_rank(bad), None, "{bad:?}");
     }
     let key = sessions::session_key("p", &partition(), "s");
-    assert!(key.starts_with("p:session:") && key.ends_with(":s"), "{key}");
+    assert!(
+        key.starts_with("p:session:") && key.ends_with(":s"),
+        "{key}"
+    );
 }
 
 #[test]
@@ -158,10 +164,21 @@ fn bad_flags_are_clear_errors_that_never_echo_the_password() {
     )
     .unwrap_err()
     .to_string();
-    assert!(err.contains("--shared-state") && !err.contains("secret"), "{err}");
-    let err = SharedConfig::new("redis://h:1", None, None, "p", 0, 50, Duration::from_secs(1))
-        .unwrap_err()
-        .to_string();
+    assert!(
+        err.contains("--shared-state") && !err.contains("secret"),
+        "{err}"
+    );
+    let err = SharedConfig::new(
+        "redis://h:1",
+        None,
+        None,
+        "p",
+        0,
+        50,
+        Duration::from_secs(1),
+    )
+    .unwrap_err()
+    .to_string();
     assert!(err.contains("--shared-state-timeout-ms"), "{err}");
     let missing = PathBuf::from("/nonexistent/password");
     let err = SharedConfig::new(
@@ -223,7 +240,15 @@ async fn the_first_binding_wins_and_survives_a_restart() {
     );
     let session_key = sessions::session_key("t", &partition(), "s2");
     // The writer is not running in this test: run A's queued write by hand.
-    let write = shared_a.writes_rx.lock().await.as_mut().unwrap().recv().await.unwrap();
+    let write = shared_a
+        .writes_rx
+        .lock()
+        .await
+        .as_mut()
+        .unwrap()
+        .recv()
+        .await
+        .unwrap();
     shared_a.write(&core_a, write).await;
     let mut conn = shared_a.connection();
     let stored: Option<String> = redis::cmd("GET")
@@ -250,7 +275,14 @@ async fn the_first_binding_wins_and_survives_a_restart() {
     core_c.prefetch_session(job).await;
     let r = core_c.select_and_reserve(&request("c0", "s2")).unwrap();
     assert_eq!(r.selection().primary.key, bound);
-    assert_eq!(shared_b.metrics.sessions.with_label_values(&["remote_hit"]).get(), 1);
+    assert_eq!(
+        shared_b
+            .metrics
+            .sessions
+            .with_label_values(&["remote_hit"])
+            .get(),
+        1
+    );
 }
 
 /// A's bookings become B's remote load through one exchange each; once A stops publishing, its
@@ -274,7 +306,11 @@ async fn bookings_of_one_replica_are_load_for_the_other_until_it_dies() {
     }
     let local_a = core_a.inner().local_loads();
     assert_eq!(local_a.len(), 1);
-    assert_eq!(load::exchange(&shared_a, &core_a).await.unwrap().len(), 0, "alone so far");
+    assert_eq!(
+        load::exchange(&shared_a, &core_a).await.unwrap().len(),
+        0,
+        "alone so far"
+    );
     let seen_by_b = load::exchange(&shared_b, &core_b).await.unwrap();
     assert_eq!(seen_by_b.get(&b_rank).map(|l| l.active_requests), Some(6));
     assert_eq!(shared_b.metrics.replicas.get(), 2);
@@ -284,7 +320,11 @@ async fn bookings_of_one_replica_are_load_for_the_other_until_it_dies() {
         r.session_id = None;
         r.prompt = PromptInput::Tokens(vec![100 + i; 64]);
         let pick = core_b.select_and_reserve(&r).unwrap();
-        assert_ne!(pick.selection().primary.key, b_rank, "B avoids what A filled");
+        assert_ne!(
+            pick.selection().primary.key,
+            b_rank,
+            "B avoids what A filled"
+        );
     }
     drop(held);
     // A is gone without a word: its entry expires after the TTL (1 s here).
@@ -295,7 +335,10 @@ async fn bookings_of_one_replica_are_load_for_the_other_until_it_dies() {
         if seen.is_empty() {
             break;
         }
-        assert!(started.elapsed() < ttl * 3, "A's load did not expire: {seen:?}");
+        assert!(
+            started.elapsed() < ttl * 3,
+            "A's load did not expire: {seen:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(started.elapsed() >= ttl / 2, "expired by TTL, not at once");
@@ -316,13 +359,19 @@ async fn without_redis_picks_go_on_and_the_outage_is_counted_once() {
         if let Some(job) = core.session_lookup(Some("m"), "", Some("s")) {
             core.prefetch_session(job).await;
         }
-        let r = core.select_and_reserve(&request(&format!("r{i}"), "s")).unwrap();
+        let r = core
+            .select_and_reserve(&request(&format!("r{i}"), "s"))
+            .unwrap();
         let want = if i == 0 {
             SessionOutcome::Created
         } else {
             SessionOutcome::Reused
         };
-        assert_eq!(r.selection().session, Some(want), "local affinity still works");
+        assert_eq!(
+            r.selection().session,
+            Some(want),
+            "local affinity still works"
+        );
     }
     assert!(
         load::exchange(&shared, &core).await.is_err(),
@@ -331,7 +380,11 @@ async fn without_redis_picks_go_on_and_the_outage_is_counted_once() {
     assert!(started.elapsed() < Duration::from_secs(5));
     assert!(!shared.is_up());
     assert_eq!(shared.metrics.up.get(), 0);
-    assert_eq!(shared.metrics.outages.get(), 1, "one outage, however many failures");
+    assert_eq!(
+        shared.metrics.outages.get(),
+        1,
+        "one outage, however many failures"
+    );
     assert!(shared.metrics.errors.with_label_values(&["load"]).get() >= 1);
     redis.ready().await;
     let (core_ok, shared_ok) = replica(&url).await;
