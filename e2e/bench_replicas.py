@@ -124,16 +124,24 @@ def latency(rep: Replicas, client: httpx.Client, new_sessions: bool, n: int = 40
     sid = f"lat-{uuid.uuid4().hex[:8]}"
     turn(client, rep.via(0), sid)
     rtts = []
-    before = harness.histogram(kv.metrics(), "kvpick_pick_latency_seconds")[0]
+    samples = kv.metrics()
+    before = harness.histogram(samples, "kvpick_pick_latency_seconds")[0]
+    lookups_before = harness.histogram(samples, "kvpick_shared_state_lookup_seconds")[0]
     for i in range(n):
         s = f"lat-{uuid.uuid4().hex[:12]}" if new_sessions else sid
         t0 = time.perf_counter()
         turn(client, rep.via(0), s)
         rtts.append(time.perf_counter() - t0)
-    after = harness.histogram(kv.metrics(), "kvpick_pick_latency_seconds")[0]
+    samples = kv.metrics()
+    after = harness.histogram(samples, "kvpick_pick_latency_seconds")[0]
     delta = [(le, c - dict(before).get(le, 0.0)) for le, c in after]
+    lookups = [(le, c - dict(lookups_before).get(le, 0.0))
+               for le, c in harness.histogram(samples, "kvpick_shared_state_lookup_seconds")[0]]
     p50, p99 = quantiles(rtts)
     return {
+        "lookups": lookups[-1][1] if lookups else 0,
+        "lookup_p50_ms": 1e3 * harness.histogram_quantile(0.5, lookups) if lookups else None,
+        "lookup_p99_ms": 1e3 * harness.histogram_quantile(0.99, lookups) if lookups else None,
         "pick_p50_ms": 1e3 * harness.histogram_quantile(0.5, delta),
         "pick_p99_ms": 1e3 * harness.histogram_quantile(0.99, delta),
         "rtt_p50_ms": 1e3 * p50,
@@ -174,8 +182,9 @@ def main() -> None:
     (REPO / "target" / "bench-replicas.json").write_text(json.dumps(results, indent=2))
     print("| replicas | shared state | sticky (of 20, 4 turns) | new requests to the filled worker "
           "(of 12) | kept after a replica restart (of 20) | pick p50/p99 ms, local | pick p50/p99 "
-          "ms, new session | round trip p50/p99 ms, local | round trip p50/p99 ms, new session |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "ms, new session | Redis lookup p50/p99 ms | round trip p50/p99 ms, local | round trip "
+          "p50/p99 ms, new session |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         lo, new = r["latency_local"], r["latency_new_session"]
         print(f"| {r['replicas']} | {'redis' if r['shared_state'] else 'none'} "
@@ -183,6 +192,8 @@ def main() -> None:
               f"| {r['kept_after_restart_of_20']} "
               f"| {lo['pick_p50_ms']:.3f} / {lo['pick_p99_ms']:.3f} "
               f"| {new['pick_p50_ms']:.3f} / {new['pick_p99_ms']:.3f} "
+              + (f"| {new['lookup_p50_ms']:.3f} / {new['lookup_p99_ms']:.3f} " if new["lookups"]
+                 else "| - ") +
               f"| {lo['rtt_p50_ms']:.2f} / {lo['rtt_p99_ms']:.2f} "
               f"| {new['rtt_p50_ms']:.2f} / {new['rtt_p99_ms']:.2f} |")
     harness.stop_all()
