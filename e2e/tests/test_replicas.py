@@ -210,11 +210,13 @@ def test_redis_hung_then_killed_and_restarted_under_load_fails_no_request(make_u
             failed = [s for s in statuses if s != 200]
             assert not failed, f"{len(failed)} of {len(statuses)} requests failed: {failed[:10]}"
             for k in rep.kvpicks:
-                assert (k.metric("kvpick_shared_state_outages_total") or 0) == 2
+                # Two outages (hung, killed); a call racing Redis's return may open one more.
+                outages = k.metric("kvpick_shared_state_outages_total") or 0
+                assert outages >= 2
                 assert (k.metric("kvpick_shared_state_local_fallbacks_total") or 0) + (
                     k.metric("kvpick_shared_state_sessions_total", event="dropped") or 0) >= 1
                 logged = k.log().count("shared state unreachable")
-                assert logged == 2, f"{k.process.label} logged {logged} outages, want one each"
+                assert logged == outages, f"{k.process.label} logged {logged} of {outages} outages"
             reconciled = sum(k.metric("kvpick_shared_state_sessions_total", event="reconciled")
                              or 0 for k in rep.kvpicks)
             assert reconciled >= 1, "bindings lost with Redis were written back"
