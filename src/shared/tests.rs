@@ -391,3 +391,72 @@ async fn without_redis_picks_go_on_and_the_outage_is_counted_once() {
     load::exchange(&shared_ok, &core_ok).await.unwrap();
     assert!(shared_ok.is_up());
 }
+
+/// `rediss://` with `--shared-state-ca-file`: a TLS-only redis-server with a self-signed
+/// certificate for 127.0.0.1; the exchange works with the CA given and fails without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls_with_a_private_ca_file() {
+    let dir = std::env::temp_dir().join(format!("kvpick-redis-tls-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cert = rcgen::generate_simple_self_signed(vec!["127.0.0.1".to_string()]).unwrap();
+    let (cert_pem, key_pem) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert_pem, cert.cert.pem()).unwrap();
+    std::fs::write(&key_pem, cert.signing_key.serialize_pem()).unwrap();
+    // redis-server cannot bind port 0 and report it: take a free port (TLS needs TCP).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Command::new("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--tls-port", &port.to_string(), "--tls-auth-clients", "no"])
+        .arg("--tls-cert-file")
+        .arg(&cert_pem)
+        .arg("--tls-key-file")
+        .arg(&key_pem)
+        .arg("--dir")
+        .arg(&dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server (apt-get install redis-server; e2e/setup.sh does)");
+    let url = format!("rediss://127.0.0.1:{port}");
+    let with_ca = SharedConfig::new(
+        &url,
+        None,
+        Some(&cert_pem),
+        "tls",
+        500,
+        10,
+        Duration::from_secs(300),
+    )
+    .unwrap();
+    let metrics = Metrics::new();
+    let core = SelectionCore::new(CoreConfig::default(), metrics.clone());
+    let shared = SharedState::new(with_ca, &metrics.registry).unwrap();
+    let mut connected = false;
+    for _ in 0..200 {
+        if load::exchange(&shared, &core).await.is_ok() {
+            connected = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let without_ca = SharedState::new(config(&url, 500), &Metrics::new().registry).unwrap();
+    let refused = load::exchange(&without_ca, &core).await.is_err();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(connected, "no TLS exchange with the CA file");
+    assert!(refused, "an unknown CA must not verify");
+}
