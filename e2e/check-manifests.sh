@@ -2,14 +2,17 @@
 # Validates the kustomization in manifests/ and the Helm chart charts/kvpick without a cluster:
 #   - `kubectl kustomize manifests/` renders; helm lint --strict and helm template with the default
 #     values (InferencePool mode), data-parallel ranks (four targetPorts), no-CRD selector mode,
-#     static-catalog mode, certSecretName, h2c, pool.create=false and a pool in another namespace
-#     (pool.namespace); the chart's guards fail;
+#     static-catalog mode, certSecretName, h2c, pool.create=false, a pool in another namespace
+#     (pool.namespace), shared state on Redis (sharedState.*, hard anti-affinity) and one replica;
+#     the chart's guards fail;
 #   - kubectl parses every rendered document (`kubectl label --local`: `kubectl apply|create
 #     --dry-run=client` need a reachable API server for discovery even with --validate=false);
 #   - every core object validates against the Kubernetes 1.35 JSON schemas shipped in PyPI
 #     `kubernetes-validate` (strict: unknown fields fail) and, field by field, against the API models
 #     of @kubernetes/client-node;
-#   - semantic checks in Python: args per mode (`serve --pool-name` / `--endpoint-selector` +
+#   - semantic checks in Python: replicas > 1 come with a PodDisruptionBudget and pod anti-affinity
+#     over their own labels (one replica with neither), --shared-state with its prefix and mounted
+#     password file; args per mode (`serve --pool-name` / `--endpoint-selector` +
 #     `--target-ports` / `--config`), gRPC probes on 9003, NAMESPACE from the downward API, RBAC
 #     (in the --pool-namespace; none in static mode),
 #     Service wiring, the InferencePool (v1 fields; endpointPickerRef -> the Service), the static
@@ -139,6 +142,9 @@ render h2c --set secureServing=false
 render nopool --set pool.create=false
 # The pool and its pods in another namespace than the release (the pool managed elsewhere).
 render poolns --set pool.namespace=models --set pool.create=false
+render shared --set sharedState.url=redis://redis.db:6379/1 --set sharedState.passwordSecret.name=redis-auth \
+  --set podAntiAffinity=hard
+render single --set replicas=1
 must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
   local what=$1
   shift
@@ -151,6 +157,9 @@ must_fail "logFormat=xml (values.schema.json not applied?)" --set logFormat=xml
 must_fail "mode=crd" --set mode=crd
 must_fail "nine targetPorts" --set-json 'pool.targetPorts=[{"number":1},{"number":2},{"number":3},{"number":4},{"number":5},{"number":6},{"number":7},{"number":8},{"number":9}]'
 must_fail "failureMode=Open" --set pool.failureMode=Open
+must_fail "sharedState.url and urlSecret together" --set sharedState.url=redis://r:6379 --set sharedState.urlSecret.name=s
+must_fail "a Redis password without sharedState" --set sharedState.passwordSecret.name=s
+must_fail "a password in sharedState.url (use urlSecret)" --set sharedState.url=redis://:pw@r:6379
 must_fail "a pool without selector labels" --set pool.selector.matchLabels=null
 must_fail "pool.create with pool.namespace other than the release's (endpointPickerRef is namespace-local)" \
   --namespace "$ns" --set pool.namespace=models
@@ -176,7 +185,7 @@ pool_render default
 pool_render dp "${DP_ARGS[@]}"
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
-files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns}.yaml)
+files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single}.yaml)
 for f in "${files[@]}"; do
   run "$KUBECTL" label --local -f "$f" -o name kvpick.io/check=ok
   # Static mode has no Role / RoleBinding.
@@ -204,7 +213,7 @@ def check(cond, where, msg):
 POOL_KIND = ("inference.networking.k8s.io/v1", "InferencePool")
 KINDS = {("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
          ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "ConfigMap"),
-         ("apps/v1", "Deployment"), ("v1", "Service"), POOL_KIND}
+         ("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"), POOL_KIND}
 CORE = ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service")
 READ = ["get", "list", "watch"]
 CATALOG_KEYS = {"name", "model", "routing_group", "address", "ports", "port",
@@ -213,7 +222,8 @@ MAX_DP_RANKS = 64
 # What each render must be: (mode, expects an InferencePool object).
 EXPECT = {"kustomize": ("pool", True), "default": ("pool", True), "dp": ("pool", True),
           "selector": ("selector", False), "static": ("static", False), "certs": ("pool", True),
-          "h2c": ("pool", True), "nopool": ("pool", False), "poolns": ("pool", False)}
+          "h2c": ("pool", True), "nopool": ("pool", False), "poolns": ("pool", False),
+          "shared": ("pool", True), "single": ("pool", True)}
 RBAC = ("Role", "RoleBinding")
 
 def arg_value(args, flag):
@@ -420,6 +430,32 @@ def check_rest(where, by_kind, name, mode):
     tmpl_labels = dep["spec"]["template"]["metadata"].get("labels", {})
     sel = dep["spec"]["selector"].get("matchLabels", {})
     check(sel and sel.items() <= tmpl_labels.items(), where, "Deployment selector does not match its pod labels")
+    # Replicas: more than one gets a PodDisruptionBudget over the pods and pod anti-affinity on
+    # the node; one gets neither.
+    replicas = dep["spec"].get("replicas", 1)
+    pdb = by_kind.get("PodDisruptionBudget")
+    anti = pod.get("affinity", {}).get("podAntiAffinity", {})
+    terms = [t.get("podAffinityTerm", t) for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])
+             + anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])]
+    if replicas > 1:
+        check(pdb is not None and pdb["spec"].get("maxUnavailable") == 1, where, "no PodDisruptionBudget (maxUnavailable 1)")
+        psel = (pdb or {}).get("spec", {}).get("selector", {}).get("matchLabels", {})
+        check(psel and psel.items() <= tmpl_labels.items(), where, "PodDisruptionBudget selector does not match the pods")
+        check(terms and all(t.get("topologyKey") == "kubernetes.io/hostname"
+                            and t.get("labelSelector", {}).get("matchLabels", {}).items() <= tmpl_labels.items()
+                            and t.get("labelSelector", {}).get("matchLabels") for t in terms),
+              where, "replicas need pod anti-affinity on kubernetes.io/hostname over their own labels")
+    else:
+        check(pdb is None and not terms, where, "one replica: no PodDisruptionBudget, no anti-affinity")
+    shared_url = arg_value(args, "--shared-state")
+    if shared_url is not None or "KVPICK_SHARED_STATE" in env:
+        check(arg_value(args, "--shared-state-prefix"), where, "--shared-state without --shared-state-prefix")
+        pw = arg_value(args, "--shared-state-password-file")
+        if pw is not None:
+            check(pw == "/etc/kvpick/redis/password" and "secret" in vols.get(mounts.get("/etc/kvpick/redis", {}).get("name"), {}),
+                  where, "--shared-state-password-file must be the mounted Secret")
+    else:
+        check(arg_value(args, "--shared-state-password-file") is None, where, "a Redis password without --shared-state")
 
     # Service.
     svc = by_kind["Service"]
@@ -435,7 +471,7 @@ def check_rest(where, by_kind, name, mode):
           where, f"Service metrics port must be 9090 -> metrics: {m}")
 
     pool = check_pool(f"{where}: InferencePool", by_kind["InferencePool"], svc, pool_name) if "InferencePool" in by_kind else None
-    return {"args": args, "catalog": catalog, "probes": (c.get("livenessProbe"), c.get("readinessProbe")),
+    return {"args": args, "catalog": catalog, "replicas": replicas, "anti_affinity": sorted(anti), "probes": (c.get("livenessProbe"), c.get("readinessProbe")),
             "ports": cports, "kinds": sorted(by_kind), "mounts": sorted(mounts), "cert_path": cert_path,
             "pool_name": pool_name, "pool": pool, "selector": selector, "target_ports": target_ports,
             "security": (sc, pod.get("securityContext")), "resources": c.get("resources")}
@@ -468,7 +504,8 @@ for path in paths:
 
 plain, chart = summary.get("kustomize"), summary.get("default")
 if plain and chart:
-    for k in ("pool_name", "pool", "probes", "ports", "kinds", "mounts", "security", "resources"):
+    for k in ("pool_name", "pool", "probes", "ports", "kinds", "mounts", "security", "resources",
+              "replicas", "anti_affinity"):
         check(plain[k] == chart[k], "manifests/ vs chart defaults", f"{k} differ: {plain[k]} != {chart[k]}")
 dp = summary.get("dp")
 check(dp and dp["pool"] and dp["pool"]["ports"] == [8000, 8001, 8002, 8003] and dp["pool"]["failureMode"] == "FailOpen"
@@ -484,6 +521,12 @@ check(certs and certs["cert_path"] == "/etc/kvpick/certs", "helm template (certs
 pns = summary.get("poolns")
 check(pns and arg_value(pns["args"], "--pool-namespace") == "models", "helm template (poolns)",
       "want --pool-namespace models")
+sh = summary.get("shared")
+check(sh and arg_value(sh["args"], "--shared-state") == "redis://redis.db:6379/1"
+      and arg_value(sh["args"], "--shared-state-prefix") == "kvpick"
+      and sh["anti_affinity"] == ["requiredDuringSchedulingIgnoredDuringExecution"], "helm template (shared)",
+      "want --shared-state redis://redis.db:6379/1, the release's prefix and hard anti-affinity")
+check(summary.get("default") and summary["default"]["replicas"] == 2, "helm template (default)", "want 2 replicas")
 h2c = summary.get("h2c")
 check(h2c and "--secure-serving=false" in h2c["args"], "helm template (h2c)", "no --secure-serving=false")
 

@@ -637,6 +637,130 @@ class Kvpick:
         return tail(self.process.log_path, 10_000)
 
 
+    def kill(self) -> None:
+        """SIGKILL (no drain, no goodbye to Redis), as a crashed pod."""
+        proc = self.process.proc
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        self.process.stopped_at = time.time()
+
+    def restart(self, timeout: float = 30.0) -> "Kvpick":
+        """Starts the binary again on the ports it had (so Envoy's static cluster finds it)."""
+        argv = list(self.process.argv)
+        for flag, port in (("--grpc-port", self.grpc_port), ("--grpc-health-port", self.health_port),
+                           ("--metrics-port", self.metrics_port)):
+            argv[argv.index(flag) + 1] = str(port)
+        self.port_file.unlink(missing_ok=True)
+        self.process = ManagedProcess(self.process.label, argv, self.process.log_path,
+                                      env=self.process.env)
+        return self.start(timeout)
+
+
+# --------------------------------------------------------------------------------------------
+# Redis (the shared state of kvpick replicas)
+
+
+def free_port() -> int:
+    """A TCP port free right now on 127.0.0.1 (for servers that cannot bind port 0 and report
+    it, like redis-server; a restarted one must come back on the same port anyway)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def redis_binary() -> str:
+    return os.environ.get("REDIS_SERVER_BIN", "redis-server")
+
+
+class RedisServer:
+    """A real ``redis-server`` (Debian package) on 127.0.0.1, without persistence: a restart
+    starts empty, like a Redis that lost its data."""
+
+    def __init__(self, workdir: Path | None = None, port: int | None = None) -> None:
+        self.workdir = workdir or new_workdir("redis")
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.process: ManagedProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> "RedisServer":
+        argv = [redis_binary(), "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                "--appendonly", "no", "--dir", str(self.workdir)]
+        self.process = ManagedProcess("redis", argv, self.workdir / "redis.log")
+        self.process.start()
+
+        def ready():
+            self.process.check_alive()
+            return self.command("PING") == "PONG"
+
+        wait_until(ready, timeout, desc=f"redis-server on {self.port} answers PING")
+        return self
+
+    def command(self, *args: str, timeout: float = 2.0) -> Any:
+        """One RESP command over a fresh connection; the decoded reply."""
+        import socket
+
+        payload = f"*{len(args)}\r\n".encode() + b"".join(
+            f"${len(a.encode())}\r\n".encode() + a.encode() + b"\r\n" for a in args)
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
+            sock.sendall(payload)
+            reader = sock.makefile("rb")
+            return _resp_reply(reader)
+
+    def keys(self, pattern: str) -> list[str]:
+        return self.command("KEYS", pattern)
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.proc.kill()
+        self.process.proc.wait(timeout=10)
+        self.process.stopped_at = time.time()
+
+    def pause(self) -> None:
+        """SIGSTOP: the server holds its connections but answers nothing (a hung Redis)."""
+        assert self.process is not None
+        self.process.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        self.process.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.alive():
+            self.resume()
+            self.process.stop()
+
+
+def _resp_reply(reader) -> Any:
+    line = reader.readline()
+    if not line:
+        raise HarnessError("redis closed the connection")
+    kind, rest = line[:1], line[1:].rstrip(b"\r\n")
+    if kind in (b"+", b"-"):
+        text = rest.decode()
+        if kind == b"-":
+            raise HarnessError(f"redis error: {text}")
+        return text
+    if kind == b":":
+        return int(rest)
+    if kind == b"$":
+        n = int(rest)
+        if n < 0:
+            return None
+        data = reader.read(n + 2)[:n]
+        return data.decode("utf-8", "replace")
+    if kind == b"*":
+        n = int(rest)
+        return None if n < 0 else [_resp_reply(reader) for _ in range(n)]
+    raise HarnessError(f"unexpected redis reply {line!r}")
+
+
 # --------------------------------------------------------------------------------------------
 # Envoy
 
@@ -702,6 +826,109 @@ def patch_envoy_config(cfg: dict[str, Any], *, kvpick_port: int, secure: bool,
     if not secure:
         kv.pop("transport_socket", None)
     return cfg
+
+
+def replicas_config(kvpick_ports: list[int], secure: bool = False) -> dict[str, Any]:
+    """Envoy in front of several kvpick replicas (README "Replicas"): the ``kvpick`` cluster
+    balances ext_proc streams round-robin over all of them, with gRPC health checks so a dead
+    replica is taken out; and, for tests that must place a request on one replica, a listener
+    ``via_replica_<i>`` per replica whose ext_proc calls only that one (cluster ``kvpick_<i>``)."""
+    cfg = load_envoy_template()
+    clusters = cfg["static_resources"]["clusters"]
+    kv = next(c for c in clusters if c["name"] == "kvpick")
+    if not secure:
+        kv.pop("transport_socket", None)
+    kv["health_checks"] = [{
+        "timeout": "1s", "interval": "1s", "no_traffic_interval": "1s",
+        "unhealthy_interval": "1s", "unhealthy_threshold": 1, "healthy_threshold": 1,
+        "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"},
+    }]
+
+    def endpoint(port: int) -> dict[str, Any]:
+        return {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1",
+                                                            "port_value": port}}}}
+
+    main = next(l for l in cfg["static_resources"]["listeners"] if l["name"] == MAIN_LISTENER)
+    for i, port in enumerate(kvpick_ports):
+        one = copy.deepcopy(kv)
+        one["name"] = f"kvpick_{i}"
+        one["load_assignment"] = {"cluster_name": one["name"],
+                                  "endpoints": [{"lb_endpoints": [endpoint(port)]}]}
+        clusters.append(one)
+        listener = copy.deepcopy(main)
+        listener["name"] = f"via_replica_{i}"
+        listener["address"]["socket_address"].update(address="127.0.0.1", port_value=0)
+        hcm = _hcm(listener)
+        hcm["stat_prefix"] = listener["name"]
+        ext = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+        ext["typed_config"]["grpc_service"]["envoy_grpc"]["cluster_name"] = one["name"]
+        cfg["static_resources"]["listeners"].append(listener)
+    # patch_envoy_config (called by Envoy) sets the first endpoint; the others follow it.
+    kv["load_assignment"]["endpoints"][0]["lb_endpoints"] = [endpoint(p) for p in kvpick_ports]
+    return cfg
+
+
+def healthy_hosts(envoy: "Envoy", cluster: str = "kvpick") -> set[str]:
+    """``ip:port`` of the cluster's hosts Envoy's health checks pass."""
+    _, text = http_get(f"http://{envoy.admin}/clusters")
+    hosts = set()
+    for line in text.splitlines():
+        parts = line.split("::")
+        if len(parts) == 4 and parts[0] == cluster and parts[2] == "health_flags" \
+                and parts[3] == "healthy":
+            hosts.add(parts[1])
+    return hosts
+
+
+class Replicas:
+    """Several kvpick replicas (same catalog, same extra flags) behind one Envoy."""
+
+    def __init__(self, workers: list[dict[str, Any]], n: int, *, name: str = "replicas",
+                 extra_args: Iterable[str] = ()) -> None:
+        self.workdir = new_workdir(name)
+        self.kvpicks = [Kvpick(workers, workdir=self.workdir / f"kvpick-{i}", secure=False,
+                               extra_args=list(extra_args)) for i in range(n)]
+        for i, k in enumerate(self.kvpicks):
+            k.process.label = f"kvpick-{i}"
+        self.envoy: Envoy | None = None
+
+    def start(self) -> "Replicas":
+        try:
+            for k in self.kvpicks:
+                k.start()
+            ports = [k.grpc_port for k in self.kvpicks]
+            self.envoy = Envoy(kvpick_port=ports[0], secure=False, workdir=self.workdir / "envoy",
+                               config=replicas_config(ports))
+            self.envoy.start()
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        want = {f"127.0.0.1:{k.grpc_port}" for k in self.kvpicks}
+        wait_until(lambda: healthy_hosts(self.envoy) >= want, timeout,
+                   desc="Envoy sees every kvpick replica healthy")
+
+    def url(self, listener: str = MAIN_LISTENER) -> str:
+        assert self.envoy is not None
+        return self.envoy.url(listener)
+
+    def via(self, i: int) -> str:
+        return self.url(f"via_replica_{i}")
+
+    def stop(self) -> None:
+        if self.envoy is not None:
+            self.envoy.stop()
+        for k in self.kvpicks:
+            k.stop()
+
+    def __enter__(self) -> "Replicas":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
 
 
 FALLBACK_CLUSTER = "inference_pool_fallback"

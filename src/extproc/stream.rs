@@ -75,6 +75,9 @@ pub struct Step {
     /// The host must tokenize this prompt and call [`StreamMachine::resume`] with the outcome
     /// before handing the machine another message.
     pub tokenize: Option<TokenizeJob>,
+    /// `--shared-state`: the host must run this lookup ([`SelectionCore::prefetch_session`]) and
+    /// call [`StreamMachine::resume_after_lookup`] before handing the machine another message.
+    pub session_lookup: Option<crate::shared::SessionLookupJob>,
     /// The budget held by the body echoed in `responses`: the host drops it once they are sent,
     /// so the bytes count against the budget for as long as kvpick holds them.
     pub body_lease: Option<BodyLease>,
@@ -449,6 +452,18 @@ impl StreamMachine {
             }
         }
         drop(whole);
+        let shared_session = self.core.shared().is_some() && self.session_id.is_some();
+        if let Some(p) = parsed.take_if(|_| shared_session) {
+            let (chunks, lease) = self.body.take();
+            return Ok(self.route_pending(PendingRoute {
+                parsed: p,
+                started,
+                body: chunks,
+                lease,
+                body_end_of_stream,
+                trailers: false,
+            }));
+        }
         self.phase = Phase::Response;
         let mut step = self.route(parsed, started, false);
         if step.finished {
@@ -459,6 +474,34 @@ impl StreamMachine {
             .extend(body_chunks(chunks, body_end_of_stream));
         step.body_lease = Some(lease);
         Ok(step)
+    }
+
+    /// `--shared-state`: the Redis lookup this request's session needs before its pick.
+    fn session_lookup_for(&self, parsed: &ParsedBody) -> Option<crate::shared::SessionLookupJob> {
+        self.core
+            .session_lookup(Some(&parsed.model), "", self.session_id.as_deref())
+    }
+
+    /// Routes a pending request, unless its session must be looked up first: then it stays
+    /// pending and the step asks the host for the lookup.
+    fn route_pending(&mut self, pending: PendingRoute) -> Step {
+        if let Some(job) = self.session_lookup_for(&pending.parsed) {
+            self.pending = Some(pending);
+            self.phase = Phase::Tokenizing;
+            return Step {
+                session_lookup: Some(job),
+                ..Step::default()
+            };
+        }
+        self.route_now(pending)
+    }
+
+    /// Finishes a request whose session was looked up (the binding found, if any, is installed).
+    pub fn resume_after_lookup(&mut self) -> Step {
+        match self.pending.take() {
+            Some(pending) => self.route_now(pending),
+            None => Step::default(),
+        }
     }
 
     /// Finishes a request whose prompt was tokenized: exact ids route by KV overlap; a failed
@@ -475,8 +518,13 @@ impl StreamMachine {
             }
             TokenizeOutcome::NotApplicable => {}
         }
+        self.route_pending(PendingRoute { parsed, ..pending })
+    }
+
+    /// Routes a pending request and echoes its body (and trailers).
+    fn route_now(&mut self, pending: PendingRoute) -> Step {
         self.phase = Phase::Response;
-        let mut step = self.route(Some(parsed), pending.started, false);
+        let mut step = self.route(Some(pending.parsed), pending.started, false);
         if step.finished {
             return step;
         }

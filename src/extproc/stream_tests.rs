@@ -1414,3 +1414,97 @@ fn local_replies_before_routing_pass_through_unchanged() {
     assert_eq!(streamed(&step.responses[0]), (&b"x"[..], true));
     assert_eq!(core.live_bookings(), 0);
 }
+
+/// `--shared-state`: a session this replica has no binding for waits for one lookup before its
+/// pick (body and trailers are answered after routing); with Redis unreachable the lookup fails,
+/// the request routes on local state, and the next one does not even try while Redis is down.
+#[tokio::test]
+async fn a_session_unknown_here_is_looked_up_before_its_pick_and_redis_down_never_fails_it() {
+    let (core, _) = setup(default_pool(), ExtProcSettings::default());
+    let config = crate::shared::SharedConfig::new(
+        "unix:///nonexistent/kvpick-test-redis.sock",
+        None,
+        None,
+        "t",
+        50,
+        50,
+        std::time::Duration::from_secs(60),
+    )
+    .unwrap();
+    let metrics = Metrics::new();
+    let shared = crate::shared::SharedState::new(config, &metrics.registry).unwrap();
+    core.attach_shared(Arc::clone(&shared));
+    let settings = Arc::new(ExtProcSettings::default());
+    let session_headers = || {
+        headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                ("content-type", "application/json"),
+                ("x-session-id", "s-1"),
+            ],
+            false,
+        )
+    };
+    let trailers = || ProcessingRequest {
+        request: Some(processing_request::Request::RequestTrailers(
+            HttpTrailers::default(),
+        )),
+        ..Default::default()
+    };
+
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(session_headers()).unwrap();
+    assert!(m.handle(body(CHAT, false)).unwrap().responses.is_empty());
+    let step = m.handle(trailers()).unwrap();
+    assert!(
+        step.responses.is_empty(),
+        "nothing is answered before the pick"
+    );
+    let job = step
+        .session_lookup
+        .expect("no local binding: a lookup first");
+    core.prefetch_session(job).await;
+    assert!(!shared.is_up(), "the failed lookup opened an outage");
+    let step = m.resume_after_lookup();
+    assert_eq!(
+        step.responses.len(),
+        3,
+        "headers, the body echo, then the trailers"
+    );
+    assert!(matches!(
+        step.responses[0].response,
+        Some(R::RequestHeaders(_))
+    ));
+    assert!(matches!(
+        step.responses[2].response,
+        Some(R::RequestTrailers(_))
+    ));
+
+    // The binding made on local state serves the next request; another session routes at
+    // once too: no lookup is tried while Redis is down.
+    for sid in ["s-1", "s-2"] {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+        let mut h = session_headers();
+        if let Some(processing_request::Request::RequestHeaders(hh)) = &mut h.request {
+            for header in hh.headers.iter_mut().flat_map(|m| m.headers.iter_mut()) {
+                if header.key == "x-session-id" {
+                    header.raw_value = sid.as_bytes().to_vec();
+                }
+            }
+        }
+        m.handle(h).unwrap();
+        let step = m.handle(body(CHAT, true)).unwrap();
+        assert!(step.session_lookup.is_none(), "{sid}: no lookup");
+        assert_eq!(step.responses.len(), 2, "{sid}: routed at once");
+    }
+    assert_eq!(
+        shared
+            .metrics()
+            .local_fallbacks
+            .with_label_values(&["down"])
+            .get(),
+        1,
+        "s-2 was routed on local state because Redis is down"
+    );
+}

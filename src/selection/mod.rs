@@ -10,7 +10,7 @@
 pub mod reconcile;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use tokio::sync::watch;
 
@@ -27,6 +27,7 @@ pub use kvpick_core::{
 
 use crate::catalog::WorkerSpec;
 use crate::metrics::Metrics;
+use crate::shared::{SessionLookupJob, SharedState};
 use kvpick_core::index::{Tier, TierDepths};
 
 /// The process clock the core is given: tokio's, so a paused test or replay clock reaches it.
@@ -57,6 +58,8 @@ pub struct SelectionCore {
     ready_tx: watch::Sender<bool>,
     /// Bumped after every applied catalog snapshot (KV-event subscriptions follow it).
     catalog_tx: watch::Sender<u64>,
+    /// `--shared-state`: sessions and load shared with the other replicas (unset: none).
+    shared: OnceLock<Arc<SharedState>>,
 }
 
 impl SelectionCore {
@@ -68,6 +71,7 @@ impl SelectionCore {
             metrics,
             ready_tx,
             catalog_tx,
+            shared: OnceLock::new(),
         })
     }
 
@@ -149,14 +153,98 @@ impl SelectionCore {
         Ok(selection)
     }
 
+    /// Shares sessions and load with the other replicas from now on (once; `--shared-state`).
+    pub fn attach_shared(&self, shared: Arc<SharedState>) {
+        let _ = self.shared.set(shared);
+    }
+
+    pub fn shared(&self) -> Option<&Arc<SharedState>> {
+        self.shared.get()
+    }
+
+    /// With shared state: the session's local binding before a pick, `Some(None)` when it has
+    /// none here. `None` without shared state, a session id or a partition for the model.
+    fn local_binding(
+        &self,
+        model: Option<&str>,
+        group: &str,
+        sid: &str,
+    ) -> Option<Option<RankKey>> {
+        self.shared.get()?;
+        let (_, bound, facts) = self.core.session_binding(model, group, sid, now())?;
+        self.record(facts);
+        Some(bound)
+    }
+
+    /// With shared state: the Redis lookup a request of a session this replica has no binding
+    /// for needs before its pick (none while Redis is down: the pick goes on local state).
+    pub fn session_lookup(
+        &self,
+        model: Option<&str>,
+        routing_group: &str,
+        session_id: Option<&str>,
+    ) -> Option<SessionLookupJob> {
+        let shared = self.shared.get()?;
+        let sid = session_id?;
+        let (partition, bound, facts) =
+            self.core
+                .session_binding(model, routing_group, sid, now())?;
+        self.record(facts);
+        if bound.is_some() {
+            return None;
+        }
+        if !shared.is_up() {
+            shared
+                .metrics()
+                .local_fallbacks
+                .with_label_values(&["down"])
+                .inc();
+            return None;
+        }
+        Some(SessionLookupJob {
+            partition,
+            session_id: sid.to_string(),
+        })
+    }
+
+    /// Runs a [`SelectionCore::session_lookup`] job: a binding another replica made is installed
+    /// here, so the pick follows it. Bounded by `--shared-state-timeout-ms`; never fails.
+    pub async fn prefetch_session(&self, job: SessionLookupJob) {
+        let Some(shared) = self.shared.get() else {
+            return;
+        };
+        if let Some(rank) = shared.lookup(&job).await {
+            self.install_session_binding(&job.partition, &job.session_id, rank);
+        }
+    }
+
+    /// Installs a session binding decided by another replica.
+    pub fn install_session_binding(&self, key: &PartitionKey, sid: &str, rank: RankKey) -> bool {
+        let (installed, facts) = self.core.install_session_binding(key, sid, rank, now());
+        self.record(facts);
+        installed
+    }
+
+    /// Sets the load the other replicas booked, per rank.
+    pub fn set_remote_loads(&self, loads: &std::collections::HashMap<RankKey, RankLoad>) {
+        self.core.set_remote_loads(loads);
+    }
+
     /// Picks a rank and books it atomically. The returned guard frees the booking when dropped
     /// unless [`Reservation::detach`] hands it to an explicit [`SelectionCore::free`].
     pub fn select_and_reserve(
         self: &Arc<Self>,
         request: &SelectionRequest,
     ) -> Result<Reservation, SelectError> {
+        let sid = request.session_id.as_deref();
+        let before = sid.and_then(|sid| {
+            self.local_binding(request.model.as_deref(), &request.routing_group, sid)
+        });
         let (selection, facts) = self.core.select_and_reserve(request, now())?;
         self.record(facts);
+        if let (Some(shared), Some(sid), Some(before)) = (self.shared.get(), sid, before) {
+            shared.after_pick(&selection, sid, before);
+        }
         Ok(Reservation {
             core: Arc::clone(self),
             selection,

@@ -2,7 +2,7 @@
 //! host (ext_proc, the gRPC API, the replay) drives this one type. It takes time as an argument
 //! and returns what changed as [`Facts`]; it has no clock, no channels and no metrics of its own.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -173,8 +173,16 @@ impl Core {
     /// serving the model as a LoRA adapter; requests without a model go to the partition with the
     /// most schedulable ranks.
     fn resolve_partition(&self, request: &SelectionRequest) -> Result<Arc<Partition>, SelectError> {
+        self.resolve_partition_of(request.model.as_deref(), &request.routing_group)
+    }
+
+    fn resolve_partition_of(
+        &self,
+        model: Option<&str>,
+        routing_group: &str,
+    ) -> Result<Arc<Partition>, SelectError> {
         let partitions = self.partitions.read();
-        let Some(model) = &request.model else {
+        let Some(model) = model else {
             return partitions
                 .values()
                 .filter(|p| p.schedulable_ranks() > 0)
@@ -183,8 +191,8 @@ impl Core {
                 .ok_or_else(|| SelectError::Unavailable("no ready worker in the pool".into()));
         };
         let key = PartitionKey {
-            model: model.clone(),
-            routing_group: request.routing_group.clone(),
+            model: model.to_string(),
+            routing_group: routing_group.to_string(),
         };
         if let Some(p) = partitions.get(&key) {
             if p.schedulable_ranks() > 0 {
@@ -193,7 +201,7 @@ impl Core {
         }
         partitions
             .values()
-            .find(|p| p.routing_group_is(&request.routing_group) && p.serves_adapter(model))
+            .find(|p| p.routing_group_is(routing_group) && p.serves_adapter(model))
             .cloned()
             .ok_or_else(|| {
                 SelectError::Unavailable(format!("no ready worker serves model {}", clip(model)))
@@ -510,6 +518,59 @@ impl Core {
         self.partitions.read().get(&key).cloned()
     }
 
+    /// Sets the load other replicas of the picker booked, per rank (a rank not named has none).
+    /// It is added to this process's own bookings wherever load is read for a decision.
+    pub fn set_remote_loads(&self, loads: &HashMap<RankKey, RankLoad>) {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        for p in partitions {
+            p.set_remote_loads(loads);
+        }
+    }
+
+    /// This process's own booked load of every rank that has any (what it tells other replicas).
+    pub fn local_loads(&self) -> Vec<(RankKey, RankLoad)> {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        let mut out = Vec::new();
+        for p in partitions {
+            p.local_loads(&mut out);
+        }
+        out
+    }
+
+    /// The partition a request for `model` resolves to and the session's binding there, if any.
+    /// `None` when no partition serves the model (the pick will fail anyway).
+    pub fn session_binding(
+        &self,
+        model: Option<&str>,
+        routing_group: &str,
+        sid: &str,
+        now: Instant,
+    ) -> Option<(PartitionKey, Option<RankKey>, Facts)> {
+        let partition = self.resolve_partition_of(model, routing_group).ok()?;
+        let mut facts = Facts::default();
+        let rank = partition.bound_session(sid, now, self.config.sessions.ttl, &mut facts);
+        Some(((*partition.key).clone(), rank, facts))
+    }
+
+    /// Installs a session binding decided elsewhere (another replica): later picks of the
+    /// session follow it like a binding made here. False when the partition or rank is unknown
+    /// here or the session table is full of sessions with requests in flight.
+    pub fn install_session_binding(
+        &self,
+        key: &PartitionKey,
+        sid: &str,
+        rank: RankKey,
+        now: Instant,
+    ) -> (bool, Facts) {
+        let mut facts = Facts::default();
+        let Some(partition) = self.partitions.read().get(key).cloned() else {
+            return (false, facts);
+        };
+        let max = self.config.sessions.max_entries;
+        let installed = partition.install_session(sid, rank, now, max, &mut facts);
+        (installed, facts)
+    }
+
     /// The block size of a model's partition (default until a worker declares one).
     pub fn block_size(&self, key: &PartitionKey) -> u32 {
         self.partitions
@@ -585,6 +646,7 @@ mod booking_tests {
     use super::*;
     use crate::catalog::RankLayout;
     use crate::request::PromptInput;
+    use crate::session::SessionOutcome;
     use std::time::Duration;
 
     fn core_with(config: CoreConfig) -> Core {
@@ -619,6 +681,88 @@ mod booking_tests {
             .flat_map(|w| &w.loads)
             .map(|l| l.active_requests)
             .sum()
+    }
+
+    fn key_of(core: &Core, name: &str) -> RankKey {
+        let record = core
+            .records()
+            .into_iter()
+            .find(|r| r.spec.name == name)
+            .unwrap();
+        RankKey {
+            worker_id: record.id,
+            dp_rank: 0,
+        }
+    }
+
+    /// Another replica's load steers picks here; this process reports only its own bookings.
+    #[test]
+    fn remote_load_steers_picks_and_local_loads_report_only_own_bookings() {
+        let core = core_with(CoreConfig::default());
+        let now = Instant::now();
+        let (a, b) = (key_of(&core, "a"), key_of(&core, "b"));
+        let busy = RankLoad {
+            active_prefill_tokens: 0,
+            active_decode_blocks: 400,
+            active_requests: 12,
+        };
+        core.set_remote_loads(&HashMap::from([(a, busy)]));
+        for i in 0..8 {
+            let (s, _) = core
+                .select_and_reserve(&request(&format!("r{i}"), Holder::Api), now)
+                .unwrap();
+            assert_eq!(s.primary.key, b, "pick {i} avoids the remotely loaded rank");
+            core.free(&s.booking_id, Claim::Any, now);
+        }
+        let (s, _) = core
+            .select_and_reserve(&request("held", Holder::Api), now)
+            .unwrap();
+        let local = core.local_loads();
+        assert_eq!(local.len(), 1, "{local:?}");
+        assert_eq!((local[0].0, local[0].1.active_requests), (b, 1));
+        core.free(&s.booking_id, Claim::Any, now);
+        core.set_remote_loads(&HashMap::new());
+        assert!(core.local_loads().is_empty());
+        let picks: std::collections::HashSet<RankKey> = (0..32)
+            .map(|i| {
+                let mut r = request(&format!("q{i}"), Holder::Api);
+                r.prompt = PromptInput::Tokens(vec![1000 + i; 64]);
+                let (s, _) = core.select(&r, now).unwrap();
+                s.primary.key
+            })
+            .collect();
+        assert_eq!(picks.len(), 2, "the remote load is gone: ties again");
+    }
+
+    /// A binding installed from elsewhere is followed like one made here, and reported by
+    /// `session_binding`; an unknown rank is refused.
+    #[test]
+    fn an_installed_session_binding_is_followed() {
+        let core = core_with(CoreConfig::default());
+        let now = Instant::now();
+        let (a, b) = (key_of(&core, "a"), key_of(&core, "b"));
+        let (key, bound, _) = core.session_binding(Some("m"), "", "s1", now).unwrap();
+        assert_eq!(bound, None);
+        let stranger = RankKey {
+            worker_id: 999,
+            dp_rank: 0,
+        };
+        assert!(!core.install_session_binding(&key, "s1", stranger, now).0);
+        for target in [a, b] {
+            assert!(core.install_session_binding(&key, "s1", target, now).0);
+            for i in 0..4 {
+                let mut r = request(&format!("{target:?}{i}"), Holder::Api);
+                r.session_id = Some("s1".into());
+                let (s, _) = core.select_and_reserve(&r, now).unwrap();
+                assert_eq!(s.primary.key, target);
+                assert_eq!(s.session, Some(SessionOutcome::Reused));
+            }
+            assert_eq!(
+                core.session_binding(Some("m"), "", "s1", now).unwrap().1,
+                Some(target)
+            );
+        }
+        assert!(core.session_binding(Some("other"), "", "s1", now).is_none());
     }
 
     /// An API booking expires and its id is reused by a new booking: the first holder's late

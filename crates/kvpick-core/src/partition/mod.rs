@@ -312,6 +312,7 @@ impl Partition {
                 incarnation: record.spec.incarnation,
                 events_seen: false,
                 load: RankLoad::default(),
+                remote_load: RankLoad::default(),
             });
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now.
@@ -829,6 +830,71 @@ impl Partition {
         let bytes = state.index.heap_bytes().saturating_add(engine_bytes);
         facts.push(self.index_fact(state, Some(bytes)));
         expired
+    }
+
+    /// Sets every rank's load booked by other replicas: `loads` names it, a rank it does not
+    /// name has none.
+    pub fn set_remote_loads(&self, loads: &HashMap<RankKey, RankLoad>) {
+        let mut state = self.state.lock();
+        for (key, slot) in state.ranks.slots.iter_mut() {
+            slot.remote_load = loads.get(key).copied().unwrap_or_default();
+        }
+    }
+
+    /// Appends this process's own load of every rank that has any.
+    pub fn local_loads(&self, out: &mut Vec<(RankKey, RankLoad)>) {
+        let state = self.state.lock();
+        out.extend(
+            state
+                .ranks
+                .iter()
+                .filter(|(_, s)| s.load != RankLoad::default())
+                .map(|(k, s)| (*k, s.load)),
+        );
+    }
+
+    /// The session's live binding, if any (an expired one is dropped, as on a pick).
+    pub fn bound_session(
+        &self,
+        sid: &str,
+        now: Instant,
+        ttl: Duration,
+        facts: &mut Facts,
+    ) -> Option<RankKey> {
+        let lookup = self.state.lock().sessions.bound_rank(sid, now, ttl);
+        if lookup.expired {
+            facts.push(Fact::SessionsLive(-1));
+            facts.push(Fact::SessionsExpired(1));
+        }
+        lookup.rank
+    }
+
+    /// Binds `sid` to `rank` as decided elsewhere (another replica); in-flight requests keep
+    /// their leases. False when the rank is not in this partition or the table is full of
+    /// leased sessions.
+    pub fn install_session(
+        &self,
+        sid: &str,
+        rank: RankKey,
+        now: Instant,
+        max_entries: usize,
+        facts: &mut Facts,
+    ) -> bool {
+        let mut state = self.state.lock();
+        if state.ranks.get(&rank).is_none() {
+            return false;
+        }
+        match state.sessions.bind(sid, rank, now, max_entries) {
+            Bound::Yes { created, evicted } => {
+                if evicted {
+                    facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
+                } else if created {
+                    facts.push(Fact::SessionsLive(1));
+                }
+                true
+            }
+            Bound::Full => false,
+        }
     }
 
     pub fn load_of(&self, key: RankKey) -> Option<RankLoad> {

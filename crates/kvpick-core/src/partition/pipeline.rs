@@ -237,7 +237,7 @@ pub(crate) fn drop_busy(
     let busy_rank = |i: usize| {
         slots
             .get(i)
-            .is_none_or(|(_, s)| is_busy(&s.load, busy, fraction))
+            .is_none_or(|(_, s)| is_busy(&s.total_load(), busy, fraction))
     };
     if let Some(bound) = hard_bound {
         let bound_position = eligible
@@ -288,10 +288,11 @@ pub(crate) fn candidates(
                 Some((k, d)) if k == key => *d,
                 _ => TierDepths::default(),
             };
+            let load = slot.total_load();
             Candidate {
                 scale: estimator.rank_scale(key),
                 fixed_blocks,
-                ..Candidate::new(*key, slot.load, overlap)
+                ..Candidate::new(*key, load, overlap)
             }
         })
         .collect()

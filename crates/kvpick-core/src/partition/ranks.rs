@@ -20,10 +20,28 @@ pub(crate) struct Slot {
     /// One of the rank's KV events has applied: its index entries come from the engine, so the
     /// pick's own predictions need to live only until the engine's events confirm them.
     pub events_seen: bool,
+    /// Load booked here, by this process.
     pub load: RankLoad,
+    /// Load booked on this rank by other replicas of the picker, as the host last learned it
+    /// ([`crate::Core::set_remote_loads`]); it counts for the decision and the busy thresholds.
+    pub remote_load: RankLoad,
 }
 
 impl Slot {
+    /// What the decision sees: this process's bookings plus the other replicas'.
+    pub fn total_load(&self) -> RankLoad {
+        let (local, remote) = (&self.load, &self.remote_load);
+        RankLoad {
+            active_prefill_tokens: local
+                .active_prefill_tokens
+                .saturating_add(remote.active_prefill_tokens),
+            active_decode_blocks: local
+                .active_decode_blocks
+                .saturating_add(remote.active_decode_blocks),
+            active_requests: local.active_requests.saturating_add(remote.active_requests),
+        }
+    }
+
     /// Adds one request's load: its queued prefill tokens and its KV blocks.
     pub fn add_load(&mut self, prefill_tokens: u64, decode_blocks: u64) {
         let load = &mut self.load;

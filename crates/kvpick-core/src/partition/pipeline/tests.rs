@@ -21,6 +21,7 @@ fn slot(port: u16) -> Slot {
         incarnation: 0,
         events_seen: false,
         load: RankLoad::default(),
+        remote_load: RankLoad::default(),
     }
 }
 
@@ -303,6 +304,48 @@ fn candidates_join_eligible_ranks_with_their_matches() {
     // scale of its own yet.
     assert!(got.iter().all(|c| c.scale == 1.0));
     assert!((got[0].fixed_blocks - 25.0).abs() < 1e-9);
+}
+
+/// Other replicas' bookings (`remote_load`) add to this process's own, for the cost function and
+/// for the busy thresholds alike.
+#[test]
+fn remote_load_adds_to_local_load_for_candidates_and_busy_thresholds() {
+    let mut table = slots();
+    table[0].1.load.active_requests = 1;
+    table[0].1.load.active_decode_blocks = 4;
+    table[0].1.remote_load.active_requests = 2;
+    table[0].1.remote_load.active_decode_blocks = 6;
+    table[1].1.remote_load.active_prefill_tokens = 100;
+    let got = candidates(
+        &table,
+        &[0, 1],
+        &[],
+        &crate::estimate::TtftEstimator::default(),
+        16,
+    );
+    let summary: Vec<(u64, u64, u64)> = got
+        .iter()
+        .map(|c| {
+            (
+                c.active_requests,
+                c.active_decode_blocks,
+                c.active_prefill_tokens,
+            )
+        })
+        .collect();
+    assert_eq!(summary, vec![(3, 10, 0), (0, 0, 100)]);
+    let busy = BusyThresholds {
+        active_decode_blocks: Some(10),
+        active_prefill_tokens: Some(100),
+        sheddable_fraction: 1.0,
+    };
+    let mut eligible = vec![0, 1, 2];
+    drop_busy(&table, &mut eligible, &busy, 0, None, false).unwrap();
+    assert_eq!(
+        eligible,
+        vec![2],
+        "busy through the other replicas' bookings"
+    );
 }
 
 fn decision(costs: Vec<f64>) -> Decision {
