@@ -36,13 +36,16 @@ KVPICK_PARAMS: dict[str, float | int] = {
     "--predicted-ttl": 2,
 }
 
-# Requests per trace, per family: sized so the whole matrix fits ~20 minutes on 2 cores.
+# Requests per trace, per family: long enough that chat shows several turns per conversation
+# (~4.5 min of arrivals) and small-families has 2,000+ families, short enough that the whole matrix
+# (~850 s of CPU, 180 replays) takes ~7-10 minutes on 2 idle cores. On a machine shared with other
+# builds it can take several times that: `--scale 0.45` keeps it near 20 minutes there.
 FAMILIES: dict[str, int] = {
-    "chat": 3000,
+    "chat": 6000,
     "agentic": 2000,
     "shared-docs": 3000,
-    "small-families": 2500,
-    "no-reuse": 2500,
+    "small-families": 3200,
+    "no-reuse": 2000,
 }
 LOADS = [0.5, 0.75, 0.9, 0.95]
 SEEDS = [1, 2, 3]
