@@ -140,6 +140,36 @@ def targets(cell: dict[str, dict[str, float]], load: float) -> dict[str, tuple[b
     return out
 
 
+def compact(result: dict) -> list[str]:
+    """One row per (family, load): kvpick against the best other policy and round-robin."""
+    lines = [
+        "| family | load | kvpick TTFT mean / p99 (ms) | best other TTFT mean | round-robin TTFT mean "
+        "| vs RR | KV hit kvpick / best other | E2E mean kvpick / best other | targets met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fam, loads in result["cells"].items():
+        for load, cell in loads.items():
+            med = cell["median"]
+            kv = med["kvpick"]
+            others = {p: m for p, m in med.items() if p != "kvpick"}
+            best_t = min(others, key=lambda p: others[p]["ttft_mean"])
+            best_h = max(others, key=lambda p: others[p]["kv_hit_rate"])
+            best_e = min(others, key=lambda p: others[p]["e2e_mean"])
+            rr = others.get("round-robin", {}).get("ttft_mean", 0.0)
+            t = targets(med, float(load))
+            lines.append(
+                f"| {fam} | {load} | {kv['ttft_mean']:.0f} / {kv['ttft_p99']:.0f} | "
+                f"{others[best_t]['ttft_mean']:.0f} ({best_t}) | {rr:.0f} | "
+                f"{rr / max(kv['ttft_mean'], 1e-9):.1f}x | {kv['kv_hit_rate'] * 100:.1f}% / "
+                f"{others[best_h]['kv_hit_rate'] * 100:.1f}% ({best_h}) | {kv['e2e_mean']:.0f} / "
+                f"{others[best_e]['e2e_mean']:.0f} ({best_e}) | "
+                f"{sum(ok for ok, _ in t.values())}/{len(t)}"
+                + ("" if all(ok for ok, _ in t.values()) else
+                   " (misses: " + ", ".join(k for k, (ok, _) in t.items() if not ok) + ")")
+                + " |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     lines = [
         "# Benchmark matrix",
@@ -148,6 +178,10 @@ def markdown(result: dict) -> str:
         f"medians of the seeds; requests per trace {result['requests']}; "
         f"policies {', '.join(result['policies'])}; default engine model; "
         f"{result['wall_s']:.0f} s on this machine.",
+        "",
+        "## Summary",
+        "",
+        *compact(result),
         "",
         "## kvpick against issue 16's targets",
         "",
@@ -228,7 +262,12 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply every family's request count (e.g. 0.1 for a smoke run)")
     ap.add_argument("--no-sensitivity", action="store_true")
+    ap.add_argument("--from-json", help="only re-render matrix.md from this matrix.json")
     args = ap.parse_args()
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        (Path(args.from_json).parent / "matrix.md").write_text(markdown(result))
+        return 0
     binary = args.bin
     if not Path(binary).exists():
         print(f"matrix: no kvpick binary at {binary} (cargo build --release --bin kvpick)",
