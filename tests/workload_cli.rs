@@ -2,6 +2,8 @@
 //! writes a trace and its statistics, the same seed writes the same bytes, the replay loads the
 //! trace at the asked load, and bad input is a clear error (exit 2), not a panic.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
+
 use std::path::Path;
 use std::process::Command;
 
