@@ -13,8 +13,8 @@ It prints the workload's statistics, progress, the side-by-side table built from
 timings and the ``usage.prompt_tokens_details.cached_tokens`` the workers return, and the offline
 (virtual-clock) replay of the same requests through every policy kvpick compares itself with.
 
-Flags: ``--family F`` (default agentic), ``--requests N`` (default 300), ``--load L`` (0.85),
-``--workers N`` (4), ``--sim-speedup K`` (4), ``--policy`` (the online columns; add
+Flags: ``--family F`` (default agentic), ``--requests N`` (default 200), ``--load L`` (0.85),
+``--workers N`` (4), ``--sim-speedup K`` (2), ``--policy`` (the online columns; add
 ``sglang-router`` once ``e2e/replay/online.py`` knows it). ``--trace FILE --arrival-speedup A``
 replays an existing Mooncake trace instead (the README's trace_1000 run:
 ``--trace ../shared/data/mooncake_trace_1000.jsonl --limit 1000 --workers 8 --arrival-speedup 2.3``).
@@ -44,7 +44,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--family", default="agentic")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--load", type=float, default=0.85,
                     help="offered load the generated trace is rescaled to")
     ap.add_argument("--trace", help="replay this Mooncake trace instead of generating one")
@@ -52,7 +52,7 @@ def main() -> int:
     ap.add_argument("--arrival-speedup", type=float,
                     help="with --trace: divide inter-arrival times by this (default: --load)")
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--sim-speedup", type=float, default=4.0)
+    ap.add_argument("--sim-speedup", type=float, default=2.0)
     ap.add_argument("--policy", default="envoy-round-robin,kvpick",
                     help="online columns, comma-separated (e2e/replay/online.py's policies)")
     args = ap.parse_args()

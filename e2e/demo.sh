@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The main job: builds kvpick (release), installs Envoy 1.40 into .venv, then replays the first
-# 500 requests of ../shared/data/mooncake_trace_1000.jsonl through a real Envoy to 4 simulated vLLM
-# workers (`kvpick sim`) twice - Envoy round-robin vs Envoy + kvpick - and prints the side-by-side
-# table (about a minute), then the offline replay of the same requests through every policy.
+# The main job: builds kvpick (release), installs Envoy 1.40 into .venv, generates an agentic
+# workload (`kvpick workload --family agentic`: tool loops on shared 4-16k-token prefixes, sub-agents)
+# and replays it at offered load 0.85 through a real Envoy to 4 simulated vLLM workers (`kvpick sim`)
+# twice - Envoy round-robin vs Envoy + kvpick - and prints the side-by-side table (about a minute),
+# then the offline replay of the same requests through every policy. e2e/demo.py --help for the
+# knobs (--family, --load, --policy ...,sglang-router, --trace FILE for a Mooncake trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh

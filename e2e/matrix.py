@@ -38,13 +38,16 @@ KVPICK_PARAMS: dict[str, float | int] = {
     "--ttft-slack": 1.5,
 }
 
-# Requests per trace, per family: sized so the whole matrix fits ~20 minutes on 2 cores.
+# Requests per trace, per family: long enough that chat shows several turns per conversation
+# (~4.5 min of arrivals) and small-families has 2,000+ families, short enough that the whole matrix
+# (~850 s of CPU, 180 replays) takes ~7-10 minutes on 2 idle cores. On a machine shared with other
+# builds it can take several times that: `--scale 0.45` keeps it near 20 minutes there.
 FAMILIES: dict[str, int] = {
-    "chat": 3000,
+    "chat": 6000,
     "agentic": 2000,
     "shared-docs": 3000,
-    "small-families": 2500,
-    "no-reuse": 2500,
+    "small-families": 3200,
+    "no-reuse": 2000,
 }
 LOADS = [0.5, 0.75, 0.9, 0.95]
 SEEDS = [1, 2, 3]
@@ -139,6 +142,36 @@ def targets(cell: dict[str, dict[str, float]], load: float) -> dict[str, tuple[b
     return out
 
 
+def compact(result: dict) -> list[str]:
+    """One row per (family, load): kvpick against the best other policy and round-robin."""
+    lines = [
+        "| family | load | kvpick TTFT mean / p99 (ms) | best other TTFT mean | round-robin TTFT mean "
+        "| vs RR | KV hit kvpick / best other | E2E mean kvpick / best other | targets met |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for fam, loads in result["cells"].items():
+        for load, cell in loads.items():
+            med = cell["median"]
+            kv = med["kvpick"]
+            others = {p: m for p, m in med.items() if p != "kvpick"}
+            best_t = min(others, key=lambda p: others[p]["ttft_mean"])
+            best_h = max(others, key=lambda p: others[p]["kv_hit_rate"])
+            best_e = min(others, key=lambda p: others[p]["e2e_mean"])
+            rr = others.get("round-robin", {}).get("ttft_mean", 0.0)
+            t = targets(med, float(load))
+            lines.append(
+                f"| {fam} | {load} | {kv['ttft_mean']:.0f} / {kv['ttft_p99']:.0f} | "
+                f"{others[best_t]['ttft_mean']:.0f} ({best_t}) | {rr:.0f} | "
+                f"{rr / max(kv['ttft_mean'], 1e-9):.1f}x | {kv['kv_hit_rate'] * 100:.1f}% / "
+                f"{others[best_h]['kv_hit_rate'] * 100:.1f}% ({best_h}) | {kv['e2e_mean']:.0f} / "
+                f"{others[best_e]['e2e_mean']:.0f} ({best_e}) | "
+                f"{sum(ok for ok, _ in t.values())}/{len(t)}"
+                + ("" if all(ok for ok, _ in t.values()) else
+                   " (misses: " + ", ".join(k for k, (ok, _) in t.items() if not ok) + ")")
+                + " |")
+    return lines
+
+
 def markdown(result: dict) -> str:
     lines = [
         "# Benchmark matrix",
@@ -147,6 +180,10 @@ def markdown(result: dict) -> str:
         f"medians of the seeds; requests per trace {result['requests']}; "
         f"policies {', '.join(result['policies'])}; default engine model; "
         f"{result['wall_s']:.0f} s on this machine.",
+        "",
+        "## Summary",
+        "",
+        *compact(result),
         "",
         "## kvpick against issue 16's targets",
         "",
@@ -227,7 +264,12 @@ def main() -> int:
     ap.add_argument("--scale", type=float, default=1.0,
                     help="multiply every family's request count (e.g. 0.1 for a smoke run)")
     ap.add_argument("--no-sensitivity", action="store_true")
+    ap.add_argument("--from-json", help="only re-render matrix.md from this matrix.json")
     args = ap.parse_args()
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        (Path(args.from_json).parent / "matrix.md").write_text(markdown(result))
+        return 0
     binary = args.bin
     if not Path(binary).exists():
         print(f"matrix: no kvpick binary at {binary} (cargo build --release --bin kvpick)",

@@ -188,7 +188,7 @@ impl Context {
     /// would fill it with different text, and one id would claim they share it.
     pub fn branch(&self, ids: &mut Sampler) -> Context {
         let mut child = self.clone();
-        if child.len % MOONCAKE_BLOCK != 0 {
+        if !child.len.is_multiple_of(MOONCAKE_BLOCK) {
             if let Some(last) = child.ids.last_mut() {
                 *last = ids.fresh_id();
             }
