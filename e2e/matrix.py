@@ -38,6 +38,10 @@ KVPICK_PARAMS: dict[str, float | int] = {
     "--ttft-slack": 1.5,
 }
 
+# Flags whose range starts above 0: +-50% applies to the distance from that floor (a slack of 1.5
+# varies 1.25..1.75; 1 is its smallest value).
+KVPICK_PARAM_FLOORS: dict[str, float] = {"--ttft-slack": 1.0}
+
 # Requests per trace, per family: long enough that chat shows several turns per conversation
 # (~4.5 min of arrivals) and small-families has 2,000+ families, short enough that the whole matrix
 # (~850 s of CPU, 180 replays) takes ~7-10 minutes on 2 idle cores. On a machine shared with other
@@ -107,8 +111,9 @@ def sensitivity_values() -> list[tuple[str, float | int]]:
     for flag, default in KVPICK_PARAMS.items():
         if default == 0:
             continue
+        floor = KVPICK_PARAM_FLOORS.get(flag, 0.0)
         for factor in (0.5, 1.5):
-            v = default * factor
+            v = floor + (default - floor) * factor
             out.append((flag, max(1, round(v)) if isinstance(default, int) else v))
     return out
 
