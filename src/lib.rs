@@ -19,6 +19,7 @@ pub mod api;
 pub mod catalog;
 pub mod events;
 pub mod extproc;
+pub mod h2_authority;
 pub mod health;
 pub mod metrics;
 pub mod net;

@@ -480,7 +480,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         metrics_listener.local_addr()?.port(),
     );
     let tls = if args.secure_serving {
-        Some(crate::tls::server_config(args.cert_path.clone())?)
+        Some(crate::tls::server(args.cert_path.clone())?)
     } else {
         None
     };
