@@ -1221,6 +1221,8 @@ fn by_default_a_cached_prefix_outweighs_a_little_decode_load() {
             host: overlap,
             disk: overlap,
         },
+        engine: None,
+        adapter: kvpick_core::AdapterFit::Unknown,
     };
     let costs: Vec<f64> = [cand(10, 2), cand(5, 5), cand(9, 8)]
         .iter()

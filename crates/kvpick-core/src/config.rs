@@ -54,6 +54,9 @@ pub struct CoreConfig {
     /// Most leading blocks of one prompt hashed, matched and inserted (a prefix match needs only
     /// the prefix; a 32 MiB prompt must not flush the index or hold the lock).
     pub max_prompt_blocks: usize,
+    /// An engine-metrics reading older than this is stale: ignored by the decision (the rank is
+    /// costed on bookings alone), as if it had never been scraped.
+    pub engine_metrics_max_age: Duration,
 }
 
 impl Default for CoreConfig {
@@ -72,6 +75,7 @@ impl Default for CoreConfig {
             sessions: SessionConfig::default(),
             max_api_bookings: 10_000,
             max_prompt_blocks: 16_384,
+            engine_metrics_max_age: Duration::from_secs(1),
         }
     }
 }

@@ -305,6 +305,7 @@ impl Partition {
                 incarnation: record.spec.incarnation,
                 events_seen: false,
                 load: RankLoad::default(),
+                engine: None,
             });
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now.
@@ -312,6 +313,7 @@ impl Partition {
                 state.index.clear_rank(key);
                 state.engines.remove(&key);
                 slot.events_seen = false;
+                slot.engine = None;
             }
             slot.worker_name = Arc::clone(&name);
             slot.multiplexed = rank.multiplexed;
@@ -430,7 +432,12 @@ impl Partition {
         } else {
             state.index.find_matches(&prompt.seq_hashes, now)
         };
-        let candidates = pipeline::candidates(slots, &eligible, &matches);
+        let engine_view = pipeline::EngineView {
+            now,
+            max_age: config.engine_metrics_max_age,
+            adapter: allowed.adapter,
+        };
+        let candidates = pipeline::candidates(slots, &eligible, &matches, &engine_view);
         let mut decision = pipeline::rank(
             &candidates,
             &prompt,
@@ -801,6 +808,17 @@ impl Partition {
         let bytes = state.index.heap_bytes().saturating_add(engine_bytes);
         facts.push(self.index_fact(state, Some(bytes)));
         expired
+    }
+
+    /// Stores a rank's engine-metrics reading; false when the rank is not in the partition.
+    pub fn record_engine_metrics(&self, key: RankKey, metrics: crate::EngineMetrics) -> bool {
+        match self.state.lock().ranks.get_mut(&key) {
+            Some(slot) => {
+                slot.engine = Some(metrics);
+                true
+            }
+            None => false,
+        }
     }
 
     pub fn load_of(&self, key: RankKey) -> Option<RankLoad> {

@@ -264,12 +264,23 @@ pub(crate) fn drop_busy(
     Ok(())
 }
 
-/// The eligible ranks with their load and the prompt's matched depths. Both `eligible` and
-/// `matches` are in rank order, so one merge pass joins them.
+/// What the candidates stage needs to read engine metrics: the time, the staleness bound and
+/// the request's adapter.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EngineView<'a> {
+    pub now: std::time::Instant,
+    pub max_age: std::time::Duration,
+    pub adapter: Option<&'a str>,
+}
+
+/// The eligible ranks with their load, the prompt's matched depths and their fresh engine
+/// readings (a stale one counts as none). Both `eligible` and `matches` are in rank order, so
+/// one merge pass joins them.
 pub(crate) fn candidates(
     slots: &[(RankKey, Slot)],
     eligible: &[usize],
     matches: &[(RankKey, TierDepths)],
+    view: &EngineView,
 ) -> Vec<Candidate> {
     let mut next_match = matches.iter().peekable();
     eligible
@@ -283,12 +294,21 @@ pub(crate) fn candidates(
                 Some((k, d)) if k == key => *d,
                 _ => TierDepths::default(),
             };
+            let fresh = slot
+                .engine
+                .as_ref()
+                .filter(|e| e.is_fresh(view.now, view.max_age));
             Candidate {
                 key: *key,
                 active_prefill_tokens: slot.load.active_prefill_tokens,
                 active_decode_blocks: slot.load.active_decode_blocks,
                 active_requests: slot.load.active_requests,
                 overlap,
+                engine: fresh.map(|e| e.load()),
+                adapter: match (fresh, view.adapter) {
+                    (Some(e), Some(adapter)) => e.adapter_fit(adapter),
+                    _ => crate::engine::AdapterFit::Unknown,
+                },
             }
         })
         .collect()

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::engine::EngineMetrics;
 use crate::types::{RankKey, RankLoad};
 
 #[derive(Debug)]
@@ -21,6 +22,8 @@ pub(crate) struct Slot {
     /// pick's own predictions need to live only until the engine's events confirm them.
     pub events_seen: bool,
     pub load: RankLoad,
+    /// The last engine-metrics reading (the decision uses it only while fresh).
+    pub engine: Option<EngineMetrics>,
 }
 
 impl Slot {

@@ -21,6 +21,7 @@ fn slot(port: u16) -> Slot {
         incarnation: 0,
         events_seen: false,
         load: RankLoad::default(),
+        engine: None,
     }
 }
 
@@ -285,7 +286,12 @@ fn candidates_join_eligible_ranks_with_their_matches() {
         (key(3, 0), depth(2)),
         (key(4, 1), depth(9)),
     ];
-    let got = candidates(&table, &[1, 2, 4], &matches);
+    let view = EngineView {
+        now: std::time::Instant::now(),
+        max_age: std::time::Duration::from_secs(1),
+        adapter: None,
+    };
+    let got = candidates(&table, &[1, 2, 4], &matches, &view);
     let summary: Vec<(RankKey, u32, u64)> = got
         .iter()
         .map(|c| (c.key, c.overlap.gpu, c.active_requests))
@@ -310,8 +316,52 @@ fn cands(keys: &[RankKey]) -> Vec<Candidate> {
             active_decode_blocks: 0,
             active_requests: 0,
             overlap: TierDepths::default(),
+            engine: None,
+            adapter: crate::engine::AdapterFit::Unknown,
         })
         .collect()
+}
+
+#[test]
+fn candidates_carry_only_fresh_engine_readings_and_the_adapter_fit() {
+    use crate::engine::{AdapterFit, EngineMetrics};
+    use std::time::{Duration, Instant};
+    let now = Instant::now();
+    let max_age = Duration::from_millis(500);
+    let reading = |waiting: u64, at: Instant, adapters: &[&str]| EngineMetrics {
+        waiting,
+        running: 1,
+        kv_usage: 0.25,
+        adapters: adapters.iter().map(|a| a.to_string()).collect(),
+        max_adapters: Some(1),
+        at,
+    };
+    let mut table = slots();
+    table[0].1.engine = Some(reading(7, now, &["sql"]));
+    table[1].1.engine = Some(reading(9, now - Duration::from_secs(2), &["sql"]));
+    table[2].1.engine = Some(reading(0, now, &["chat"]));
+    let view = EngineView {
+        now,
+        max_age,
+        adapter: Some("sql"),
+    };
+    let got = candidates(&table, &[0, 1, 2, 3], &[], &view);
+    let summary: Vec<(Option<u64>, AdapterFit)> = got
+        .iter()
+        .map(|c| (c.engine.map(|e| e.waiting), c.adapter))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (Some(7), AdapterFit::Loaded),
+            // Stale: neither its queue nor its adapters count.
+            (None, AdapterFit::Unknown),
+            // At max_lora = 1 with another adapter.
+            (Some(0), AdapterFit::Full),
+            // Never scraped.
+            (None, AdapterFit::Unknown),
+        ]
+    );
 }
 
 #[test]
