@@ -17,6 +17,7 @@
 
 pub mod api;
 pub mod catalog;
+pub mod engine_metrics;
 pub mod events;
 pub mod extproc;
 pub mod h2_authority;
