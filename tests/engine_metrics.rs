@@ -6,6 +6,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
+mod common;
+
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr};
 use std::sync::Arc;
@@ -248,4 +250,87 @@ async fn a_lora_request_prefers_the_rank_with_its_adapter_loaded_and_avoids_a_fu
     })
     .await;
     assert_eq!(f.picks("sql", 30), HashMap::from([(b, 30)]));
+}
+
+/// One line of kvpick's own `/metrics`: the value of the series that starts with `series`.
+fn kvpick_metric(port: u16, series: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// The real binary: `--engine-metrics vllm` scrapes the catalog's ranks, exports its own scrape
+/// metrics, and the selection API's pick avoids the rank whose engine queue is deep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_engine_metrics_scrapes_and_steers_the_pick() {
+    let (deep, deep_page) = serve_page().await;
+    let (idle, idle_page) = serve_page().await;
+    deep_page.set(Some(vllm_page(50, 0.95, None)));
+    idle_page.set(Some(vllm_page(0, 0.05, None)));
+    let catalog = format!(
+        "workers:\n  - {{name: deep, model: m, address: 127.0.0.1, port: {deep}}}\n  - {{name: idle, model: m, address: 127.0.0.1, port: {idle}}}\n"
+    );
+    let serve = common::start_static(
+        &catalog,
+        &[
+            "--engine-metrics",
+            "vllm",
+            "--engine-metrics-interval-ms",
+            "10",
+        ],
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while kvpick_metric(serve.metrics, "kvpick_engine_scrapes_total{outcome=\"ok\"}").unwrap_or(0.0)
+        < 4.0
+        || kvpick_metric(serve.metrics, "kvpick_engine_stale_ranks") != Some(0.0)
+    {
+        assert!(Instant::now() < deadline, "kvpick never scraped both ranks");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut api = common::api(serve.grpc).await;
+    for i in 0..20 {
+        let pick = api
+            .select(kvpick::proto::SelectRequest {
+                request_id: format!("q{i}"),
+                model: "m".into(),
+                token_ids: vec![i; 16],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            pick.primary.unwrap().address,
+            format!("127.0.0.1:{idle}"),
+            "pick {i} went to the deep queue"
+        );
+    }
+    // The deep engine stops answering: counted, and stale after the default 1 s.
+    deep_page.set(None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while kvpick_metric(serve.metrics, "kvpick_engine_stale_ranks") != Some(1.0) {
+        assert!(
+            Instant::now() < deadline,
+            "the failing rank never counted stale"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        kvpick_metric(
+            serve.metrics,
+            "kvpick_engine_scrapes_total{outcome=\"http_error\"}"
+        )
+        .unwrap_or(0.0)
+            > 0.0
+    );
 }
