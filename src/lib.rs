@@ -18,8 +18,10 @@
 
 pub mod api;
 pub mod catalog;
+pub mod engine_metrics;
 pub mod events;
 pub mod extproc;
+pub mod h2_authority;
 pub mod health;
 pub mod metrics;
 pub mod net;

@@ -20,6 +20,7 @@ pub struct Metrics {
     pub selection: SelectionMetrics,
     pub events: EventMetrics,
     pub catalog: CatalogMetrics,
+    pub engine: EngineScrapeMetrics,
 }
 
 /// The ext_proc host: pick outcomes and latency, streams, response usage, the body budget.
@@ -399,6 +400,54 @@ impl EventMetrics {
     }
 }
 
+/// Engine-metrics scraping (`engine_metrics`): outcomes, duration, stale ranks.
+#[derive(Clone)]
+pub struct EngineScrapeMetrics {
+    /// Scrapes by outcome: ok, unreachable, timeout, http_error, invalid.
+    pub scrapes: IntCounterVec,
+    /// Time per scrape (request, body, parse, recording).
+    pub scrape_duration: Histogram,
+    /// Ranks without a good scrape within the staleness bound (their readings are ignored).
+    pub stale_ranks: IntGauge,
+}
+
+impl EngineScrapeMetrics {
+    fn register(registry: &Registry) -> Self {
+        EngineScrapeMetrics {
+            scrapes: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_engine_scrapes_total",
+                        "Engine /metrics scrapes by outcome (ok, unreachable, timeout, http_error, invalid)",
+                    ),
+                    &["outcome"],
+                )
+                .unwrap(),
+            ),
+            scrape_duration: register(
+                registry,
+                Histogram::with_opts(
+                    HistogramOpts::new(
+                        "kvpick_engine_scrape_duration_seconds",
+                        "Time per engine /metrics scrape, request to recorded reading",
+                    )
+                    .buckets(prometheus::exponential_buckets(1e-4, 2.0, 14).unwrap()),
+                )
+                .unwrap(),
+            ),
+            stale_ranks: register(
+                registry,
+                IntGauge::new(
+                    "kvpick_engine_stale_ranks",
+                    "Ranks scraped for engine metrics without a good reading within --engine-metrics-stale-ms",
+                )
+                .unwrap(),
+            ),
+        }
+    }
+}
+
 /// The catalog: workers by lifecycle, snapshots applied or rejected.
 #[derive(Clone)]
 pub struct CatalogMetrics {
@@ -581,6 +630,7 @@ impl Metrics {
             selection: SelectionMetrics::register(&registry),
             events: EventMetrics::register(&registry),
             catalog: CatalogMetrics::register(&registry),
+            engine: EngineScrapeMetrics::register(&registry),
             registry,
         }
     }

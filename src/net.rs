@@ -1,5 +1,6 @@
 //! Listener plumbing shared by the gRPC ports: an accept loop that sets TCP_NODELAY, optionally
-//! terminates TLS (handshakes off the accept path), and stops accepting at shutdown so a
+//! terminates TLS (OpenSSL, handshakes off the accept path), puts the `:authority` fix
+//! (`h2_authority`) in front of h2, and stops accepting at shutdown so a
 //! draining process refuses new connections instead of leaving them hanging.
 
 use std::io;
@@ -11,24 +12,39 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch};
-use tokio_rustls::server::TlsStream;
-use tokio_rustls::TlsAcceptor;
+use tokio_openssl::SslStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
-/// An accepted connection, plain (h2c) or TLS.
-pub enum Conn {
+use crate::h2_authority::AuthorityFix;
+use crate::tls::TlsServer;
+
+/// The byte stream under HTTP/2: plain (h2c) or TLS.
+pub enum Transport {
     Plain(TcpStream),
-    Tls(Box<TlsStream<TcpStream>>),
+    Tls(Box<SslStream<TcpStream>>),
+}
+
+/// An accepted connection, as h2 sees it: the transport behind the `:authority` fix
+/// (`h2_authority`), plus the addresses tonic reports.
+pub struct Conn {
+    io: AuthorityFix<Transport>,
+    info: TcpConnectInfo,
+}
+
+impl Conn {
+    fn new(transport: Transport, info: TcpConnectInfo) -> Self {
+        Conn {
+            io: AuthorityFix::new(transport),
+            info,
+        }
+    }
 }
 
 impl Connected for Conn {
     type ConnectInfo = TcpConnectInfo;
     fn connect_info(&self) -> Self::ConnectInfo {
-        match self {
-            Conn::Plain(s) => s.connect_info(),
-            Conn::Tls(s) => s.get_ref().0.connect_info(),
-        }
+        self.info.clone()
     }
 }
 
@@ -38,10 +54,7 @@ impl AsyncRead for Conn {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
     }
 }
 
@@ -51,21 +64,60 @@ impl AsyncWrite for Conn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl AsyncRead for Transport {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+            Transport::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Transport {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            Transport::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_flush(cx),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+            Transport::Plain(s) => Pin::new(s).poll_flush(cx),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+            Transport::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
     fn poll_write_vectored(
@@ -74,26 +126,32 @@ impl AsyncWrite for Conn {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         match self.get_mut() {
-            Conn::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            Conn::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+            Transport::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Transport::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
     }
     fn is_write_vectored(&self) -> bool {
         match self {
-            Conn::Plain(s) => s.is_write_vectored(),
-            Conn::Tls(s) => s.is_write_vectored(),
+            Transport::Plain(s) => s.is_write_vectored(),
+            Transport::Tls(s) => s.is_write_vectored(),
         }
     }
+}
+
+/// One TLS handshake on an accepted TCP connection.
+async fn tls_handshake(tls: &TlsServer, stream: TcpStream) -> anyhow::Result<SslStream<TcpStream>> {
+    let mut stream = SslStream::new(tls.ssl()?, stream)?;
+    Pin::new(&mut stream).accept().await?;
+    Ok(stream)
 }
 
 /// Accepts on `listener` until `shutdown` turns true, yielding ready connections.
 pub fn incoming(
     listener: TcpListener,
-    tls: Option<Arc<rustls::ServerConfig>>,
+    tls: Option<Arc<TlsServer>>,
     mut shutdown: watch::Receiver<bool>,
 ) -> ReceiverStream<io::Result<Conn>> {
     let (tx, rx) = mpsc::channel(128);
-    let acceptor = tls.map(TlsAcceptor::from);
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
@@ -111,23 +169,30 @@ pub fn incoming(
                 }
             };
             let _ = stream.set_nodelay(true);
-            match &acceptor {
+            let info = stream.connect_info();
+            match &tls {
                 None => {
-                    if tx.send(Ok(Conn::Plain(stream))).await.is_err() {
+                    if tx
+                        .send(Ok(Conn::new(Transport::Plain(stream), info)))
+                        .await
+                        .is_err()
+                    {
                         return;
                     }
                 }
-                Some(acceptor) => {
-                    let acceptor = acceptor.clone();
+                Some(tls) => {
+                    let tls = Arc::clone(tls);
                     let tx = tx.clone();
                     tokio::spawn(async move {
-                        match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(stream))
-                            .await
-                        {
+                        let handshake = tls_handshake(&tls, stream);
+                        match tokio::time::timeout(Duration::from_secs(10), handshake).await {
                             Ok(Ok(tls)) => {
-                                let _ = tx.send(Ok(Conn::Tls(Box::new(tls)))).await;
+                                let conn = Conn::new(Transport::Tls(Box::new(tls)), info);
+                                let _ = tx.send(Ok(conn)).await;
                             }
-                            Ok(Err(err)) => tracing::debug!(%peer, %err, "TLS handshake failed"),
+                            Ok(Err(err)) => {
+                                tracing::debug!(%peer, err = format!("{err:#}"), "TLS handshake failed")
+                            }
                             Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
                         }
                     });

@@ -398,6 +398,137 @@ pub struct ServeArgs {
     /// Log format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+
+    /// Scrape every rank's `/metrics` (the GIE model-server protocol) and use queue depth, KV
+    /// usage and loaded LoRA adapters in the pick: `vllm` or `sglang` names, `off` = no scraping.
+    #[arg(long, value_enum, default_value_t = EngineMetricsMode::Off, help_heading = "Engine metrics")]
+    pub engine_metrics: EngineMetricsMode,
+
+    /// Override metric names of the chosen type: `waiting=NAME,running=NAME,kv_usage=NAME,
+    /// lora_info=NAME,rank_label=LABEL` (an empty lora_info / rank_label means none).
+    #[arg(
+        long,
+        default_value = "",
+        value_name = "K=V,...",
+        help_heading = "Engine metrics"
+    )]
+    pub engine_metric_names: String,
+
+    /// Path of the metrics page on each rank's endpoint.
+    #[arg(
+        long,
+        default_value = "/metrics",
+        value_name = "PATH",
+        help_heading = "Engine metrics"
+    )]
+    pub engine_metrics_path: String,
+
+    /// Mean milliseconds between two scrapes of one endpoint (each wait jittered by ±20 %).
+    #[arg(
+        long,
+        default_value_t = 50,
+        value_name = "MS",
+        help_heading = "Engine metrics"
+    )]
+    pub engine_metrics_interval_ms: u64,
+
+    /// Milliseconds one scrape may take (connect + response) before it counts as a timeout.
+    #[arg(
+        long,
+        default_value_t = 500,
+        value_name = "MS",
+        help_heading = "Engine metrics"
+    )]
+    pub engine_metrics_timeout_ms: u64,
+
+    /// Most scrapes in flight at once over all endpoints.
+    #[arg(
+        long,
+        default_value_t = 64,
+        value_name = "N",
+        help_heading = "Engine metrics"
+    )]
+    pub engine_metrics_concurrency: usize,
+
+    /// A reading older than this is stale: ignored by the pick and the rank counted in
+    /// `kvpick_engine_stale_ranks`.
+    #[arg(
+        long,
+        default_value_t = 1000,
+        value_name = "MS",
+        help_heading = "Engine metrics"
+    )]
+    pub engine_metrics_stale_ms: u64,
+
+    /// Cost: blocks per request waiting in an engine's queue.
+    #[arg(long, default_value_t = kvpick_core::decide::DEFAULT_ENGINE_WAITING_WEIGHT, value_name = "X", help_heading = "Engine metrics")]
+    pub engine_waiting_weight: f64,
+
+    /// Cost: blocks at full KV-cache usage (linear in the usage).
+    #[arg(long, default_value_t = kvpick_core::decide::DEFAULT_ENGINE_KV_USAGE_WEIGHT, value_name = "X", help_heading = "Engine metrics")]
+    pub engine_kv_usage_weight: f64,
+
+    /// Cost: blocks for a LoRA request on a rank that has room for its adapter but has not loaded it.
+    #[arg(long, default_value_t = kvpick_core::decide::DEFAULT_ADAPTER_LOAD_WEIGHT, value_name = "X", help_heading = "Engine metrics")]
+    pub adapter_load_weight: f64,
+
+    /// Cost: blocks for a LoRA request on a rank at `max_lora` without its adapter.
+    #[arg(long, default_value_t = kvpick_core::decide::DEFAULT_ADAPTER_FULL_WEIGHT, value_name = "X", help_heading = "Engine metrics")]
+    pub adapter_full_weight: f64,
+}
+
+/// Which model-server metric names `--engine-metrics` scrapes, or none.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
+pub enum EngineMetricsMode {
+    Off,
+    Vllm,
+    Sglang,
+}
+
+/// The scraper's settings from flags (`None` with `--engine-metrics off`).
+pub fn scrape_config(
+    args: &ServeArgs,
+) -> anyhow::Result<Option<crate::engine_metrics::ScrapeConfig>> {
+    use crate::engine_metrics::{MetricNames, ScrapeConfig};
+    let base = match args.engine_metrics {
+        EngineMetricsMode::Off => return Ok(None),
+        EngineMetricsMode::Vllm => MetricNames::vllm(),
+        EngineMetricsMode::Sglang => MetricNames::sglang(),
+    };
+    let names = base
+        .with_overrides(&args.engine_metric_names)
+        .context("invalid --engine-metric-names")?;
+    if !args.engine_metrics_path.starts_with('/') {
+        anyhow::bail!(
+            "--engine-metrics-path must start with '/', got {:?}",
+            args.engine_metrics_path
+        );
+    }
+    for (name, value) in [
+        (
+            "--engine-metrics-interval-ms",
+            args.engine_metrics_interval_ms,
+        ),
+        (
+            "--engine-metrics-timeout-ms",
+            args.engine_metrics_timeout_ms,
+        ),
+        ("--engine-metrics-stale-ms", args.engine_metrics_stale_ms),
+    ] {
+        if value == 0 {
+            anyhow::bail!("{name} must be at least 1");
+        }
+    }
+    Ok(Some(ScrapeConfig {
+        names,
+        path: args.engine_metrics_path.clone(),
+        interval: Duration::from_millis(args.engine_metrics_interval_ms),
+        jitter: 0.2,
+        timeout: Duration::from_millis(args.engine_metrics_timeout_ms),
+        concurrency: args.engine_metrics_concurrency.max(1),
+        max_body_bytes: 8 << 20,
+        stale_after: Duration::from_millis(args.engine_metrics_stale_ms),
+    }))
 }
 
 pub fn init_logging(format: LogFormat) {
@@ -445,6 +576,10 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         ("--router-temperature", args.router_temperature),
         ("--stall-weight", args.stall_weight),
         ("--session-soft-margin", args.session_soft_margin),
+        ("--engine-waiting-weight", args.engine_waiting_weight),
+        ("--engine-kv-usage-weight", args.engine_kv_usage_weight),
+        ("--adapter-load-weight", args.adapter_load_weight),
+        ("--adapter-full-weight", args.adapter_full_weight),
     ] {
         if !value.is_finite() || value < 0.0 {
             anyhow::bail!("{name} must be a finite number >= 0, got {value}");
@@ -469,6 +604,10 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
                 }
                 f
             },
+            engine_waiting_weight: args.engine_waiting_weight,
+            engine_kv_usage_weight: args.engine_kv_usage_weight,
+            adapter_load_weight: args.adapter_load_weight,
+            adapter_full_weight: args.adapter_full_weight,
             ..CostParams::default()
         },
         estimator: kvpick_core::EstimatorConfig {
@@ -501,6 +640,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         predicted_ttl: Duration::from_secs(args.predicted_ttl),
         kv_events: args.kv_events == "on",
         index_max_blocks: args.index_max_blocks,
+        engine_metrics_max_age: Duration::from_millis(args.engine_metrics_stale_ms),
         ..CoreConfig::default()
     })
 }
@@ -572,6 +712,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         }
     }
 
+    if let Some(scrape) = scrape_config(&args)? {
+        tracing::info!(interval_ms = args.engine_metrics_interval_ms, names = ?scrape.names, "scraping engine metrics");
+        tokio::spawn(crate::engine_metrics::manage(
+            Arc::clone(&core),
+            scrape,
+            core.catalog_changes(),
+        ));
+    }
+
     if core.config().kv_events {
         tokio::spawn(crate::events::ingest::manage(
             Arc::clone(&core),
@@ -610,7 +759,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         metrics_listener.local_addr()?.port(),
     );
     let tls = if args.secure_serving {
-        Some(crate::tls::server_config(args.cert_path.clone())?)
+        Some(crate::tls::server(args.cert_path.clone())?)
     } else {
         None
     };

@@ -389,3 +389,60 @@ async fn stream_interval_coalesces_tokens_but_sends_the_first_at_once() {
     assert_eq!(words[0], 1);
     assert_eq!(texts.concat(), " the cache is warm and tokens flow. the");
 }
+
+/// `--lora`: an adapter request is served, and while it runs its rank's
+/// `vllm:lora_requests_info` lists it (with `max_lora`), in the form kvpick's scraper reads;
+/// once it ends the list is empty again.
+#[tokio::test]
+async fn lora_requests_info_lists_running_adapters() {
+    let fleet = start(&sim_args(&[
+        "--workers",
+        "1",
+        "--lora",
+        "sql,chat",
+        "--max-loras",
+        "2",
+    ]))
+    .await
+    .unwrap();
+    let port = fleet.workers[0].http;
+    let names = kvpick::engine_metrics::MetricNames::vllm();
+    let loaded = || async {
+        let (status, _, page) = http(port, "GET", "/metrics", &[], "").await;
+        assert_eq!(status, 200);
+        let r = kvpick::engine_metrics::readings(&page, &names, &[0], Instant::now()).unwrap();
+        let r = r[0].clone().unwrap();
+        (r.adapters.to_vec(), r.max_adapters)
+    };
+    assert_eq!(loaded().await, (vec![], Some(2)));
+    // A long streamed adapter request: read its first chunk, then look at the metrics.
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    let body = serde_json::json!({"model": "sql", "prompt": prompt(16), "max_tokens": 100000,
+        "stream": true})
+    .to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut first = [0u8; 64];
+    let n = s.read(&mut first).await.unwrap();
+    assert!(String::from_utf8_lossy(&first[..n]).starts_with("HTTP/1.1 200"));
+    assert_eq!(loaded().await, (vec!["sql".to_string()], Some(2)));
+    // The client leaves: the request is aborted and the adapter no longer listed.
+    drop(s);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !loaded().await.0.is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "adapter still listed after the request ended"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // An unknown adapter is still a 404.
+    let bad = serde_json::json!({"model": "nope", "prompt": prompt(4)}).to_string();
+    let (status, _, _) = http(port, "POST", "/v1/completions", &[], &bad).await;
+    assert_eq!(status, 404);
+}

@@ -320,6 +320,49 @@ def test_transport_modes_route(make_stack, make_upstream, client, secure):
         assert s.kvpick.health("liveness", port=s.kvpick.grpc_port) == "SERVING"
 
 
+# Istio's gateway names the EPP's cluster `outbound|PORT||SERVICE` and sends that name as the TLS
+# SNI and as the gRPC `:authority` (Envoy's envoy_grpc authority defaults to the cluster name).
+ISTIO_CLUSTER_NAME = "outbound|9002||kvpick.default.svc.cluster.local"
+
+
+def istio_style_envoy_config(*, sni: str | None, authority: str | None):
+    cfg = harness.load_envoy_template()
+    kv = next(c for c in cfg["static_resources"]["clusters"] if c["name"] == "kvpick")
+    tls_ctx = kv["transport_socket"]["typed_config"]
+    tls_ctx.pop("sni", None)
+    if sni is not None:
+        tls_ctx["sni"] = sni
+    if authority is not None:
+        main = next(l for l in cfg["static_resources"]["listeners"]
+                    if l["name"] == harness.MAIN_LISTENER)
+        ext_proc = next(f for f in harness._hcm(main)["http_filters"]
+                        if f["name"] == "envoy.filters.http.ext_proc")
+        ext_proc["typed_config"]["grpc_service"]["envoy_grpc"]["authority"] = authority
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "secure,sni,authority",
+    [
+        (True, None, None),
+        (True, ISTIO_CLUSTER_NAME, None),
+        (True, None, ISTIO_CLUSTER_NAME),
+        (True, ISTIO_CLUSTER_NAME, ISTIO_CLUSTER_NAME),
+        (False, None, ISTIO_CLUSTER_NAME),
+    ],
+    ids=["tls-plain", "tls-istio-sni", "tls-istio-authority", "tls-istio-both",
+         "h2c-istio-authority"],
+)
+def test_istio_style_sni_and_authority_route(make_stack, make_upstream, client, secure, sni,
+                                             authority):
+    up = make_upstream()
+    s = make_stack([worker("w0", ports=[up.port])], secure=secure, name="istio",
+                   envoy_config=istio_style_envoy_config(sni=sni, authority=authority))
+    for _ in range(3):
+        assert_routed(post_chat(client, s.url()), {up.port})
+    assert_routed(post_chat(client, s.url(), headers={"x-session-id": "istio-1"}), {up.port})
+
+
 # ------------------------------------------------------------------------------------------------
 # volume + pick latency
 

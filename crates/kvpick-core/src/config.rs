@@ -57,6 +57,9 @@ pub struct CoreConfig {
     pub max_prompt_blocks: usize,
     /// The TTFT estimator behind the cost ([`crate::estimate`]).
     pub estimator: EstimatorConfig,
+    /// An engine-metrics reading older than this is stale: ignored by the decision (the rank is
+    /// costed on bookings alone), as if it had never been scraped.
+    pub engine_metrics_max_age: Duration,
 }
 
 impl Default for CoreConfig {
@@ -76,6 +79,7 @@ impl Default for CoreConfig {
             max_api_bookings: 10_000,
             max_prompt_blocks: 16_384,
             estimator: EstimatorConfig::default(),
+            engine_metrics_max_age: Duration::from_secs(1),
         }
     }
 }

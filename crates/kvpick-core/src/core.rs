@@ -513,6 +513,13 @@ impl Core {
         }
     }
 
+    /// Stores one engine-metrics reading of a rank (the host's scraper calls this after each
+    /// scrape). False when the rank is not in the catalog (it left while the scrape ran).
+    pub fn record_engine_metrics(&self, rank: RankKey, metrics: crate::EngineMetrics) -> bool {
+        self.partition_of_worker(rank.worker_id)
+            .is_some_and(|p| p.record_engine_metrics(rank, metrics))
+    }
+
     fn partition_of_worker(&self, worker_id: u64) -> Option<Arc<Partition>> {
         let key = self.catalog.lock().record(worker_id)?.partition_key();
         self.partitions.read().get(&key).cloned()

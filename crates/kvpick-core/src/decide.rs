@@ -24,6 +24,7 @@
 
 use rand::Rng;
 
+use crate::engine::{AdapterFit, EngineLoad};
 use crate::types::{RankKey, RankLoad, TierDepths};
 
 /// Default weight of a decode block. ARCHITECTURE.md §4 counts a held KV block like an uncached prefill
@@ -52,6 +53,14 @@ pub struct CostParams {
     /// Weight of the stall a pick inflicts (its own uncached prefill, once per request booked on
     /// the rank) against its own time to first token; 0 = TTFT only.
     pub stall_weight: f64,
+    /// Engine metrics ([`engine_metrics_cost`]): blocks per request waiting in the engine's queue.
+    pub engine_waiting_weight: f64,
+    /// Blocks at full KV-cache usage (linear in usage).
+    pub engine_kv_usage_weight: f64,
+    /// Blocks charged when the requested adapter is not loaded but the rank has room for it.
+    pub adapter_load_weight: f64,
+    /// Blocks charged when the requested adapter is not loaded and the rank is at `max_lora`.
+    pub adapter_full_weight: f64,
 }
 
 impl Default for CostParams {
@@ -66,12 +75,28 @@ impl Default for CostParams {
             router_temperature: 0.0,
             stall_weight: 1.0,
             ttft_slack: 1.5,
+            engine_waiting_weight: DEFAULT_ENGINE_WAITING_WEIGHT,
+            engine_kv_usage_weight: DEFAULT_ENGINE_KV_USAGE_WEIGHT,
+            adapter_load_weight: DEFAULT_ADAPTER_LOAD_WEIGHT,
+            adapter_full_weight: DEFAULT_ADAPTER_FULL_WEIGHT,
         }
     }
 }
 
-/// One eligible rank: its load (from bookings), the request's cached overlap on it and its
-/// calibrated speed.
+/// A request waiting in an engine's queue delays a new one about as much as prefilling a few
+/// blocks: its own prefill runs first. 8 blocks is a short prompt's worth (128 tokens of 16).
+pub const DEFAULT_ENGINE_WAITING_WEIGHT: f64 = 8.0;
+/// A full KV cache costs like 16 uncached blocks: the engine is about to queue or preempt.
+pub const DEFAULT_ENGINE_KV_USAGE_WEIGHT: f64 = 16.0;
+/// Loading an adapter the rank has room for: a small detour (the load is fast, but a rank that
+/// already runs it serves it with no load at all).
+pub const DEFAULT_ADAPTER_LOAD_WEIGHT: f64 = 4.0;
+/// A rank at `max_lora` without the adapter must evict one or queue the request.
+pub const DEFAULT_ADAPTER_FULL_WEIGHT: f64 = 64.0;
+
+/// One eligible rank: its load (from bookings), the request's cached overlap on it, its
+/// calibrated speed, and what its engine last said about itself (only a fresh reading; see
+/// [`crate::engine`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Candidate {
     pub key: RankKey,
@@ -82,6 +107,10 @@ pub struct Candidate {
     /// still prefilling ahead of it (FIFO), which decode while its prefill runs.
     pub stalled_requests: u64,
     pub overlap: TierDepths,
+    /// The engine's queue, batch and KV usage; `None` without a fresh scrape.
+    pub engine: Option<EngineLoad>,
+    /// Where the request's adapter stands on the rank (`Unknown` for base-model requests).
+    pub adapter: AdapterFit,
     /// The rank's TTFT factor ([`crate::estimate::TtftEstimator::rank_scale`]); 1 = the
     /// partition's line.
     pub scale: f64,
@@ -101,6 +130,8 @@ impl Candidate {
             overlap,
             scale: 1.0,
             fixed_blocks: 0.0,
+            engine: None,
+            adapter: AdapterFit::Unknown,
         }
     }
 }
@@ -148,7 +179,8 @@ pub fn ttft_cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &Co
 
 /// `scale * (fixed + prefill_load_scale * max(0, queued + prompt - credit * overlap))
 ///  + stall_weight * scale * stalled_requests * own_uncached
-///  + decode_block_weight * decode_blocks + decode_active_request_weight * active_requests`.
+///  + decode_block_weight * decode_blocks + decode_active_request_weight * active_requests
+///  + engine_metrics_cost`.
 pub fn cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
     let ttft = c.fixed_blocks
         + params.prefill_load_scale * ttft_blocks(c, prompt_tokens, block_size, params);
@@ -158,6 +190,27 @@ pub fn cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostPar
     c.scale * (ttft + stall)
         + params.decode_block_weight * c.active_decode_blocks as f64
         + params.decode_active_request_weight * c.active_requests as f64
+        + engine_metrics_cost(c, params)
+}
+
+/// What the rank's engine metrics add, in uncached-prefill blocks: what kvpick's own bookings
+/// cannot see (engine-side queueing, traffic of other replicas or that bypassed kvpick, a filling
+/// KV cache) and the adapter's fit. `engine_waiting_weight * waiting + engine_kv_usage_weight *
+/// kv_usage + adapter charge` (`adapter_load_weight` when the rank has room for the adapter,
+/// `adapter_full_weight` when it is at `max_lora` without it, 0 when it is loaded or unknown).
+/// 0 without a fresh reading, so a rank that is not scraped (or went stale) is costed on
+/// bookings alone.
+pub fn engine_metrics_cost(c: &Candidate, params: &CostParams) -> f64 {
+    let load = c.engine.map_or(0.0, |e| {
+        params.engine_waiting_weight * e.waiting as f64
+            + params.engine_kv_usage_weight * e.kv_usage.clamp(0.0, 1.0)
+    });
+    let adapter = match c.adapter {
+        AdapterFit::Unknown | AdapterFit::Loaded => 0.0,
+        AdapterFit::Room => params.adapter_load_weight,
+        AdapterFit::Full => params.adapter_full_weight,
+    };
+    load + adapter
 }
 
 /// Temperature 0: lowest cost, ties uniformly at random. Temperature T > 0: sample with
@@ -268,6 +321,38 @@ mod tests {
                 disk: overlap_gpu,
             },
         )
+    }
+
+    #[test]
+    fn engine_queue_kv_usage_and_adapter_fit_add_to_the_cost() {
+        let params = CostParams::default();
+        let idle = cand(1, 0, 0);
+        let mut queued = cand(2, 0, 0);
+        queued.engine = Some(EngineLoad {
+            waiting: 3,
+            running: 10,
+            kv_usage: 0.5,
+        });
+        // 8 * 3 waiting + 16 * 0.5 usage; running requests are the booking terms' business.
+        assert_eq!(engine_metrics_cost(&queued, &params), 32.0);
+        assert_eq!(engine_metrics_cost(&idle, &params), 0.0);
+        assert_eq!(cost(&queued, 16, 16, &params), 1.0 + 32.0);
+        let mut rng = StdRng::seed_from_u64(1);
+        let d = decide(&[queued, idle], 16, 16, &params, 0.0, 2, &mut rng);
+        assert_eq!(d.ranking, vec![1, 0], "the deep queue loses");
+        // Adapter fit: loaded < room < full.
+        let fits = [AdapterFit::Full, AdapterFit::Room, AdapterFit::Loaded];
+        let cs: Vec<Candidate> = fits
+            .iter()
+            .enumerate()
+            .map(|(i, &fit)| Candidate {
+                adapter: fit,
+                ..cand(i as u64, 0, 0)
+            })
+            .collect();
+        let d = decide(&cs, 16, 16, &params, 0.0, 3, &mut rng);
+        assert_eq!(d.ranking, vec![2, 1, 0]);
+        assert_eq!(d.costs, vec![65.0, 5.0, 1.0]);
     }
 
     #[test]

@@ -12,6 +12,7 @@
 //! - [`error`], [`facts`], [`request`], [`config`]: what goes in and comes out of the core.
 //! - [`catalog`]: worker specs and records, the union of sources, the reconcile diff.
 //! - [`estimate`]: the TTFT estimator the cost is calibrated by (learnt from observations).
+//! - [`engine`]: one scrape of a rank's engine metrics, as a value (the host scrapes).
 //! - [`decide`]: the pure cost function and choice.
 //! - [`session`]: the session-affinity table.
 //! - `partition`: one `(model, routing_group)` behind one lock; its `pipeline` runs the selection
@@ -24,6 +25,7 @@ pub mod catalog;
 pub mod config;
 pub mod core;
 pub mod decide;
+pub mod engine;
 pub mod error;
 pub mod estimate;
 pub mod event;
@@ -40,7 +42,10 @@ use std::net::SocketAddr;
 pub use crate::catalog::{ApplyReport, SourceName, WorkerRecord, WorkerSpec};
 pub use crate::config::{BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE};
 pub use crate::core::Core;
-pub use crate::decide::{cost, decide, overlap_score, Candidate, CostParams, Decision};
+pub use crate::decide::{
+    cost, decide, engine_metrics_cost, overlap_score, Candidate, CostParams, Decision,
+};
+pub use crate::engine::{AdapterFit, EngineLoad, EngineMetrics};
 pub use crate::error::{CatalogError, SelectError};
 pub use crate::estimate::{Coefficients, EstimatorConfig, TtftEstimator};
 pub use crate::facts::{Fact, Facts};

@@ -313,6 +313,7 @@ impl Partition {
                 events_seen: false,
                 load: RankLoad::default(),
                 remote_load: RankLoad::default(),
+                engine: None,
             });
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now.
@@ -320,6 +321,7 @@ impl Partition {
                 state.index.clear_rank(key);
                 state.engines.remove(&key);
                 slot.events_seen = false;
+                slot.engine = None;
             }
             slot.worker_name = Arc::clone(&name);
             slot.multiplexed = rank.multiplexed;
@@ -439,8 +441,19 @@ impl Partition {
         } else {
             state.index.find_matches(&prompt.seq_hashes, now)
         };
-        let candidates =
-            pipeline::candidates(slots, &eligible, &matches, &state.estimator, block_size);
+        let engine_view = pipeline::EngineView {
+            now,
+            max_age: config.engine_metrics_max_age,
+            adapter: allowed.adapter,
+        };
+        let candidates = pipeline::candidates(
+            slots,
+            &eligible,
+            &matches,
+            &state.estimator,
+            block_size,
+            &engine_view,
+        );
         let mut decision = pipeline::rank(
             &candidates,
             &prompt,
@@ -894,6 +907,17 @@ impl Partition {
                 true
             }
             Bound::Full => false,
+        }
+    }
+
+    /// Stores a rank's engine-metrics reading; false when the rank is not in the partition.
+    pub fn record_engine_metrics(&self, key: RankKey, metrics: crate::EngineMetrics) -> bool {
+        match self.state.lock().ranks.get_mut(&key) {
+            Some(slot) => {
+                slot.engine = Some(metrics);
+                true
+            }
+            None => false,
         }
     }
 

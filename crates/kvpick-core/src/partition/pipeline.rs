@@ -265,14 +265,25 @@ pub(crate) fn drop_busy(
     Ok(())
 }
 
-/// The eligible ranks with their load and the prompt's matched depths. Both `eligible` and
-/// `matches` are in rank order, so one merge pass joins them.
+/// What the candidates stage needs to read engine metrics: the time, the staleness bound and
+/// the request's adapter.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct EngineView<'a> {
+    pub now: std::time::Instant,
+    pub max_age: std::time::Duration,
+    pub adapter: Option<&'a str>,
+}
+
+/// The eligible ranks with their load, the prompt's matched depths and their fresh engine
+/// readings (a stale one counts as none). Both `eligible` and `matches` are in rank order, so
+/// one merge pass joins them.
 pub(crate) fn candidates(
     slots: &[(RankKey, Slot)],
     eligible: &[usize],
     matches: &[(RankKey, TierDepths)],
     estimator: &TtftEstimator,
     block_size: u32,
+    view: &EngineView,
 ) -> Vec<Candidate> {
     let line = estimator.coefficients();
     let fixed_blocks = line.fixed_seconds / (line.seconds_per_token * f64::from(block_size.max(1)));
@@ -289,9 +300,18 @@ pub(crate) fn candidates(
                 _ => TierDepths::default(),
             };
             let load = slot.total_load();
+            let fresh = slot
+                .engine
+                .as_ref()
+                .filter(|e| e.is_fresh(view.now, view.max_age));
             Candidate {
                 scale: estimator.rank_scale(key),
                 fixed_blocks,
+                engine: fresh.map(|e| e.load()),
+                adapter: match (fresh, view.adapter) {
+                    (Some(e), Some(adapter)) => e.adapter_fit(adapter),
+                    _ => crate::engine::AdapterFit::Unknown,
+                },
                 ..Candidate::new(*key, load, overlap)
             }
         })

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use crate::engine::EngineMetrics;
 use crate::types::{RankKey, RankLoad};
 
 #[derive(Debug)]
@@ -25,6 +26,8 @@ pub(crate) struct Slot {
     /// Load booked on this rank by other replicas of the picker, as the host last learned it
     /// ([`crate::Core::set_remote_loads`]); it counts for the decision and the busy thresholds.
     pub remote_load: RankLoad,
+    /// The last engine-metrics reading (the decision uses it only while fresh).
+    pub engine: Option<EngineMetrics>,
 }
 
 impl Slot {

@@ -79,6 +79,13 @@ pub struct SimArgs {
     /// Batches kept for replay per rank (vLLM's `buffer_steps`).
     #[arg(long, default_value_t = 10_000)]
     pub replay_buffer: usize,
+    /// LoRA adapters every worker serves besides the base model (requests may name them as
+    /// `model`); `/metrics` then exports `vllm:lora_requests_info` like vLLM with `--enable-lora`.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,...")]
+    pub lora: Vec<String>,
+    /// `max_lora` reported in `vllm:lora_requests_info` (vLLM's `--max-loras`).
+    #[arg(long, default_value_t = 4)]
+    pub max_loras: u32,
     /// Write `{"workers":[{"http":P,"ranks":[{"events":P,"replay":P}]}]}` once bound.
     #[arg(long)]
     pub port_file: Option<PathBuf>,
@@ -99,12 +106,44 @@ enum Cmd {
 struct Rank {
     cmd: mpsc::UnboundedSender<Cmd>,
     stats: Arc<Mutex<EngineStats>>,
+    /// In-flight requests per LoRA adapter (what `vllm:lora_requests_info` reports as running).
+    adapters: Arc<Mutex<std::collections::BTreeMap<String, usize>>>,
+}
+
+/// Counts one in-flight adapter request on a rank until dropped.
+struct AdapterInFlight {
+    adapters: Arc<Mutex<std::collections::BTreeMap<String, usize>>>,
+    name: String,
+}
+
+impl AdapterInFlight {
+    fn new(adapters: &Arc<Mutex<std::collections::BTreeMap<String, usize>>>, name: &str) -> Self {
+        *adapters.lock().entry(name.to_string()).or_default() += 1;
+        AdapterInFlight {
+            adapters: Arc::clone(adapters),
+            name: name.to_string(),
+        }
+    }
+}
+
+impl Drop for AdapterInFlight {
+    fn drop(&mut self) {
+        let mut adapters = self.adapters.lock();
+        if let Some(n) = adapters.get_mut(&self.name) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                adapters.remove(&self.name);
+            }
+        }
+    }
 }
 
 struct Worker {
     index: usize,
     stream_interval: u32,
     model: String,
+    lora: Vec<String>,
+    max_loras: u32,
     config: EngineConfig,
     ranks: Vec<Rank>,
     next_rank: AtomicUsize,
@@ -202,12 +241,18 @@ pub async fn start(args: &SimArgs) -> anyhow::Result<Fleet> {
                 events_tx,
                 args.speedup,
             )));
-            ranks.push(Rank { cmd: cmd_tx, stats });
+            ranks.push(Rank {
+                cmd: cmd_tx,
+                stats,
+                adapters: Arc::default(),
+            });
         }
         let worker = Arc::new(Worker {
             index: w,
             stream_interval: args.stream_interval.max(1),
             model: args.model.clone(),
+            lora: args.lora.clone(),
+            max_loras: args.max_loras,
             config: config.clone(),
             ranks,
             next_rank: AtomicUsize::new(0),
@@ -505,7 +550,7 @@ fn parse(worker: &Worker, body: &[u8], chat: bool) -> Result<Parsed, (StatusCode
         .and_then(Value::as_str)
         .unwrap_or(&worker.model)
         .to_string();
-    if model != worker.model {
+    if model != worker.model && !worker.lora.contains(&model) {
         return Err((
             StatusCode::NOT_FOUND,
             format!("The model `{model}` does not exist."),
@@ -564,6 +609,8 @@ struct AbortGuard {
     cmd: mpsc::UnboundedSender<Cmd>,
     id: u64,
     done: bool,
+    /// An adapter request counts as running on its rank as long as the request lives.
+    _adapter: Option<AdapterInFlight>,
 }
 
 impl Drop for AbortGuard {
@@ -644,6 +691,8 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
         cmd,
         id,
         done: false,
+        _adapter: (parsed.model != worker.model)
+            .then(|| AdapterInFlight::new(&worker.ranks[rank].adapters, &parsed.model)),
     };
     let created = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -793,8 +842,22 @@ async fn models(State(worker): State<Arc<Worker>>) -> Response {
         .into_response()
 }
 
-/// `vllm:*` metrics, one sample per rank (`engine` label), like a vLLM DP deployment.
-pub fn metrics_text(model: &str, config: &EngineConfig, ranks: &[EngineStats]) -> String {
+/// LoRA state of one rank for `vllm:lora_requests_info`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoraInfo {
+    pub max_loras: u32,
+    /// Adapters with in-flight requests, sorted.
+    pub running: Vec<String>,
+}
+
+/// `vllm:*` metrics, one sample per rank (`engine` label), like a vLLM DP deployment; with
+/// `lora` (one per rank), also `vllm:lora_requests_info` (value: the Unix time, as vLLM does).
+pub fn metrics_text(
+    model: &str,
+    config: &EngineConfig,
+    ranks: &[EngineStats],
+    lora: Option<&[LoraInfo]>,
+) -> String {
     let mut s = String::new();
     let mut family =
         |name: &str, kind: &str, help: &str, value: &dyn Fn(&EngineStats) -> String| {
@@ -848,15 +911,41 @@ pub fn metrics_text(model: &str, config: &EngineConfig, ranks: &[EngineStats]) -
          vllm:cache_config_info{{block_size=\"{}\",enable_prefix_caching=\"True\",num_gpu_blocks=\"{}\",model_name=\"{model}\"}} 1.0\n",
         config.block_size, config.num_gpu_blocks
     ));
+    if let Some(lora) = lora {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        s.push_str(
+            "# HELP vllm:lora_requests_info Running stats on lora requests.\n\
+             # TYPE vllm:lora_requests_info gauge\n",
+        );
+        for (i, info) in lora.iter().enumerate() {
+            s.push_str(&format!(
+                "vllm:lora_requests_info{{engine=\"{i}\",max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"\"}} {now}\n",
+                info.max_loras,
+                info.running.join(",")
+            ));
+        }
+    }
     s
 }
 
 async fn metrics(State(worker): State<Arc<Worker>>) -> Response {
     let stats: Vec<EngineStats> = worker.ranks.iter().map(|r| *r.stats.lock()).collect();
+    let lora: Option<Vec<LoraInfo>> = (!worker.lora.is_empty()).then(|| {
+        worker
+            .ranks
+            .iter()
+            .map(|r| LoraInfo {
+                max_loras: worker.max_loras,
+                running: r.adapters.lock().keys().cloned().collect(),
+            })
+            .collect()
+    });
     (
         StatusCode::OK,
         [("content-type", "text/plain; version=0.0.4")],
-        metrics_text(&worker.model, &worker.config, &stats),
+        metrics_text(&worker.model, &worker.config, &stats, lora.as_deref()),
     )
         .into_response()
 }

@@ -22,6 +22,7 @@ fn slot(port: u16) -> Slot {
         events_seen: false,
         load: RankLoad::default(),
         remote_load: RankLoad::default(),
+        engine: None,
     }
 }
 
@@ -286,8 +287,13 @@ fn candidates_join_eligible_ranks_with_their_matches() {
         (key(3, 0), depth(2)),
         (key(4, 1), depth(9)),
     ];
+    let view = EngineView {
+        now: std::time::Instant::now(),
+        max_age: std::time::Duration::from_secs(1),
+        adapter: None,
+    };
     let estimator = crate::estimate::TtftEstimator::default();
-    let got = candidates(&table, &[1, 2, 4], &matches, &estimator, 16);
+    let got = candidates(&table, &[1, 2, 4], &matches, &estimator, 16, &view);
     let summary: Vec<(RankKey, u32, u64, u64)> = got
         .iter()
         .map(|c| (c.key, c.overlap.gpu, c.active_requests, c.stalled_requests))
@@ -322,6 +328,11 @@ fn remote_load_adds_to_local_load_for_candidates_and_busy_thresholds() {
         &[],
         &crate::estimate::TtftEstimator::default(),
         16,
+        &EngineView {
+            now: std::time::Instant::now(),
+            max_age: std::time::Duration::from_secs(1),
+            adapter: None,
+        },
     );
     let summary: Vec<(u64, u64, u64)> = got
         .iter()
@@ -358,6 +369,49 @@ fn cands(keys: &[RankKey]) -> Vec<Candidate> {
     keys.iter()
         .map(|&key| Candidate::new(key, RankLoad::default(), TierDepths::default()))
         .collect()
+}
+
+#[test]
+fn candidates_carry_only_fresh_engine_readings_and_the_adapter_fit() {
+    use crate::engine::{AdapterFit, EngineMetrics};
+    use std::time::{Duration, Instant};
+    let now = Instant::now();
+    let max_age = Duration::from_millis(500);
+    let reading = |waiting: u64, at: Instant, adapters: &[&str]| EngineMetrics {
+        waiting,
+        running: 1,
+        kv_usage: 0.25,
+        adapters: adapters.iter().map(|a| a.to_string()).collect(),
+        max_adapters: Some(1),
+        at,
+    };
+    let mut table = slots();
+    table[0].1.engine = Some(reading(7, now, &["sql"]));
+    table[1].1.engine = Some(reading(9, now - Duration::from_secs(2), &["sql"]));
+    table[2].1.engine = Some(reading(0, now, &["chat"]));
+    let view = EngineView {
+        now,
+        max_age,
+        adapter: Some("sql"),
+    };
+    let estimator = crate::estimate::TtftEstimator::default();
+    let got = candidates(&table, &[0, 1, 2, 3], &[], &estimator, 16, &view);
+    let summary: Vec<(Option<u64>, AdapterFit)> = got
+        .iter()
+        .map(|c| (c.engine.map(|e| e.waiting), c.adapter))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (Some(7), AdapterFit::Loaded),
+            // Stale: neither its queue nor its adapters count.
+            (None, AdapterFit::Unknown),
+            // At max_lora = 1 with another adapter.
+            (Some(0), AdapterFit::Full),
+            // Never scraped.
+            (None, AdapterFit::Unknown),
+        ]
+    );
 }
 
 #[test]
