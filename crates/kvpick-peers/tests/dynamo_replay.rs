@@ -3,6 +3,8 @@
 //! lifecycle, and a replay with it is complete and deterministic.
 //! Run: `cargo test --manifest-path crates/kvpick-peers/Cargo.toml`.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is a failure report
+
 use kvpick_core::event::{KvEvent, Medium};
 use kvpick_peers::dynamo::DynamoRouter;
 use kvpick_sim::replay::policy::{FleetView, PickRequest, Policy, PolicyOptions};
