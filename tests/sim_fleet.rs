@@ -151,6 +151,22 @@ async fn openai_endpoints_usage_and_metrics() {
     assert_eq!(status, 200);
     assert!(body.contains("kvpick-sim"));
     assert_eq!(http(port, "GET", "/health", &[], "").await.0, 200);
+    // What sglang-router reads to register a worker (new and `get_` names).
+    for path in [
+        "/server_info",
+        "/get_server_info",
+        "/model_info",
+        "/get_model_info",
+    ] {
+        let (status, _, body) = http(port, "GET", path, &[], "").await;
+        assert_eq!(status, 200, "{path}");
+        let info: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(info["served_model_name"], "kvpick-sim", "{path}: {body}");
+        assert!(
+            info.get("model_path").is_none(),
+            "{path}: no tokenizer to load"
+        );
+    }
     let (_, _, metrics) = http(port, "GET", "/metrics", &[], "").await;
     for name in [
         "vllm:num_requests_running{",

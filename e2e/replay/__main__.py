@@ -1,5 +1,6 @@
-"""``python e2e/replay --trace FILE``: the same trace through Envoy round-robin and through
-Envoy + kvpick, each on a fresh ``kvpick sim`` fleet; prints the side-by-side table."""
+"""``python e2e/replay --trace FILE``: the same trace through Envoy round-robin, Envoy + kvpick
+and (``--policy ...,sglang-router``) SGLang's router, each on a fresh ``kvpick sim`` fleet; prints the
+side-by-side table."""
 
 from __future__ import annotations
 
@@ -24,7 +25,11 @@ def main() -> int:
                     help="divide inter-arrival times (1.15 loads 4 default workers to ~80%%)")
     ap.add_argument("--sim-speedup", type=float, default=2.0,
                     help="kvpick sim --speedup (arrivals are compressed by the same factor)")
-    ap.add_argument("--policy", default="envoy-round-robin,kvpick")
+    ap.add_argument("--policy", default="envoy-round-robin,kvpick",
+                    help="comma-separated: envoy-round-robin, kvpick, sglang-router")
+    ap.add_argument("--prompt-form", choices=online.PROMPT_FORMS, default=None,
+                    help="token ids or the trace's text form (default: text when sglang-router "
+                         "runs, since it takes text only; every policy gets the same prompts)")
     ap.add_argument("--report", help="write the JSON report here")
     ap.add_argument("--kvpick-arg", action="append", default=[], help="extra `kvpick serve` flag")
     ap.add_argument("--sim-arg", action="append", default=[], help="extra `kvpick sim` flag")
@@ -34,7 +39,8 @@ def main() -> int:
                                    arrival_speedup=args.arrival_speedup,
                                    sim_speedup=args.sim_speedup, sim_args=args.sim_arg,
                                    kvpick_args=args.kvpick_arg,
-                                   policies=tuple(args.policy.split(",")))
+                                   policies=tuple(args.policy.split(",")),
+                                   prompt_form=args.prompt_form)
     finally:
         online.harness.stop_all()
     print()

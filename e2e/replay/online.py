@@ -1,15 +1,21 @@
-"""Online replay: a Mooncake trace through a real Envoy to ``kvpick sim``, twice on a fresh (cold)
-simulated fleet each time:
+"""Online replay: a Mooncake trace through real routers to ``kvpick sim``, each policy on a fresh
+(cold) simulated fleet:
 
 * ``envoy-round-robin``: Envoy's own ``ROUND_ROBIN`` cluster over the sim workers, no ext_proc (a
   plain Kubernetes Service / gateway without an endpoint picker);
 * ``kvpick``: Envoy with the ext_proc filter and kvpick (precise mode: it subscribes to the sim's
-  KV events), routing through the ``ORIGINAL_DST`` cluster (e2e/envoy.yaml).
+  KV events), routing through the ``ORIGINAL_DST`` cluster (e2e/envoy.yaml);
+* ``sglang-router``: SGLang's own router (PyPI ``sglang-router``, pinned in e2e/requirements.txt)
+  with ``--policy cache_aware`` and its defaults, in front of the same fleet.
 
-Each request is ``POST /v1/completions`` with the synthesized token ids (``mooncake.py``) as
-``prompt``, ``max_tokens = output_length``, streamed with ``include_usage``. The table comes from
-client-side timings and the ``usage`` fields only. Times are reported in *model time* (wall time
-multiplied by the sim's ``--speedup``), so they compare with ``kvpick replay``'s virtual-time table.
+Each request is ``POST /v1/completions`` with ``max_tokens = output_length``, streamed with
+``include_usage``. The prompt is the synthesized token ids (``mooncake.py``), or, in the *text form*
+(``prompt_form="text"``, required by ``sglang-router``, which takes only text), the trace's
+deterministic text (``mooncake.synthesize_text``: one sim token per 4-byte word); every policy of a run
+gets the same prompts, and kvpick gets the sim's tokenizer (``--tokenizer-config``) so it still hashes
+the engine's token ids. The table comes from client-side timings and the ``usage`` fields only.
+Times are reported in *model time* (wall time multiplied by the sim's ``--speedup``), so they compare
+with ``kvpick replay``'s virtual-time table.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -56,15 +63,24 @@ class Result:
 class Prepared:
     index: int
     at: float  # wall seconds after the start
-    tokens: list[int]
+    prompt: list[int] | str  # token ids, or the text form
+    prompt_tokens: int
     max_tokens: int
 
 
+PROMPT_FORMS = ("tokens", "text")
+# Policies that cannot take token-id prompts.
+TEXT_ONLY = ("sglang-router",)
+
+
 def prepare(records: list[mooncake.Record], arrival_speedup: float,
-            sim_speedup: float) -> list[Prepared]:
+            sim_speedup: float, prompt_form: str = "tokens") -> list[Prepared]:
+    if prompt_form not in PROMPT_FORMS:
+        raise ValueError(f"prompt form {prompt_form!r} is not one of {PROMPT_FORMS}")
+    synth = mooncake.synthesize_text if prompt_form == "text" else mooncake.synthesize
     base = min(r.timestamp for r in records)
     return [Prepared(i, (r.timestamp - base) / 1000.0 / arrival_speedup / sim_speedup,
-                     mooncake.synthesize(r), max(1, r.output_length))
+                     synth(r), r.input_length, max(1, r.output_length))
             for i, r in enumerate(records)]
 
 
@@ -72,7 +88,7 @@ async def _one(client: httpx.AsyncClient, url: str, req: Prepared, t0: float) ->
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, t0 + req.at - loop.time()))
     start = loop.time()
-    body = {"model": MODEL, "prompt": req.tokens, "max_tokens": req.max_tokens, "stream": True,
+    body = {"model": MODEL, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     first = None
     usage: dict[str, Any] = {}
@@ -82,8 +98,8 @@ async def _one(client: httpx.AsyncClient, url: str, req: Prepared, t0: float) ->
             worker = resp.headers.get("x-sim-worker")
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
-                return Result(req.index, worker, resp.status_code, None, None, len(req.tokens), 0,
-                              0, text[:200])
+                return Result(req.index, worker, resp.status_code, None, None, req.prompt_tokens,
+                              0, 0, text[:200])
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -96,11 +112,11 @@ async def _one(client: httpx.AsyncClient, url: str, req: Prepared, t0: float) ->
                 if obj.get("usage"):
                     usage = obj["usage"]
     except httpx.HTTPError as exc:
-        return Result(req.index, worker, 0, None, None, len(req.tokens), 0, 0, repr(exc))
+        return Result(req.index, worker, 0, None, None, req.prompt_tokens, 0, 0, repr(exc))
     end = loop.time()
     details = usage.get("prompt_tokens_details") or {}
     return Result(req.index, worker, 200, None if first is None else first - start, end - start,
-                  int(usage.get("prompt_tokens", len(req.tokens))),
+                  int(usage.get("prompt_tokens", req.prompt_tokens)),
                   int(details.get("cached_tokens", 0)), int(usage.get("completion_tokens", 0)))
 
 
@@ -174,11 +190,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"{p['e2e_ms']['p99']:.0f} | {p['errors']} | "
             f"{'/'.join(str(n) for n in p['per_worker_requests'])} |")
     pols = {p["policy"]: p for p in report["policies"]}
-    rr, kv = pols.get("envoy-round-robin"), pols.get("kvpick")
-    if rr and kv and kv["ttft_ms"]["mean"] > 0:
-        lines.append("")
-        lines.append(f"kvpick vs Envoy round-robin: mean TTFT {rr['ttft_ms']['mean'] / kv['ttft_ms']['mean']:.1f}x "
-                     f"lower, KV hit rate {kv['kv_hit_rate'] * 100:.1f}% vs {rr['kv_hit_rate'] * 100:.1f}%")
+    kv = pols.get("kvpick")
+    for other in ("envoy-round-robin", "sglang-router"):
+        peer = pols.get(other)
+        if peer and kv and kv["ttft_ms"]["mean"] > 0:
+            lines.append("")
+            lines.append(f"kvpick vs {other}: mean TTFT "
+                         f"{peer['ttft_ms']['mean'] / kv['ttft_ms']['mean']:.1f}x lower, KV hit rate "
+                         f"{kv['kv_hit_rate'] * 100:.1f}% vs {peer['kv_hit_rate'] * 100:.1f}%")
     return "\n".join(lines) + "\n"
 
 
@@ -248,34 +267,96 @@ def round_robin_envoy(ports: list[int]) -> harness.Envoy:
     return harness.Envoy(kvpick_port=1, secure=False, config=cfg).start()
 
 
+def _free_port() -> int:
+    """A loopback port free right now, for a process that cannot bind port 0 and report it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class SglangRouter:
+    """SGLang's router (``sglang-router``, ``--policy cache_aware``, its defaults otherwise) in front
+    of ``worker_ports``; ready once it lists every worker healthy."""
+
+    def __init__(self, worker_ports: list[int], policy: str = "cache_aware") -> None:
+        self.workdir = harness.new_workdir("sglang-router")
+        self.port = _free_port()
+        self.worker_ports = worker_ports
+        argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                "--port", str(self.port), "--prometheus-host", "127.0.0.1",
+                "--prometheus-port", str(_free_port()), "--policy", policy, "--worker-urls",
+                *[f"http://127.0.0.1:{p}" for p in worker_ports]]
+        self.process = harness.ManagedProcess("sglang-router", argv, self.workdir / "router.log")
+
+    def start(self, timeout: float = 60.0) -> "SglangRouter":
+        self.process.start()
+
+        def ready():
+            self.process.check_alive()
+            try:
+                status, body = harness.http_get(self.url() + "/workers", timeout=2.0)
+            except OSError:
+                return None
+            if status != 200:
+                return None
+            listed = json.loads(body).get("workers", [])
+            healthy = [w for w in listed if w.get("is_healthy")]
+            return True if len(healthy) == len(self.worker_ports) else None
+
+        harness.wait_until(ready, timeout, desc="sglang-router lists every sim worker healthy")
+        return self
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.process.stop()
+
+
 def run_online(trace: Path | str, *, limit: int | None, workers: int, arrival_speedup: float,
                sim_speedup: float, sim_args: list[str] | None = None,
                kvpick_args: list[str] | None = None, policies: tuple[str, ...] = ("envoy-round-robin", "kvpick"),
+               prompt_form: str | None = None,
                progress: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """``prompt_form`` defaults to ``"text"`` when a policy takes only text, else ``"tokens"``."""
+    if prompt_form is None:
+        prompt_form = "text" if any(p in TEXT_ONLY for p in policies) else "tokens"
+    if prompt_form == "tokens" and any(p in TEXT_ONLY for p in policies):
+        raise ValueError(f"{', '.join(p for p in policies if p in TEXT_ONLY)} takes text prompts "
+                         "only: use the text form")
     mooncake.self_check()
+    mooncake.text_self_check()
     records = mooncake.load(trace, limit)
     if progress:
-        progress(f"synthesizing {len(records)} prompts from {trace} ...")
-    requests = prepare(records, arrival_speedup, sim_speedup)
+        progress(f"synthesizing {len(records)} {prompt_form} prompts from {trace} ...")
+    requests = prepare(records, arrival_speedup, sim_speedup, prompt_form)
     sim_extra = ["--stream-interval", "8"] + list(sim_args or [])
+    kvpick_extra = list(kvpick_args or [])
+    if prompt_form == "text":
+        # kvpick gets the engine's tokenizer, as in a real deployment.
+        config = mooncake.write_text_tokenizer(harness.new_workdir("text-form"), MODEL)
+        kvpick_extra = ["--tokenizer-config", str(config)] + kvpick_extra
     report: dict[str, Any] = {"trace": str(trace), "requests": len(requests), "workers": workers,
                               "arrival_speedup": arrival_speedup, "sim_speedup": sim_speedup,
-                              "policies": []}
+                              "prompt_form": prompt_form, "policies": []}
     for policy in policies:
         sim = Sim(workers, sim_speedup, sim_extra).start()
-        stack = envoy = None
+        stack = envoy = router = None
         try:
             if policy == "envoy-round-robin":
                 envoy = round_robin_envoy(sim.http_ports())
                 url = envoy.url()
             elif policy == "kvpick":
                 stack = harness.Stack(sim.catalog(), secure=False, name="replay",
-                                      extra_args=list(kvpick_args or [])).start()
+                                      extra_args=kvpick_extra).start()
                 url = stack.url()
+            elif policy == "sglang-router":
+                router = SglangRouter(sim.http_ports()).start()
+                url = router.url()
             else:
                 raise ValueError(f"unknown online policy {policy!r}")
             if progress:
-                progress(f"{policy}: replaying {len(requests)} requests through Envoy "
+                progress(f"{policy}: replaying {len(requests)} requests "
                          f"({requests[-1].at:.0f}s of arrivals) ...")
             results, wall = asyncio.run(replay(url, requests, policy, progress))
             row = summarize(policy, results, workers, sim_speedup)
@@ -286,5 +367,7 @@ def run_online(trace: Path | str, *, limit: int | None, workers: int, arrival_sp
                 envoy.stop()
             if stack is not None:
                 stack.stop()
+            if router is not None:
+                router.stop()
             sim.stop()
     return report

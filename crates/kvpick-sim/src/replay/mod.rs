@@ -458,10 +458,26 @@ pub fn run_policies(
     config: &EngineConfig,
     options: &policy::PolicyOptions,
 ) -> anyhow::Result<Vec<PolicyReport>> {
+    run_policies_with(requests, names, workers, config, options, &|_, _, _| None)
+}
+
+/// [`run_policies`], where `peers` builds the names it knows (the peer routers of
+/// `crates/kvpick-peers`) and every other name is one of [`policy::ALL`].
+pub fn run_policies_with(
+    requests: &[Prepared],
+    names: &[String],
+    workers: usize,
+    config: &EngineConfig,
+    options: &policy::PolicyOptions,
+    peers: policy::PeerBuilder,
+) -> anyhow::Result<Vec<PolicyReport>> {
     anyhow::ensure!(workers > 0, "--workers must be at least 1");
     let mut out = Vec::new();
     for name in names {
-        let mut policy = policy::build(name, workers, options)?;
+        let mut policy = match peers(name, workers, options) {
+            Some(built) => built?,
+            None => policy::build(name, workers, options)?,
+        };
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_time()
             .start_paused(true)
@@ -473,6 +489,11 @@ pub fn run_policies(
 }
 
 pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
+    build_report_with(args, &|_, _, _| None)
+}
+
+/// [`build_report`] with peer policies (see [`run_policies_with`]).
+pub fn build_report_with(args: &ReplayArgs, peers: policy::PeerBuilder) -> anyhow::Result<Report> {
     anyhow::ensure!(
         args.arrival_speedup.is_finite() && args.arrival_speedup > 0.0,
         "--arrival-speedup must be > 0"
@@ -524,7 +545,14 @@ pub fn build_report(args: &ReplayArgs) -> anyhow::Result<Report> {
             ..Default::default()
         },
     };
-    let policies = run_policies(&requests, &args.policy, args.workers, &config, &options)?;
+    let policies = run_policies_with(
+        &requests,
+        &args.policy,
+        args.workers,
+        &config,
+        &options,
+        peers,
+    )?;
     Ok(Report {
         trace: args.trace.display().to_string(),
         requests: requests.len(),
@@ -604,7 +632,12 @@ pub fn markdown(report: &Report) -> String {
 
 /// `kvpick replay`.
 pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
-    let report = build_report(&args)?;
+    run_with(args, &|_, _, _| None)
+}
+
+/// `kvpick replay` with peer policies (`kvpick-peers replay`).
+pub fn run_with(args: ReplayArgs, peers: policy::PeerBuilder) -> anyhow::Result<()> {
+    let report = build_report_with(&args, peers)?;
     print!("{}", markdown(&report));
     if let Some(path) = &args.report {
         let json = serde_json::to_string_pretty(&report)?;

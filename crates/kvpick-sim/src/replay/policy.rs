@@ -149,10 +149,26 @@ impl PolicyOptions {
     }
 }
 
+/// Policies that drive a real peer router's own code. They are built by the separate
+/// `crates/kvpick-peers` workspace (their crates pin dependency versions, e.g. an exact tokio, that
+/// must not reach kvpick's own build), which passes them to the replay through
+/// [`super::build_report_with`].
+pub const PEERS: [&str; 1] = ["dynamo"];
+
+/// Builds a peer policy by name, or `None` when the name is not one it knows.
+pub type PeerBuilder<'a> =
+    &'a dyn Fn(&str, usize, &PolicyOptions) -> Option<anyhow::Result<Box<dyn Policy>>>;
+
 /// Builds a policy by name for a fleet of `ranks`.
 pub fn build(name: &str, ranks: usize, options: &PolicyOptions) -> anyhow::Result<Box<dyn Policy>> {
     let seed = options.seed;
     Ok(match name {
+        peer if PEERS.contains(&peer) => anyhow::bail!(
+            "policy {peer:?} runs NVIDIA Dynamo's own router crates, which the kvpick binary does \
+             not link; run it from the kvpick-peers crate instead: `cargo run --release \
+             --manifest-path crates/kvpick-peers/Cargo.toml -- replay --policy {peer},...` \
+             (same flags as `kvpick replay`)"
+        ),
         "kvpick" => Box::new(Kvpick::new(ranks, options)),
         "round-robin" => Box::new(RoundRobin { n: ranks, next: 0 }),
         "random" => Box::new(Random {
@@ -162,7 +178,11 @@ pub fn build(name: &str, ranks: usize, options: &PolicyOptions) -> anyhow::Resul
         "least-loaded" => Box::new(LeastLoaded::new(ranks)),
         "gie-default" => Box::new(GieDefault::new(ranks, seed)),
         "sglang-cache-aware" => Box::new(SglangCacheAware::new(ranks)),
-        other => anyhow::bail!("unknown policy {other:?} (known: {})", ALL.join(", ")),
+        other => anyhow::bail!(
+            "unknown policy {other:?} (known: {}; with crates/kvpick-peers also: {})",
+            ALL.join(", "),
+            PEERS.join(", ")
+        ),
     })
 }
 

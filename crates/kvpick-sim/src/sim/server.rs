@@ -482,6 +482,12 @@ fn router(worker: Arc<Worker>) -> Router {
         .route("/v1/models", get(models))
         .route("/health", get(|| async { StatusCode::OK }))
         .route("/metrics", get(metrics))
+        // What SGLang's router (sglang-router / smg 0.3.x) reads when it registers a worker; it
+        // tries the new names first and falls back to the `get_` ones.
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .route("/model_info", get(model_info))
+        .route("/get_model_info", get(model_info))
         .with_state(worker)
 }
 
@@ -740,6 +746,7 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
             [
                 ("content-type", "application/json".to_string()),
                 rank_header,
+                worker_header,
             ],
             body.to_string(),
         )
@@ -827,6 +834,36 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
             worker_header,
         ],
         Body::from_stream(stream),
+    )
+        .into_response()
+}
+
+/// SGLang's `/server_info`: the served model and the cache geometry. No `model_path` or
+/// `tokenizer_path`: the router would try to load a tokenizer from it, and text routing
+/// (`cache_aware`) needs none.
+async fn server_info(State(worker): State<Arc<Worker>>) -> Response {
+    let c = &worker.config;
+    let body = json!({"served_model_name": worker.model, "dp_size": worker.ranks.len(),
+        "page_size": c.block_size, "max_total_num_tokens": c.num_gpu_blocks * c.block_size,
+        "max_running_requests": c.max_num_seqs, "chunked_prefill_size": c.max_num_batched_tokens,
+        "version": concat!("kvpick-sim ", env!("CARGO_PKG_VERSION"))});
+    (
+        StatusCode::OK,
+        [("content-type", "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+/// SGLang's `/model_info` (see [`server_info`] for why no paths).
+async fn model_info(State(worker): State<Arc<Worker>>) -> Response {
+    let body = json!({"served_model_name": worker.model, "is_generation": true,
+        "max_context_length": worker.config.num_gpu_blocks * worker.config.block_size,
+        "preferred_sampling_params": null});
+    (
+        StatusCode::OK,
+        [("content-type", "application/json")],
+        body.to_string(),
     )
         .into_response()
 }

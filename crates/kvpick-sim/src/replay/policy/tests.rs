@@ -149,3 +149,20 @@ fn kvpick_uses_announced_blocks_and_its_own_bookings() {
 fn unknown_policy_is_refused() {
     assert!(build("fastest", 2, &PolicyOptions::new(16, 0)).is_err());
 }
+
+#[test]
+fn a_peer_policy_without_the_peers_crate_says_where_it_lives() {
+    let err = build("dynamo", 2, &PolicyOptions::new(16, 1))
+        .err()
+        .expect("dynamo is not linked into kvpick")
+        .to_string();
+    assert!(
+        err.contains("crates/kvpick-peers") && err.contains("replay --policy dynamo"),
+        "{err}"
+    );
+    let unknown = build("nope", 2, &PolicyOptions::new(16, 1))
+        .err()
+        .expect("unknown")
+        .to_string();
+    assert!(unknown.contains("dynamo"), "{unknown}");
+}
