@@ -262,6 +262,9 @@ def main() -> int:
     ap.add_argument("--bin", default=os.environ.get("KVPICK_BIN",
                                                     str(ROOT / "target/release/kvpick")))
     ap.add_argument("--out", default=str(ROOT / "target/matrix"))
+    ap.add_argument("--replay-bin", default=None,
+                    help="binary for the replays (default --bin), e.g. crates/kvpick-peers/target/"
+                         "release/kvpick-peers to add the dynamo peer; --bin still writes the traces")
     ap.add_argument("--jobs", type=int, default=2, help="replay processes at once")
     ap.add_argument("--families", default=",".join(FAMILIES))
     ap.add_argument("--loads", default=",".join(str(l) for l in LOADS))
@@ -300,7 +303,8 @@ def main() -> int:
             run([binary, "workload", "--family", fam, "--seed", str(seed), "--requests",
                  str(sizes[fam]), "--out", str(path), "--stats", str(work / f"{fam}-{seed}.stats.json")])
             traces[(fam, seed)] = path
-    policies = policies_of(binary, next(iter(traces.values())), work)
+    replay_bin = args.replay_bin or binary
+    policies = policies_of(replay_bin, next(iter(traces.values())), work)
     print(f"matrix: policies {', '.join(policies)}; {len(families)} families x {len(loads)} loads "
           f"x {len(seeds)} seeds", flush=True)
 
@@ -309,14 +313,14 @@ def main() -> int:
         for load in loads:
             report = work / f"{fam}-{seed}-{load}.json"
             jobs.append((("cell", fam, load, seed), [
-                binary, "replay", "--trace", str(path), "--workers", str(WORKERS), "--seed",
+                replay_bin, "replay", "--trace", str(path), "--workers", str(WORKERS), "--seed",
                 str(seed), "--offered-load", str(load), "--policy", ",".join(policies),
                 "--report", str(report)], report))
         if not args.no_sensitivity and SENSITIVITY_LOAD in loads:
             for flag, value in sensitivity_values():
                 report = work / f"{fam}-{seed}-sens{flag}={value}.json"
                 jobs.append((("sens", fam, flag, value, seed), [
-                    binary, "replay", "--trace", str(path), "--workers", str(WORKERS), "--seed",
+                    replay_bin, "replay", "--trace", str(path), "--workers", str(WORKERS), "--seed",
                     str(seed), "--offered-load", str(SENSITIVITY_LOAD), "--policy", "kvpick",
                     flag, str(value), "--report", str(report)], report))
 

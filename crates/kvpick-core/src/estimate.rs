@@ -30,6 +30,11 @@ use crate::types::RankKey;
 /// make a rank look 100x slower for the next thousand picks.
 pub const MAX_SCALE: f64 = 4.0;
 
+/// A rank within this fraction of the median rank's speed has scale exactly 1: timing noise must
+/// not turn ties between equal ranks (broken uniformly at random) into a fixed preference for
+/// whichever rank happened to answer a little faster.
+pub const SCALE_DEADBAND: f64 = 0.15;
+
 /// Estimator settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct EstimatorConfig {
@@ -156,7 +161,11 @@ impl TtftEstimator {
         let Some(ratio) = self.ranks.get(key).and_then(|r| self.ratio(r)) else {
             return 1.0;
         };
-        (ratio / self.median_ratio).clamp(1.0 / MAX_SCALE, MAX_SCALE)
+        let scale = ratio / self.median_ratio;
+        if (scale - 1.0).abs() <= SCALE_DEADBAND {
+            return 1.0;
+        }
+        scale.clamp(1.0 / MAX_SCALE, MAX_SCALE)
     }
 
     fn ratio(&self, r: &RankSums) -> Option<f64> {
@@ -285,10 +294,9 @@ mod tests {
         let c = e.coefficients();
         assert!((c.seconds_per_token - 100e-6).abs() < 1e-7, "{c:?}");
         assert!((c.fixed_seconds - 0.010).abs() < 1e-3, "{c:?}");
-        // Homogeneous ranks keep scale ~1 once the line has converged.
+        // Homogeneous ranks keep scale 1 once the line has converged (within the deadband).
         for w in 0..4 {
-            let s = e.rank_scale(&rank(w));
-            assert!((s - 1.0).abs() < 0.1, "rank {w}: {s}");
+            assert_eq!(e.rank_scale(&rank(w)), 1.0, "rank {w}");
         }
         let p = e.predict(&rank(0), 5000.0);
         assert!((p - 0.51).abs() < 0.03, "{p}");
@@ -307,6 +315,21 @@ mod tests {
         let fast = e.rank_scale(&rank(0));
         assert!(slow > 1.5 * fast, "slow {slow} fast {fast}");
         assert!(e.predict(&rank(3), 4000.0) > 1.5 * e.predict(&rank(0), 4000.0));
+    }
+
+    #[test]
+    fn ranks_within_the_deadband_keep_scale_one() {
+        // Two ranks 8% apart (rank 2 slower) whose first tokens also jitter by ±5%.
+        let mut e = TtftEstimator::default();
+        for i in 0..1000u32 {
+            let t = f64::from(200 + i * 31 % 4000);
+            let w = u64::from(i % 2) + 1;
+            let jitter = if i % 3 == 0 { 1.05 } else { 0.95 };
+            let speed = if w == 2 { 1.08 } else { 1.0 };
+            e.observe(rank(w), t, speed * jitter * (0.01 + 50e-6 * t));
+        }
+        assert_eq!(e.rank_scale(&rank(1)), 1.0);
+        assert_eq!(e.rank_scale(&rank(2)), 1.0);
     }
 
     #[test]
