@@ -9,9 +9,9 @@
 //! - [`event`]: KV block events as values (the wire decoder in the `kvpick` crate makes them).
 //! - [`hash`]: block hashes (`xxh3`, chained per prefix).
 //! - [`index`]: which ranks hold which blocks, per tier; longest-prefix matches.
+//! - [`estimate`]: the TTFT estimator the cost is calibrated by (learnt from observations).
 //! - [`error`], [`facts`], [`request`], [`config`]: what goes in and comes out of the core.
 //! - [`catalog`]: worker specs and records, the union of sources, the reconcile diff.
-//! - [`estimate`]: the TTFT estimator the cost is calibrated by (learnt from observations).
 //! - [`engine`]: one scrape of a rank's engine metrics, as a value (the host scrapes).
 //! - [`decide`]: the pure cost function and choice.
 //! - [`session`]: the session-affinity table.
