@@ -152,15 +152,31 @@ pub fn overlap_score(depths: TierDepths, params: &CostParams) -> f64 {
     gpu + params.host_tier_weight * host_only + params.disk_tier_weight * disk_only
 }
 
-/// The request's own uncached prefill on the candidate, in blocks.
-pub fn own_uncached_blocks(
-    c: &Candidate,
-    prompt_tokens: u64,
-    block_size: u32,
-    params: &CostParams,
-) -> f64 {
-    let own = prompt_tokens as f64 / f64::from(block_size.max(1));
-    (own - params.overlap_score_credit * overlap_score(c.overlap, params)).max(0.0)
+/// A candidate's terms, computed once per decision: its own predicted TTFT, its own uncached
+/// prefill, and its cost (which contains both).
+struct Terms {
+    /// `scale * (fixed + prefill_load_scale * ttft_blocks)`, blocks at the partition's speed.
+    ttft: f64,
+    /// The request's own uncached prefill, blocks.
+    own: f64,
+    cost: f64,
+}
+
+fn terms(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> Terms {
+    let block = f64::from(block_size.max(1));
+    let cached = params.overlap_score_credit * overlap_score(c.overlap, params);
+    let own = (prompt_tokens as f64 / block - cached).max(0.0);
+    let waited = ((c.active_prefill_tokens + prompt_tokens) as f64 / block - cached).max(0.0);
+    let ttft = c.fixed_blocks + params.prefill_load_scale * waited;
+    let stall = params.stall_weight * c.stalled_requests as f64 * own;
+    Terms {
+        ttft: c.scale * ttft,
+        own,
+        cost: c.scale * (ttft + stall)
+            + params.decode_block_weight * c.active_decode_blocks as f64
+            + params.decode_active_request_weight * c.active_requests as f64
+            + engine_metrics_cost(c, params),
+    }
 }
 
 /// Prefill blocks the request waits for on the candidate: the queue plus its own uncached part.
@@ -170,27 +186,12 @@ pub fn ttft_blocks(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &
     (prefill_blocks - params.overlap_score_credit * overlap_score(c.overlap, params)).max(0.0)
 }
 
-/// The candidate's own predicted time to first token, in blocks at the partition's speed.
-pub fn ttft_cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
-    c.scale
-        * (c.fixed_blocks
-            + params.prefill_load_scale * ttft_blocks(c, prompt_tokens, block_size, params))
-}
-
 /// `scale * (fixed + prefill_load_scale * max(0, queued + prompt - credit * overlap))
 ///  + stall_weight * scale * stalled_requests * own_uncached
 ///  + decode_block_weight * decode_blocks + decode_active_request_weight * active_requests
 ///  + engine_metrics_cost`.
 pub fn cost(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
-    let ttft = c.fixed_blocks
-        + params.prefill_load_scale * ttft_blocks(c, prompt_tokens, block_size, params);
-    let stall = params.stall_weight
-        * c.stalled_requests as f64
-        * own_uncached_blocks(c, prompt_tokens, block_size, params);
-    c.scale * (ttft + stall)
-        + params.decode_block_weight * c.active_decode_blocks as f64
-        + params.decode_active_request_weight * c.active_requests as f64
-        + engine_metrics_cost(c, params)
+    terms(c, prompt_tokens, block_size, params).cost
 }
 
 /// What the rank's engine metrics add, in uncached-prefill blocks: what kvpick's own bookings
@@ -229,36 +230,27 @@ pub fn decide<R: Rng + ?Sized>(
         !candidates.is_empty(),
         "decide needs at least one candidate"
     );
-    let costs: Vec<f64> = candidates
+    let terms: Vec<Terms> = candidates
         .iter()
-        .map(|c| cost(c, prompt_tokens, block_size, params))
+        .map(|c| terms(c, prompt_tokens, block_size, params))
         .collect();
-    let ttfts: Vec<f64> = candidates
-        .iter()
-        .map(|c| ttft_cost(c, prompt_tokens, block_size, params))
-        .collect();
-    let best_ttft = ttfts.iter().copied().fold(f64::INFINITY, f64::min);
+    let costs: Vec<f64> = terms.iter().map(|t| t.cost).collect();
+    let best_ttft = terms.iter().map(|t| t.ttft).fold(f64::INFINITY, f64::min);
     let ttft_bound = params.ttft_slack.max(1.0) * best_ttft + 1.0;
-    let owns: Vec<f64> = candidates
+    let fastest_own = terms
         .iter()
-        .map(|c| own_uncached_blocks(c, prompt_tokens, block_size, params))
-        .collect();
-    let fastest_own = ttfts
-        .iter()
-        .position(|&t| t == best_ttft)
-        .and_then(|i| owns.get(i).copied())
-        .unwrap_or(0.0);
+        .find(|t| t.ttft == best_ttft)
+        .map_or(0.0, |t| t.own);
     // Ranks within the TTFT bound first, then by cost; a random key per candidate makes
     // tie-breaking uniform and the order total. A rank that caches more of the prompt than the
     // fastest one is never pushed back: waiting for its cache saves prefill work the fleet would
     // otherwise queue behind, so the bound only limits moves that cost work and time.
-    let mut order: Vec<(bool, f64, u64, usize)> = costs
+    let mut order: Vec<(bool, f64, u64, usize)> = terms
         .iter()
-        .zip(ttfts.iter().zip(&owns))
         .enumerate()
-        .map(|(i, (&c, (&t, &own)))| {
-            let beyond = t > ttft_bound && own >= fastest_own;
-            (beyond, c, rng.random::<u64>(), i)
+        .map(|(i, t)| {
+            let beyond = t.ttft > ttft_bound && t.own >= fastest_own;
+            (beyond, t.cost, rng.random::<u64>(), i)
         })
         .collect();
     let by_cost = |a: &(bool, f64, u64, usize), b: &(bool, f64, u64, usize)| {
