@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::decide::CostParams;
 use crate::estimate::EstimatorConfig;
+use crate::flow::FlowConfig;
 use crate::session::SessionConfig;
 
 /// Block size used by a partition whose workers do not declare one.
@@ -60,6 +61,8 @@ pub struct CoreConfig {
     /// An engine-metrics reading older than this is stale: ignored by the decision (the rank is
     /// costed on bookings alone), as if it had never been scraped.
     pub engine_metrics_max_age: Duration,
+    /// Flow control: the EPP-side queue and saturation limits ([`crate::flow`]).
+    pub flow: FlowConfig,
 }
 
 impl Default for CoreConfig {
@@ -80,6 +83,7 @@ impl Default for CoreConfig {
             max_prompt_blocks: 16_384,
             estimator: EstimatorConfig::default(),
             engine_metrics_max_age: Duration::from_secs(1),
+            flow: FlowConfig::default(),
         }
     }
 }

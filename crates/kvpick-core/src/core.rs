@@ -17,7 +17,7 @@ use crate::error::{CatalogError, SelectError};
 use crate::event::KvEvent;
 use crate::facts::{Fact, Facts};
 use crate::index::{Tier, TierDepths};
-use crate::partition::{EventStats, Partition, SelectOutcome};
+use crate::partition::{Admitted, Claims, EventStats, Partition, SelectOutcome};
 use crate::request::{clip, Claim, DuplicateId, Holder, SelectionRequest};
 use crate::types::{PartitionKey, RankKey, RankLoad};
 use crate::{PickedRank, Selection, WorkerView};
@@ -53,6 +53,35 @@ pub struct Core {
     /// Live bookings made through the API (bounded by `max_api_bookings`).
     api_bookings: AtomicUsize,
     trace: Mutex<VecDeque<String>>,
+    /// Source of queue tickets (flow control).
+    tickets: AtomicU64,
+    /// Waiting requests -> the partition whose queue holds them.
+    waiting: DashMap<u64, Arc<Partition>>,
+}
+
+impl Claims for Core {
+    fn claim(
+        &self,
+        request: &SelectionRequest,
+        partition: &Arc<Partition>,
+    ) -> Result<(String, u64), SelectError> {
+        Core::claim(self, request, partition)
+    }
+
+    fn unclaim(&self, id: &str, generation: u64) {
+        self.unregister(id, Claim::Generation(generation));
+    }
+}
+
+/// What [`Core::admit`] did with a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Admission {
+    /// Booked now.
+    Dispatched(Selection),
+    /// Waiting for capacity. Its outcome comes later as a [`Fact::Dequeued`] for `ticket` from
+    /// whichever core operation releases it, or from [`Core::expire_waiting`] at `deadline`;
+    /// [`Core::cancel_waiting`] takes it out if its client goes away.
+    Queued { ticket: u64, deadline: Instant },
 }
 
 impl Core {
@@ -66,6 +95,8 @@ impl Core {
             generations: AtomicU64::new(0),
             api_bookings: AtomicUsize::new(0),
             trace: Mutex::new(VecDeque::new()),
+            tickets: AtomicU64::new(0),
+            waiting: DashMap::new(),
         }
     }
 
@@ -100,8 +131,10 @@ impl Core {
         let result = edit(&mut list);
         let (mut report, changes) = catalog.replace_source(source, list)?;
         let mut facts = Facts::default();
+        let mut changed = Vec::new();
         for (key, change) in changes {
             let partition = self.partition(&key, now);
+            changed.push(Arc::clone(&partition));
             let batch = partition.apply_batch(&change.gone, &change.upserts, now, &mut facts);
             for (id, reason) in batch.failed {
                 if let Some(name) = catalog.mark_failed(id, reason.clone()) {
@@ -117,6 +150,12 @@ impl Core {
         facts.push(Fact::CatalogWorkers(Facts::lifecycle_counts(
             catalog.records().map(|r| r.lifecycle),
         )));
+        drop(catalog);
+        // A rank joined or came back: waiting requests may fit now (or fail for good when
+        // their partition lost every rank).
+        for partition in &changed {
+            self.pump_partition(partition, now, &mut facts);
+        }
         Ok((result, report, facts))
     }
 
@@ -253,6 +292,113 @@ impl Core {
         }
     }
 
+    /// Flow control's entry point for stream requests: books now unless every eligible rank is
+    /// saturated (or requests wait ahead of it), else queues the request ([`Admission::Queued`]).
+    /// With flow control off, and for API requests, it is [`Core::select_and_reserve`]. The
+    /// facts come back even on an error: the release pass may have placed other requests.
+    pub fn admit(
+        &self,
+        request: &SelectionRequest,
+        now: Instant,
+    ) -> (Result<Admission, SelectError>, Facts) {
+        if !self.config.flow.enabled || request.holder == Holder::Api {
+            return match self.select_and_reserve(request, now) {
+                Ok((s, f)) => (Ok(Admission::Dispatched(s)), f),
+                Err(e) => (Err(e), Facts::default()),
+            };
+        }
+        let partition = match self.ensure_ready(request) {
+            Ok(p) => p,
+            Err(e) => return (Err(e), Facts::default()),
+        };
+        let ticket = self
+            .tickets
+            .fetch_add(1, Ordering::Relaxed)
+            .saturating_add(1);
+        self.waiting.insert(ticket, Arc::clone(&partition));
+        let mut facts = Facts::default();
+        let admitted = partition.admit(request, ticket, self, &self.config, now, &mut facts);
+        self.forget_dequeued(&facts, 0);
+        let result = match admitted {
+            Ok(Admitted::Dispatched(outcome)) => {
+                self.waiting.remove(&ticket);
+                self.record_trace(request, &outcome);
+                Ok(Admission::Dispatched(outcome.selection))
+            }
+            Ok(Admitted::Queued { deadline }) => Ok(Admission::Queued { ticket, deadline }),
+            Err(e) => {
+                self.waiting.remove(&ticket);
+                Err(e)
+            }
+        };
+        (result, facts)
+    }
+
+    /// A release pass over one partition's queue.
+    fn pump_partition(&self, partition: &Arc<Partition>, now: Instant, facts: &mut Facts) {
+        if partition.queue_len() == 0 {
+            return;
+        }
+        let start = facts.0.len();
+        partition.pump(self, &self.config, now, facts);
+        self.forget_dequeued(facts, start);
+    }
+
+    fn forget_dequeued(&self, facts: &Facts, start: usize) {
+        for fact in facts.0.iter().skip(start) {
+            if let Fact::Dequeued { ticket, .. } = fact {
+                self.waiting.remove(ticket);
+            }
+        }
+    }
+
+    /// A release pass over every queue (hosts call it on a timer: an engine reading going stale
+    /// frees capacity without any operation; the replay calls it as its clock advances).
+    pub fn pump(&self, now: Instant) -> Facts {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        let mut facts = Facts::default();
+        for p in &partitions {
+            self.pump_partition(p, now, &mut facts);
+        }
+        facts
+    }
+
+    /// The waiting request's client went away: it leaves the queue. False when it is no longer
+    /// waiting (its outcome is, or is about to be, a [`Fact::Dequeued`]).
+    pub fn cancel_waiting(&self, ticket: u64, now: Instant) -> (bool, Facts) {
+        let mut facts = Facts::default();
+        let cancelled = self
+            .waiting
+            .remove(&ticket)
+            .is_some_and(|(_, p)| p.cancel(ticket, now, &mut facts));
+        (cancelled, facts)
+    }
+
+    /// The waiting request's deadline passed: it leaves the queue with the error its client gets
+    /// (429 sheddable or SLO, 503 otherwise); `None` when it is no longer waiting.
+    pub fn expire_waiting(&self, ticket: u64, now: Instant) -> (Option<SelectError>, Facts) {
+        let mut facts = Facts::default();
+        let error = self
+            .waiting
+            .remove(&ticket)
+            .and_then(|(_, p)| p.expire(ticket, &self.config, now, &mut facts));
+        (error, facts)
+    }
+
+    /// Requests waiting in every queue.
+    pub fn waiting_requests(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// The earliest deadline of any waiting request.
+    pub fn next_queue_deadline(&self) -> Option<Instant> {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        partitions
+            .iter()
+            .filter_map(|p| p.next_queue_deadline())
+            .min()
+    }
+
     /// Claims the request id in the registry with a fresh generation. A live duplicate is
     /// refused (API) or suffixed (ext_proc): `#2` first, then the generation, which no live
     /// booking has, so a claim takes O(1) tries however often an id repeats.
@@ -364,11 +510,11 @@ impl Core {
         now: Instant,
     ) -> (bool, Facts) {
         let mut facts = Facts::default();
-        let done = self
-            .booked(booking_id, claim)
-            .is_some_and(|(generation, p)| {
-                p.prefill_complete(&(booking_id.to_string(), generation), now, &mut facts)
-            });
+        let Some((generation, p)) = self.booked(booking_id, claim) else {
+            return (false, facts);
+        };
+        let done = p.prefill_complete(&(booking_id.to_string(), generation), now, &mut facts);
+        self.pump_partition(&p, now, &mut facts);
         (done, facts)
     }
 
@@ -380,6 +526,7 @@ impl Core {
             return (false, facts);
         };
         let freed = partition.free(&(booking_id.to_string(), generation), now, &mut facts);
+        self.pump_partition(&partition, now, &mut facts);
         (freed, facts)
     }
 
@@ -391,11 +538,10 @@ impl Core {
         served: SocketAddr,
     ) -> (bool, Facts) {
         let mut facts = Facts::default();
-        let moved = self
-            .booked(booking_id, claim)
-            .is_some_and(|(generation, p)| {
-                p.move_booking(&(booking_id.to_string(), generation), served, &mut facts)
-            });
+        let Some((generation, p)) = self.booked(booking_id, claim) else {
+            return (false, facts);
+        };
+        let moved = p.move_booking(&(booking_id.to_string(), generation), served, &mut facts);
         (moved, facts)
     }
 
@@ -416,6 +562,7 @@ impl Core {
                 self.unregister(&id, Claim::Generation(generation));
                 reaped = reaped.saturating_add(1);
             }
+            self.pump_partition(&p, now, &mut facts);
         }
         facts.push(Fact::BookingsExpired(reaped as u64));
         (reaped, facts)
@@ -1254,5 +1401,430 @@ mod calibration_tests {
         let (blind, t0) = core(false);
         let [fast, slow] = run(&blind, t0, 400);
         assert!((150..=250).contains(&fast), "fast {fast} slow {slow}");
+    }
+}
+
+#[cfg(test)]
+mod flow_tests {
+    //! Flow control through [`Core`]: admission, release order, fairness, expiry, cancellation
+    //! and SLOs, with explicit instants (the core has no clock).
+    use super::*;
+    use crate::catalog::RankLayout;
+    use crate::facts::{QueueEvent, QueueExit};
+    use crate::flow::{FlowConfig, SaturationLimits};
+    use crate::request::PromptInput;
+    use std::time::Duration;
+
+    /// One rank that takes `per_rank` requests before it is saturated.
+    fn core_with(per_rank: u64, workers: &[&str], flow: FlowConfig) -> Core {
+        let core = Core::new(CoreConfig {
+            seed: Some(1),
+            flow: FlowConfig {
+                saturation: SaturationLimits {
+                    max_wait_seconds: None,
+                    max_active_requests: Some(per_rank),
+                    engine_waiting: None,
+                    engine_kv_usage: None,
+                },
+                ..flow
+            },
+            ..CoreConfig::default()
+        });
+        let specs = workers
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![8000 + i as u16]))
+            })
+            .collect();
+        core.apply_source_snapshot("catalog", specs, Instant::now())
+            .unwrap();
+        core
+    }
+
+    fn request(id: &str, priority: i32, key: &str) -> SelectionRequest {
+        SelectionRequest {
+            request_id: id.into(),
+            model: Some("m".into()),
+            prompt: PromptInput::Tokens(vec![7; 64]),
+            priority,
+            fairness_key: Some(key.into()),
+            ..Default::default()
+        }
+    }
+
+    fn dispatched(core: &Core, r: &SelectionRequest, now: Instant) -> Selection {
+        match core.admit(r, now).0 {
+            Ok(Admission::Dispatched(s)) => s,
+            other => panic!("expected a dispatch, got {other:?}"),
+        }
+    }
+
+    fn queued(core: &Core, r: &SelectionRequest, now: Instant) -> u64 {
+        match core.admit(r, now).0 {
+            Ok(Admission::Queued { ticket, .. }) => ticket,
+            other => panic!("expected to queue, got {other:?}"),
+        }
+    }
+
+    /// The tickets released in `facts`, in order, with their outcomes.
+    fn released(facts: &Facts) -> Vec<(u64, Result<Selection, SelectError>)> {
+        facts
+            .iter()
+            .filter_map(|f| match f {
+                Fact::Dequeued { ticket, result } => Some((*ticket, result.clone())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn free(core: &Core, s: &Selection, now: Instant) -> Facts {
+        let (freed, facts) = core.free(&s.booking_id, Claim::Generation(s.generation), now);
+        assert!(freed);
+        facts
+    }
+
+    #[test]
+    fn a_saturated_fleet_queues_and_a_freed_booking_releases_the_next() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let first = dispatched(&core, &request("r1", 0, ""), now);
+        let ticket = queued(&core, &request("r2", 0, ""), now);
+        assert_eq!(core.waiting_requests(), 1);
+        assert_eq!(
+            core.live_bookings(),
+            1,
+            "a waiting request holds no booking"
+        );
+        let facts = free(&core, &first, now + Duration::from_millis(5));
+        let out = released(&facts);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, ticket);
+        let second = out[0].1.clone().unwrap();
+        assert_eq!(second.booking_id, "r2");
+        assert_eq!(core.live_bookings(), 1);
+        assert_eq!(core.waiting_requests(), 0);
+        assert!(facts.iter().any(|f| matches!(
+            f,
+            Fact::Queue { event: QueueEvent::Dispatched { waited_seconds }, .. }
+                if (*waited_seconds - 0.005).abs() < 1e-9
+        )));
+        // The released booking is an ordinary one: freed once, then gone.
+        free(&core, &second, now);
+        assert_eq!(core.live_bookings(), 0);
+        assert!(!core.free("r2", Claim::Any, now).0);
+    }
+
+    #[test]
+    fn release_is_by_priority_band_then_arrival() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let mut running = dispatched(&core, &request("busy", 0, ""), now);
+        let low = queued(&core, &request("low", -1, ""), now);
+        let normal1 = queued(&core, &request("normal1", 0, ""), now);
+        let high = queued(&core, &request("high", 5, ""), now);
+        let normal2 = queued(&core, &request("normal2", 0, ""), now);
+        let mut order = Vec::new();
+        for _ in 0..4 {
+            let out = released(&free(&core, &running, now));
+            assert_eq!(out.len(), 1);
+            order.push(out[0].0);
+            running = out[0].1.clone().unwrap();
+        }
+        assert_eq!(order, vec![high, normal1, normal2, low]);
+    }
+
+    #[test]
+    fn two_tenants_share_a_band_equally_while_both_are_backlogged() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let mut running = dispatched(&core, &request("busy", 0, ""), now);
+        let mut tenant_of = HashMap::new();
+        // 4:1 arrivals, interleaved as they would arrive.
+        for i in 0..50 {
+            let key = if i % 5 == 4 { "small" } else { "big" };
+            tenant_of.insert(queued(&core, &request(&format!("r{i}"), 0, key), now), key);
+        }
+        let mut small = 0;
+        for _ in 0..20 {
+            let out = released(&free(&core, &running, now));
+            let (ticket, result) = out.into_iter().next().unwrap();
+            small += usize::from(tenant_of[&ticket] == "small");
+            running = result.unwrap();
+        }
+        // Both backlogged (small has 10 waiting): each gets half of the 20 releases.
+        assert_eq!(small, 10);
+    }
+
+    #[test]
+    fn the_queue_timeout_gives_503_or_429_for_sheddable_requests() {
+        let flow = FlowConfig {
+            queue_timeout: Duration::from_secs(2),
+            ..FlowConfig::default()
+        };
+        let core = core_with(1, &["a"], flow);
+        let now = Instant::now();
+        let _running = dispatched(&core, &request("busy", 0, ""), now);
+        let normal = queued(&core, &request("normal", 0, ""), now);
+        let sheddable = queued(&core, &request("sheddable", -1, ""), now);
+        assert_eq!(
+            core.next_queue_deadline(),
+            Some(now + Duration::from_secs(2))
+        );
+        assert!(released(&core.pump(now + Duration::from_secs(1))).is_empty());
+        let facts = core.pump(now + Duration::from_secs(2));
+        let out: HashMap<u64, SelectError> = released(&facts)
+            .into_iter()
+            .map(|(t, r)| (t, r.unwrap_err()))
+            .collect();
+        assert_eq!(out[&normal].label(), "unavailable");
+        assert!(
+            out[&normal].to_string().contains("queue timeout"),
+            "{}",
+            out[&normal]
+        );
+        assert_eq!(out[&sheddable].label(), "overloaded");
+        assert_eq!(core.waiting_requests(), 0);
+        let timeouts = facts
+            .iter()
+            .filter(|f| {
+                matches!(
+                    f,
+                    Fact::Queue {
+                        event: QueueEvent::Left {
+                            exit: QueueExit::Timeout,
+                            ..
+                        },
+                        ..
+                    }
+                )
+            })
+            .count();
+        assert_eq!(timeouts, 2);
+    }
+
+    #[test]
+    fn the_hosts_timer_expires_one_request_and_only_once() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let running = dispatched(&core, &request("busy", 0, ""), now);
+        let t = queued(&core, &request("late", 0, ""), now);
+        let (error, _) = core.expire_waiting(t, now + Duration::from_secs(30));
+        assert_eq!(error.unwrap().label(), "unavailable");
+        assert!(core.expire_waiting(t, now).0.is_none());
+        assert!(released(&free(&core, &running, now)).is_empty());
+    }
+
+    #[test]
+    fn a_cancelled_request_leaves_the_queue_and_is_never_booked() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let running = dispatched(&core, &request("busy", 0, ""), now);
+        let gone = queued(&core, &request("gone", 0, ""), now);
+        let next = queued(&core, &request("next", 0, ""), now);
+        assert!(core.cancel_waiting(gone, now).0);
+        assert!(!core.cancel_waiting(gone, now).0, "cancelled once");
+        let out = released(&free(&core, &running, now));
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, next);
+        assert_eq!(core.live_bookings(), 1);
+        // Cancelling a request that was already released does nothing (the host frees its
+        // booking through the released reservation).
+        assert!(!core.cancel_waiting(next, now).0);
+    }
+
+    #[test]
+    fn a_full_band_refuses_at_once() {
+        let flow = FlowConfig {
+            band_capacity: 1,
+            ..FlowConfig::default()
+        };
+        let core = core_with(1, &["a"], flow);
+        let now = Instant::now();
+        let _running = dispatched(&core, &request("busy", 0, ""), now);
+        queued(&core, &request("w1", 0, ""), now);
+        let (result, facts) = core.admit(&request("w2", 0, ""), now);
+        assert_eq!(result.unwrap_err().label(), "unavailable");
+        assert!(facts.iter().any(|f| matches!(
+            f,
+            Fact::Queue {
+                event: QueueEvent::Left {
+                    exit: QueueExit::Full,
+                    ..
+                },
+                ..
+            }
+        )));
+        // Another band still has room; a sheddable arrival to a full band gets 429.
+        queued(&core, &request("s1", -1, ""), now);
+        assert_eq!(
+            core.admit(&request("s2", -1, ""), now)
+                .0
+                .unwrap_err()
+                .label(),
+            "overloaded"
+        );
+    }
+
+    #[test]
+    fn a_rank_joining_releases_waiting_requests() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let _running = dispatched(&core, &request("busy", 0, ""), now);
+        let t = queued(&core, &request("w", 0, ""), now);
+        let specs = vec![
+            WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![8000])),
+            WorkerSpec::for_test("b", "m", RankLayout::PerPort(vec![8001])),
+        ];
+        let (_, facts) = core.apply_source_snapshot("catalog", specs, now).unwrap();
+        let out = released(&facts);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, t);
+        assert_eq!(out[0].1.as_ref().unwrap().primary.worker_name, "b");
+    }
+
+    #[test]
+    fn a_partition_losing_every_rank_fails_its_waiting_requests() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let _running = dispatched(&core, &request("busy", 0, ""), now);
+        let t = queued(&core, &request("w", 0, ""), now);
+        let (_, facts) = core.apply_source_snapshot("catalog", vec![], now).unwrap();
+        let out = released(&facts);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, t);
+        assert_eq!(out[0].1.as_ref().unwrap_err().label(), "unavailable");
+        assert_eq!(
+            core.live_bookings(),
+            0,
+            "the running booking went with its rank"
+        );
+    }
+
+    #[test]
+    fn an_unmeetable_slo_is_refused_at_once_and_a_meetable_one_waits() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        // The prior line: 20 ms + 50 µs/token; 64 tokens need ~23 ms even on an idle rank.
+        let tight = SelectionRequest {
+            slo_ttft_ms: Some(5),
+            ..request("tight", 0, "")
+        };
+        let err = core.admit(&tight, now).0.unwrap_err();
+        assert_eq!(err.label(), "overloaded");
+        assert!(err.to_string().contains("TTFT SLO of 5 ms"), "{err}");
+        let running = dispatched(&core, &request("busy", 0, ""), now);
+        let slo = SelectionRequest {
+            slo_ttft_ms: Some(500),
+            ..request("slo", 0, "")
+        };
+        let t = queued(&core, &slo, now);
+        // Its deadline is the SLO's, earlier than the queue timeout.
+        assert_eq!(
+            core.next_queue_deadline(),
+            Some(now + Duration::from_millis(500))
+        );
+        let out = released(&free(&core, &running, now + Duration::from_millis(100)));
+        assert_eq!(out[0].0, t);
+        assert!(out[0].1.is_ok());
+        // Too late now: what remains of the SLO is less than an idle rank needs.
+        let running = out[0].1.clone().unwrap();
+        let late = queued(&core, &slo, now);
+        let facts = free(&core, &running, now + Duration::from_millis(490));
+        let out = released(&facts);
+        assert_eq!(out[0].0, late);
+        assert_eq!(out[0].1.as_ref().unwrap_err().label(), "overloaded");
+    }
+
+    #[test]
+    fn slo_attainment_is_reported_at_the_first_token() {
+        let core = core_with(4, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let r = SelectionRequest {
+            slo_ttft_ms: Some(100),
+            priority: 3,
+            ..request("r", 3, "")
+        };
+        let s = dispatched(&core, &r, now);
+        let (_, facts) = core.mark_prefill_complete(
+            &s.booking_id,
+            Claim::Generation(s.generation),
+            now + Duration::from_millis(150),
+        );
+        assert!(facts.iter().any(|f| *f
+            == Fact::SloTtft {
+                priority: 3,
+                met: false
+            }));
+    }
+
+    #[test]
+    fn without_flow_control_busy_ranks_refuse_at_once() {
+        let core = Core::new(CoreConfig {
+            flow: FlowConfig {
+                enabled: false,
+                ..FlowConfig::default()
+            },
+            busy: crate::config::BusyThresholds {
+                active_prefill_tokens: Some(10),
+                ..Default::default()
+            },
+            ..CoreConfig::default()
+        });
+        core.apply_source_snapshot(
+            "catalog",
+            vec![WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![1]))],
+            Instant::now(),
+        )
+        .unwrap();
+        let now = Instant::now();
+        dispatched(&core, &request("r1", 0, ""), now);
+        let err = core.admit(&request("r2", 0, ""), now).0.unwrap_err();
+        assert_eq!(err.label(), "overloaded");
+        assert_eq!(core.waiting_requests(), 0);
+    }
+
+    #[test]
+    fn with_flow_control_a_busy_threshold_makes_requests_wait() {
+        let core = Core::new(CoreConfig {
+            busy: crate::config::BusyThresholds {
+                active_prefill_tokens: Some(10),
+                ..Default::default()
+            },
+            ..CoreConfig::default()
+        });
+        core.apply_source_snapshot(
+            "catalog",
+            vec![WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![1]))],
+            Instant::now(),
+        )
+        .unwrap();
+        let now = Instant::now();
+        let s = dispatched(&core, &request("r1", 0, ""), now);
+        let t = queued(&core, &request("r2", 0, ""), now);
+        // The first token takes r1's prefill off the rank: r2 fits.
+        let (_, facts) =
+            core.mark_prefill_complete(&s.booking_id, Claim::Generation(s.generation), now);
+        assert_eq!(released(&facts)[0].0, t);
+    }
+
+    #[test]
+    fn hard_bound_sessions_wait_for_their_rank_while_others_flow_elsewhere() {
+        let core = core_with(1, &["a", "b"], FlowConfig::default());
+        let now = Instant::now();
+        let session = |id: &str| SelectionRequest {
+            session_id: Some("s".into()),
+            ..request(id, 0, "")
+        };
+        let first = dispatched(&core, &session("s1"), now);
+        let bound_to = first.primary.worker_name.clone();
+        // The session's rank is full: the next turn waits for it...
+        let t = queued(&core, &session("s2"), now);
+        // ...while an unbound request behind it still gets the other rank.
+        let other = dispatched(&core, &request("free", 0, ""), now);
+        assert_ne!(other.primary.worker_name, bound_to);
+        let out = released(&free(&core, &first, now));
+        assert_eq!(out[0].0, t);
+        assert_eq!(out[0].1.as_ref().unwrap().primary.worker_name, bound_to);
     }
 }

@@ -183,6 +183,11 @@ impl TtftEstimator {
         self.rank_scale(key) * self.coefficients.predict(tokens)
     }
 
+    /// Predicted wait on `key` for `tokens` of prefill already queued there (no fixed time).
+    pub fn predict_wait(&self, key: &RankKey, tokens: f64) -> f64 {
+        self.rank_scale(key) * self.coefficients.seconds_per_token * tokens.max(0.0)
+    }
+
     /// A request booked on `key` with `tokens` of prefill work (as at its pick) saw its first
     /// token after `observed_seconds`.
     pub fn observe(&mut self, key: RankKey, tokens: f64, observed_seconds: f64) {

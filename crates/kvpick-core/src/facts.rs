@@ -59,6 +59,63 @@ pub enum Fact {
         predicted_seconds: f64,
         observed_seconds: f64,
     },
+    /// A request with a TTFT SLO got its first token, within the SLO or not.
+    SloTtft { priority: i32, met: bool },
+    /// Flow control: what happened to a request in a partition's queue. `fairness_key` is the
+    /// client's value: a host must bound it before using it as a label.
+    Queue {
+        priority: i32,
+        fairness_key: Arc<str>,
+        event: QueueEvent,
+    },
+    /// A waiting request left the queue: booked (`Ok`, the booking is live and belongs to the
+    /// ticket's holder, who must free it) or refused. The host hands it to the waiter.
+    Dequeued {
+        ticket: u64,
+        result: Result<crate::Selection, crate::SelectError>,
+    },
+}
+
+/// A queue event ([`Fact::Queue`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum QueueEvent {
+    Enqueued,
+    /// Released with a booking after waiting this long.
+    Dispatched {
+        waited_seconds: f64,
+    },
+    /// Left without a booking.
+    Left {
+        exit: QueueExit,
+        waited_seconds: f64,
+    },
+}
+
+/// Why a request left the queue without a booking (or never joined it: `Full`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueExit {
+    /// The queue timeout passed.
+    Timeout,
+    /// Its TTFT SLO can no longer be met.
+    SloMissed,
+    /// Its band was full on arrival.
+    Full,
+    /// The client went away.
+    Cancelled,
+    /// The pick failed for another reason when it was tried (its pin went, ...).
+    Refused,
+}
+
+impl QueueExit {
+    pub fn label(&self) -> &'static str {
+        match self {
+            QueueExit::Timeout => "timeout",
+            QueueExit::SloMissed => "slo",
+            QueueExit::Full => "full",
+            QueueExit::Cancelled => "cancelled",
+            QueueExit::Refused => "refused",
+        }
+    }
 }
 
 /// The facts of one operation, in the order they happened.

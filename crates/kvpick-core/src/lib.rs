@@ -15,6 +15,7 @@
 //! - [`engine`]: one scrape of a rank's engine metrics, as a value (the host scrapes).
 //! - [`decide`]: the pure cost function and choice.
 //! - [`session`]: the session-affinity table.
+//! - [`flow`]: flow control's queue discipline (bands, fair queuing, EDF) and saturation rule.
 //! - `partition`: one `(model, routing_group)` behind one lock; its `pipeline` runs the selection
 //!   stages (eligibility, pin, adapter, busy, candidates, decide, affinity, fallbacks), then books.
 //! - [`core`]: [`Core`], the catalog, partitions and booking registry every host drives.
@@ -30,6 +31,7 @@ pub mod error;
 pub mod estimate;
 pub mod event;
 pub mod facts;
+pub mod flow;
 pub mod hash;
 pub mod index;
 mod partition;
@@ -48,7 +50,8 @@ pub use crate::decide::{
 pub use crate::engine::{AdapterFit, EngineLoad, EngineMetrics};
 pub use crate::error::{CatalogError, SelectError};
 pub use crate::estimate::{Coefficients, EstimatorConfig, TtftEstimator};
-pub use crate::facts::{Fact, Facts};
+pub use crate::facts::{Fact, Facts, QueueEvent, QueueExit};
+pub use crate::flow::{FlowConfig, SaturationLimits};
 pub use crate::partition::EventStats;
 pub use crate::request::{
     clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, SelectionRequest,
@@ -66,7 +69,7 @@ pub struct PickedRank {
 }
 
 /// The outcome of a successful pick.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Selection {
     pub booking_id: String,
     /// Tells this booking apart from any other that ever had the same id; 0 when nothing was

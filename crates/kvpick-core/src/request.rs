@@ -16,6 +16,10 @@ pub const MAX_REQUEST_ID_CHARS: usize = 256;
 /// What a session id of [`MAX_SESSION_ID_BYTES`] raw bytes can become once a host has made it a
 /// string (lossy UTF-8 turns one invalid byte into the 3-byte U+FFFD).
 const MAX_SESSION_ID_STRING_BYTES: usize = 3 * MAX_SESSION_ID_BYTES;
+/// Longest accepted fairness key, in bytes.
+pub const MAX_FAIRNESS_KEY_BYTES: usize = 256;
+/// Largest accepted SLO (one hour), in milliseconds.
+pub const MAX_SLO_MS: u64 = 3_600_000;
 /// Most fallback endpoints one request may ask for.
 pub const MAX_FALLBACKS: usize = 16;
 /// Largest prompt a request may declare (tokens). Far above any context window; it only keeps
@@ -128,6 +132,14 @@ pub struct SelectionRequest {
     pub temperature: Option<f64>,
     /// Negative = sheddable.
     pub priority: i32,
+    /// Flow control: the fairness key within the request's priority band (tenant, user);
+    /// `None` shares one default key.
+    pub fairness_key: Option<String>,
+    /// Flow control: time-to-first-token objective in milliseconds (`x-llm-d-slo-ttft-ms`).
+    pub slo_ttft_ms: Option<u64>,
+    /// Time-per-output-token objective in milliseconds (`x-llm-d-slo-tpot-ms`); reported, not
+    /// yet scheduled on.
+    pub slo_tpot_ms: Option<u64>,
     /// Session for affinity (at most [`MAX_SESSION_ID_BYTES`]).
     pub session_id: Option<String>,
     pub on_duplicate: DuplicateId,
@@ -160,6 +172,22 @@ impl SelectionRequest {
             return Err(SelectError::BadRequest(format!(
                 "request id longer than {MAX_REQUEST_ID_CHARS} characters"
             )));
+        }
+        if self
+            .fairness_key
+            .as_ref()
+            .is_some_and(|k| k.len() > MAX_FAIRNESS_KEY_BYTES)
+        {
+            return Err(SelectError::BadRequest(format!(
+                "fairness id longer than {MAX_FAIRNESS_KEY_BYTES} bytes"
+            )));
+        }
+        for (name, slo) in [("TTFT", self.slo_ttft_ms), ("TPOT", self.slo_tpot_ms)] {
+            if slo.is_some_and(|ms| ms == 0 || ms > MAX_SLO_MS) {
+                return Err(SelectError::BadRequest(format!(
+                    "{name} SLO must be 1..={MAX_SLO_MS} ms"
+                )));
+            }
         }
         if self.fallbacks > MAX_FALLBACKS {
             return Err(SelectError::BadRequest(format!(
@@ -239,6 +267,18 @@ mod tests {
             },
             SelectionRequest {
                 fallbacks: MAX_FALLBACKS + 1,
+                ..request()
+            },
+            SelectionRequest {
+                fairness_key: Some("k".repeat(MAX_FAIRNESS_KEY_BYTES + 1)),
+                ..request()
+            },
+            SelectionRequest {
+                slo_ttft_ms: Some(0),
+                ..request()
+            },
+            SelectionRequest {
+                slo_tpot_ms: Some(MAX_SLO_MS + 1),
                 ..request()
             },
             SelectionRequest {

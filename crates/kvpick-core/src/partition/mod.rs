@@ -10,6 +10,7 @@
 // the edge (checked, saturating) instead of wrapping in release builds and panicking in debug.
 #![warn(clippy::arithmetic_side_effects)]
 
+mod admission;
 mod events;
 mod pipeline;
 mod ranks;
@@ -24,6 +25,7 @@ use parking_lot::Mutex;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+pub(crate) use admission::{Admitted, Claims, Refusal};
 use events::EngineMap;
 pub use events::EventStats;
 use pipeline::{Affinity, Allowed, PromptBlocks};
@@ -69,6 +71,9 @@ struct Booking {
     predicted_ttft: f64,
     /// The session whose lease this booking holds.
     session: Option<String>,
+    /// The request's priority and TTFT SLO (seconds), for SLO attainment at its first token.
+    priority: i32,
+    slo_ttft: Option<f64>,
 }
 
 struct State {
@@ -82,6 +87,8 @@ struct State {
     engines: HashMap<RankKey, EngineMap>,
     estimator: TtftEstimator,
     rng: StdRng,
+    /// Requests waiting for capacity (flow control), released by [`Partition::pump`].
+    queue: crate::flow::FlowQueue<Arc<admission::Queued>>,
 }
 
 /// A booking's identity: its id and generation.
@@ -103,6 +110,8 @@ pub(crate) struct Partition {
     schedulable: AtomicUsize,
     block_size: AtomicU32,
     state: Mutex<State>,
+    /// Requests in `state.queue` (read without the lock: an empty queue costs nothing).
+    queued: AtomicUsize,
 }
 
 /// Candidate costs, `worker:rank=cost` in rank order, for decision traces.
@@ -157,7 +166,9 @@ impl Partition {
                 engines: HashMap::new(),
                 estimator: TtftEstimator::new(config.estimator),
                 rng,
+                queue: crate::flow::FlowQueue::default(),
             }),
+            queued: AtomicUsize::new(0),
         }
     }
 
@@ -398,8 +409,19 @@ impl Partition {
         hash::block_seed(lora, None)
     }
 
+    /// The prompt's blocks as this partition hashes them (outside the lock).
+    fn prompt_of(&self, request: &SelectionRequest, config: &CoreConfig) -> PromptBlocks {
+        pipeline::prompt_blocks(
+            &request.prompt,
+            self.block_size(),
+            self.seed_for(request),
+            request.cache_salt.as_deref(),
+            config.max_prompt_blocks,
+        )
+    }
+
     /// Runs the [`pipeline`] under the partition lock and, with `booking_id`, books the pick in
-    /// the same critical section ([`Partition::book`]).
+    /// the same critical section ([`Partition::book`]). No flow control: the API and dry runs.
     pub fn select(
         &self,
         request: &SelectionRequest,
@@ -408,16 +430,30 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> Result<SelectOutcome, SelectError> {
-        let block_size = self.block_size();
-        let prompt = pipeline::prompt_blocks(
-            &request.prompt,
-            block_size,
-            self.seed_for(request),
-            request.cache_salt.as_deref(),
-            config.max_prompt_blocks,
-        );
+        let prompt = self.prompt_of(request, config);
         let mut guard = self.state.lock();
-        let state = &mut *guard;
+        self.select_in(
+            &mut guard, &prompt, request, booking, config, now, None, facts,
+        )
+        .map_err(Refusal::into_error)
+    }
+
+    /// The pipeline on locked state. With `admission` (flow control) saturated ranks are not
+    /// candidates, a request that finds none is [`Refusal::Saturated`] (it may wait), and an SLO
+    /// restricts the candidates to ranks predicted to meet it.
+    #[allow(clippy::too_many_arguments)]
+    fn select_in(
+        &self,
+        state: &mut State,
+        prompt: &PromptBlocks,
+        request: &SelectionRequest,
+        booking: Option<(&str, u64)>,
+        config: &CoreConfig,
+        now: Instant,
+        admission: Option<&admission::Check>,
+        facts: &mut Facts,
+    ) -> Result<SelectOutcome, Refusal> {
+        let block_size = self.block_size();
         let allowed = Allowed {
             subset: request.subset.as_ref(),
             adapter: request.model.as_deref().filter(|m| *m != self.key.model),
@@ -435,7 +471,26 @@ impl Partition {
             )
         });
         let slots = &state.ranks.slots;
-        let eligible = self.eligible_ranks(slots, request, &allowed, &mut bound, config)?;
+        let mut eligible = match self.eligible_ranks(slots, request, &allowed, &mut bound, config) {
+            Ok(e) => e,
+            // Over a busy threshold is saturation: with flow control the request waits.
+            Err(SelectError::Overloaded(_)) if admission.is_some() => {
+                return Err(Refusal::Saturated)
+            }
+            Err(e) => return Err(Refusal::Error(e)),
+        };
+        if admission.is_some() {
+            let hard_bound = bound.filter(|_| sessions.mode == crate::session::AffinityMode::Hard);
+            pipeline::drop_saturated(
+                slots,
+                &mut eligible,
+                &state.estimator,
+                &config.flow.saturation,
+                now,
+                config.engine_metrics_max_age,
+                hard_bound,
+            )?;
+        }
         let matches = if prompt.seq_hashes.is_empty() {
             Vec::new()
         } else {
@@ -454,9 +509,21 @@ impl Partition {
             block_size,
             &engine_view,
         );
+        let (eligible, candidates) = match admission {
+            Some(check) => check.meet_slo(
+                eligible,
+                candidates,
+                &state.estimator,
+                prompt.tokens,
+                block_size,
+                &config.cost,
+                now,
+            )?,
+            None => (eligible, candidates),
+        };
         let mut decision = pipeline::rank(
             &candidates,
-            &prompt,
+            prompt,
             block_size,
             request,
             config,
@@ -465,7 +532,9 @@ impl Partition {
         let affinity = pipeline::apply_affinity(&mut decision, &candidates, bound, sessions);
         let (primary, fallbacks) =
             pipeline::picked_ranks(slots, &eligible, &decision.ranking, request.fallbacks)
-                .ok_or_else(|| SelectError::Unavailable("no candidate left".into()))?;
+                .ok_or_else(|| {
+                    Refusal::Error(SelectError::Unavailable("no candidate left".into()))
+                })?;
         let best = decision.ranking.first().copied().unwrap_or_default();
         let overlap = candidates.get(best).map(|c| c.overlap).unwrap_or_default();
         let cost = decision.costs.get(best).copied().unwrap_or_default();
@@ -486,7 +555,7 @@ impl Partition {
                     generation,
                     rank: primary.key,
                     overlap,
-                    prompt: &prompt,
+                    prompt,
                     block_size,
                     ttft_tokens,
                     predicted_ttft,
@@ -597,6 +666,8 @@ impl Partition {
             ttft_tokens: pick.ttft_tokens,
             predicted_ttft: pick.predicted_ttft,
             session: leased_session,
+            priority: request.priority,
+            slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
         };
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
             return outcome;
@@ -730,6 +801,12 @@ impl Partition {
                     predicted_seconds: booking.predicted_ttft,
                     observed_seconds: observed,
                 });
+                if let Some(slo) = booking.slo_ttft {
+                    facts.push(Fact::SloTtft {
+                        priority: booking.priority,
+                        met: observed <= slo,
+                    });
+                }
             }
         }
         true

@@ -6,10 +6,12 @@
 //! 4. [`apply_pin`]: an explicit pin narrows them (and must agree with a hard binding);
 //! 5. [`narrow_adapter`]: a LoRA request goes where its adapter is loaded;
 //! 6. [`drop_busy`]: ranks over a busy threshold go (a hard-bound rank stays);
-//! 7. [`candidates`]: the survivors with their load and cached overlap;
-//! 8. [`rank`]: the cost function ([`crate::decide::decide`]);
-//! 9. [`apply_affinity`]: hard affinity keeps the bound rank, soft keeps it within a margin;
-//! 10. [`picked_ranks`]: the primary and distinct fallback endpoints.
+//! 7. [`drop_saturated`] (flow control on): saturated ranks go; none left means wait;
+//! 8. [`candidates`]: the survivors with their load and cached overlap (then, with flow
+//!    control, an SLO keeps only ranks predicted to meet it: `admission`);
+//! 9. [`rank`]: the cost function ([`crate::decide::decide`]);
+//! 10. [`apply_affinity`]: hard affinity keeps the bound rank, soft keeps it within a margin;
+//! 11. [`picked_ranks`]: the primary and distinct fallback endpoints.
 //!
 //! Every stage is a function of its arguments (the partition's rank table, the request, the
 //! config): no lock, no clock, no metrics. The partition runs them under its lock and books the
@@ -25,6 +27,7 @@ use crate::request::{clip, EndpointFilter, Pin, PromptInput};
 use crate::session::{AffinityMode, Invalidation, SessionConfig};
 use crate::types::{RankKey, RankLoad};
 use crate::PickedRank;
+use std::time::{Duration, Instant};
 
 use super::ranks::Slot;
 
@@ -261,6 +264,41 @@ pub(crate) fn drop_busy(
         } else {
             "all eligible workers are over their busy thresholds".into()
         }));
+    }
+    Ok(())
+}
+
+/// Flow control: drops saturated ranks ([`crate::flow::is_saturated`]). None left, or the hard-bound
+/// rank saturated (the session must stay there), is [`Refusal::Saturated`]: the request waits.
+pub(crate) fn drop_saturated(
+    slots: &[(RankKey, Slot)],
+    eligible: &mut Vec<usize>,
+    estimator: &crate::estimate::TtftEstimator,
+    limits: &crate::flow::SaturationLimits,
+    now: Instant,
+    max_age: Duration,
+    hard_bound: Option<RankKey>,
+) -> Result<(), super::Refusal> {
+    let saturated = |i: usize| {
+        slots.get(i).is_none_or(|(key, s)| {
+            let load = s.total_load();
+            let wait = estimator.predict_wait(key, load.active_prefill_tokens as f64);
+            let engine = s.engine.as_ref().filter(|e| e.is_fresh(now, max_age));
+            crate::flow::is_saturated(limits, &load, wait, engine)
+        })
+    };
+    if let Some(bound) = hard_bound {
+        let position = eligible
+            .iter()
+            .copied()
+            .find(|&i| slots.get(i).is_some_and(|(k, _)| *k == bound));
+        if position.is_some_and(saturated) {
+            return Err(super::Refusal::Saturated);
+        }
+    }
+    eligible.retain(|&i| !saturated(i));
+    if eligible.is_empty() {
+        return Err(super::Refusal::Saturated);
     }
     Ok(())
 }

@@ -1,0 +1,495 @@
+//! Flow control on one partition (ARCHITECTURE.md §12): a request's admission (book now, or
+//! wait in the partition's [`crate::flow::FlowQueue`]), the release of waiting requests when
+//! capacity frees ([`Partition::pump`]), cancellation and expiry, and the SLO stage of the
+//! pipeline ([`Check::meet_slo`]).
+//!
+//! It owns no state: the queue is the partition's, under its lock, and the booking is made by
+//! [`Partition::select_in`] in the same critical section as the decision. It must not touch the
+//! booking registry: ids are claimed and released through the core's [`Claims`].
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::CoreConfig;
+use crate::decide::{ttft_blocks, Candidate, CostParams};
+use crate::error::SelectError;
+use crate::estimate::TtftEstimator;
+use crate::facts::{Fact, Facts, QueueEvent, QueueExit};
+use crate::flow::Waiting;
+use crate::request::SelectionRequest;
+
+use super::pipeline::PromptBlocks;
+use super::{Partition, SelectOutcome, State};
+
+/// A waiting request: what the pipeline needs to try it again.
+#[derive(Debug)]
+pub(crate) struct Queued {
+    pub request: SelectionRequest,
+    pub prompt: PromptBlocks,
+}
+
+/// Why the pipeline did not book a request.
+#[derive(Debug)]
+pub(crate) enum Refusal {
+    /// Every eligible rank is saturated (or the hard-bound one is): the request may wait.
+    Saturated,
+    /// No rank can give the request its first token within its SLO, even idle.
+    SloUnmeetable(String),
+    Error(SelectError),
+}
+
+impl Refusal {
+    pub fn into_error(self) -> SelectError {
+        match self {
+            Refusal::Saturated => {
+                SelectError::Overloaded("every eligible worker is saturated".into())
+            }
+            Refusal::SloUnmeetable(message) => SelectError::Overloaded(message),
+            Refusal::Error(e) => e,
+        }
+    }
+}
+
+impl From<SelectError> for Refusal {
+    fn from(e: SelectError) -> Self {
+        Refusal::Error(e)
+    }
+}
+
+/// The booking registry, as admission needs it (the core implements it).
+pub(crate) trait Claims {
+    /// Claims the request's id for a booking in `partition`.
+    fn claim(
+        &self,
+        request: &SelectionRequest,
+        partition: &Arc<Partition>,
+    ) -> Result<(String, u64), SelectError>;
+    /// Gives back a claim whose pick booked nothing.
+    fn unclaim(&self, id: &str, generation: u64);
+}
+
+/// What admission did with an arriving request.
+pub(crate) enum Admitted {
+    Dispatched(Box<SelectOutcome>),
+    /// Waiting; it leaves the queue by `deadline` at the latest.
+    Queued {
+        deadline: Instant,
+    },
+}
+
+/// The flow-control checks of one attempt to place a request.
+pub(crate) struct Check {
+    pub enqueued: Instant,
+    /// TTFT objective in seconds, counted from `enqueued`.
+    pub slo_ttft: Option<f64>,
+}
+
+impl Check {
+    pub fn new(request: &SelectionRequest, enqueued: Instant) -> Self {
+        Check {
+            enqueued,
+            slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
+        }
+    }
+
+    /// Keeps only the candidates predicted to give the first token within what is left of the
+    /// SLO. None can now: [`Refusal::Saturated`] (wait) while an idle rank still could,
+    /// [`Refusal::SloUnmeetable`] once even that cannot.
+    #[allow(clippy::too_many_arguments)]
+    pub fn meet_slo(
+        &self,
+        eligible: Vec<usize>,
+        candidates: Vec<Candidate>,
+        estimator: &TtftEstimator,
+        prompt_tokens: u64,
+        block_size: u32,
+        params: &CostParams,
+        now: Instant,
+    ) -> Result<(Vec<usize>, Vec<Candidate>), Refusal> {
+        let Some(slo) = self.slo_ttft else {
+            return Ok((eligible, candidates));
+        };
+        let remaining = slo - now.saturating_duration_since(self.enqueued).as_secs_f64();
+        let block = f64::from(block_size.max(1));
+        let predict = |c: &Candidate, queued: u64| {
+            let c = Candidate {
+                active_prefill_tokens: queued,
+                ..*c
+            };
+            estimator.predict(
+                &c.key,
+                ttft_blocks(&c, prompt_tokens, block_size, params) * block,
+            )
+        };
+        let (kept_eligible, kept): (Vec<usize>, Vec<Candidate>) = eligible
+            .iter()
+            .copied()
+            .zip(candidates.iter().cloned())
+            .filter(|(_, c)| predict(c, c.active_prefill_tokens) <= remaining)
+            .unzip();
+        if !kept.is_empty() {
+            return Ok((kept_eligible, kept));
+        }
+        let fastest_idle = candidates
+            .iter()
+            .map(|c| predict(c, 0))
+            .fold(f64::INFINITY, f64::min);
+        if fastest_idle > remaining {
+            return Err(Refusal::SloUnmeetable(format!(
+                "TTFT SLO of {:.0} ms cannot be met: the fastest worker needs {:.0} ms",
+                slo * 1000.0,
+                (fastest_idle + slo - remaining) * 1000.0
+            )));
+        }
+        Err(Refusal::Saturated)
+    }
+}
+
+/// A request that may be placed on any rank of the partition: when it finds every rank
+/// saturated, so would every request behind it, and a release pass can stop.
+fn unrestricted(request: &SelectionRequest, model: &str) -> bool {
+    request.subset.is_none()
+        && request.pin.is_none()
+        && request.session_id.is_none()
+        && request.slo_ttft_ms.is_none()
+        && request.model.as_deref().is_none_or(|m| m == model)
+}
+
+fn queue_fact(w: &Waiting<Arc<Queued>>, event: QueueEvent) -> Fact {
+    Fact::Queue {
+        priority: w.priority,
+        fairness_key: Arc::clone(&w.fairness_key),
+        event,
+    }
+}
+
+fn waited(w: &Waiting<Arc<Queued>>, now: Instant) -> f64 {
+    now.saturating_duration_since(w.enqueued).as_secs_f64()
+}
+
+/// What a request whose deadline passed gets: 429 when it was sheddable or its SLO went, 503
+/// otherwise (nothing could serve it in time).
+fn expiry_error(w: &Waiting<Arc<Queued>>, timeout: Duration) -> SelectError {
+    if w.slo_bound {
+        let slo = w.payload.request.slo_ttft_ms.unwrap_or_default();
+        SelectError::Overloaded(format!(
+            "TTFT SLO of {slo} ms cannot be met: no worker had capacity in time"
+        ))
+    } else if w.priority < 0 {
+        SelectError::Overloaded(format!(
+            "sheddable request shed: no capacity within the queue timeout ({:.1}s)",
+            timeout.as_secs_f64()
+        ))
+    } else {
+        SelectError::Unavailable(format!(
+            "no capacity within the queue timeout ({:.1}s)",
+            timeout.as_secs_f64()
+        ))
+    }
+}
+
+fn full_error(priority: i32, capacity: usize) -> SelectError {
+    if priority < 0 {
+        SelectError::Overloaded(format!(
+            "sheddable request shed: the queue of priority {priority} is full ({capacity} requests)"
+        ))
+    } else {
+        SelectError::Unavailable(format!(
+            "the queue of priority {priority} is full ({capacity} requests)"
+        ))
+    }
+}
+
+impl Partition {
+    /// Admits an arriving request: with an empty queue it is placed at once unless every
+    /// eligible rank is saturated; otherwise it joins the queue and a release pass runs, so it
+    /// may still be booked now if it is first in line and a rank has room.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn admit(
+        self: &Arc<Self>,
+        request: &SelectionRequest,
+        ticket: u64,
+        claims: &dyn Claims,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Result<Admitted, SelectError> {
+        let prompt = self.prompt_of(request, config);
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let check = Check::new(request, now);
+        // Tried just now against an empty queue: a release pass would only try it again.
+        let mut tried = false;
+        if state.queue.is_empty() {
+            let (id, generation) = claims.claim(request, self)?;
+            let booking = Some((id.as_str(), generation));
+            match self.select_in(
+                state,
+                &prompt,
+                request,
+                booking,
+                config,
+                now,
+                Some(&check),
+                facts,
+            ) {
+                Ok(outcome) => return Ok(Admitted::Dispatched(Box::new(outcome))),
+                Err(Refusal::Saturated) => {
+                    claims.unclaim(&id, generation);
+                    tried = true;
+                }
+                Err(refusal) => {
+                    claims.unclaim(&id, generation);
+                    if matches!(refusal, Refusal::SloUnmeetable(_)) {
+                        facts.push(Fact::Queue {
+                            priority: request.priority,
+                            fairness_key: Arc::from(request.fairness_key.as_deref().unwrap_or("")),
+                            event: QueueEvent::Left {
+                                exit: QueueExit::SloMissed,
+                                waited_seconds: 0.0,
+                            },
+                        });
+                    }
+                    return Err(refusal.into_error());
+                }
+            }
+        }
+        let flow = &config.flow;
+        let timeout_at = now.checked_add(flow.queue_timeout).unwrap_or(now);
+        let slo_at = request
+            .slo_ttft_ms
+            .and_then(|ms| now.checked_add(Duration::from_millis(ms)));
+        let (deadline, slo_bound) = match slo_at {
+            Some(at) if at < timeout_at => (at, true),
+            _ => (timeout_at, false),
+        };
+        let waiting = Waiting {
+            ticket,
+            priority: request.priority,
+            fairness_key: Arc::from(request.fairness_key.as_deref().unwrap_or("")),
+            cost: prompt
+                .tokens
+                .saturating_add(u64::from(self.block_size().max(1))),
+            enqueued: now,
+            deadline,
+            slo_bound,
+            payload: Arc::new(Queued {
+                request: request.clone(),
+                prompt,
+            }),
+        };
+        let key = Arc::clone(&waiting.fairness_key);
+        if state.queue.push(waiting, flow.band_capacity).is_err() {
+            facts.push(Fact::Queue {
+                priority: request.priority,
+                fairness_key: key,
+                event: QueueEvent::Left {
+                    exit: QueueExit::Full,
+                    waited_seconds: 0.0,
+                },
+            });
+            return Err(full_error(request.priority, flow.band_capacity));
+        }
+        facts.push(Fact::Queue {
+            priority: request.priority,
+            fairness_key: key,
+            event: QueueEvent::Enqueued,
+        });
+        if tried {
+            self.queued.store(state.queue.len(), Ordering::Release);
+            return Ok(Admitted::Queued { deadline });
+        }
+        match self.pump_locked(state, claims, config, now, facts, Some(ticket)) {
+            Some(Ok(outcome)) => Ok(Admitted::Dispatched(Box::new(outcome))),
+            Some(Err(e)) => Err(e),
+            None => Ok(Admitted::Queued { deadline }),
+        }
+    }
+
+    /// A release pass: capacity may have freed (a booking ended or finished its prefill, a rank
+    /// joined, other replicas' load fell), so waiting requests are tried in queue order.
+    pub(crate) fn pump(
+        self: &Arc<Self>,
+        claims: &dyn Claims,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) {
+        if self.queued.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let mut guard = self.state.lock();
+        self.pump_locked(&mut guard, claims, config, now, facts, None);
+    }
+
+    /// Expires requests past their deadline, then tries up to `max_scan` requests in release
+    /// order. Each outcome becomes a [`Fact::Dequeued`], except `own`'s, which is returned.
+    fn pump_locked(
+        self: &Arc<Self>,
+        state: &mut State,
+        claims: &dyn Claims,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+        own: Option<u64>,
+    ) -> Option<Result<SelectOutcome, SelectError>> {
+        let mut mine = None;
+        let mut deliver =
+            |ticket: u64, result: Result<SelectOutcome, SelectError>, facts: &mut Facts| {
+                if Some(ticket) == own {
+                    mine = Some(result);
+                } else {
+                    facts.push(Fact::Dequeued {
+                        ticket,
+                        result: result.map(|o| o.selection),
+                    });
+                }
+            };
+        for ticket in state.queue.expired(now) {
+            if let Some(w) = state.queue.take(ticket, false) {
+                let exit = if w.slo_bound {
+                    QueueExit::SloMissed
+                } else {
+                    QueueExit::Timeout
+                };
+                facts.push(queue_fact(
+                    &w,
+                    QueueEvent::Left {
+                        exit,
+                        waited_seconds: waited(&w, now),
+                    },
+                ));
+                deliver(
+                    ticket,
+                    Err(expiry_error(&w, config.flow.queue_timeout)),
+                    facts,
+                );
+            }
+        }
+        for ticket in state.queue.release_order(config.flow.max_scan) {
+            let Some(w) = state.queue.get(ticket) else {
+                continue;
+            };
+            let queued = Arc::clone(&w.payload);
+            let check = Check::new(&queued.request, w.enqueued);
+            let request = &queued.request;
+            let attempt = claims.claim(request, self).map_err(Refusal::Error);
+            let result = match attempt {
+                Ok((id, generation)) => {
+                    let booking = Some((id.as_str(), generation));
+                    let result = self.select_in(
+                        state,
+                        &queued.prompt,
+                        request,
+                        booking,
+                        config,
+                        now,
+                        Some(&check),
+                        facts,
+                    );
+                    if result.is_err() {
+                        claims.unclaim(&id, generation);
+                    }
+                    result
+                }
+                Err(refusal) => Err(refusal),
+            };
+            match result {
+                Ok(outcome) => {
+                    if let Some(w) = state.queue.take(ticket, true) {
+                        facts.push(queue_fact(
+                            &w,
+                            QueueEvent::Dispatched {
+                                waited_seconds: waited(&w, now),
+                            },
+                        ));
+                    }
+                    deliver(ticket, Ok(outcome), facts);
+                }
+                Err(Refusal::Saturated) => {
+                    if unrestricted(request, &self.key.model) {
+                        break;
+                    }
+                }
+                Err(refusal) => {
+                    if let Some(w) = state.queue.take(ticket, false) {
+                        let exit = if matches!(refusal, Refusal::SloUnmeetable(_)) {
+                            QueueExit::SloMissed
+                        } else {
+                            QueueExit::Refused
+                        };
+                        facts.push(queue_fact(
+                            &w,
+                            QueueEvent::Left {
+                                exit,
+                                waited_seconds: waited(&w, now),
+                            },
+                        ));
+                    }
+                    deliver(ticket, Err(refusal.into_error()), facts);
+                }
+            }
+        }
+        self.queued.store(state.queue.len(), Ordering::Release);
+        mine
+    }
+
+    /// Takes a waiting request out because its client went away; false when it is no longer
+    /// waiting (already released: its outcome is, or will be, a [`Fact::Dequeued`]).
+    pub(crate) fn cancel(&self, ticket: u64, now: Instant, facts: &mut Facts) -> bool {
+        let mut state = self.state.lock();
+        let Some(w) = state.queue.take(ticket, false) else {
+            return false;
+        };
+        facts.push(queue_fact(
+            &w,
+            QueueEvent::Left {
+                exit: QueueExit::Cancelled,
+                waited_seconds: waited(&w, now),
+            },
+        ));
+        self.queued.store(state.queue.len(), Ordering::Release);
+        true
+    }
+
+    /// Takes a waiting request out at its deadline (the host's timer fired) with the error its
+    /// client gets; `None` when it is no longer waiting.
+    pub(crate) fn expire(
+        &self,
+        ticket: u64,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Option<SelectError> {
+        let mut state = self.state.lock();
+        let w = state.queue.take(ticket, false)?;
+        let exit = if w.slo_bound {
+            QueueExit::SloMissed
+        } else {
+            QueueExit::Timeout
+        };
+        facts.push(queue_fact(
+            &w,
+            QueueEvent::Left {
+                exit,
+                waited_seconds: waited(&w, now),
+            },
+        ));
+        self.queued.store(state.queue.len(), Ordering::Release);
+        Some(expiry_error(&w, config.flow.queue_timeout))
+    }
+
+    /// Requests waiting in this partition's queue.
+    pub(crate) fn queue_len(&self) -> usize {
+        self.queued.load(Ordering::Acquire)
+    }
+
+    /// The earliest deadline of a waiting request.
+    pub(crate) fn next_queue_deadline(&self) -> Option<Instant> {
+        if self.queue_len() == 0 {
+            return None;
+        }
+        self.state.lock().queue.next_deadline()
+    }
+}
