@@ -5,7 +5,7 @@
 // duplicate) that every test run hits at start-up, never something input can cause.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use kvpick_core::{Fact, Facts, Lifecycle};
+use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -21,6 +21,120 @@ pub struct Metrics {
     pub events: EventMetrics,
     pub catalog: CatalogMetrics,
     pub engine: EngineScrapeMetrics,
+    pub flow: FlowMetrics,
+}
+
+/// Distinct values a client-controlled label may take before the rest share `other`.
+#[derive(Debug)]
+pub struct BoundedLabel {
+    max: usize,
+    seen: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl BoundedLabel {
+    pub fn new(max: usize) -> Self {
+        BoundedLabel {
+            max,
+            seen: std::sync::Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// `value` itself while fewer than `max` values have been seen (or it is one of them), else
+    /// `other`. First come, first labelled: a label, once given, stays.
+    pub fn label(&self, value: &str) -> String {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.contains(value) {
+            return value.to_string();
+        }
+        if seen.len() < self.max {
+            seen.insert(value.to_string());
+            return value.to_string();
+        }
+        "other".to_string()
+    }
+}
+
+/// Flow control (ARCHITECTURE.md §12): the queue per priority band and fairness key, its exits,
+/// SLO attainment. Priority and fairness-key labels are bounded ([`BoundedLabel`]: 16 priorities,
+/// 32 fairness keys, the rest `other`); an absent fairness key is `default`.
+#[derive(Clone)]
+pub struct FlowMetrics {
+    pub queue_depth: IntGaugeVec,
+    pub queue_wait: HistogramVec,
+    pub queue_exits: IntCounterVec,
+    pub slo_ttft: IntCounterVec,
+    priorities: std::sync::Arc<BoundedLabel>,
+    fairness_keys: std::sync::Arc<BoundedLabel>,
+}
+
+impl FlowMetrics {
+    fn register(registry: &Registry) -> Self {
+        FlowMetrics {
+            queue_depth: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "kvpick_queue_depth",
+                        "Requests waiting in kvpick's queue for capacity, per priority band",
+                    ),
+                    &["priority"],
+                )
+                .unwrap(),
+            ),
+            queue_wait: register(
+                registry,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "kvpick_queue_wait_seconds",
+                        "Time dispatched requests waited in the queue, per band and fairness key",
+                    )
+                    .buckets(vec![
+                        0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+                        60.0,
+                    ]),
+                    &["priority", "fairness"],
+                )
+                .unwrap(),
+            ),
+            queue_exits: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_queue_rejected_total",
+                        "Requests that left (or could not join) the queue without a booking, by \
+                         reason: timeout, slo, full, cancelled, refused",
+                    ),
+                    &["priority", "reason"],
+                )
+                .unwrap(),
+            ),
+            slo_ttft: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_slo_ttft_total",
+                        "Requests with a TTFT SLO (x-llm-d-slo-ttft-ms) by outcome at their first \
+                         token: met or missed (refused ones are in kvpick_queue_rejected_total)",
+                    ),
+                    &["priority", "outcome"],
+                )
+                .unwrap(),
+            ),
+            priorities: std::sync::Arc::new(BoundedLabel::new(16)),
+            fairness_keys: std::sync::Arc::new(BoundedLabel::new(32)),
+        }
+    }
+
+    pub fn priority_label(&self, priority: i32) -> String {
+        self.priorities.label(&priority.to_string())
+    }
+
+    pub fn fairness_label(&self, key: &str) -> String {
+        if key.is_empty() {
+            return "default".into();
+        }
+        self.fairness_keys.label(key)
+    }
 }
 
 /// The ext_proc host: pick outcomes and latency, streams, response usage, the body budget.
@@ -619,6 +733,41 @@ impl Metrics {
                             .observe(observed_seconds / predicted_seconds);
                     }
                 }
+                Fact::SloTtft { priority, met } => {
+                    let band = self.flow.priority_label(*priority);
+                    let outcome = if *met { "met" } else { "missed" };
+                    self.flow.slo_ttft.with_label_values(&[&band, outcome]).inc();
+                }
+                Fact::Queue {
+                    priority,
+                    fairness_key,
+                    event,
+                } => {
+                    let band = self.flow.priority_label(*priority);
+                    let depth = self.flow.queue_depth.with_label_values(&[&band]);
+                    match event {
+                        QueueEvent::Enqueued => depth.inc(),
+                        QueueEvent::Dispatched { waited_seconds } => {
+                            depth.dec();
+                            let key = self.flow.fairness_label(fairness_key);
+                            self.flow
+                                .queue_wait
+                                .with_label_values(&[&band, &key])
+                                .observe(*waited_seconds);
+                        }
+                        QueueEvent::Left { exit, .. } => {
+                            if *exit != QueueExit::Full {
+                                depth.dec();
+                            }
+                            self.flow
+                                .queue_exits
+                                .with_label_values(&[&band, exit.label()])
+                                .inc();
+                        }
+                    }
+                }
+                // Delivered to its waiter by the selection host, not a metric.
+                Fact::Dequeued { .. } => {}
             }
         }
     }
@@ -631,6 +780,7 @@ impl Metrics {
             events: EventMetrics::register(&registry),
             catalog: CatalogMetrics::register(&registry),
             engine: EngineScrapeMetrics::register(&registry),
+            flow: FlowMetrics::register(&registry),
             registry,
         }
     }

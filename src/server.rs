@@ -248,6 +248,74 @@ pub struct ServeArgs {
     )]
     pub sheddable_threshold_fraction: f64,
 
+    /// Flow control: when every eligible rank is saturated (see `--saturation-*`), hold the
+    /// request in kvpick (the ext_proc stream waits) and release waiting requests by priority,
+    /// fairly across fairness keys, as capacity frees. `false`: dispatch at once; only the busy
+    /// thresholds refuse (429).
+    #[arg(
+        long,
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL",
+        help_heading = "Flow control"
+    )]
+    pub flow_control: bool,
+
+    /// Longest a request waits in the queue; then 503, or 429 for a sheddable request
+    /// (negative priority).
+    #[arg(
+        long,
+        default_value_t = 30.0,
+        value_name = "SECONDS",
+        help_heading = "Flow control"
+    )]
+    pub queue_timeout: f64,
+
+    /// Most requests waiting per priority band; an arrival to a full band is refused at once
+    /// (503, 429 sheddable).
+    #[arg(
+        long,
+        default_value_t = 10_000,
+        value_name = "N",
+        help_heading = "Flow control"
+    )]
+    pub queue_band_capacity: usize,
+
+    /// A rank is saturated when the prefill already booked on it would take this long at the
+    /// calibrated TTFT line (its queue wait); `inf` = never on this ground.
+    #[arg(
+        long,
+        default_value_t = 1.0,
+        value_name = "SECONDS",
+        help_heading = "Flow control"
+    )]
+    pub saturation_wait: f64,
+
+    /// A rank is saturated with this many booked requests (this replica's and, with
+    /// `--shared-state`, the others'). Unset: no such bound.
+    #[arg(long, value_name = "N", help_heading = "Flow control")]
+    pub saturation_max_requests: Option<u64>,
+
+    /// With `--engine-metrics`: a rank whose engine reports this many waiting requests is
+    /// saturated (fresh readings only).
+    #[arg(
+        long,
+        default_value_t = 8,
+        value_name = "N",
+        help_heading = "Flow control"
+    )]
+    pub saturation_engine_waiting: u64,
+
+    /// With `--engine-metrics`: a rank whose engine reports this KV-cache usage (0..1) is
+    /// saturated (fresh readings only).
+    #[arg(
+        long,
+        default_value_t = 0.95,
+        value_name = "F",
+        help_heading = "Flow control"
+    )]
+    pub saturation_kv_usage: f64,
+
     /// Honour explicit pins (`x-dynamo-worker-instance-id` [+ `x-dynamo-dp-rank`]); off = ignored.
     #[arg(long, help_heading = "Scheduling")]
     pub allow_pins: bool,
@@ -641,7 +709,39 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         kv_events: args.kv_events == "on",
         index_max_blocks: args.index_max_blocks,
         engine_metrics_max_age: Duration::from_millis(args.engine_metrics_stale_ms),
+        flow: flow_config(args)?,
         ..CoreConfig::default()
+    })
+}
+
+/// `--flow-control`, `--queue-*`, `--saturation-*`.
+pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> {
+    let timeout = args.queue_timeout;
+    if !(timeout.is_finite() && timeout >= 0.0 && timeout <= 3600.0) {
+        anyhow::bail!("--queue-timeout must be 0..=3600 seconds, got {timeout}");
+    }
+    let wait = args.saturation_wait;
+    if wait.is_nan() || wait <= 0.0 {
+        anyhow::bail!("--saturation-wait must be > 0 seconds (inf = off), got {wait}");
+    }
+    let kv = args.saturation_kv_usage;
+    if !(kv > 0.0 && kv <= 1.0) {
+        anyhow::bail!("--saturation-kv-usage must be in (0, 1], got {kv}");
+    }
+    if args.queue_band_capacity == 0 {
+        anyhow::bail!("--queue-band-capacity must be at least 1");
+    }
+    Ok(kvpick_core::FlowConfig {
+        enabled: args.flow_control,
+        queue_timeout: Duration::from_secs_f64(timeout),
+        band_capacity: args.queue_band_capacity,
+        saturation: kvpick_core::SaturationLimits {
+            max_wait_seconds: wait.is_finite().then_some(wait),
+            max_active_requests: args.saturation_max_requests,
+            engine_waiting: Some(args.saturation_engine_waiting),
+            engine_kv_usage: Some(kv),
+        },
+        ..kvpick_core::FlowConfig::default()
     })
 }
 
@@ -726,6 +826,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             Arc::clone(&core),
             core.catalog_changes(),
         ));
+    }
+
+    // Flow control: a release pass while requests wait, for what frees capacity without an
+    // operation of its own (an engine reading going stale); bookings ending release at once.
+    if core.config().flow.enabled {
+        let core = Arc::clone(&core);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(250));
+            loop {
+                tick.tick().await;
+                if core.waiting_requests() > 0 {
+                    core.pump_queues();
+                }
+            }
+        });
     }
 
     // Booking reaper.

@@ -180,6 +180,15 @@ impl ExternalProcessor for ExtProcService {
                                 }
                                 step = machine.resume_after_lookup();
                             }
+                            if let Some(waiter) = step.queue.take() {
+                                // Dropping the waiter (Envoy gone: the client disconnected)
+                                // takes the request out of the queue at once.
+                                let outcome = tokio::select! {
+                                    o = waiter.wait() => o,
+                                    _ = tx.closed() => break "gone_while_queued",
+                                };
+                                step = machine.resume_after_queue(outcome);
+                            }
                             for response in step.responses {
                                 if tx.send(Ok(response)).await.is_err() {
                                     break;

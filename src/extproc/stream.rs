@@ -21,6 +21,7 @@ use tonic::Status;
 use crate::request::{parse_request_body, BodyError, ParsedBody, Prompt};
 use crate::selection::session::SessionOutcome;
 use crate::selection::ToHttpStatus;
+use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
@@ -81,6 +82,26 @@ pub struct Step {
     /// The budget held by the body echoed in `responses`: the host drops it once they are sent,
     /// so the bytes count against the budget for as long as kvpick holds them.
     pub body_lease: Option<BodyLease>,
+    /// Flow control: the request waits for capacity. The host awaits [`Waiter::wait`] (dropping
+    /// it if Envoy goes away, which leaves the queue) and calls
+    /// [`StreamMachine::resume_after_queue`] with the outcome.
+    pub queue: Option<Waiter>,
+}
+
+/// What is left to answer once a queued request is routed.
+struct QueuedRoute {
+    request_id: String,
+    started: Instant,
+    header_only: bool,
+    /// The body to echo (and its trailers) once routed; `None` for a header-only request.
+    tail: Option<BodyTail>,
+}
+
+struct BodyTail {
+    body: Vec<Vec<u8>>,
+    lease: BodyLease,
+    end_of_stream: bool,
+    trailers: bool,
 }
 
 /// A prompt to tokenize off the state machine (ARCHITECTURE.md §8).
@@ -127,6 +148,12 @@ pub struct StreamMachine {
     header_error: Option<String>,
     session_id: Option<String>,
     pending: Option<PendingRoute>,
+    /// Flow control: the fairness key and SLOs of the request (headers).
+    fairness_key: Option<String>,
+    slo_ttft_ms: Option<u64>,
+    slo_tpot_ms: Option<u64>,
+    /// Routed once its [`Waiter`] is released.
+    queued: Option<QueuedRoute>,
 }
 
 impl StreamMachine {
@@ -156,6 +183,10 @@ impl StreamMachine {
             header_error: None,
             session_id: None,
             pending: None,
+            fairness_key: None,
+            slo_ttft_ms: None,
+            slo_tpot_ms: None,
+            queued: None,
             settings,
         }
     }
@@ -303,6 +334,22 @@ impl StreamMachine {
                 }
                 "x-dynamo-worker-instance-id" => worker_pin = Some(value.trim().to_string()),
                 "x-dynamo-dp-rank" => rank_pin = Some(value.trim().to_string()),
+                "x-llm-d-fairness-id" | "x-gateway-inference-fairness-id"
+                    if !value.is_empty() =>
+                {
+                    self.fairness_key = Some(value.chars().take(256).collect());
+                }
+                "x-llm-d-slo-ttft-ms" | "x-llm-d-slo-tpot-ms" => {
+                    match value.trim().parse::<u64>() {
+                        Ok(ms) if name == "x-llm-d-slo-ttft-ms" => self.slo_ttft_ms = Some(ms),
+                        Ok(ms) => self.slo_tpot_ms = Some(ms),
+                        Err(_) => {
+                            self.header_error.get_or_insert_with(|| {
+                                format!("{name} must be a whole number of milliseconds")
+                            });
+                        }
+                    }
+                }
                 "x-dynamo-request-priority" => match value.trim().parse::<i32>() {
                     Ok(p) => self.priority = p,
                     Err(_) => {
@@ -470,6 +517,15 @@ impl StreamMachine {
             return Ok(step);
         }
         let (chunks, lease) = self.body.take();
+        if let Some(queued) = self.queued.as_mut() {
+            queued.tail = Some(BodyTail {
+                body: chunks,
+                lease,
+                end_of_stream: body_end_of_stream,
+                trailers: false,
+            });
+            return Ok(step);
+        }
         step.responses
             .extend(body_chunks(chunks, body_end_of_stream));
         step.body_lease = Some(lease);
@@ -528,6 +584,15 @@ impl StreamMachine {
         if step.finished {
             return step;
         }
+        if let Some(queued) = self.queued.as_mut() {
+            queued.tail = Some(BodyTail {
+                body: pending.body,
+                lease: pending.lease,
+                end_of_stream: pending.body_end_of_stream,
+                trailers: pending.trailers,
+            });
+            return step;
+        }
         step.responses
             .extend(body_chunks(pending.body, pending.body_end_of_stream));
         step.body_lease = Some(pending.lease);
@@ -579,14 +644,80 @@ impl StreamMachine {
             fallbacks: self.settings.fallbacks,
             temperature: None,
             priority: self.priority,
+            fairness_key: self.fairness_key.clone(),
+            slo_ttft_ms: self.slo_ttft_ms,
+            slo_tpot_ms: self.slo_tpot_ms,
             session_id: self.session_id.clone(),
             on_duplicate: DuplicateId::Suffix,
             holder: crate::selection::Holder::Stream,
         };
-        let reservation = match self.core.select_and_reserve(&request) {
-            Ok(r) => r,
-            Err(err) => return self.reject_select(&err),
+        match self.core.admit(&request) {
+            Ok(Admitted::Now(r)) => self.routed(r, &request.request_id, started, header_only, false),
+            Ok(Admitted::Queued(waiter)) => {
+                tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
+                self.queued = Some(QueuedRoute {
+                    request_id: request.request_id,
+                    started,
+                    header_only,
+                    tail: None,
+                });
+                Step {
+                    queue: Some(waiter),
+                    ..Step::default()
+                }
+            }
+            Err(err) => self.reject_select(&err),
+        }
+    }
+
+    /// Finishes a request that waited in the queue: routed (its headers answer, then the body it
+    /// held), or refused (503 / 429).
+    pub fn resume_after_queue(
+        &mut self,
+        outcome: Result<Reservation, SelectError>,
+    ) -> Step {
+        let Some(queued) = self.queued.take() else {
+            return Step::default();
         };
+        let mut step = match outcome {
+            Ok(r) => self.routed(
+                r,
+                &queued.request_id,
+                queued.started,
+                queued.header_only,
+                true,
+            ),
+            Err(err) => self.reject_select(&err),
+        };
+        if step.finished {
+            return step;
+        }
+        if let Some(tail) = queued.tail {
+            step.responses
+                .extend(body_chunks(tail.body, tail.end_of_stream));
+            step.body_lease = Some(tail.lease);
+            if tail.trailers {
+                step.responses.push(ProcessingResponse {
+                    response: Some(processing_response::Response::RequestTrailers(
+                        TrailersResponse::default(),
+                    )),
+                    ..Default::default()
+                });
+            }
+        }
+        step
+    }
+
+    /// The headers response for a booked pick. `waited`: the request came out of the queue (its
+    /// wait is in `kvpick_queue_wait_seconds`, not the pick latency).
+    fn routed(
+        &mut self,
+        reservation: Reservation,
+        request_id: &str,
+        started: Instant,
+        header_only: bool,
+        waited: bool,
+    ) -> Step {
         let selection = reservation.selection();
         let mut destination = selection.primary.endpoint.to_string();
         for f in &selection.fallbacks {
@@ -605,7 +736,7 @@ impl StreamMachine {
             ),
         ];
         if self.request_id.is_none() {
-            set.push(set_header("x-request-id", &request.request_id));
+            set.push(set_header("x-request-id", request_id));
         }
         let mut remove: Vec<String> = self
             .header_names
@@ -655,10 +786,12 @@ impl StreamMachine {
         self.picked_at = Some(Instant::now());
         let metrics = self.core.metrics();
         metrics.extproc.requests.with_label_values(&["200"]).inc();
-        metrics
-            .extproc
-            .pick_latency
-            .observe(started.elapsed().as_secs_f64());
+        if !waited {
+            metrics
+                .extproc
+                .pick_latency
+                .observe(started.elapsed().as_secs_f64());
+        }
         Step {
             responses: vec![response],
             ..Step::default()
@@ -782,6 +915,7 @@ impl StreamMachine {
         self.phase = Phase::Finished;
         drop(self.body.take());
         self.pending = None;
+        self.queued = None;
         self.core
             .metrics()
             .extproc

@@ -1508,3 +1508,182 @@ async fn a_session_unknown_here_is_looked_up_before_its_pick_and_redis_down_neve
         "s-2 was routed on local state because Redis is down"
     );
 }
+
+/// Flow control through the state machine: one rank that takes one request at a time.
+mod queue {
+    use super::*;
+    use kvpick_core::{FlowConfig, SaturationLimits};
+    use std::time::Duration;
+
+    fn one_at_a_time(timeout: Duration) -> Arc<SelectionCore> {
+        let core = SelectionCore::new(
+            CoreConfig {
+                seed: Some(1),
+                flow: FlowConfig {
+                    queue_timeout: timeout,
+                    saturation: SaturationLimits {
+                        max_wait_seconds: None,
+                        max_active_requests: Some(1),
+                        engine_waiting: None,
+                        engine_kv_usage: None,
+                    },
+                    ..FlowConfig::default()
+                },
+                ..Default::default()
+            },
+            Metrics::new(),
+        );
+        core.apply_snapshot(vec![worker("a", "m", RankLayout::PerPort(vec![8000]))])
+            .unwrap();
+        core
+    }
+
+    fn machine(core: &Arc<SelectionCore>) -> StreamMachine {
+        StreamMachine::new(Arc::clone(core), Arc::new(ExtProcSettings::default()))
+    }
+
+    fn request(id: &str, priority: &str) -> ProcessingRequest {
+        headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                ("content-type", "application/json"),
+                ("x-request-id", id),
+                ("x-dynamo-request-priority", priority),
+            ],
+            false,
+        )
+    }
+
+    /// Sends a request through; returns the step after its body.
+    fn send(m: &mut StreamMachine, id: &str, priority: &str) -> Step {
+        assert!(m.handle(request(id, priority)).unwrap().responses.is_empty());
+        m.handle(body(CHAT, true)).unwrap()
+    }
+
+    fn status(step: &Step) -> Option<u32> {
+        step.responses.iter().find_map(|r| match r.response.as_ref()? {
+            R::ImmediateResponse(i) => Some(i.status.as_ref()?.code as u32),
+            _ => None,
+        })
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queued_stream_is_routed_when_capacity_frees_and_its_body_follows() {
+        let core = one_at_a_time(Duration::from_secs(30));
+        let mut first = machine(&core);
+        let step = send(&mut first, "r1", "0");
+        assert!(step.queue.is_none());
+        assert_eq!(step.responses.len(), 2, "headers + body");
+        let mut second = machine(&core);
+        let mut step = send(&mut second, "r2", "0");
+        assert!(step.responses.is_empty(), "nothing answered while queued");
+        let waiter = step.queue.take().expect("queued");
+        assert_eq!(core.waiting_requests(), 1);
+        drop(first); // the first stream ends: its booking frees and releases the second
+        let outcome = waiter.wait().await;
+        let step = second.resume_after_queue(outcome);
+        let m = header_mutation(&step.responses[0]);
+        assert_eq!(
+            set_value(m, DESTINATION_HEADER).as_deref(),
+            Some("127.0.0.1:8000")
+        );
+        assert!(
+            matches!(step.responses[1].response, Some(R::RequestBody(_))),
+            "the held body is echoed after the headers"
+        );
+        assert_eq!(second.booking_id(), Some("r2"));
+        assert_eq!(core.live_bookings(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn higher_priority_streams_are_released_first() {
+        let core = one_at_a_time(Duration::from_secs(30));
+        let mut running = machine(&core);
+        send(&mut running, "busy", "0");
+        let mut low = machine(&core);
+        let low_waiter = send(&mut low, "low", "-1").queue.unwrap();
+        let mut high = machine(&core);
+        let high_waiter = send(&mut high, "high", "9").queue.unwrap();
+        drop(running);
+        let outcome = high_waiter.wait().await;
+        assert_eq!(outcome.as_ref().unwrap().booking_id(), "high");
+        let high_step = high.resume_after_queue(outcome);
+        assert_eq!(status(&high_step), None);
+        assert_eq!(core.waiting_requests(), 1, "the sheddable one still waits");
+        drop(high);
+        let outcome = low_waiter.wait().await;
+        assert_eq!(outcome.unwrap().booking_id(), "low");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_queue_timeout_answers_503_and_429_for_sheddable() {
+        let core = one_at_a_time(Duration::from_secs(2));
+        let mut running = machine(&core);
+        send(&mut running, "busy", "0");
+        for (priority, expected) in [("0", 503), ("-1", 429)] {
+            let mut m = machine(&core);
+            let waiter = send(&mut m, "w", priority).queue.unwrap();
+            let started = tokio::time::Instant::now();
+            let outcome = waiter.wait().await;
+            assert_eq!(started.elapsed(), Duration::from_secs(2));
+            let step = m.resume_after_queue(outcome);
+            assert_eq!(status(&step), Some(expected));
+            assert!(step.finished);
+        }
+        assert_eq!(core.waiting_requests(), 0);
+        let text = core.metrics().render();
+        assert!(
+            text.contains(r#"kvpick_queue_rejected_total{priority="0",reason="timeout"} 1"#),
+            "{text}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_gone_while_queued_leaves_the_queue_and_books_nothing() {
+        let core = one_at_a_time(Duration::from_secs(30));
+        let mut running = machine(&core);
+        send(&mut running, "busy", "0");
+        let mut gone = machine(&core);
+        let waiter = send(&mut gone, "gone", "0").queue.unwrap();
+        assert_eq!(core.waiting_requests(), 1);
+        drop(waiter);
+        drop(gone);
+        assert_eq!(core.waiting_requests(), 0);
+        drop(running);
+        assert_eq!(core.live_bookings(), 0, "nothing was released to the gone client");
+        let text = core.metrics().render();
+        assert!(text.contains(r#"reason="cancelled"} 1"#), "{text}");
+        assert!(text.contains(r#"kvpick_queue_depth{priority="0"} 0"#), "{text}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_dropped_after_its_release_frees_the_booking() {
+        let core = one_at_a_time(Duration::from_secs(30));
+        let mut running = machine(&core);
+        send(&mut running, "busy", "0");
+        let mut late = machine(&core);
+        let waiter = send(&mut late, "late", "0").queue.unwrap();
+        drop(running); // released: booked for "late"...
+        assert_eq!(core.live_bookings(), 1);
+        drop(waiter); // ...whose client went away before it read the outcome
+        assert_eq!(core.live_bookings(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn bad_flow_headers_are_400() {
+        let core = one_at_a_time(Duration::from_secs(30));
+        let mut m = machine(&core);
+        let h = headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                ("x-llm-d-slo-ttft-ms", "soon"),
+            ],
+            false,
+        );
+        m.handle(h).unwrap();
+        let step = m.handle(body(CHAT, true)).unwrap();
+        assert_eq!(status(&step), Some(400));
+    }
+}

@@ -7,10 +7,11 @@
 //! Hosts (ext_proc, the gRPC API) use this type; they never keep scheduling state of their own.
 //! This module must not parse request bodies or know about Envoy.
 
+pub mod admission;
 pub mod reconcile;
 
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use tokio::sync::watch;
 
@@ -60,18 +61,24 @@ pub struct SelectionCore {
     catalog_tx: watch::Sender<u64>,
     /// `--shared-state`: sessions and load shared with the other replicas (unset: none).
     shared: OnceLock<Arc<SharedState>>,
+    /// Flow control: where released requests' reservations go ([`admission`]).
+    mailboxes: admission::Mailboxes,
+    /// This core's own `Arc` (a released request's [`Reservation`] holds one).
+    this: Weak<SelectionCore>,
 }
 
 impl SelectionCore {
     pub fn new(config: CoreConfig, metrics: Metrics) -> Arc<Self> {
         let (ready_tx, _) = watch::channel(false);
         let (catalog_tx, _) = watch::channel(0);
-        Arc::new(SelectionCore {
+        Arc::new_cyclic(|this| SelectionCore {
             core: Core::new(config),
             metrics,
             ready_tx,
             catalog_tx,
             shared: OnceLock::new(),
+            mailboxes: admission::Mailboxes::default(),
+            this: this.clone(),
         })
     }
 
@@ -98,8 +105,19 @@ impl SelectionCore {
         self.ready_tx.subscribe()
     }
 
+    /// Applies an operation's facts: metrics, then any queued request it released goes to its
+    /// waiter.
     fn record(&self, facts: Facts) {
         self.metrics.apply(&facts);
+        self.deliver(&facts);
+    }
+
+    fn reservation(self: &Arc<Self>, selection: Selection) -> Reservation {
+        Reservation {
+            core: Arc::clone(self),
+            selection,
+            armed: true,
+        }
     }
 
     fn catalog_applied(&self, report: &ApplyReport, facts: Facts) {
@@ -228,6 +246,8 @@ impl SelectionCore {
     /// Sets the load the other replicas booked, per rank.
     pub fn set_remote_loads(&self, loads: &std::collections::HashMap<RankKey, RankLoad>) {
         self.core.set_remote_loads(loads);
+        // Other replicas' load fell: waiting requests may fit now.
+        self.pump_queues();
     }
 
     /// Picks a rank and books it atomically. The returned guard frees the booking when dropped
