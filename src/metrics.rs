@@ -736,7 +736,10 @@ impl Metrics {
                 Fact::SloTtft { priority, met } => {
                     let band = self.flow.priority_label(*priority);
                     let outcome = if *met { "met" } else { "missed" };
-                    self.flow.slo_ttft.with_label_values(&[&band, outcome]).inc();
+                    self.flow
+                        .slo_ttft
+                        .with_label_values(&[&band, outcome])
+                        .inc();
                 }
                 Fact::Queue {
                     priority,

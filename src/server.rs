@@ -717,7 +717,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
 /// `--flow-control`, `--queue-*`, `--saturation-*`.
 pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> {
     let timeout = args.queue_timeout;
-    if !(timeout.is_finite() && timeout >= 0.0 && timeout <= 3600.0) {
+    if !(0.0..=3600.0).contains(&timeout) {
         anyhow::bail!("--queue-timeout must be 0..=3600 seconds, got {timeout}");
     }
     let wait = args.saturation_wait;

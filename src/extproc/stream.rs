@@ -19,9 +19,9 @@ use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
 use crate::request::{parse_request_body, BodyError, ParsedBody, Prompt};
+use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::session::SessionOutcome;
 use crate::selection::ToHttpStatus;
-use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
@@ -334,9 +334,7 @@ impl StreamMachine {
                 }
                 "x-dynamo-worker-instance-id" => worker_pin = Some(value.trim().to_string()),
                 "x-dynamo-dp-rank" => rank_pin = Some(value.trim().to_string()),
-                "x-llm-d-fairness-id" | "x-gateway-inference-fairness-id"
-                    if !value.is_empty() =>
-                {
+                "x-llm-d-fairness-id" | "x-gateway-inference-fairness-id" if !value.is_empty() => {
                     self.fairness_key = Some(value.chars().take(256).collect());
                 }
                 "x-llm-d-slo-ttft-ms" | "x-llm-d-slo-tpot-ms" => {
@@ -652,7 +650,9 @@ impl StreamMachine {
             holder: crate::selection::Holder::Stream,
         };
         match self.core.admit(&request) {
-            Ok(Admitted::Now(r)) => self.routed(r, &request.request_id, started, header_only, false),
+            Ok(Admitted::Now(r)) => {
+                self.routed(r, &request.request_id, started, header_only, false)
+            }
             Ok(Admitted::Queued(waiter)) => {
                 tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
                 self.queued = Some(QueuedRoute {
@@ -672,10 +672,7 @@ impl StreamMachine {
 
     /// Finishes a request that waited in the queue: routed (its headers answer, then the body it
     /// held), or refused (503 / 429).
-    pub fn resume_after_queue(
-        &mut self,
-        outcome: Result<Reservation, SelectError>,
-    ) -> Step {
+    pub fn resume_after_queue(&mut self, outcome: Result<Reservation, SelectError>) -> Step {
         let Some(queued) = self.queued.take() else {
             return Step::default();
         };

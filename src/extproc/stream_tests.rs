@@ -1557,15 +1557,21 @@ mod queue {
 
     /// Sends a request through; returns the step after its body.
     fn send(m: &mut StreamMachine, id: &str, priority: &str) -> Step {
-        assert!(m.handle(request(id, priority)).unwrap().responses.is_empty());
+        assert!(m
+            .handle(request(id, priority))
+            .unwrap()
+            .responses
+            .is_empty());
         m.handle(body(CHAT, true)).unwrap()
     }
 
     fn status(step: &Step) -> Option<u32> {
-        step.responses.iter().find_map(|r| match r.response.as_ref()? {
-            R::ImmediateResponse(i) => Some(i.status.as_ref()?.code as u32),
-            _ => None,
-        })
+        step.responses
+            .iter()
+            .find_map(|r| match r.response.as_ref()? {
+                R::ImmediateResponse(i) => Some(i.status.as_ref()?.code as u32),
+                _ => None,
+            })
     }
 
     #[tokio::test(start_paused = true)]
@@ -1651,10 +1657,17 @@ mod queue {
         drop(gone);
         assert_eq!(core.waiting_requests(), 0);
         drop(running);
-        assert_eq!(core.live_bookings(), 0, "nothing was released to the gone client");
+        assert_eq!(
+            core.live_bookings(),
+            0,
+            "nothing was released to the gone client"
+        );
         let text = core.metrics().render();
         assert!(text.contains(r#"reason="cancelled"} 1"#), "{text}");
-        assert!(text.contains(r#"kvpick_queue_depth{priority="0"} 0"#), "{text}");
+        assert!(
+            text.contains(r#"kvpick_queue_depth{priority="0"} 0"#),
+            "{text}"
+        );
     }
 
     #[tokio::test(start_paused = true)]

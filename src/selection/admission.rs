@@ -23,7 +23,7 @@ enum Mailbox {
     /// Its waiter is listening.
     Waiting(oneshot::Sender<Outcome>),
     /// Released before its waiter registered (the admission call had not returned yet).
-    Ready(Outcome),
+    Ready(Box<Outcome>),
 }
 
 /// The waiters of this process's queued requests, by ticket.
@@ -75,7 +75,9 @@ impl Waiter {
     pub async fn wait(mut self) -> Outcome {
         let Some(mut rx) = self.rx.take() else {
             self.settled = true;
-            return Err(SelectError::Unavailable("queued request lost its waiter".into()));
+            return Err(SelectError::Unavailable(
+                "queued request lost its waiter".into(),
+            ));
         };
         let outcome = tokio::select! {
             outcome = &mut rx => outcome,
@@ -137,7 +139,7 @@ impl SelectionCore {
                 let mut mailboxes = self.mailboxes.lock();
                 if let Some(Mailbox::Ready(outcome)) = mailboxes.remove(&ticket) {
                     drop(mailboxes);
-                    return outcome.map(Admitted::Now);
+                    return (*outcome).map(Admitted::Now);
                 }
                 let (tx, rx) = oneshot::channel();
                 mailboxes.insert(ticket, Mailbox::Waiting(tx));
@@ -188,7 +190,9 @@ impl SelectionCore {
                 // A failed send drops the reservation (its client is gone): the booking is freed.
                 Some(Mailbox::Waiting(tx)) => drop(tx.send(outcome)),
                 Some(Mailbox::Ready(_)) | None => {
-                    self.mailboxes.lock().insert(*ticket, Mailbox::Ready(outcome));
+                    self.mailboxes
+                        .lock()
+                        .insert(*ticket, Mailbox::Ready(Box::new(outcome)));
                 }
             }
         }
