@@ -52,7 +52,7 @@ impl Default for SaturationLimits {
 }
 
 /// Flow-control settings.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FlowConfig {
     /// Off: no queue; a request that finds every rank over a busy threshold is refused at once
     /// (the behaviour before flow control), and saturation limits are not applied.

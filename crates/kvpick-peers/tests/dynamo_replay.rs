@@ -52,10 +52,7 @@ async fn a_repeated_prefix_goes_to_the_rank_whose_events_announced_it() {
         let mut prompt = prefix.clone();
         prompt.extend(tokens(100 + id as u32, 3 * BLOCK));
         let rank = dynamo.pick(
-            &PickRequest {
-                id,
-                tokens: &prompt,
-            },
+            &PickRequest::new(id, &prompt),
             &fleet,
         );
         assert_eq!(rank, 2, "request {id} extends the prefix rank 2 caches");
@@ -85,10 +82,7 @@ async fn load_tracking_spreads_cold_requests_and_frees_them() {
         .map(|id| {
             let prompt = tokens(id as u32 + 1, 64 * BLOCK);
             dynamo.pick(
-                &PickRequest {
-                    id,
-                    tokens: &prompt,
-                },
+                &PickRequest::new(id, &prompt),
                 &fleet,
             )
         })
@@ -111,6 +105,7 @@ fn family_trace() -> Vec<TraceRecord> {
             input_length: 3 * 512 + 100,
             output_length: 8,
             hash_ids: vec![1, 2, 3, 1_000 + i],
+            class: Default::default(),
         })
         .collect()
 }

@@ -10,6 +10,7 @@
 //! This module owns the loop, the metrics and the report; policies live in [`policy`], the trace
 //! format in [`trace`]. It must not reach into the selection core beyond its public API.
 
+mod flow_report;
 pub mod policy;
 pub mod trace;
 
@@ -83,6 +84,42 @@ pub struct ReplayArgs {
     /// the prior line and every rank at scale 1; as `kvpick serve`).
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
     pub calibrate: bool,
+    /// kvpick policy: flow control — hold requests in kvpick while every rank is saturated and
+    /// release them by priority and fairness (as `kvpick serve`).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub flow_control: bool,
+    /// kvpick policy: longest wait in kvpick's queue, seconds (as `kvpick serve`).
+    #[arg(long, default_value_t = 30.0)]
+    pub queue_timeout: f64,
+    /// kvpick policy: a rank is saturated when its booked prefill would take this long, seconds
+    /// (as `kvpick serve`; `inf` = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub saturation_wait: f64,
+}
+
+/// kvpick's flow control in the replay, from `--flow-control`, `--queue-timeout`,
+/// `--saturation-wait` (as `kvpick serve`).
+fn replay_flow(args: &ReplayArgs) -> anyhow::Result<kvpick_core::FlowConfig> {
+    anyhow::ensure!(
+        (0.0..=3600.0).contains(&args.queue_timeout),
+        "--queue-timeout must be 0..=3600 seconds"
+    );
+    anyhow::ensure!(
+        args.saturation_wait > 0.0,
+        "--saturation-wait must be > 0 seconds (inf = off)"
+    );
+    Ok(kvpick_core::FlowConfig {
+        enabled: args.flow_control,
+        queue_timeout: Duration::from_secs_f64(args.queue_timeout),
+        saturation: kvpick_core::SaturationLimits {
+            max_wait_seconds: args
+                .saturation_wait
+                .is_finite()
+                .then_some(args.saturation_wait),
+            ..Default::default()
+        },
+        ..Default::default()
+    })
 }
 
 /// See [`ReplayArgs::arrival_speedup`].
@@ -117,6 +154,12 @@ pub struct PolicyReport {
     /// How well the policy's TTFT estimate predicted the observed TTFT (kvpick only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_prediction: Option<policy::PredictionReport>,
+    /// Per priority band, highest first (traces with flow-control columns only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub bands: Vec<flow_report::BandReport>,
+    /// Per tenant (traces with a `tenant` column only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<flow_report::TenantReport>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -168,6 +211,7 @@ pub struct Prepared {
     pub arrival_ns: u64,
     pub tokens: Vec<u32>,
     pub output: u32,
+    pub class: trace::FlowClass,
 }
 
 pub fn prepare(records: &[TraceRecord], speedup: f64) -> Vec<Prepared> {
@@ -180,6 +224,7 @@ pub fn prepare(records: &[TraceRecord], speedup: f64) -> Vec<Prepared> {
             arrival_ns: ((r.timestamp - base) as f64 * 1e6 / speedup).round() as u64,
             tokens: trace::synthesize(r),
             output: r.output_length.max(1),
+            class: r.class.clone(),
         })
         .collect();
     out.sort_by_key(|p| (p.arrival_ns, p.id));
@@ -292,6 +337,8 @@ struct Outcome {
     prompt: u64,
     output: u64,
     refused: bool,
+    /// The status a refused request got (429 / 503), when the router refused it.
+    status: Option<u16>,
 }
 
 struct RankState {
@@ -364,28 +411,55 @@ async fn run_one(
                 }
             }
         }
-        // 2. Arrivals now are routed and queued.
+        // 2. Arrivals now are routed and queued (in the engine, or in the router's own queue).
+        policy.tick();
+        let mut dispatch: Vec<(u64, usize)> = Vec::new();
         while let Some(req) = requests.get(next_arrival).filter(|r| r.arrival_ns == now) {
             next_arrival += 1;
             let metrics: Vec<EngineStats> = ranks.iter().map(|r| r.engine.stats()).collect();
-            let rank = policy.pick(
+            let admitted = policy.admit(
                 &PickRequest {
                     id: req.id,
                     tokens: &req.tokens,
+                    priority: req.class.priority.unwrap_or(0),
+                    tenant: req.class.tenant.as_deref(),
+                    slo_ttft_ms: req.class.slo_ttft_ms,
                 },
                 &FleetView { metrics: &metrics },
             );
             let out = &mut outcomes[index_of[&req.id]];
-            out.rank = rank;
             out.prompt = req.tokens.len() as u64;
+            match admitted {
+                policy::Admit::Now(rank) => dispatch.push((req.id, rank)),
+                policy::Admit::Queued => {}
+                policy::Admit::Refused(status) => {
+                    out.refused = true;
+                    out.status = Some(status);
+                }
+            }
+        }
+        for released in policy.take_released() {
+            match released {
+                policy::Released::Dispatched { id, rank } => dispatch.push((id, rank)),
+                policy::Released::Refused { id, status } => {
+                    let out = &mut outcomes[index_of[&id]];
+                    out.refused = true;
+                    out.status = Some(status);
+                }
+            }
+        }
+        for (id, rank) in dispatch {
+            let req = &requests[index_of[&id]];
+            let out = &mut outcomes[index_of[&id]];
+            out.rank = rank;
             let added = ranks[rank].engine.add_request(EngineRequest {
-                id: req.id,
+                id,
                 prompt: req.tokens.clone(),
                 max_tokens: req.output,
             });
             if added.is_err() {
                 out.refused = true;
-                policy.on_complete(req.id, rank);
+                policy.on_complete(id, rank);
             }
         }
         // 3. Idle ranks start their next step.
@@ -447,6 +521,8 @@ async fn run_one(
         refused,
         preemptions: ranks.iter().map(|r| r.engine.stats().preemptions).sum(),
         ttft_prediction: policy.prediction_report(),
+        bands: flow_report::bands(&outcomes, requests, makespan_ns),
+        tenants: flow_report::tenants(&outcomes, requests, makespan_ns),
     }
 }
 
@@ -544,6 +620,7 @@ pub fn build_report_with(args: &ReplayArgs, peers: policy::PeerBuilder) -> anyho
             calibrate: args.calibrate,
             ..Default::default()
         },
+        flow: replay_flow(args)?,
     };
     let policies = run_policies_with(
         &requests,

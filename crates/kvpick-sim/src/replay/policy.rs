@@ -55,6 +55,41 @@ pub struct FleetView<'a> {
 pub struct PickRequest<'a> {
     pub id: u64,
     pub tokens: &'a [u32],
+    /// Flow-control class (trace columns): priority (negative = sheddable), tenant, TTFT SLO.
+    pub priority: i32,
+    pub tenant: Option<&'a str>,
+    pub slo_ttft_ms: Option<u64>,
+}
+
+impl<'a> PickRequest<'a> {
+    /// A request without a flow-control class.
+    pub fn new(id: u64, tokens: &'a [u32]) -> Self {
+        PickRequest {
+            id,
+            tokens,
+            priority: 0,
+            tenant: None,
+            slo_ttft_ms: None,
+        }
+    }
+}
+
+/// What a policy with flow control does with an arriving request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admit {
+    /// Dispatch to this rank now.
+    Now(usize),
+    /// Held in the router's queue: it comes out through [`Policy::take_released`].
+    Queued,
+    /// Refused with this HTTP status (429, 503).
+    Refused(u16),
+}
+
+/// A request leaving a policy's queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Released {
+    Dispatched { id: u64, rank: usize },
+    Refused { id: u64, status: u16 },
 }
 
 pub trait Policy {
@@ -71,6 +106,16 @@ pub trait Policy {
     fn prediction_report(&self) -> Option<PredictionReport> {
         None
     }
+    /// Flow control: dispatch now, hold, or refuse. Policies without a queue pick now.
+    fn admit(&mut self, request: &PickRequest, fleet: &FleetView) -> Admit {
+        Admit::Now(self.pick(request, fleet))
+    }
+    /// Requests that left the policy's queue since the last call, in order.
+    fn take_released(&mut self) -> Vec<Released> {
+        Vec::new()
+    }
+    /// Virtual time advanced: queue deadlines may have passed.
+    fn tick(&mut self) {}
 }
 
 /// Predicted vs observed TTFT over a replay.
@@ -135,6 +180,8 @@ pub struct PolicyOptions {
     pub predicted_ttl: std::time::Duration,
     /// kvpick's TTFT estimator.
     pub estimator: kvpick_core::EstimatorConfig,
+    /// kvpick's flow control (queue, saturation limits).
+    pub flow: kvpick_core::FlowConfig,
 }
 
 impl PolicyOptions {
@@ -145,6 +192,7 @@ impl PolicyOptions {
             cost: CostParams::default(),
             predicted_ttl: CoreConfig::default().predicted_ttl,
             estimator: kvpick_core::EstimatorConfig::default(),
+            flow: kvpick_core::FlowConfig::default(),
         }
     }
 }
@@ -511,6 +559,9 @@ pub struct Kvpick {
     ranks: Vec<RankKey>,
     port_to_rank: HashMap<u16, usize>,
     bookings: HashMap<u64, String>,
+    /// Flow control: queue tickets -> request ids, and what left the queue.
+    tickets: HashMap<u64, u64>,
+    released: Vec<Released>,
     predictions: PredictionSums,
     pub rejected: u64,
     pub events_dropped: u64,
@@ -554,6 +605,7 @@ impl Kvpick {
             cost: options.cost,
             predicted_ttl: options.predicted_ttl,
             estimator: options.estimator,
+            flow: options.flow,
             kv_events: true,
             ..CoreConfig::default()
         }));
@@ -580,6 +632,8 @@ impl Kvpick {
                 .map(|i| (REPLAY_BASE_PORT + i as u16, i))
                 .collect(),
             bookings: HashMap::new(),
+            tickets: HashMap::new(),
+            released: Vec::new(),
             predictions: PredictionSums::default(),
             rejected: 0,
             events_dropped: 0,
@@ -588,6 +642,44 @@ impl Kvpick {
 
     pub fn core(&self) -> &Arc<Core> {
         &self.core
+    }
+
+    fn rank_of(&self, selection: &kvpick_core::Selection) -> usize {
+        self.port_to_rank[&selection.primary.endpoint.port()]
+    }
+
+    /// Collects the queued requests an operation released (booked or refused).
+    fn collect(&mut self, facts: &kvpick_core::Facts) {
+        for fact in facts.iter() {
+            let kvpick_core::Fact::Dequeued { ticket, result } = fact else {
+                continue;
+            };
+            let Some(id) = self.tickets.remove(ticket) else {
+                continue;
+            };
+            self.released.push(match result {
+                Ok(selection) => {
+                    self.bookings.insert(id, selection.booking_id.clone());
+                    Released::Dispatched {
+                        id,
+                        rank: self.rank_of(selection),
+                    }
+                }
+                Err(e) => Released::Refused {
+                    id,
+                    status: status_of(e),
+                },
+            });
+        }
+    }
+}
+
+/// The HTTP status ext_proc would answer for a refused request.
+fn status_of(e: &kvpick_core::SelectError) -> u16 {
+    match e {
+        kvpick_core::SelectError::Overloaded(_) => 429,
+        kvpick_core::SelectError::BadRequest(_) => 400,
+        _ => 503,
     }
 }
 
@@ -614,15 +706,53 @@ impl Policy for Kvpick {
             }
         }
     }
+    fn admit(&mut self, req: &PickRequest, _: &FleetView) -> Admit {
+        let request = SelectionRequest {
+            request_id: format!("r{}", req.id),
+            model: Some(crate::sim::MODEL.into()),
+            prompt: PromptInput::Tokens(req.tokens.to_vec()),
+            priority: req.priority,
+            fairness_key: req.tenant.map(str::to_string),
+            slo_ttft_ms: req.slo_ttft_ms,
+            ..Default::default()
+        };
+        let (result, facts) = self.core.admit(&request, now());
+        self.collect(&facts);
+        match result {
+            Ok(kvpick_core::core::Admission::Dispatched(sel)) => {
+                self.bookings.insert(req.id, sel.booking_id.clone());
+                Admit::Now(self.rank_of(&sel))
+            }
+            Ok(kvpick_core::core::Admission::Queued { ticket, .. }) => {
+                self.tickets.insert(ticket, req.id);
+                Admit::Queued
+            }
+            Err(e) => {
+                self.rejected += 1;
+                Admit::Refused(status_of(&e))
+            }
+        }
+    }
+    fn take_released(&mut self) -> Vec<Released> {
+        std::mem::take(&mut self.released)
+    }
+    fn tick(&mut self) {
+        if self.core.waiting_requests() > 0 {
+            let facts = self.core.pump(now());
+            self.collect(&facts);
+        }
+    }
     fn on_first_token(&mut self, id: u64, _: usize) {
         if let Some(b) = self.bookings.get(&id) {
             let (_, facts) = self.core.mark_prefill_complete(b, Claim::Any, now());
             self.predictions.add(&facts);
+            self.collect(&facts);
         }
     }
     fn on_complete(&mut self, id: u64, _: usize) {
         if let Some(b) = self.bookings.remove(&id) {
-            self.core.free(&b, Claim::Any, now());
+            let (_, facts) = self.core.free(&b, Claim::Any, now());
+            self.collect(&facts);
         }
     }
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {

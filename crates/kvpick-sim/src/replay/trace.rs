@@ -19,6 +19,21 @@ pub struct TraceRecord {
     pub input_length: usize,
     pub output_length: u32,
     pub hash_ids: Vec<u64>,
+    /// Flow-control columns (absent in Mooncake's traces): priority, tenant, TTFT SLO.
+    #[serde(flatten)]
+    pub class: FlowClass,
+}
+
+/// A request's flow-control class, optional trace columns: `priority` (integer, negative =
+/// sheddable; default 0), `tenant` (the fairness key) and `slo_ttft_ms`.
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct FlowClass {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slo_ttft_ms: Option<u64>,
 }
 
 /// SplitMix64 finaliser.
@@ -93,6 +108,7 @@ mod tests {
             input_length: 700,
             output_length: 1,
             hash_ids: vec![0, 1],
+            class: FlowClass::default(),
         };
         let b = TraceRecord {
             hash_ids: vec![0, 2],
@@ -127,5 +143,16 @@ mod tests {
             parse("\n{\"timestamp\":3,\"input_length\":8,\"output_length\":2,\"hash_ids\":[1]}\n")
                 .unwrap();
         assert_eq!(ok[0].timestamp, 3);
+        assert_eq!(ok[0].class, FlowClass::default());
+    }
+
+    #[test]
+    fn flow_columns_are_optional_and_round_trip() {
+        let line = r#"{"timestamp":0,"input_length":8,"output_length":2,"hash_ids":[1],"priority":-1,"tenant":"t1","slo_ttft_ms":500}"#;
+        let rec = &parse(line).unwrap()[0];
+        assert_eq!(rec.class.priority, Some(-1));
+        assert_eq!(rec.class.tenant.as_deref(), Some("t1"));
+        assert_eq!(rec.class.slo_ttft_ms, Some(500));
+        assert_eq!(serde_json::to_string(rec).unwrap(), line);
     }
 }

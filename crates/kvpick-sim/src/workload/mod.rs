@@ -34,6 +34,7 @@
 //! Timestamps are open-loop (no dependence on the router); a client's wait for an answer is the
 //! nominal [`families::NOMINAL_MS_PER_OUTPUT_TOKEN`].
 
+pub mod classes;
 pub mod families;
 pub mod stats;
 
@@ -118,6 +119,16 @@ pub struct WorkloadArgs {
     /// Also write the statistics as JSON here.
     #[arg(long)]
     pub stats: Option<PathBuf>,
+    /// Flow control: priority per request group (session), `PRIORITY:WEIGHT,...`, e.g.
+    /// `5:0.2,0:0.5,-1:0.3` (negative = sheddable). Written as the trace's `priority` column.
+    #[arg(long, value_name = "SPEC")]
+    pub priority_mix: Option<String>,
+    /// Flow control: tenant (fairness key) per request group, `NAME:WEIGHT,...`, e.g. `a:4,b:1`.
+    #[arg(long, value_name = "SPEC")]
+    pub tenant_mix: Option<String>,
+    /// Flow control: TTFT SLO in ms of the requests of a priority, `PRIORITY:MS,...`.
+    #[arg(long, value_name = "SPEC")]
+    pub slo_ttft: Option<String>,
 }
 
 /// Most requests one trace may have.
@@ -187,6 +198,7 @@ pub fn generate(family: Family, seed: u64, requests: usize, rate: f64) -> anyhow
             input_length: t.input_length,
             output_length: t.output_length,
             hash_ids: t.hash_ids,
+            class: Default::default(),
         })
         .collect();
     Ok(Workload {
@@ -209,7 +221,15 @@ pub fn to_jsonl(records: &[TraceRecord]) -> anyhow::Result<Vec<u8>> {
 /// `kvpick workload`.
 pub fn run(args: WorkloadArgs) -> anyhow::Result<()> {
     let rate = args.rate.unwrap_or(args.family.default_rate());
-    let workload = generate(args.family, args.seed, args.requests, rate)?;
+    let classes = classes::ClassSpec::parse(
+        args.priority_mix.as_deref(),
+        args.tenant_mix.as_deref(),
+        args.slo_ttft.as_deref(),
+    )?;
+    let mut workload = generate(args.family, args.seed, args.requests, rate)?;
+    if !classes.is_empty() {
+        classes.assign(&mut workload.records, &workload.groups, args.seed);
+    }
     let stats = stats::compute(args.family.name(), &workload.records, &workload.groups);
     let bytes = to_jsonl(&workload.records)?;
     std::fs::write(&args.out, bytes)

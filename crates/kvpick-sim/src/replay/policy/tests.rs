@@ -9,7 +9,7 @@ fn idle(n: usize) -> Vec<EngineStats> {
 }
 
 fn pick(p: &mut dyn Policy, id: u64, t: &[u32], m: &[EngineStats]) -> usize {
-    p.pick(&PickRequest { id, tokens: t }, &FleetView { metrics: m })
+    p.pick(&PickRequest::new(id, t), &FleetView { metrics: m })
 }
 
 #[test]
