@@ -144,6 +144,31 @@ fn percentiles(f: &Fixture, request: &SelectionRequest, n: usize) -> (f64, f64) 
     (samples[n / 2], samples[n * 99 / 100])
 }
 
+/// p50/p99 µs of one booked pick and its free: through flow control's admission (the queue
+/// empty, no rank saturated) and through the plain `select_and_reserve`, interleaved so both see
+/// the same machine state. The difference is what the queue costs when it is empty.
+fn admission_percentiles(f: &Fixture, n: usize) -> [(f64, f64); 2] {
+    let mut admit = Vec::with_capacity(n);
+    let mut plain = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        match f.core.admit(&f.hashes_request).unwrap() {
+            kvpick::selection::admission::Admitted::Now(r) => drop(std::hint::black_box(r)),
+            kvpick::selection::admission::Admitted::Queued(_) => panic!("nothing is saturated"),
+        }
+        admit.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        drop(std::hint::black_box(
+            f.core.select_and_reserve(&f.hashes_request).unwrap(),
+        ));
+        plain.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    [admit, plain].map(|mut v| {
+        v.sort_by(f64::total_cmp);
+        (v[n / 2], v[n * 99 / 100])
+    })
+}
+
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
     let fixtures: Vec<(usize, Fixture)> = SIZES.iter().map(|&n| (n, fixture(n))).collect();
@@ -151,6 +176,8 @@ fn main() {
         for (n, f) in &fixtures {
             let pick = f.core.select(&f.hashes_request).unwrap();
             assert!(pick.overlap_blocks >= 8, "{n} ranks: warm prefix found");
+            let [admit, _] = admission_percentiles(f, 2);
+            assert!(admit.0 > 0.0);
             let bound = f.core.select(&f.session_request).unwrap();
             assert_eq!(
                 bound.session,
@@ -193,6 +220,23 @@ fn main() {
             "bound_session_p50_us": sp50, "bound_session_p99_us": sp99,
         }));
     }
+    println!("\n| ranks | admit+free p50 µs | p99 | select_and_reserve+free p50 µs | p99 | empty-queue overhead p50 / p99 µs |");
+    println!("|---|---|---|---|---|---|");
+    let mut flow_rows = Vec::new();
+    for (n, f) in &fixtures {
+        let iterations = if *n >= 1024 { 2_000 } else { 20_000 };
+        let [(ap50, ap99), (pp50, pp99)] = admission_percentiles(f, iterations);
+        println!(
+            "| {n} | {ap50:.1} | {ap99:.1} | {pp50:.1} | {pp99:.1} | {:.2} / {:.2} |",
+            ap50 - pp50,
+            ap99 - pp99
+        );
+        flow_rows.push(serde_json::json!({
+            "ranks": n, "admit_p50_us": ap50, "admit_p99_us": ap99,
+            "select_and_reserve_p50_us": pp50, "select_and_reserve_p99_us": pp99,
+        }));
+    }
+    rows.push(serde_json::json!({ "flow_control_empty_queue": flow_rows }));
     let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-selection.json");
     std::fs::write(&out, serde_json::to_string_pretty(&rows).unwrap()).unwrap();
     println!("written to {}", out.display());
