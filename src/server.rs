@@ -836,6 +836,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 args.max_buffered_body_bytes,
                 metrics.extproc.body_bytes_buffered.clone(),
             ),
+            flow_policy: Some(flow_policy.clone()),
         },
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());

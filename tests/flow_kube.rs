@@ -85,7 +85,10 @@ impl Fake {
             url: format!("http://{}", listener.local_addr().unwrap()),
         };
         let app = axum::Router::new()
-            .route("/apis/{group}/v1alpha2/namespaces/{ns}/{plural}", get(handler))
+            .route(
+                "/apis/{group}/v1alpha2/namespaces/{ns}/{plural}",
+                get(handler),
+            )
             .fallback(|uri: axum::http::Uri| async move {
                 eprintln!("fake apiserver: unexpected request {uri}");
                 (StatusCode::NOT_FOUND, "not found")
@@ -118,7 +121,10 @@ impl Fake {
             obj,
         };
         inner.watchers.retain(|(wr, tx)| {
-            *wr != r || tx.send(line(json!({"type": change.kind, "object": change.obj}))).is_ok()
+            *wr != r
+                || tx
+                    .send(line(json!({"type": change.kind, "object": change.obj})))
+                    .is_ok()
         });
         inner.history.push(change);
     }
@@ -129,7 +135,11 @@ impl Fake {
         inner.rv += 1;
         obj["metadata"]["resourceVersion"] = inner.rv.to_string().into();
         let name = obj["metadata"]["name"].as_str().unwrap().to_string();
-        let old = inner.objects.entry(r.clone()).or_default().insert(name, obj.clone());
+        let old = inner
+            .objects
+            .entry(r.clone())
+            .or_default()
+            .insert(name, obj.clone());
         let kind = if old.is_some() { "MODIFIED" } else { "ADDED" };
         Fake::record(&mut inner, r, kind, obj);
     }
@@ -147,7 +157,12 @@ impl Fake {
     fn remove_silently(&self, group: &str, plural: &str, name: &str) {
         let mut inner = self.inner.lock().unwrap();
         inner.rv += 1;
-        inner.objects.get_mut(&res(group, plural)).unwrap().remove(name).unwrap();
+        inner
+            .objects
+            .get_mut(&res(group, plural))
+            .unwrap()
+            .remove(name)
+            .unwrap();
     }
 
     /// Compaction: every open watch gets 410 Gone and closes, as does any resumed older watch.
@@ -185,7 +200,10 @@ async fn handler(
             .into_response();
     }
     if q.get("watch").map(String::as_str) == Some("true") {
-        let from: u64 = q.get("resourceVersion").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let from: u64 = q
+            .get("resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
         let (tx, rx) = mpsc::unbounded_channel();
         if from < inner.compacted {
             let _ = tx.send(line(gone()));
@@ -254,7 +272,10 @@ async fn expect(
     what: &str,
     want: impl Fn(&ClusterContent) -> bool,
 ) {
-    if tokio::time::timeout(WAIT, rx.wait_for(|c| want(c))).await.is_err() {
+    if tokio::time::timeout(WAIT, rx.wait_for(|c| want(c)))
+        .await
+        .is_err()
+    {
         panic!("{what}: never published; last {:?}", *rx.borrow());
     }
 }
@@ -266,8 +287,22 @@ async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
     fake.set_missing(res(LLMD, REWRITES), true);
     fake.put(GIE, OBJECTIVES, objective(GIE, "interactive", 100, POOL));
     fake.put(GIE, OBJECTIVES, objective(GIE, "batch", -10, POOL));
-    fake.put(GIE, OBJECTIVES, objective(GIE, "elsewhere", 5, "other-pool"));
-    fake.put(GIE, REWRITES, rewrite(GIE, "canary", "2025-01-02T00:00:00Z", "llama", &[("llama-v1", 1), ("llama-v2", 1)]));
+    fake.put(
+        GIE,
+        OBJECTIVES,
+        objective(GIE, "elsewhere", 5, "other-pool"),
+    );
+    fake.put(
+        GIE,
+        REWRITES,
+        rewrite(
+            GIE,
+            "canary",
+            "2025-01-02T00:00:00Z",
+            "llama",
+            &[("llama-v1", 1), ("llama-v2", 1)],
+        ),
+    );
 
     let (tx, mut rx) = watch::channel(ClusterContent::default());
     let task = tokio::spawn(kvpick::flow::kube::run(
@@ -288,20 +323,35 @@ async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
 
     // WATCH: add, modify, delete.
     fake.put(GIE, OBJECTIVES, objective(GIE, "bulk", -1, POOL));
-    expect(&mut rx, "added", |c| priorities(c).contains(&"bulk=-1".into())).await;
+    expect(&mut rx, "added", |c| {
+        priorities(c).contains(&"bulk=-1".into())
+    })
+    .await;
     fake.put(GIE, OBJECTIVES, objective(GIE, "bulk", -2, POOL));
-    expect(&mut rx, "modified", |c| priorities(c).contains(&"bulk=-2".into())).await;
+    expect(&mut rx, "modified", |c| {
+        priorities(c).contains(&"bulk=-2".into())
+    })
+    .await;
     fake.delete(GIE, OBJECTIVES, "bulk");
-    expect(&mut rx, "deleted", |c| priorities(c) == ["batch=-10", "interactive=100"]).await;
+    expect(&mut rx, "deleted", |c| {
+        priorities(c) == ["batch=-10", "interactive=100"]
+    })
+    .await;
     // An objective moved to another pool drops out.
     fake.put(GIE, OBJECTIVES, objective(GIE, "batch", -10, "other-pool"));
-    expect(&mut rx, "moved away", |c| priorities(c) == ["interactive=100"]).await;
+    expect(&mut rx, "moved away", |c| {
+        priorities(c) == ["interactive=100"]
+    })
+    .await;
 
     // 410 Gone: an object removed without a watch event stays until the relist reveals it.
     let lists = fake.lists(GIE, OBJECTIVES);
     fake.remove_silently(GIE, OBJECTIVES, "interactive");
     fake.put(GIE, OBJECTIVES, objective(GIE, "late", 3, POOL));
-    expect(&mut rx, "still believed", |c| priorities(c) == ["interactive=100", "late=3"]).await;
+    expect(&mut rx, "still believed", |c| {
+        priorities(c) == ["interactive=100", "late=3"]
+    })
+    .await;
     fake.expire_watches();
     expect(&mut rx, "relist after 410", |c| priorities(c) == ["late=3"]).await;
     assert!(fake.lists(GIE, OBJECTIVES) > lists, "a relist happened");
@@ -316,17 +366,33 @@ async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
         .unwrap();
     assert!(!task.is_finished());
     fake.put(LLMD, OBJECTIVES, objective(LLMD, "late", 30, POOL));
-    fake.put(LLMD, REWRITES, rewrite(LLMD, "older", "2025-01-01T00:00:00Z", "llama", &[("llama-old", 1)]));
+    fake.put(
+        LLMD,
+        REWRITES,
+        rewrite(
+            LLMD,
+            "older",
+            "2025-01-01T00:00:00Z",
+            "llama",
+            &[("llama-old", 1)],
+        ),
+    );
     fake.set_missing(res(LLMD, OBJECTIVES), false);
     fake.set_missing(res(LLMD, REWRITES), false);
-    expect(&mut rx, "CRDs installed", |c| c.objectives.len() == 2 && c.rules.len() == 2).await;
+    expect(&mut rx, "CRDs installed", |c| {
+        c.objectives.len() == 2 && c.rules.len() == 2
+    })
+    .await;
     let c = rx.borrow().clone();
     let policy = FlowPolicy::new(c.objectives.clone(), c.rules.clone());
     assert_eq!(policy.objective("late").unwrap().priority, 30);
     assert_eq!(policy.rewrite("llama", 0).as_deref(), Some("llama-old"));
 
     drop(rx);
-    tokio::time::timeout(WAIT, task).await.expect("source ends with its receivers").unwrap();
+    tokio::time::timeout(WAIT, task)
+        .await
+        .expect("source ends with its receivers")
+        .unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -359,11 +425,19 @@ async fn merged_receiver_combines_the_file_and_the_cluster() {
     assert_eq!(rx.borrow().objective("interactive").unwrap().priority, 1);
     let ok = tokio::time::timeout(
         WAIT,
-        rx.wait_for(|p| p.objective("interactive").is_some_and(|o| o.priority == 100)),
+        rx.wait_for(|p| {
+            p.objective("interactive")
+                .is_some_and(|o| o.priority == 100)
+        }),
     )
     .await
     .map(|p| p.is_ok());
-    assert_eq!(ok, Ok(true), "cluster objective never merged: {:?}", *rx.borrow());
+    assert_eq!(
+        ok,
+        Ok(true),
+        "cluster objective never merged: {:?}",
+        *rx.borrow()
+    );
     let p = rx.borrow().clone();
     assert_eq!(p.objective("batch").unwrap().priority, -5);
     assert_eq!(p.rewrite("anything", 7).as_deref(), Some("default-model"));

@@ -35,6 +35,8 @@ pub struct ExtProcSettings {
     pub tokenizers: Option<Arc<Tokenizers>>,
     /// Request-body bytes all streams together may buffer (`--max-buffered-body-bytes`).
     pub body_budget: Arc<BodyBudget>,
+    /// The flow policy (`crate::flow`): model rewrites today; `None` = none.
+    pub flow_policy: Option<crate::flow::PolicyRx>,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -53,6 +55,7 @@ impl Default for ExtProcSettings {
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tokenizers: None,
             body_budget: BodyBudget::unmetered(DEFAULT_BUDGET_BYTES),
+            flow_policy: None,
         }
     }
 }

@@ -399,6 +399,9 @@ impl StreamMachine {
     #[allow(clippy::expect_used)]
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
+        if let Some(step) = self.rewrite_model() {
+            return Ok(step);
+        }
         let whole = self.body.contiguous();
         let mut parsed = match parse_request_body(self.content_type.as_deref(), &whole) {
             Ok(parsed) => parsed,
@@ -474,6 +477,29 @@ impl StreamMachine {
             .extend(body_chunks(chunks, body_end_of_stream));
         step.body_lease = Some(lease);
         Ok(step)
+    }
+
+    /// Model rewrite (InferenceModelRewrite rules of the flow policy), before the body is parsed,
+    /// so tokenizer, partition and pick all see the target model and Envoy forwards the rewritten
+    /// body. The target is chosen by a hash of the client's `x-request-id` (a retry keeps its
+    /// model) or at random. No `content-length` fix is needed: in FULL_DUPLEX_STREAMED Envoy
+    /// removes it from the request whenever body mutation is possible (ext_proc
+    /// `processing_mode.proto`). `Some` = a step to answer instead (budget exhausted).
+    fn rewrite_model(&mut self) -> Option<Step> {
+        let policy = self.settings.flow_policy.as_ref()?.borrow().clone();
+        let pick = match &self.request_id {
+            Some(id) => xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
+            None => rand::random(),
+        };
+        let rewritten = crate::flow::rewrite_request_body(&policy, &self.body.contiguous(), pick)?;
+        tracing::debug!(from = %rewritten.from, to = %rewritten.to, "model rewritten");
+        let grow = rewritten.body.len().saturating_sub(self.body.len);
+        if !self.body.lease.try_grow(grow) {
+            return Some(self.reject_budget());
+        }
+        self.body.len = rewritten.body.len();
+        self.body.chunks = vec![rewritten.body];
+        None
     }
 
     /// `--shared-state`: the Redis lookup this request's session needs before its pick.

@@ -1508,3 +1508,47 @@ async fn a_session_unknown_here_is_looked_up_before_its_pick_and_redis_down_neve
         "s-2 was routed on local state because Redis is down"
     );
 }
+
+fn rewrite_settings(rules: &str) -> ExtProcSettings {
+    let content = crate::flow::static_file::parse_flow_config(rules).unwrap();
+    let policy = crate::flow::FlowPolicy::new(content.objectives, content.rules);
+    let (tx, rx) = tokio::sync::watch::channel(Arc::new(policy));
+    std::mem::forget(tx); // the policy stays as it is for the test
+    ExtProcSettings {
+        flow_policy: Some(rx),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn model_rewrite_routes_to_the_target_and_echoes_the_rewritten_body() {
+    let (_core, mut m) = setup(
+        vec![worker("a", "m-v2", RankLayout::PerPort(vec![8000]))],
+        rewrite_settings("rewrites: [{matches: [m], targets: [{model: m-v2}]}]"),
+    );
+    m.handle(post_headers()).unwrap();
+    let sent =
+        br#"{"messages": [{"role": "user", "content": "hi"}], "model": "m", "stream": true}"#;
+    m.handle(body(&sent[..20], false)).unwrap();
+    let step = m.handle(body(&sent[20..], true)).unwrap();
+    let dest = set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER);
+    assert_eq!(dest.as_deref(), Some("127.0.0.1:8000"), "routed as m-v2");
+    let echoed: Vec<u8> = step.responses[1..]
+        .iter()
+        .flat_map(|r| streamed(r).0.to_vec())
+        .collect();
+    assert_eq!(
+        echoed,
+        br#"{"messages": [{"role": "user", "content": "hi"}], "model": "m-v2", "stream": true}"#
+    );
+    assert!(streamed(step.responses.last().unwrap()).1);
+
+    // No rule for the model: the body is echoed as sent.
+    let (_core, mut m) = setup(
+        default_pool(),
+        rewrite_settings("rewrites: [{matches: [other], targets: [{model: m-v2}]}]"),
+    );
+    m.handle(post_headers()).unwrap();
+    let step = m.handle(body(CHAT, true)).unwrap();
+    assert_eq!(streamed(&step.responses[1]).0, CHAT);
+}

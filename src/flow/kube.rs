@@ -208,7 +208,11 @@ pub fn objective_from(
     pool: &str,
 ) -> Result<Option<Objective>, String> {
     let spec: ObjectiveSpec = spec(obj)?;
-    let targets = spec.pool_ref.iter().chain(&spec.pool_refs).any(|r| r.names(pool));
+    let targets = spec
+        .pool_ref
+        .iter()
+        .chain(&spec.pool_refs)
+        .any(|r| r.names(pool));
     if !targets {
         if spec.pool_selector.is_some() && spec.pool_ref.is_none() && spec.pool_refs.is_empty() {
             tracing::info!(objective = %obj.name_any(), "InferenceObjective targets pools by poolSelector only, which kvpick does not evaluate: ignored");
@@ -283,15 +287,21 @@ fn key(obj: &DynamicObject) -> String {
 /// The content of every synced store.
 fn content(stores: &BTreeMap<Resource, Store>, pool: &str) -> ClusterContent {
     let mut out = ClusterContent::default();
-    let mut rules: Vec<(Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>, Resource, String, Vec<RewriteRule>)> =
-        Vec::new();
+    let mut rules: Vec<(
+        Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+        Resource,
+        String,
+        Vec<RewriteRule>,
+    )> = Vec::new();
     for (resource, store) in stores.iter().filter(|(_, s)| s.synced) {
         for obj in store.objects.values() {
             if resource.is_objective() {
                 match objective_from(*resource, obj, pool) {
                     Ok(Some(o)) => out.objectives.push(o),
                     Ok(None) => {}
-                    Err(err) => tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceObjective skipped"),
+                    Err(err) => {
+                        tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceObjective skipped")
+                    }
                 }
             } else {
                 match rules_from(obj, pool) {
@@ -302,15 +312,15 @@ fn content(stores: &BTreeMap<Resource, Store>, pool: &str) -> ClusterContent {
                         obj.name_any(),
                         r,
                     )),
-                    Err(err) => tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceModelRewrite skipped"),
+                    Err(err) => {
+                        tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceModelRewrite skipped")
+                    }
                 }
             }
         }
     }
     // Oldest resource first (GIE: "Timestamp Wins"); an object without a timestamp sorts last.
-    rules.sort_by(|a, b| {
-        (a.0.is_none(), &a.0, a.1, &a.2).cmp(&(b.0.is_none(), &b.0, b.1, &b.2))
-    });
+    rules.sort_by(|a, b| (a.0.is_none(), &a.0, a.1, &a.2).cmp(&(b.0.is_none(), &b.0, b.1, &b.2)));
     out.rules = rules.into_iter().flat_map(|r| r.3).collect();
     out
 }
@@ -334,8 +344,10 @@ pub async fn run(client: Client, config: FlowKubeConfig, tx: watch::Sender<Clust
             .into_iter()
             .map(|r| events(&client, &config.namespace, r)),
     );
-    let mut stores: BTreeMap<Resource, Store> =
-        Resource::ALL.into_iter().map(|r| (r, Store::default())).collect();
+    let mut stores: BTreeMap<Resource, Store> = Resource::ALL
+        .into_iter()
+        .map(|r| (r, Store::default()))
+        .collect();
     loop {
         let (resource, event) = tokio::select! {
             next = all.next() => match next {
@@ -368,7 +380,10 @@ pub async fn run(client: Client, config: FlowKubeConfig, tx: watch::Sender<Clust
                 false
             }
             Event::InitApply(o) => {
-                store.buffer.get_or_insert_with(BTreeMap::new).insert(key(&o), o);
+                store
+                    .buffer
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(key(&o), o);
                 false
             }
             Event::InitDone => {
@@ -419,11 +434,20 @@ mod tests {
 
     #[test]
     fn objectives_follow_pool_refs() {
-        let gie = |spec| objective_from(Resource::GieObjective, &obj(Resource::GieObjective, "o", spec), "pool");
+        let gie = |spec| {
+            objective_from(
+                Resource::GieObjective,
+                &obj(Resource::GieObjective, "o", spec),
+                "pool",
+            )
+        };
         let o = gie(serde_json::json!({"priority": 7, "poolRef": {"name": "pool"}}))
             .unwrap()
             .unwrap();
-        assert_eq!((o.priority, o.origin, o.pool.as_deref()), (7, Origin::Gie, Some("pool")));
+        assert_eq!(
+            (o.priority, o.origin, o.pool.as_deref()),
+            (7, Origin::Gie, Some("pool"))
+        );
         assert_eq!(
             gie(serde_json::json!({"poolRef": {"name": "pool", "group": "inference.networking.k8s.io", "kind": "InferencePool"}}))
                 .unwrap()
@@ -432,20 +456,33 @@ mod tests {
             0,
             "unset priority is 0"
         );
-        assert_eq!(gie(serde_json::json!({"priority": 7, "poolRef": {"name": "other"}})).unwrap(), None);
+        assert_eq!(
+            gie(serde_json::json!({"priority": 7, "poolRef": {"name": "other"}})).unwrap(),
+            None
+        );
         assert_eq!(
             gie(serde_json::json!({"poolRef": {"name": "pool", "kind": "Service"}})).unwrap(),
             None
         );
         assert!(gie(serde_json::json!({"priority": "high", "poolRef": {"name": "pool"}})).is_err());
-        assert!(gie(serde_json::json!({"priority": 3000000000i64, "poolRef": {"name": "pool"}})).is_err());
-        let llmd = |spec| objective_from(Resource::LlmdObjective, &obj(Resource::LlmdObjective, "o", spec), "pool");
+        assert!(
+            gie(serde_json::json!({"priority": 3000000000i64, "poolRef": {"name": "pool"}}))
+                .is_err()
+        );
+        let llmd = |spec| {
+            objective_from(
+                Resource::LlmdObjective,
+                &obj(Resource::LlmdObjective, "o", spec),
+                "pool",
+            )
+        };
         let o = llmd(serde_json::json!({"priority": -1, "poolRefs": [{"name": "x"}, {"name": "pool", "group": "llm-d.ai"}]}))
             .unwrap()
             .unwrap();
         assert_eq!((o.priority, o.origin), (-1, Origin::LlmD));
         assert_eq!(
-            llmd(serde_json::json!({"priority": 1, "poolSelector": {"matchLabels": {"a": "b"}}})).unwrap(),
+            llmd(serde_json::json!({"priority": 1, "poolSelector": {"matchLabels": {"a": "b"}}}))
+                .unwrap(),
             None,
             "poolSelector is not evaluated"
         );
@@ -467,39 +504,85 @@ mod tests {
         .unwrap();
         assert_eq!(rules.len(), 2, "{rules:?}");
         assert_eq!(rules[0].matches, ["a", "b"]);
-        assert_eq!(rules[0].targets.iter().map(|t| t.weight).collect::<Vec<_>>(), [3, 1]);
+        assert_eq!(
+            rules[0]
+                .targets
+                .iter()
+                .map(|t| t.weight)
+                .collect::<Vec<_>>(),
+            [3, 1]
+        );
         assert_eq!(rules[0].source, "ns/rw#0");
         assert!(rules[1].matches.is_empty());
         assert_eq!(rules[1].targets[0].weight, 1);
         assert!(rw(serde_json::json!({"poolRef": {"name": "other"}, "rules": [{"targets": [{"modelRewrite": "x"}]}]}))
             .unwrap()
             .is_empty());
-        assert!(rw(serde_json::json!({"rules": [{"targets": [{"modelRewrite": "x"}]}]}))
-            .unwrap()
-            .is_empty(), "no poolRef: not ours");
+        assert!(
+            rw(serde_json::json!({"rules": [{"targets": [{"modelRewrite": "x"}]}]}))
+                .unwrap()
+                .is_empty(),
+            "no poolRef: not ours"
+        );
     }
 
     #[test]
     fn content_orders_objectives_and_rules() {
-        let mut stores: BTreeMap<Resource, Store> =
-            Resource::ALL.into_iter().map(|r| (r, Store::default())).collect();
+        let mut stores: BTreeMap<Resource, Store> = Resource::ALL
+            .into_iter()
+            .map(|r| (r, Store::default()))
+            .collect();
         let put = |stores: &mut BTreeMap<Resource, Store>, r: Resource, o: DynamicObject| {
             let s = stores.get_mut(&r).unwrap();
             s.synced = true;
             s.objects.insert(key(&o), o);
         };
-        put(&mut stores, Resource::GieObjective, obj(Resource::GieObjective, "same", serde_json::json!({"priority": 1, "poolRef": {"name": "pool"}})));
-        put(&mut stores, Resource::LlmdObjective, obj(Resource::LlmdObjective, "same", serde_json::json!({"priority": 2, "poolRef": {"name": "pool"}})));
-        let mut newer = obj(Resource::GieRewrite, "newer", serde_json::json!({"poolRef": {"name": "pool"}, "rules": [{"matches": [{"model": {"value": "m"}}], "targets": [{"modelRewrite": "new"}]}]}));
-        newer.metadata.creation_timestamp = Some(serde_json::from_value(serde_json::json!("2025-02-01T00:00:00Z")).unwrap());
-        let mut older = obj(Resource::LlmdRewrite, "older", serde_json::json!({"poolRef": {"name": "pool"}, "rules": [{"matches": [{"model": {"value": "m"}}], "targets": [{"modelRewrite": "old"}]}]}));
-        older.metadata.creation_timestamp = Some(serde_json::from_value(serde_json::json!("2025-01-01T00:00:00Z")).unwrap());
+        put(
+            &mut stores,
+            Resource::GieObjective,
+            obj(
+                Resource::GieObjective,
+                "same",
+                serde_json::json!({"priority": 1, "poolRef": {"name": "pool"}}),
+            ),
+        );
+        put(
+            &mut stores,
+            Resource::LlmdObjective,
+            obj(
+                Resource::LlmdObjective,
+                "same",
+                serde_json::json!({"priority": 2, "poolRef": {"name": "pool"}}),
+            ),
+        );
+        let mut newer = obj(
+            Resource::GieRewrite,
+            "newer",
+            serde_json::json!({"poolRef": {"name": "pool"}, "rules": [{"matches": [{"model": {"value": "m"}}], "targets": [{"modelRewrite": "new"}]}]}),
+        );
+        newer.metadata.creation_timestamp =
+            Some(serde_json::from_value(serde_json::json!("2025-02-01T00:00:00Z")).unwrap());
+        let mut older = obj(
+            Resource::LlmdRewrite,
+            "older",
+            serde_json::json!({"poolRef": {"name": "pool"}, "rules": [{"matches": [{"model": {"value": "m"}}], "targets": [{"modelRewrite": "old"}]}]}),
+        );
+        older.metadata.creation_timestamp =
+            Some(serde_json::from_value(serde_json::json!("2025-01-01T00:00:00Z")).unwrap());
         put(&mut stores, Resource::GieRewrite, newer);
         put(&mut stores, Resource::LlmdRewrite, older);
         let c = content(&stores, "pool");
         let policy = super::super::FlowPolicy::new(c.objectives.clone(), c.rules.clone());
-        assert_eq!(policy.objective("same").unwrap().priority, 2, "llm-d.ai wins over the GIE group");
-        assert_eq!(policy.rewrite("m", 0).as_deref(), Some("old"), "the oldest resource's rule wins");
+        assert_eq!(
+            policy.objective("same").unwrap().priority,
+            2,
+            "llm-d.ai wins over the GIE group"
+        );
+        assert_eq!(
+            policy.rewrite("m", 0).as_deref(),
+            Some("old"),
+            "the oldest resource's rule wins"
+        );
         stores.get_mut(&Resource::LlmdRewrite).unwrap().synced = false;
         let c = content(&stores, "pool");
         assert_eq!(c.rules.len(), 1, "an unsynced resource contributes nothing");

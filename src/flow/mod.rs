@@ -67,8 +67,10 @@ pub const MAX_SLO_MS: u64 = 3_600_000;
 pub const DEFAULT_FAIRNESS_KEY: &str = "default";
 
 /// Request headers read by [`classify`], most preferred first within each pair.
-pub const OBJECTIVE_HEADERS: [&str; 2] =
-    ["x-llm-d-inference-objective", "x-gateway-inference-objective"];
+pub const OBJECTIVE_HEADERS: [&str; 2] = [
+    "x-llm-d-inference-objective",
+    "x-gateway-inference-objective",
+];
 pub const FAIRNESS_HEADERS: [&str; 2] = ["x-llm-d-fairness-id", "x-gateway-inference-fairness-id"];
 pub const PRIORITY_HEADER: &str = "x-dynamo-request-priority";
 pub const SLO_TTFT_HEADER: &str = "x-llm-d-slo-ttft-ms";
@@ -349,7 +351,10 @@ pub fn classify<'a>(
     let fairness_id = first_token(&fairness, &FAIRNESS_HEADERS, MAX_FAIRNESS_ID_LEN)?;
     let known = objective_name.and_then(|n| policy.objective(n));
     if let (Some(name), None) = (objective_name, known) {
-        tracing::debug!(objective = name, "request names an unknown objective: priority 0");
+        tracing::debug!(
+            objective = name,
+            "request names an unknown objective: priority 0"
+        );
     }
     let mut out_priority = known.map_or(0, |o| o.priority);
     if settings.client_priority {
@@ -452,13 +457,46 @@ pub fn rewrite_body_model(body: &[u8], new_model: &str) -> Result<Vec<u8>, Rewri
     let text = std::str::from_utf8(body)
         .map_err(|e| RewriteBodyError::Malformed(format!("body is not UTF-8: {e}")))?;
     let span = model_span(text)?;
-    let encoded =
-        serde_json::to_string(new_model).map_err(|e| RewriteBodyError::Malformed(e.to_string()))?;
+    splice(body, span, new_model).map_err(|e| RewriteBodyError::Malformed(e.to_string()))
+}
+
+fn splice(
+    body: &[u8],
+    span: std::ops::Range<usize>,
+    new_model: &str,
+) -> Result<Vec<u8>, serde_json::Error> {
+    let encoded = serde_json::to_string(new_model)?;
     let mut out = Vec::with_capacity(body.len() - (span.end - span.start) + encoded.len());
     out.extend_from_slice(&body[..span.start]);
     out.extend_from_slice(encoded.as_bytes());
     out.extend_from_slice(&body[span.end..]);
     Ok(out)
+}
+
+/// A request body whose model was rewritten.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RewrittenBody {
+    /// The model the client asked for.
+    pub from: String,
+    /// The model it now names.
+    pub to: String,
+    /// The whole body with `model` replaced (see [`rewrite_body_model`]).
+    pub body: Vec<u8>,
+}
+
+/// The ext_proc host's one call: the body with its model rewritten when a rule of `policy`
+/// applies, else `None` — also for a body that is not a JSON object with a string `model` (the
+/// host's own body parser then answers it as usual). Free when the policy has no rules.
+pub fn rewrite_request_body(policy: &FlowPolicy, body: &[u8], pick: u64) -> Option<RewrittenBody> {
+    if policy.rules.is_empty() {
+        return None;
+    }
+    let text = std::str::from_utf8(body).ok()?;
+    let span = model_span(text).ok()?;
+    let from: String = serde_json::from_str(text.get(span.clone())?).ok()?;
+    let to = policy.rewrite(&from, pick)?;
+    let body = splice(body, span, &to).ok()?;
+    Some(RewrittenBody { from, to, body })
 }
 
 /// Byte range of the top-level `model` value inside `text`.
@@ -510,7 +548,9 @@ fn model_span(text: &str) -> Result<std::ops::Range<usize>, RewriteBodyError> {
     let start = (raw.get().as_ptr() as usize).wrapping_sub(text.as_ptr() as usize);
     let end = start + raw.get().len();
     if text.get(start..end) != Some(raw.get()) {
-        return Err(RewriteBodyError::Malformed("model value not in the body".into()));
+        return Err(RewriteBodyError::Malformed(
+            "model value not in the body".into(),
+        ));
     }
     Ok(start..end)
 }

@@ -54,10 +54,8 @@ pub fn start(config: FlowSourceConfig) -> anyhow::Result<PolicyRx> {
         .unwrap_or_default();
     let (file_tx, file_rx) = watch::channel(initial_file.clone());
     let (cluster_tx, cluster_rx) = watch::channel(ClusterContent::default());
-    let (policy_tx, policy_rx) = watch::channel(Arc::new(merge(
-        &initial_file,
-        &ClusterContent::default(),
-    )));
+    let (policy_tx, policy_rx) =
+        watch::channel(Arc::new(merge(&initial_file, &ClusterContent::default())));
     if let Some((path, text, _)) = file_content {
         tokio::spawn(static_file::watch_flow_config(
             path,
@@ -130,7 +128,10 @@ mod tests {
             ..Default::default()
         });
         let err = format!("{:#}", bad.err().unwrap());
-        assert!(err.contains("flow-config") && err.contains("flow.yaml"), "{err}");
+        assert!(
+            err.contains("flow-config") && err.contains("flow.yaml"),
+            "{err}"
+        );
         std::fs::remove_dir_all(dir).unwrap();
     }
 
@@ -147,9 +148,11 @@ mod tests {
                 pool: Some("p".into()),
                 origin: Origin::Gie,
             }],
-            rules: static_file::parse_flow_config("rewrites: [{matches: [m], targets: [{model: from-cluster}]}]")
-                .unwrap()
-                .rules,
+            rules: static_file::parse_flow_config(
+                "rewrites: [{matches: [m], targets: [{model: from-cluster}]}]",
+            )
+            .unwrap()
+            .rules,
         };
         let p = merge(&file, &cluster);
         assert_eq!(p.objective("a").unwrap().priority, 10);

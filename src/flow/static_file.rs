@@ -106,7 +106,10 @@ pub fn parse_flow_config(text: &str) -> anyhow::Result<FlowFileContent> {
             bail!("{}: `name` must be 1..={MAX_OBJECTIVE_LEN} bytes", label());
         }
         if !o.name.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-            bail!("{}: `name` must be printable ASCII without spaces (it is sent in a header)", label());
+            bail!(
+                "{}: `name` must be printable ASCII without spaces (it is sent in a header)",
+                label()
+            );
         }
         if !names.insert(o.name.clone()) {
             bail!("{}: duplicate objective name", label());
@@ -224,7 +227,11 @@ rewrites:
         assert_eq!(c.rules[0].targets[1].weight, 10);
         assert!(c.rules[1].matches.is_empty());
         assert_eq!(
-            c.rules[1].targets.iter().map(|t| t.weight).collect::<Vec<_>>(),
+            c.rules[1]
+                .targets
+                .iter()
+                .map(|t| t.weight)
+                .collect::<Vec<_>>(),
             [1, 1],
             "no weights = equal shares"
         );
@@ -234,17 +241,29 @@ rewrites:
     #[test]
     fn errors_name_the_entry() {
         let cases = [
-            ("objectives: [{name: a}, {name: a}]", "objectives[1] (a): duplicate"),
+            (
+                "objectives: [{name: a}, {name: a}]",
+                "objectives[1] (a): duplicate",
+            ),
             ("objectives: [{name: ''}]", "objectives[0]"),
             ("objectives: [{name: 'a b'}]", "printable ASCII"),
-            ("objectives: [{name: a, priority: 1.5}]", "invalid flow-config YAML"),
-            ("objectives: [{name: a, priority: 3000000000}]", "invalid flow-config YAML"),
+            (
+                "objectives: [{name: a, priority: 1.5}]",
+                "invalid flow-config YAML",
+            ),
+            (
+                "objectives: [{name: a, priority: 3000000000}]",
+                "invalid flow-config YAML",
+            ),
             ("objectives: [{name: a, colour: red}]", "unknown field"),
             (
                 "rewrites: [{matches: [m], targets: [{model: x, weight: 1}, {model: y}]}]",
                 "rewrites[0]: weights must be set for all",
             ),
-            ("rewrites: [{matches: [m], targets: []}]", "rewrites[0]: a rewrite rule needs"),
+            (
+                "rewrites: [{matches: [m], targets: []}]",
+                "rewrites[0]: a rewrite rule needs",
+            ),
             (
                 "rewrites: [{matches: [m], targets: [{model: x, weight: 0}]}]",
                 "weight must be 1..=1000000",
@@ -253,7 +272,10 @@ rewrites:
                 "rewrites: [{matches: [m], targets: [{model: x, weight: 1000001}]}]",
                 "weight must be",
             ),
-            ("rewrites: [{matches: [''], targets: [{model: x}]}]", "must not be empty"),
+            (
+                "rewrites: [{matches: [''], targets: [{model: x}]}]",
+                "must not be empty",
+            ),
         ];
         for (yaml, want) in cases {
             let err = format!("{:#}", parse_flow_config(yaml).unwrap_err());
@@ -294,6 +316,9 @@ rewrites:
         drop(rx);
         task.await.unwrap();
         std::fs::remove_dir_all(dir).unwrap();
-        assert!(load_flow_config(&path).is_err(), "missing file fails start-up");
+        assert!(
+            load_flow_config(&path).is_err(),
+            "missing file fails start-up"
+        );
     }
 }

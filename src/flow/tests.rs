@@ -71,19 +71,28 @@ fn objective_gives_priority_and_default_fairness_key() {
     let c = ok(&[("x-gateway-inference-objective", "batch")]);
     assert_eq!(c.priority, -10);
     assert_eq!(c.objective.as_deref(), Some("batch"));
-    assert_eq!(c.fairness_key, "batch", "no fairness id: the objective's name");
+    assert_eq!(
+        c.fairness_key, "batch",
+        "no fairness id: the objective's name"
+    );
     // The llm-d header is preferred over the GIE one, whatever the order; names are case-insensitive.
     let c = ok(&[
         ("X-Gateway-Inference-Objective", "batch"),
         ("X-LLM-D-Inference-Objective", "interactive"),
     ]);
-    assert_eq!((c.priority, c.objective.as_deref()), (100, Some("interactive")));
+    assert_eq!(
+        (c.priority, c.objective.as_deref()),
+        (100, Some("interactive"))
+    );
 }
 
 #[test]
 fn unknown_objective_is_priority_zero_and_not_carried() {
     let c = ok(&[("x-llm-d-inference-objective", "nonexistent")]);
-    assert_eq!((c.priority, c.objective, c.fairness_key.as_str()), (0, None, "default"));
+    assert_eq!(
+        (c.priority, c.objective, c.fairness_key.as_str()),
+        (0, None, "default")
+    );
 }
 
 #[test]
@@ -94,7 +103,10 @@ fn fairness_ids_by_preference() {
         ("x-gateway-inference-objective", "batch"),
     ]);
     assert_eq!(c.fairness_key, "tenant-a");
-    assert_eq!(ok(&[("x-gateway-inference-fairness-id", " t ")]).fairness_key, "t");
+    assert_eq!(
+        ok(&[("x-gateway-inference-fairness-id", " t ")]).fairness_key,
+        "t"
+    );
     // The first occurrence of a repeated header counts; an empty value is absent.
     let c = ok(&[
         ("x-llm-d-fairness-id", ""),
@@ -110,13 +122,26 @@ fn client_priority_overrides_the_objective_unless_turned_off() {
         ("x-gateway-inference-objective", "interactive"),
         ("x-dynamo-request-priority", "-5"),
     ];
-    assert_eq!(ok(&headers).priority, -5, "the per-request header is more specific");
+    assert_eq!(
+        ok(&headers).priority,
+        -5,
+        "the per-request header is more specific"
+    );
     assert_eq!(ok(&[("x-dynamo-request-priority", " 7 ")]).priority, 7);
     let off = FlowSettings {
         client_priority: false,
     };
-    assert_eq!(run(&headers, off).unwrap().priority, 100, "only objectives set priority");
-    assert_eq!(run(&[("x-dynamo-request-priority", "9")], off).unwrap().priority, 0);
+    assert_eq!(
+        run(&headers, off).unwrap().priority,
+        100,
+        "only objectives set priority"
+    );
+    assert_eq!(
+        run(&[("x-dynamo-request-priority", "9")], off)
+            .unwrap()
+            .priority,
+        0
+    );
     assert!(
         run(&[("x-dynamo-request-priority", "garbage")], off).is_ok(),
         "an ignored header is not validated"
@@ -125,9 +150,15 @@ fn client_priority_overrides_the_objective_unless_turned_off() {
 
 #[test]
 fn slos_parse_within_bounds() {
-    let c = ok(&[("x-llm-d-slo-ttft-ms", "250"), ("x-llm-d-slo-tpot-ms", " 20 ")]);
+    let c = ok(&[
+        ("x-llm-d-slo-ttft-ms", "250"),
+        ("x-llm-d-slo-tpot-ms", " 20 "),
+    ]);
     assert_eq!((c.slo_ttft_ms, c.slo_tpot_ms), (Some(250), Some(20)));
-    assert_eq!(ok(&[("x-llm-d-slo-ttft-ms", "3600000")]).slo_ttft_ms, Some(3_600_000));
+    assert_eq!(
+        ok(&[("x-llm-d-slo-ttft-ms", "3600000")]).slo_ttft_ms,
+        Some(3_600_000)
+    );
 }
 
 #[test]
@@ -135,19 +166,55 @@ fn malformed_headers_are_client_errors_with_short_messages() {
     let long = "a".repeat(MAX_FAIRNESS_ID_LEN + 1);
     let long_objective = "o".repeat(MAX_OBJECTIVE_LEN + 1);
     let cases: [(&str, &str, &str); 13] = [
-        ("x-dynamo-request-priority", "high", "x-dynamo-request-priority must be an integer"),
-        ("x-dynamo-request-priority", "2147483648", "must be an integer"),
+        (
+            "x-dynamo-request-priority",
+            "high",
+            "x-dynamo-request-priority must be an integer",
+        ),
+        (
+            "x-dynamo-request-priority",
+            "2147483648",
+            "must be an integer",
+        ),
         ("x-dynamo-request-priority", "1.5", "must be an integer"),
-        ("x-llm-d-slo-ttft-ms", "0", "x-llm-d-slo-ttft-ms must be whole milliseconds in 1..=3600000"),
+        (
+            "x-llm-d-slo-ttft-ms",
+            "0",
+            "x-llm-d-slo-ttft-ms must be whole milliseconds in 1..=3600000",
+        ),
         ("x-llm-d-slo-ttft-ms", "-1", "whole milliseconds"),
         ("x-llm-d-slo-ttft-ms", "3600001", "whole milliseconds"),
-        ("x-llm-d-slo-tpot-ms", "12ms", "x-llm-d-slo-tpot-ms must be whole"),
-        ("x-llm-d-slo-tpot-ms", "99999999999999999999", "whole milliseconds"),
-        ("x-llm-d-fairness-id", &long, "x-llm-d-fairness-id is longer than 128 bytes"),
+        (
+            "x-llm-d-slo-tpot-ms",
+            "12ms",
+            "x-llm-d-slo-tpot-ms must be whole",
+        ),
+        (
+            "x-llm-d-slo-tpot-ms",
+            "99999999999999999999",
+            "whole milliseconds",
+        ),
+        (
+            "x-llm-d-fairness-id",
+            &long,
+            "x-llm-d-fairness-id is longer than 128 bytes",
+        ),
         ("x-llm-d-fairness-id", "a b", "printable ASCII"),
-        ("x-gateway-inference-fairness-id", "t\u{e9}", "printable ASCII"),
-        ("x-gateway-inference-objective", &long_objective, "longer than 253 bytes"),
-        ("x-llm-d-inference-objective", "tab\there", "printable ASCII"),
+        (
+            "x-gateway-inference-fairness-id",
+            "t\u{e9}",
+            "printable ASCII",
+        ),
+        (
+            "x-gateway-inference-objective",
+            &long_objective,
+            "longer than 253 bytes",
+        ),
+        (
+            "x-llm-d-inference-objective",
+            "tab\there",
+            "printable ASCII",
+        ),
     ];
     for (name, value, want) in cases {
         let err = run(&[(name, value)], FlowSettings::default()).unwrap_err();
@@ -177,7 +244,10 @@ fn rewrite_weights_split_the_pick_range_exactly() {
     // 3:1 over the u64 range: the first three quarters go to v1.
     let quarter = u64::MAX / 4 + 1;
     assert_eq!(p.rewrite("llama", 0).as_deref(), Some("llama-v1"));
-    assert_eq!(p.rewrite("llama", 3 * quarter - 1).as_deref(), Some("llama-v1"));
+    assert_eq!(
+        p.rewrite("llama", 3 * quarter - 1).as_deref(),
+        Some("llama-v1")
+    );
     assert_eq!(p.rewrite("llama", 3 * quarter).as_deref(), Some("llama-v2"));
     assert_eq!(p.rewrite("llama", u64::MAX).as_deref(), Some("llama-v2"));
     // An evenly spaced sweep (midpoints of n equal cells) lands exactly in proportion.
@@ -202,7 +272,11 @@ fn rewrite_rule_precedence_wildcard_and_identity() {
         Some("default-model"),
         "empty matches = every model no rule names"
     );
-    assert_eq!(p.rewrite("keep", 0), None, "a rewrite to itself is no rewrite");
+    assert_eq!(
+        p.rewrite("keep", 0),
+        None,
+        "a rewrite to itself is no rewrite"
+    );
     let no_wildcard = FlowPolicy::new([], policy().rules()[..2].to_vec());
     assert_eq!(no_wildcard.rewrite("other", 0), None);
 }
@@ -231,7 +305,10 @@ fn body_rewrite_changes_only_the_top_level_model() {
     let out = rewrite_body_model(body, "llama-v2").unwrap();
     let want = br#"{ "messages": [{"role": "user", "content": "hi", "model": "inner"}],
   "model" :  "llama-v2" , "temperature": 0.10000000000000000001, "n": 12345678901234567890 }"#;
-    assert_eq!(String::from_utf8(out).unwrap(), String::from_utf8(want.to_vec()).unwrap());
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        String::from_utf8(want.to_vec()).unwrap()
+    );
     // Escapes in the new name are JSON-encoded; an escaped old value is replaced whole.
     let out = rewrite_body_model(br#"{"model":"a\"b\u00e9","x":1}"#, "q\"uote/é").unwrap();
     assert_eq!(out, r#"{"model":"q\"uote/é","x":1}"#.as_bytes());
@@ -244,10 +321,16 @@ fn body_rewrite_errors() {
     let cases: [(&[u8], RewriteBodyError); 6] = [
         (br#"{"prompt": "x"}"#, RewriteBodyError::MissingModel),
         (br#"{"model": 5}"#, RewriteBodyError::NotAString),
-        (br#"{"model": "a", "model": "b"}"#, RewriteBodyError::Duplicate),
+        (
+            br#"{"model": "a", "model": "b"}"#,
+            RewriteBodyError::Duplicate,
+        ),
         (br#"["model"]"#, RewriteBodyError::NotAnObject),
         (b"", RewriteBodyError::Malformed("empty body".into())),
-        (br#"{"model": "a"} trailing"#, RewriteBodyError::Malformed(String::new())),
+        (
+            br#"{"model": "a"} trailing"#,
+            RewriteBodyError::Malformed(String::new()),
+        ),
     ];
     for (body, want) in cases {
         let got = rewrite_body_model(body, "x").unwrap_err();
@@ -265,5 +348,30 @@ fn body_rewrite_errors() {
     assert_eq!(
         rewrite_body_model(br#"{"model":"a"}"#, ""),
         Err(RewriteBodyError::BadTarget)
+    );
+}
+
+#[test]
+fn request_body_rewrite_applies_rules_and_leaves_the_rest_to_the_parser() {
+    let p = policy();
+    let r = rewrite_request_body(&p, br#"{"model": "llama", "prompt": "x"}"#, u64::MAX).unwrap();
+    assert_eq!((r.from.as_str(), r.to.as_str()), ("llama", "llama-v2"));
+    assert_eq!(r.body, br#"{"model": "llama-v2", "prompt": "x"}"#);
+    // An escaped model name is compared unescaped.
+    let r = rewrite_request_body(&p, br#"{"model": "\u006c\u006cama"}"#, 0).unwrap();
+    assert_eq!(r.to, "llama-v1");
+    assert_eq!(rewrite_request_body(&p, br#"{"model": "keep"}"#, 0), None);
+    for bad in [
+        &b"not json"[..],
+        br#"{"model": 1}"#,
+        br#"{"prompt": "x"}"#,
+        b"\xff",
+    ] {
+        assert_eq!(rewrite_request_body(&p, bad, 0), None, "{bad:?}");
+    }
+    let empty = FlowPolicy::default();
+    assert_eq!(
+        rewrite_request_body(&empty, br#"{"model": "llama"}"#, 0),
+        None
     );
 }
