@@ -325,8 +325,7 @@ pub fn classify<'a>(
 ) -> Result<Classification, ClassifyError> {
     let mut objective: [Option<&[u8]>; 2] = [None, None];
     let mut fairness: [Option<&[u8]>; 2] = [None, None];
-    let (mut priority, mut ttft, mut tpot): (Option<&[u8]>, Option<&[u8]>, Option<&[u8]>) =
-        (None, None, None);
+    let (mut priority, mut ttft, mut tpot) = (None::<&[u8]>, None::<&[u8]>, None::<&[u8]>);
     for (name, value) in headers {
         if value.is_empty() {
             continue;
