@@ -3,7 +3,8 @@
 #   - `kubectl kustomize manifests/` renders; helm lint --strict and helm template with the default
 #     values (InferencePool mode), data-parallel ranks (four targetPorts), no-CRD selector mode,
 #     static-catalog mode, certSecretName, h2c, pool.create=false, a pool in another namespace
-#     (pool.namespace), shared state on Redis (sharedState.*, hard anti-affinity) and one replica;
+#     (pool.namespace), shared state on Redis (sharedState.*, hard anti-affinity), one replica and
+#     flow control without the CRD watch (flowControl.*);
 #     the chart's guards fail;
 #   - kubectl parses every rendered document (`kubectl label --local`: `kubectl apply|create
 #     --dry-run=client` need a reachable API server for discovery even with --validate=false);
@@ -187,7 +188,7 @@ pool_render default
 pool_render dp "${DP_ARGS[@]}"
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
-files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single}.yaml)
+files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single,noflow}.yaml)
 for f in "${files[@]}"; do
   run "$KUBECTL" label --local -f "$f" -o name kvpick.io/check=ok
   # Static mode has no Role / RoleBinding.

@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 
 use futures::stream::{self, BoxStream};
 use futures::StreamExt;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use kube::core::{ApiResource, DynamicObject};
 use kube::runtime::watcher::{self, Event};
 use kube::runtime::WatchStreamExt;
@@ -215,7 +216,7 @@ pub fn objective_from(
         .any(|r| r.names(pool));
     if !targets {
         if spec.pool_selector.is_some() && spec.pool_ref.is_none() && spec.pool_refs.is_empty() {
-            tracing::info!(objective = %obj.name_any(), "InferenceObjective targets pools by poolSelector only, which kvpick does not evaluate: ignored");
+            tracing::warn!(objective = %obj.name_any(), "InferenceObjective targets pools by poolSelector only, which kvpick does not evaluate: ignored");
         }
         return Ok(None);
     }
@@ -271,57 +272,64 @@ pub fn rules_from(obj: &DynamicObject, pool: &str) -> Result<Vec<RewriteRule>, S
     Ok(out)
 }
 
-/// The objects of one resource as last listed and watched.
+/// What one object contributes, parsed (and any problem logged) once, when it arrives.
+#[derive(Debug, Clone, Default)]
+struct Contribution {
+    created: Option<Time>,
+    objective: Option<Objective>,
+    rules: Vec<RewriteRule>,
+}
+
+fn contribution(resource: Resource, obj: &DynamicObject, pool: &str) -> Contribution {
+    let mut out = Contribution {
+        created: obj.metadata.creation_timestamp.clone(),
+        ..Contribution::default()
+    };
+    if resource.is_objective() {
+        match objective_from(resource, obj, pool) {
+            Ok(o) => out.objective = o,
+            Err(err) => {
+                tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceObjective skipped")
+            }
+        }
+    } else {
+        match rules_from(obj, pool) {
+            Ok(r) => out.rules = r,
+            Err(err) => {
+                tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceModelRewrite skipped")
+            }
+        }
+    }
+    out
+}
+
+/// The objects of one resource as last listed and watched, by name.
 #[derive(Default)]
 struct Store {
     synced: bool,
-    objects: BTreeMap<String, DynamicObject>,
-    buffer: Option<BTreeMap<String, DynamicObject>>,
+    objects: BTreeMap<String, Contribution>,
+    buffer: Option<BTreeMap<String, Contribution>>,
     failing: bool,
 }
 
-fn key(obj: &DynamicObject) -> String {
-    obj.name_any()
-}
-
 /// The content of every synced store.
-fn content(stores: &BTreeMap<Resource, Store>, pool: &str) -> ClusterContent {
+fn content(stores: &BTreeMap<Resource, Store>) -> ClusterContent {
     let mut out = ClusterContent::default();
-    let mut rules: Vec<(
-        Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
-        Resource,
-        String,
-        Vec<RewriteRule>,
-    )> = Vec::new();
+    let mut rules: Vec<(&Option<Time>, Resource, &str, &[RewriteRule])> = Vec::new();
     for (resource, store) in stores.iter().filter(|(_, s)| s.synced) {
-        for obj in store.objects.values() {
-            if resource.is_objective() {
-                match objective_from(*resource, obj, pool) {
-                    Ok(Some(o)) => out.objectives.push(o),
-                    Ok(None) => {}
-                    Err(err) => {
-                        tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceObjective skipped")
-                    }
-                }
-            } else {
-                match rules_from(obj, pool) {
-                    Ok(r) if r.is_empty() => {}
-                    Ok(r) => rules.push((
-                        obj.metadata.creation_timestamp.clone(),
-                        *resource,
-                        obj.name_any(),
-                        r,
-                    )),
-                    Err(err) => {
-                        tracing::warn!(%resource, object = %obj.name_any(), %err, "invalid InferenceModelRewrite skipped")
-                    }
-                }
+        for (name, c) in &store.objects {
+            out.objectives.extend(c.objective.iter().cloned());
+            if !c.rules.is_empty() {
+                rules.push((&c.created, *resource, name, &c.rules));
             }
         }
     }
     // Oldest resource first (GIE: "Timestamp Wins"); an object without a timestamp sorts last.
-    rules.sort_by(|a, b| (a.0.is_none(), &a.0, a.1, &a.2).cmp(&(b.0.is_none(), &b.0, b.1, &b.2)));
-    out.rules = rules.into_iter().flat_map(|r| r.3).collect();
+    rules.sort_by(|a, b| (a.0.is_none(), a.0, a.1, a.2).cmp(&(b.0.is_none(), b.0, b.1, b.2)));
+    out.rules = rules
+        .into_iter()
+        .flat_map(|r| r.3.iter().cloned())
+        .collect();
     out
 }
 
@@ -380,10 +388,11 @@ pub async fn run(client: Client, config: FlowKubeConfig, tx: watch::Sender<Clust
                 false
             }
             Event::InitApply(o) => {
+                let c = contribution(resource, &o, &config.pool);
                 store
                     .buffer
                     .get_or_insert_with(BTreeMap::new)
-                    .insert(key(&o), o);
+                    .insert(o.name_any(), c);
                 false
             }
             Event::InitDone => {
@@ -392,16 +401,17 @@ pub async fn run(client: Client, config: FlowKubeConfig, tx: watch::Sender<Clust
                 true
             }
             Event::Apply(o) => {
-                store.objects.insert(key(&o), o);
+                let c = contribution(resource, &o, &config.pool);
+                store.objects.insert(o.name_any(), c);
                 store.synced
             }
             Event::Delete(o) => {
-                store.objects.remove(&key(&o));
+                store.objects.remove(&o.name_any());
                 store.synced
             }
         };
         if changed {
-            let next = content(&stores, &config.pool);
+            let next = content(&stores);
             tx.send_if_modified(|current| {
                 if *current == next {
                     return false;
@@ -535,7 +545,7 @@ mod tests {
         let put = |stores: &mut BTreeMap<Resource, Store>, r: Resource, o: DynamicObject| {
             let s = stores.get_mut(&r).unwrap();
             s.synced = true;
-            s.objects.insert(key(&o), o);
+            s.objects.insert(o.name_any(), contribution(r, &o, "pool"));
         };
         put(
             &mut stores,
@@ -571,7 +581,7 @@ mod tests {
             Some(serde_json::from_value(serde_json::json!("2025-01-01T00:00:00Z")).unwrap());
         put(&mut stores, Resource::GieRewrite, newer);
         put(&mut stores, Resource::LlmdRewrite, older);
-        let c = content(&stores, "pool");
+        let c = content(&stores);
         let policy = super::super::FlowPolicy::new(c.objectives.clone(), c.rules.clone());
         assert_eq!(
             policy.objective("same").unwrap().priority,
@@ -584,7 +594,7 @@ mod tests {
             "the oldest resource's rule wins"
         );
         stores.get_mut(&Resource::LlmdRewrite).unwrap().synced = false;
-        let c = content(&stores, "pool");
+        let c = content(&stores);
         assert_eq!(c.rules.len(), 1, "an unsynced resource contributes nothing");
     }
 }
