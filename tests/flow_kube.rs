@@ -443,3 +443,42 @@ async fn merged_receiver_combines_the_file_and_the_cluster() {
     assert_eq!(p.rewrite("anything", 7).as_deref(), Some("default-model"));
     std::fs::remove_dir_all(dir).unwrap();
 }
+
+#[test]
+fn serve_refuses_an_invalid_flow_config_at_start_up() {
+    let dir = std::env::temp_dir().join(format!("kvpick-flowcfg-{}", uuid::Uuid::new_v4()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let catalog = dir.join("catalog.yaml");
+    std::fs::write(&catalog, "workers: []").unwrap();
+    let flow = dir.join("flow.yaml");
+    std::fs::write(
+        &flow,
+        "objectives: [{name: a, priority: 1}, {name: a, priority: 2}]",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpick"))
+        .args(["serve", "--secure-serving=false", "--kv-events", "off"])
+        .args([
+            "--grpc-port",
+            "0",
+            "--grpc-health-port",
+            "0",
+            "--metrics-port",
+            "0",
+        ])
+        .arg("--config")
+        .arg(&catalog)
+        .arg("--flow-config")
+        .arg(&flow)
+        .env_remove("KVPICK_CONFIG")
+        .env_remove("KVPICK_FLOW_CONFIG")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("flow-config file") && stderr.contains("objectives[1] (a): duplicate"),
+        "{stderr}"
+    );
+    std::fs::remove_dir_all(dir).unwrap();
+}
