@@ -481,13 +481,14 @@ impl StreamMachine {
 
     /// Model rewrite (InferenceModelRewrite rules of the flow policy), before the body is parsed,
     /// so tokenizer, partition and pick all see the target model and Envoy forwards the rewritten
-    /// body. The target is chosen by a hash of the client's `x-request-id` (a retry keeps its
-    /// model) or at random. No `content-length` fix is needed: in FULL_DUPLEX_STREAMED Envoy
+    /// body. The target is chosen by a hash of the session id (a session stays on one target and
+    /// keeps its KV cache), else of the client's `x-request-id` (a retry keeps its model), else at
+    /// random. No `content-length` fix is needed: in FULL_DUPLEX_STREAMED Envoy
     /// removes it from the request whenever body mutation is possible (ext_proc
     /// `processing_mode.proto`). `Some` = a step to answer instead (budget exhausted).
     fn rewrite_model(&mut self) -> Option<Step> {
         let policy = self.settings.flow_policy.as_ref()?.borrow().clone();
-        let pick = match &self.request_id {
+        let pick = match self.session_id.as_ref().or(self.request_id.as_ref()) {
             Some(id) => xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
             None => rand::random(),
         };

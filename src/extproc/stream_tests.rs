@@ -1552,3 +1552,55 @@ fn model_rewrite_routes_to_the_target_and_echoes_the_rewritten_body() {
     let step = m.handle(body(CHAT, true)).unwrap();
     assert_eq!(streamed(&step.responses[1]).0, CHAT);
 }
+
+#[test]
+fn weighted_model_rewrite_is_sticky_per_session_and_splits_across_sessions() {
+    let settings = Arc::new(rewrite_settings(
+        "rewrites: [{matches: [m], targets: [{model: m-v1}, {model: m-v2}]}]",
+    ));
+    let core = SelectionCore::new(CoreConfig::default(), Metrics::new());
+    core.apply_snapshot(vec![
+        worker("a", "m-v1", RankLayout::PerPort(vec![8000])),
+        worker("b", "m-v2", RankLayout::PerPort(vec![9000])),
+    ])
+    .unwrap();
+    let route = |session: &str, request: &str| {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+        m.handle(headers(
+            &[
+                (":method", "POST"),
+                ("content-type", "application/json"),
+                ("x-session-id", session),
+                ("x-request-id", request),
+            ],
+            false,
+        ))
+        .unwrap();
+        let step = m.handle(body(CHAT, true)).unwrap();
+        let echoed = streamed(&step.responses[1]).0.to_vec();
+        let dest = set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).unwrap();
+        let model = if dest.ends_with(":8000") {
+            "m-v1"
+        } else {
+            "m-v2"
+        };
+        assert!(
+            String::from_utf8(echoed)
+                .unwrap()
+                .contains(&format!("\"model\":\"{model}\"")),
+            "the body names the model of the rank it went to"
+        );
+        dest
+    };
+    let first = route("s-1", "r-0");
+    for i in 1..8 {
+        assert_eq!(
+            route("s-1", &format!("r-{i}")),
+            first,
+            "one session, one target"
+        );
+    }
+    let targets: std::collections::BTreeSet<String> =
+        (0..64).map(|i| route(&format!("s-{i}"), "r")).collect();
+    assert_eq!(targets.len(), 2, "sessions spread over both targets");
+}
