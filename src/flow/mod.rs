@@ -8,7 +8,8 @@
 //!
 //! It must not touch the selection core, bookings, the queue, scheduling state or the ext_proc
 //! stream: it only reads headers and bodies handed to it and publishes policy snapshots. The queue,
-//! bands, fairness and admission that *use* a [`Classification`] live elsewhere.
+//! bands, fairness and admission that *use* a [`Classification`] live elsewhere; the ext_proc host
+//! calls [`rewrite_request_body`] once per request body (`StreamMachine::rewrite_model`).
 //!
 //! # The resources (schemas as published upstream)
 //! - **InferenceObjective**, Gateway API Inference Extension, `inference.networking.x-k8s.io/v1alpha2`
