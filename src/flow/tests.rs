@@ -375,3 +375,68 @@ fn request_body_rewrite_applies_rules_and_leaves_the_rest_to_the_parser() {
         None
     );
 }
+
+/// Deterministic mutations of a few bodies (a poor man's fuzz run, in the unit tests): whatever the
+/// bytes, `rewrite_body_model` never panics, and whenever it succeeds the result is JSON whose
+/// `model` is the target and whose other top-level values equal the input's. `classify` over the
+/// same bytes as header values never panics and keeps its bounds.
+#[test]
+fn body_rewrite_and_classify_hold_their_invariants_on_mutated_input() {
+    let seeds: [&[u8]; 4] = [
+        br#"{"model":"llama","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
+        br#"  {"prompt": [1, 2, 3], "model" : "a\u00e9\"b", "n": 1e5, "x": {"model": 1}}  "#,
+        br#"{"model":"m","model":"n"}"#,
+        br#"{"input":"x","model":null}"#,
+    ];
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let p = policy();
+    let bytes: &[u8] = b"{}[]\":,\\ u0e9amodel-1";
+    let mut successes = 0;
+    for round in 0..20_000 {
+        let mut body = seeds[round % seeds.len()].to_vec();
+        for _ in 0..(next() % 4) {
+            let at = (next() as usize) % (body.len() + 1);
+            match next() % 3 {
+                0 if at < body.len() => {
+                    body.remove(at);
+                }
+                1 => body.insert(at, bytes[(next() as usize) % bytes.len()]),
+                _ if at < body.len() => body[at] = next() as u8,
+                _ => {}
+            }
+        }
+        let target = if round % 2 == 0 {
+            "t"
+        } else {
+            "long/target-é\""
+        };
+        if let Ok(out) = rewrite_body_model(&body, target) {
+            successes += 1;
+            let after: serde_json::Value = serde_json::from_slice(&out).unwrap();
+            assert_eq!(after["model"], target, "{}", String::from_utf8_lossy(&body));
+            let mut before: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            before["model"] = target.into();
+            assert_eq!(before, after, "{}", String::from_utf8_lossy(&body));
+        }
+        let _ = rewrite_request_body(&p, &body, next());
+        let headers = [
+            ("x-llm-d-inference-objective", &body[..body.len().min(300)]),
+            ("x-llm-d-fairness-id", &body[..body.len().min(140)]),
+            ("x-dynamo-request-priority", &body[..body.len().min(12)]),
+            ("x-llm-d-slo-ttft-ms", &body[..body.len().min(8)]),
+        ];
+        if let Ok(c) = classify(headers, &p, &FlowSettings::default()) {
+            assert!(!c.fairness_key.is_empty() && c.fairness_key.len() <= MAX_FAIRNESS_ID_LEN);
+        }
+    }
+    assert!(
+        successes > 1_000,
+        "the mutations keep many bodies valid: {successes}"
+    );
+}
