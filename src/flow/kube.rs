@@ -10,7 +10,7 @@
 //! `DynamicObject`s (no CRD types to register) and their `spec` parsed leniently: unknown fields are
 //! ignored, an object whose spec does not parse is skipped with a warning. A resource whose CRD is
 //! not installed (404) or not readable (403) never crashes anything: the watcher retries with
-//! backoff, the first failure is logged at warn and the rest at debug, and that resource simply
+//! kube-rs' default backoff (0.8 s doubling to 30 s, jittered), the first failure is logged at warn and the rest at debug, and that resource simply
 //! contributes nothing until it lists. Nothing is published for a resource before its first full
 //! list; the others publish independently.
 //!
