@@ -488,6 +488,9 @@ impl StreamMachine {
     /// `processing_mode.proto`). `Some` = a step to answer instead (budget exhausted).
     fn rewrite_model(&mut self) -> Option<Step> {
         let policy = self.settings.flow_policy.as_ref()?.borrow().clone();
+        if policy.rules().is_empty() {
+            return None; // no copy of a multi-chunk body when there is nothing to rewrite
+        }
         let pick = match self.session_id.as_ref().or(self.request_id.as_ref()) {
             Some(id) => xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
             None => rand::random(),
