@@ -3,7 +3,8 @@
 #   - `kubectl kustomize manifests/` renders; helm lint --strict and helm template with the default
 #     values (InferencePool mode), data-parallel ranks (four targetPorts), no-CRD selector mode,
 #     static-catalog mode, certSecretName, h2c, pool.create=false, a pool in another namespace
-#     (pool.namespace), shared state on Redis (sharedState.*, hard anti-affinity) and one replica;
+#     (pool.namespace), shared state on Redis (sharedState.*, hard anti-affinity), one replica and
+#     flow control without the CRD watch (flowControl.*);
 #     the chart's guards fail;
 #   - kubectl parses every rendered document (`kubectl label --local`: `kubectl apply|create
 #     --dry-run=client` need a reachable API server for discovery even with --validate=false);
@@ -145,6 +146,8 @@ render poolns --set pool.namespace=models --set pool.create=false
 render shared --set sharedState.url=redis://redis.db:6379/1 --set sharedState.passwordSecret.name=redis-auth \
   --set podAntiAffinity=hard
 render single --set replicas=1
+# Flow control without the InferenceObjective / InferenceModelRewrite watch (and their RBAC).
+render noflow --set flowControl.watchCrds=false --set flowControl.clientPriority=false
 must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
   local what=$1
   shift
@@ -185,7 +188,7 @@ pool_render default
 pool_render dp "${DP_ARGS[@]}"
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
-files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single}.yaml)
+files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single,noflow}.yaml)
 for f in "${files[@]}"; do
   run "$KUBECTL" label --local -f "$f" -o name kvpick.io/check=ok
   # Static mode has no Role / RoleBinding.
@@ -216,6 +219,9 @@ KINDS = {("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
          ("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"), POOL_KIND}
 CORE = ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service")
 READ = ["get", "list", "watch"]
+FLOW_READ = ["list", "watch"]
+FLOW_GROUPS = ("inference.networking.x-k8s.io", "llm-d.ai")
+FLOW_RESOURCES = ("inferenceobjectives", "inferencemodelrewrites")
 CATALOG_KEYS = {"name", "model", "routing_group", "address", "ports", "port",
                 "data_parallel_size", "block_size", "kv_events", "kv_replay", "lora_adapters"}
 MAX_DP_RANKS = 64
@@ -223,7 +229,7 @@ MAX_DP_RANKS = 64
 EXPECT = {"kustomize": ("pool", True), "default": ("pool", True), "dp": ("pool", True),
           "selector": ("selector", False), "static": ("static", False), "certs": ("pool", True),
           "h2c": ("pool", True), "nopool": ("pool", False), "poolns": ("pool", False),
-          "shared": ("pool", True), "single": ("pool", True)}
+          "shared": ("pool", True), "single": ("pool", True), "noflow": ("pool", True)}
 RBAC = ("Role", "RoleBinding")
 
 def arg_value(args, flag):
@@ -321,16 +327,24 @@ def check_set(where, docs, mode, want_pool):
         return None
     name = lambda kind: by_kind[kind]["metadata"]["name"]
     if mode != "static":
-        check_rbac(where, by_kind, name)
+        check_rbac(where, by_kind, name, mode)
     return check_rest(where, by_kind, name, mode)
 
-def check_rbac(where, by_kind, name):
+def check_rbac(where, by_kind, name, mode):
     # RBAC: namespaced read-only on pods and inferencepools, bound to the ServiceAccount, in the
-    # namespace kvpick watches (--pool-namespace, else its own).
+    # namespace kvpick watches (--pool-namespace, else its own); in pool mode, unless
+    # --flow-watch-crds=false, also list/watch of InferenceObjective and InferenceModelRewrite in
+    # both groups (the flow-policy source).
     rules = {(g, r): sorted(rule.get("verbs", [])) for rule in by_kind["Role"].get("rules", [])
              for g in rule.get("apiGroups", []) for r in rule.get("resources", [])}
-    check(rules == {("", "pods"): sorted(READ), ("inference.networking.k8s.io", "inferencepools"): sorted(READ)},
-          where, f"Role rules are {rules}")
+    want = {("", "pods"): sorted(READ), ("inference.networking.k8s.io", "inferencepools"): sorted(READ)}
+    dep_args = [str(a) for a in by_kind["Deployment"]["spec"]["template"]["spec"]["containers"][0].get("args", [])]
+    flow = mode == "pool" and arg_value(dep_args, "--flow-watch-crds") != "false"
+    if flow:
+        for g in FLOW_GROUPS:
+            for r in FLOW_RESOURCES:
+                want[(g, r)] = sorted(FLOW_READ)
+    check(rules == want, where, f"Role rules are {rules}, want {want}")
     check(all(set(rule) <= {"apiGroups", "resources", "verbs"} for rule in by_kind["Role"].get("rules", [])),
           where, "Role rules must not use resourceNames / nonResourceURLs")
     rb = by_kind["RoleBinding"]
@@ -527,6 +541,12 @@ check(sh and arg_value(sh["args"], "--shared-state") == "redis://redis.db:6379/1
       and sh["anti_affinity"] == ["requiredDuringSchedulingIgnoredDuringExecution"], "helm template (shared)",
       "want --shared-state redis://redis.db:6379/1, the release's prefix and hard anti-affinity")
 check(summary.get("default") and summary["default"]["replicas"] == 2, "helm template (default)", "want 2 replicas")
+nf = summary.get("noflow")
+check(nf and arg_value(nf["args"], "--flow-watch-crds") == "false"
+      and arg_value(nf["args"], "--client-priority") == "false", "helm template (noflow)",
+      "want --flow-watch-crds=false --client-priority=false")
+check(summary.get("default") and arg_value(summary["default"]["args"], "--flow-watch-crds") is None,
+      "helm template (default)", "the default render sets no flow-control flags (kvpick's defaults)")
 h2c = summary.get("h2c")
 check(h2c and "--secure-serving=false" in h2c["args"], "helm template (h2c)", "no --secure-serving=false")
 

@@ -10,6 +10,8 @@
 //!   turns prompts into engine token ids.
 //! - Sources: [`catalog`] (static file, Kubernetes reflector) produce complete worker snapshots;
 //!   [`events`] decodes KV events off ZeroMQ and feeds them to the core.
+//! - [`flow`]: flow-control classification policy (objectives, fairness keys, SLO headers,
+//!   model rewrites) from `--flow-config` and InferenceObjective / InferenceModelRewrite.
 //! - [`shared`]: sessions and load shared by replicas on Redis (`--shared-state`).
 //! - Process: [`server`] (flags, ports, wiring, shutdown), [`tls`], [`health`], [`net`],
 //!   [`metrics`] (one registry, per-area metric sets).
@@ -21,6 +23,7 @@ pub mod catalog;
 pub mod engine_metrics;
 pub mod events;
 pub mod extproc;
+pub mod flow;
 pub mod h2_authority;
 pub mod health;
 pub mod metrics;

@@ -89,6 +89,44 @@ pub struct ServeArgs {
     #[arg(long, value_name = "URL", hide = true)]
     pub kube_api_url: Option<String>,
 
+    /// Flow control: YAML file of objectives (`name`, `priority`) and model rewrite rules
+    /// (`matches` -> weighted `targets`), see README "Flow control". Validated at start-up (an
+    /// invalid file fails it); re-read every --catalog-poll-ms, a bad edit is logged and the last
+    /// good policy kept.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "KVPICK_FLOW_CONFIG",
+        help_heading = "Flow control"
+    )]
+    pub flow_config: Option<PathBuf>,
+
+    /// With --pool-name: also watch InferenceObjective (`inference.networking.x-k8s.io/v1alpha2` and
+    /// `llm-d.ai/v1alpha2`) and InferenceModelRewrite (both groups) in the pool's namespace, keeping
+    /// those whose poolRef names the pool; they override --flow-config entries of the same name.
+    /// A CRD that is not installed is retried with backoff, never fatal. `false`: no watch (and no
+    /// RBAC needed for them).
+    #[arg(
+        long,
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL",
+        help_heading = "Flow control"
+    )]
+    pub flow_watch_crds: bool,
+
+    /// Honour the client-supplied `x-dynamo-request-priority` header (negative = sheddable); it
+    /// overrides the priority of the objective the request names. `false`: the header is ignored
+    /// and only objectives (operator-defined) set a priority. See README "Security".
+    #[arg(
+        long,
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        value_name = "BOOL",
+        help_heading = "Flow control"
+    )]
+    pub client_priority: bool,
+
     /// Address every port binds to.
     #[arg(long, default_value = "0.0.0.0", value_name = "IP")]
     pub bind: IpAddr,
@@ -455,7 +493,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub shutdown_grace: u64,
 
-    /// Milliseconds between checks of the catalog file for changes.
+    /// Milliseconds between checks of the catalog file (and the --flow-config file) for changes.
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub catalog_poll_ms: u64,
 
@@ -797,20 +835,37 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
 
     // Catalog source first: a bad catalog fails start-up with a clear message.
-    match catalog_source(&args, std::env::var("NAMESPACE").ok())? {
+    let catalog = catalog_source(&args, std::env::var("NAMESPACE").ok())?;
+    let flow_kube = flow_kube_config(&args, &catalog);
+    let mut kube = None;
+    match catalog {
         CatalogSource::Static(config_path) => start_static_source(&args, &core, config_path)?,
         CatalogSource::Kubernetes(config) => {
             let client = kube_client(args.kube_api_url.as_deref()).await?;
             let (catalog_tx, catalog_rx) = watch::channel(None);
             tracing::info!(namespace = %config.namespace, target = ?config.target, "watching Kubernetes");
-            tokio::spawn(kube_source::run(client, config, catalog_tx));
+            tokio::spawn(kube_source::run(client.clone(), config, catalog_tx));
             tokio::spawn(crate::selection::reconcile::run(
                 Arc::clone(&core),
                 "kubernetes",
                 catalog_rx,
             ));
+            kube = Some(client);
         }
     }
+
+    // Flow-control policy (objectives, rewrites): an invalid --flow-config fails start-up.
+    let flow_settings = flow_settings(&args);
+    let flow_policy = crate::flow::start(crate::flow::FlowSourceConfig {
+        file: args.flow_config.clone(),
+        poll: Duration::from_millis(args.catalog_poll_ms),
+        kube: kube.zip(flow_kube),
+    })?;
+    tracing::info!(
+        client_priority = flow_settings.client_priority,
+        objectives = flow_policy.borrow().objectives().count(),
+        "flow policy ready"
+    );
 
     if let Some(scrape) = scrape_config(&args)? {
         tracing::info!(interval_ms = args.engine_metrics_interval_ms, names = ?scrape.names, "scraping engine metrics");
@@ -896,6 +951,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 args.max_buffered_body_bytes,
                 metrics.extproc.body_bytes_buffered.clone(),
             ),
+            flow_policy: Some(flow_policy.clone()),
+            flow_settings,
         },
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
@@ -981,6 +1038,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(shared) = &shared {
         shared.leave().await;
     }
+    // The policy sources run for as long as a receiver lives.
+    drop(flow_policy);
     exit_tx.send_replace(true);
     // The servers now close their (idle) connections; a peer that does not let go of one
     // cannot hold the exit.
@@ -1103,6 +1162,34 @@ pub fn catalog_source(
                 resync: KUBE_RESYNC,
             }))
         }
+    }
+}
+
+/// Classification settings from flags (`--client-priority`).
+pub fn flow_settings(args: &ServeArgs) -> crate::flow::FlowSettings {
+    crate::flow::FlowSettings {
+        client_priority: args.client_priority,
+    }
+}
+
+/// What the Kubernetes flow-policy source watches: the InferenceObjective / InferenceModelRewrite
+/// resources of the served pool's namespace, when the catalog follows an InferencePool
+/// (`--pool-name`) and `--flow-watch-crds` is on. With `--endpoint-selector` there is no pool for
+/// a poolRef to name, and with `--config` no Kubernetes at all.
+pub fn flow_kube_config(
+    args: &ServeArgs,
+    catalog: &CatalogSource,
+) -> Option<crate::flow::kube::FlowKubeConfig> {
+    match catalog {
+        CatalogSource::Kubernetes(kube_source::KubeSourceConfig {
+            namespace,
+            target: kube_source::Target::Pool { name },
+            ..
+        }) if args.flow_watch_crds => Some(crate::flow::kube::FlowKubeConfig {
+            namespace: namespace.clone(),
+            pool: name.clone(),
+        }),
+        _ => None,
     }
 }
 

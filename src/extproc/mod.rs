@@ -35,6 +35,10 @@ pub struct ExtProcSettings {
     pub tokenizers: Option<Arc<Tokenizers>>,
     /// Request-body bytes all streams together may buffer (`--max-buffered-body-bytes`).
     pub body_budget: Arc<BodyBudget>,
+    /// The flow policy (`crate::flow`): model rewrites today; `None` = none.
+    pub flow_policy: Option<crate::flow::PolicyRx>,
+    /// How requests are classified (`--client-priority`).
+    pub flow_settings: crate::flow::FlowSettings,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -53,6 +57,8 @@ impl Default for ExtProcSettings {
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tokenizers: None,
             body_budget: BodyBudget::unmetered(DEFAULT_BUDGET_BYTES),
+            flow_policy: None,
+            flow_settings: crate::flow::FlowSettings::default(),
         }
     }
 }

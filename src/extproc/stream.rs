@@ -334,28 +334,6 @@ impl StreamMachine {
                 }
                 "x-dynamo-worker-instance-id" => worker_pin = Some(value.trim().to_string()),
                 "x-dynamo-dp-rank" => rank_pin = Some(value.trim().to_string()),
-                "x-llm-d-fairness-id" | "x-gateway-inference-fairness-id" if !value.is_empty() => {
-                    self.fairness_key = Some(value.chars().take(256).collect());
-                }
-                "x-llm-d-slo-ttft-ms" | "x-llm-d-slo-tpot-ms" => {
-                    match value.trim().parse::<u64>() {
-                        Ok(ms) if name == "x-llm-d-slo-ttft-ms" => self.slo_ttft_ms = Some(ms),
-                        Ok(ms) => self.slo_tpot_ms = Some(ms),
-                        Err(_) => {
-                            self.header_error.get_or_insert_with(|| {
-                                format!("{name} must be a whole number of milliseconds")
-                            });
-                        }
-                    }
-                }
-                "x-dynamo-request-priority" => match value.trim().parse::<i32>() {
-                    Ok(p) => self.priority = p,
-                    Err(_) => {
-                        self.header_error.get_or_insert_with(|| {
-                            "x-dynamo-request-priority must be an integer".into()
-                        });
-                    }
-                },
                 _ => {}
             }
             if let Some(preference) = self
@@ -378,6 +356,7 @@ impl StreamMachine {
             self.header_names.push(name);
         }
         self.session_id = session.map(|(_, id)| id);
+        self.classify(&headers);
         if self.core.config().allow_pins {
             self.read_pin(worker_pin, rank_pin);
         }
@@ -444,6 +423,9 @@ impl StreamMachine {
     #[allow(clippy::expect_used)]
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
+        if let Some(step) = self.rewrite_model() {
+            return Ok(step);
+        }
         let whole = self.body.contiguous();
         let mut parsed = match parse_request_body(self.content_type.as_deref(), &whole) {
             Ok(parsed) => parsed,
@@ -528,6 +510,66 @@ impl StreamMachine {
             .extend(body_chunks(chunks, body_end_of_stream));
         step.body_lease = Some(lease);
         Ok(step)
+    }
+
+    /// Flow control's classification of the request (`crate::flow::classify`): priority from
+    /// its objective and (with `--client-priority`) `x-dynamo-request-priority`, fairness key,
+    /// SLOs. Malformed values are a 400 when the request would be routed.
+    fn classify(&mut self, headers: &HttpHeaders) {
+        let policy = match &self.settings.flow_policy {
+            Some(rx) => rx.borrow().clone(),
+            None => Arc::new(crate::flow::FlowPolicy::default()),
+        };
+        let pairs = headers
+            .headers
+            .iter()
+            .flat_map(|m| m.headers.iter())
+            .map(|h| {
+                let value: &[u8] = if h.raw_value.is_empty() {
+                    h.value.as_bytes()
+                } else {
+                    &h.raw_value
+                };
+                (h.key.as_str(), value)
+            });
+        match crate::flow::classify(pairs, &policy, &self.settings.flow_settings) {
+            Ok(class) => {
+                self.priority = class.priority;
+                self.fairness_key = Some(class.fairness_key);
+                self.slo_ttft_ms = class.slo_ttft_ms;
+                self.slo_tpot_ms = class.slo_tpot_ms;
+            }
+            Err(err) => {
+                self.header_error.get_or_insert_with(|| err.to_string());
+            }
+        }
+    }
+
+    /// Model rewrite (InferenceModelRewrite rules of the flow policy), before the body is parsed,
+    /// so tokenizer, partition and pick all see the target model and Envoy forwards the rewritten
+    /// body. The target is chosen by a hash of the session id (a session stays on one target and
+    /// keeps its KV cache), else of the client's `x-request-id` (a retry keeps its model), else at
+    /// random. No `content-length` fix is needed: in FULL_DUPLEX_STREAMED Envoy
+    /// removes it from the request whenever body mutation is possible (ext_proc
+    /// `processing_mode.proto`). `Some` = a step to answer instead (budget exhausted).
+    fn rewrite_model(&mut self) -> Option<Step> {
+        let policy = self.settings.flow_policy.as_ref()?.borrow().clone();
+        if policy.rules().is_empty() {
+            return None; // no copy of a multi-chunk body when there is nothing to rewrite
+        }
+        let pick = match self.session_id.as_ref().or(self.request_id.as_ref()) {
+            Some(id) => xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
+            None => rand::random(),
+        };
+        let rewritten = crate::flow::rewrite_request_body(&policy, &self.body.contiguous(), pick)?;
+        tracing::debug!(from = %rewritten.from, to = %rewritten.to, "model rewritten");
+        let grow = rewritten.body.len().saturating_sub(self.body.len);
+        if !self.body.lease.try_grow(grow) {
+            return Some(self.reject_budget());
+        }
+        self.body.len = rewritten.body.len();
+        self.body.chunks = vec![rewritten.body];
+        None
     }
 
     /// `--shared-state`: the Redis lookup this request's session needs before its pick.

@@ -1700,3 +1700,98 @@ mod queue {
         assert_eq!(status(&step), Some(400));
     }
 }
+fn rewrite_settings(rules: &str) -> ExtProcSettings {
+    let content = crate::flow::static_file::parse_flow_config(rules).unwrap();
+    let policy = crate::flow::FlowPolicy::new(content.objectives, content.rules);
+    let (tx, rx) = tokio::sync::watch::channel(Arc::new(policy));
+    std::mem::forget(tx); // the policy stays as it is for the test
+    ExtProcSettings {
+        flow_policy: Some(rx),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn model_rewrite_routes_to_the_target_and_echoes_the_rewritten_body() {
+    let (_core, mut m) = setup(
+        vec![worker("a", "m-v2", RankLayout::PerPort(vec![8000]))],
+        rewrite_settings("rewrites: [{matches: [m], targets: [{model: m-v2}]}]"),
+    );
+    m.handle(post_headers()).unwrap();
+    let sent =
+        br#"{"messages": [{"role": "user", "content": "hi"}], "model": "m", "stream": true}"#;
+    m.handle(body(&sent[..20], false)).unwrap();
+    let step = m.handle(body(&sent[20..], true)).unwrap();
+    let dest = set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER);
+    assert_eq!(dest.as_deref(), Some("127.0.0.1:8000"), "routed as m-v2");
+    let echoed: Vec<u8> = step.responses[1..]
+        .iter()
+        .flat_map(|r| streamed(r).0.to_vec())
+        .collect();
+    assert_eq!(
+        echoed,
+        br#"{"messages": [{"role": "user", "content": "hi"}], "model": "m-v2", "stream": true}"#
+    );
+    assert!(streamed(step.responses.last().unwrap()).1);
+
+    // No rule for the model: the body is echoed as sent.
+    let (_core, mut m) = setup(
+        default_pool(),
+        rewrite_settings("rewrites: [{matches: [other], targets: [{model: m-v2}]}]"),
+    );
+    m.handle(post_headers()).unwrap();
+    let step = m.handle(body(CHAT, true)).unwrap();
+    assert_eq!(streamed(&step.responses[1]).0, CHAT);
+}
+
+#[test]
+fn weighted_model_rewrite_is_sticky_per_session_and_splits_across_sessions() {
+    let settings = Arc::new(rewrite_settings(
+        "rewrites: [{matches: [m], targets: [{model: m-v1}, {model: m-v2}]}]",
+    ));
+    let core = SelectionCore::new(CoreConfig::default(), Metrics::new());
+    core.apply_snapshot(vec![
+        worker("a", "m-v1", RankLayout::PerPort(vec![8000])),
+        worker("b", "m-v2", RankLayout::PerPort(vec![9000])),
+    ])
+    .unwrap();
+    let route = |session: &str, request: &str| {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+        m.handle(headers(
+            &[
+                (":method", "POST"),
+                ("content-type", "application/json"),
+                ("x-session-id", session),
+                ("x-request-id", request),
+            ],
+            false,
+        ))
+        .unwrap();
+        let step = m.handle(body(CHAT, true)).unwrap();
+        let echoed = streamed(&step.responses[1]).0.to_vec();
+        let dest = set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).unwrap();
+        let model = if dest.ends_with(":8000") {
+            "m-v1"
+        } else {
+            "m-v2"
+        };
+        assert!(
+            String::from_utf8(echoed)
+                .unwrap()
+                .contains(&format!("\"model\":\"{model}\"")),
+            "the body names the model of the rank it went to"
+        );
+        dest
+    };
+    let first = route("s-1", "r-0");
+    for i in 1..8 {
+        assert_eq!(
+            route("s-1", &format!("r-{i}")),
+            first,
+            "one session, one target"
+        );
+    }
+    let targets: std::collections::BTreeSet<String> =
+        (0..64).map(|i| route(&format!("s-{i}"), "r")).collect();
+    assert_eq!(targets.len(), 2, "sessions spread over both targets");
+}

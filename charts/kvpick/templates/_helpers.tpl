@@ -71,3 +71,9 @@ helm.sh/chart: {{ include "kvpick.chart" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
+
+{{/* "true" unless flowControl.watchCrds is false (empty then): watch the flow-policy CRDs. */}}
+{{- define "kvpick.flowWatchCrds" -}}
+{{- $v := (.Values.flowControl | default dict).watchCrds }}
+{{- if not (and (kindIs "bool" $v) (not $v)) }}true{{- end }}
+{{- end }}

@@ -1,0 +1,562 @@
+//! Flow-control classification policy (issue 18, host side): which objective, priority, fairness
+//! key and SLO a request carries, and which model it is rewritten to. This module owns the
+//! immutable [`FlowPolicy`] snapshot (objectives, model rewrite rules), its two sources (the
+//! `--flow-config` YAML file, [`static_file`], and the Kubernetes InferenceObjective /
+//! InferenceModelRewrite reflector, [`kube`]) merged into one `watch::Receiver<Arc<FlowPolicy>>`
+//! ([`source`]), the pure header classifier [`classify`], the weighted [`FlowPolicy::rewrite`] and
+//! the body helper [`rewrite_body_model`].
+//!
+//! It must not touch the selection core, bookings, the queue, scheduling state or the ext_proc
+//! stream: it only reads headers and bodies handed to it and publishes policy snapshots. The queue,
+//! bands, fairness and admission that *use* a [`Classification`] live elsewhere; the ext_proc host
+//! calls [`rewrite_request_body`] once per request body (`StreamMachine::rewrite_model`).
+//!
+//! # The resources (schemas as published upstream)
+//! - **InferenceObjective**, Gateway API Inference Extension, `inference.networking.x-k8s.io/v1alpha2`
+//!   (GIE `apix/v1alpha2/inferenceobjective_types.go`; llm-d docs "API reference /
+//!   InferenceObjective"): `spec.priority` (`*int32`, optional; "higher values have higher
+//!   priority", negative allowed, unset = 0) and `spec.poolRef` (`{group = inference.networking.k8s.io,
+//!   kind = InferencePool, name}`, same namespace). Older versions of the same file carried
+//!   `criticality`/`targetModels` instead of `priority`; those fields are ignored here.
+//! - **InferenceObjective**, llm-d, `llm-d.ai/v1alpha2` (llm-d-router `apix/v1alpha2`, `+groupName=llm-d.ai`):
+//!   *not* a re-export of the GIE type but its own CRD with the same `priority` and `poolRef`, plus
+//!   `poolRefs` (up to 16 refs, an objective applies when any matches) and `poolSelector` (a label
+//!   selector over pools). kvpick honours `poolRef` and `poolRefs`; an objective that targets pools
+//!   only by `poolSelector` is skipped (logged), because this module does not see pool labels.
+//!   (llm-d also serves `llm-d.ai/v1`; not watched here.)
+//! - **InferenceModelRewrite**, GIE `inference.networking.x-k8s.io/v1alpha2`
+//!   (`apix/v1alpha2/inferencemodelrewrite_types.go`, also served as `llm-d.ai/v1alpha2`):
+//!   `spec.poolRef`, `spec.rules[]` of `{matches: [{model: {type: Exact, value}}], targets:
+//!   [{modelRewrite, weight}]}`. A rule matches when ANY match does; an empty `matches` matches
+//!   every request no other rule matches; the first matching rule wins, rules of the *oldest*
+//!   resource (creationTimestamp) first. Weights are 1..=1_000_000, proportions of their sum.
+//!
+//! # Merging
+//! The static file is the base; Kubernetes objectives override file objectives of the same name,
+//! and an `llm-d.ai` objective overrides an `inference.networking.x-k8s.io` one of the same name.
+//! Rewrite rules: Kubernetes rules (oldest resource first, then namespace/name) come before the
+//! file's, and for one model name the first rule that matches it exactly wins.
+
+pub mod kube;
+pub mod source;
+pub mod static_file;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+pub use source::{start, FlowSourceConfig};
+
+/// Most objectives one policy holds (file and cluster together); more are dropped with a warning.
+pub const MAX_OBJECTIVES: usize = 10_000;
+/// Most rewrite rules one policy holds.
+pub const MAX_REWRITE_RULES: usize = 1_024;
+/// Most weighted targets one rewrite rule holds (GIE's TargetModels allowed 10).
+pub const MAX_REWRITE_TARGETS: usize = 32;
+/// Most match values one rewrite rule holds.
+pub const MAX_REWRITE_MATCHES: usize = 64;
+/// Largest rewrite weight (GIE: `Maximum=1000000`).
+pub const MAX_WEIGHT: u32 = 1_000_000;
+/// Longest objective name in bytes (a Kubernetes object name).
+pub const MAX_OBJECTIVE_LEN: usize = 253;
+/// Longest fairness id in bytes.
+pub const MAX_FAIRNESS_ID_LEN: usize = 128;
+/// Longest model name (request or rewrite target) in bytes.
+pub const MAX_MODEL_LEN: usize = 256;
+/// Largest accepted SLO header value, in milliseconds (one hour).
+pub const MAX_SLO_MS: u64 = 3_600_000;
+/// Fairness key of a request without a fairness id and without a known objective.
+pub const DEFAULT_FAIRNESS_KEY: &str = "default";
+
+/// Request headers read by [`classify`], most preferred first within each pair.
+pub const OBJECTIVE_HEADERS: [&str; 2] = [
+    "x-llm-d-inference-objective",
+    "x-gateway-inference-objective",
+];
+pub const FAIRNESS_HEADERS: [&str; 2] = ["x-llm-d-fairness-id", "x-gateway-inference-fairness-id"];
+pub const PRIORITY_HEADER: &str = "x-dynamo-request-priority";
+pub const SLO_TTFT_HEADER: &str = "x-llm-d-slo-ttft-ms";
+pub const SLO_TPOT_HEADER: &str = "x-llm-d-slo-tpot-ms";
+
+/// Where an objective or rule came from (for logs and precedence).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Origin {
+    /// The `--flow-config` file.
+    File,
+    /// `inference.networking.x-k8s.io/v1alpha2`.
+    Gie,
+    /// `llm-d.ai/v1alpha2`.
+    LlmD,
+}
+
+/// One serving objective: what an `x-*-inference-objective` header names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Objective {
+    /// The objective's name (the Kubernetes object name, or the file entry's `name`).
+    pub name: String,
+    /// Higher is served first; negative is sheddable. An unset `spec.priority` is 0.
+    pub priority: i32,
+    /// The pool it applies to (`None` in the static file: it applies to the pool kvpick serves).
+    pub pool: Option<String>,
+    pub origin: Origin,
+}
+
+/// A weighted rewrite target.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightedModel {
+    pub model: String,
+    /// 1..=[`MAX_WEIGHT`].
+    pub weight: u32,
+}
+
+/// One rewrite rule: requested model names (empty = every model no other rule matches) to
+/// weighted targets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RewriteRule {
+    /// Where it came from, e.g. `ns/name#0` or `file#2` (logs only).
+    pub source: String,
+    pub matches: Vec<String>,
+    pub targets: Vec<WeightedModel>,
+}
+
+impl RewriteRule {
+    /// Checks the bounds (a rule from the cluster that fails is skipped, one from the file fails
+    /// the file).
+    pub fn validate(&self) -> Result<(), String> {
+        if self.targets.is_empty() {
+            return Err("a rewrite rule needs at least one target".into());
+        }
+        if self.targets.len() > MAX_REWRITE_TARGETS {
+            return Err(format!(
+                "a rewrite rule holds at most {MAX_REWRITE_TARGETS} targets"
+            ));
+        }
+        if self.matches.len() > MAX_REWRITE_MATCHES {
+            return Err(format!(
+                "a rewrite rule holds at most {MAX_REWRITE_MATCHES} matches"
+            ));
+        }
+        for m in &self.matches {
+            check_model_name(m, "match")?;
+        }
+        for t in &self.targets {
+            check_model_name(&t.model, "target model")?;
+            if !(1..=MAX_WEIGHT).contains(&t.weight) {
+                return Err(format!(
+                    "target {:?}: weight must be 1..={MAX_WEIGHT}, got {}",
+                    t.model, t.weight
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn check_model_name(name: &str, what: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err(format!("{what}: model name must not be empty"));
+    }
+    if name.len() > MAX_MODEL_LEN {
+        return Err(format!(
+            "{what}: model name longer than {MAX_MODEL_LEN} bytes"
+        ));
+    }
+    Ok(())
+}
+
+/// The flags that shape classification (not part of the published policy: they do not change at
+/// run time).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlowSettings {
+    /// `--client-priority`: honour `x-dynamo-request-priority` (the default, as before flow
+    /// control). `false`: the header is ignored (not even validated) and only objectives set a
+    /// priority.
+    pub client_priority: bool,
+}
+
+impl Default for FlowSettings {
+    fn default() -> Self {
+        FlowSettings {
+            client_priority: true,
+        }
+    }
+}
+
+/// An immutable snapshot of the flow policy, shared as `Arc<FlowPolicy>`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FlowPolicy {
+    objectives: BTreeMap<String, Objective>,
+    rules: Vec<RewriteRule>,
+    /// Model name -> index of the first rule that names it.
+    exact: HashMap<String, usize>,
+    /// Index of the first rule with empty `matches`.
+    wildcard: Option<usize>,
+}
+
+impl FlowPolicy {
+    /// A policy from objectives (later entries with the same name replace earlier ones) and rules
+    /// in precedence order. Invalid rules and entries past the caps are dropped with a warning; the
+    /// static file validates its own entries strictly before it gets here.
+    pub fn new(
+        objectives: impl IntoIterator<Item = Objective>,
+        rules: impl IntoIterator<Item = RewriteRule>,
+    ) -> FlowPolicy {
+        let mut by_name = BTreeMap::new();
+        for o in objectives {
+            if by_name.len() >= MAX_OBJECTIVES && !by_name.contains_key(&o.name) {
+                tracing::warn!(objective = %o.name, "more than {MAX_OBJECTIVES} objectives: dropped");
+                continue;
+            }
+            by_name.insert(o.name.clone(), o);
+        }
+        let mut policy = FlowPolicy {
+            objectives: by_name,
+            ..FlowPolicy::default()
+        };
+        for rule in rules {
+            if let Err(err) = rule.validate() {
+                tracing::warn!(rule = %rule.source, %err, "invalid rewrite rule skipped");
+                continue;
+            }
+            if policy.rules.len() >= MAX_REWRITE_RULES {
+                tracing::warn!(rule = %rule.source, "more than {MAX_REWRITE_RULES} rewrite rules: dropped");
+                continue;
+            }
+            let index = policy.rules.len();
+            if rule.matches.is_empty() {
+                policy.wildcard.get_or_insert(index);
+            }
+            for m in &rule.matches {
+                policy.exact.entry(m.clone()).or_insert(index);
+            }
+            policy.rules.push(rule);
+        }
+        policy
+    }
+
+    /// The objective of this name, if any.
+    pub fn objective(&self, name: &str) -> Option<&Objective> {
+        self.objectives.get(name)
+    }
+
+    /// Every objective, by name.
+    pub fn objectives(&self) -> impl Iterator<Item = &Objective> {
+        self.objectives.values()
+    }
+
+    /// The rewrite rules in precedence order.
+    pub fn rules(&self) -> &[RewriteRule] {
+        &self.rules
+    }
+
+    /// The model a request for `model` goes to, or `None` when no rule applies or the chosen
+    /// target is `model` itself. `pick` is a uniformly distributed value from the caller (a random
+    /// number, or a hash of the request id for a stable choice): target *i* is chosen when `pick`
+    /// falls in its share of the `u64` range, `weight_i / sum(weights)`.
+    pub fn rewrite(&self, model: &str, pick: u64) -> Option<String> {
+        let index = self.exact.get(model).copied().or(self.wildcard)?;
+        let rule = self.rules.get(index)?;
+        let chosen = weighted_choice(&rule.targets, pick)?;
+        (chosen.model != model).then(|| chosen.model.clone())
+    }
+}
+
+/// Target *i* for `pick` in `[start_i, start_i + weight_i)` of `pick * total / 2^64` (a
+/// multiply-shift, so every target gets exactly its share of the u64 range, up to rounding).
+fn weighted_choice(targets: &[WeightedModel], pick: u64) -> Option<&WeightedModel> {
+    let total: u64 = targets.iter().map(|t| u64::from(t.weight)).sum();
+    if total == 0 {
+        return None;
+    }
+    let point = ((u128::from(pick) * u128::from(total)) >> 64) as u64;
+    let mut start = 0u64;
+    for t in targets {
+        start += u64::from(t.weight);
+        if point < start {
+            return Some(t);
+        }
+    }
+    targets.last()
+}
+
+/// What flow control knows about one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Classification {
+    /// Higher is served first; negative = sheddable.
+    pub priority: i32,
+    /// The key fairness is kept over within a priority band.
+    pub fairness_key: String,
+    /// The objective the request named, when the policy knows it (an unknown name is `None`).
+    pub objective: Option<String>,
+    pub slo_ttft_ms: Option<u64>,
+    pub slo_tpot_ms: Option<u64>,
+}
+
+/// A malformed flow header: the host answers 400 with [`ClassifyError`]'s message.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ClassifyError {
+    #[error("{header} must be an integer (i32)")]
+    Priority { header: &'static str },
+    #[error("{header} must be whole milliseconds in 1..={max}")]
+    Slo { header: &'static str, max: u64 },
+    #[error("{header} is longer than {max} bytes")]
+    TooLong { header: &'static str, max: usize },
+    #[error("{header} must be printable ASCII without spaces")]
+    BadChars { header: &'static str },
+}
+
+/// Classifies a request from its headers. `headers` yields `(name, value)` pairs as Envoy sent
+/// them (names compared case-insensitively, values as raw bytes so length caps count what the
+/// client sent). Empty values count as absent. For each header the first occurrence counts.
+///
+/// - **Objective**: `x-llm-d-inference-objective`, else `x-gateway-inference-objective`. A known
+///   name gives its priority and `objective: Some(name)`; an unknown name gives priority 0 and
+///   `objective: None` (it is not an error: clients may name objectives before they are
+///   created, and a client-chosen unknown name must not become a metric label).
+/// - **Priority**: with [`FlowSettings::client_priority`] (default), `x-dynamo-request-priority`
+///   *overrides* the objective's priority (the per-request header is the more specific); without
+///   it the header is ignored and the objective alone decides (0 without one).
+/// - **Fairness key**: `x-llm-d-fairness-id`, else `x-gateway-inference-fairness-id`; absent, the
+///   known objective's name, else [`DEFAULT_FAIRNESS_KEY`]. At most [`MAX_FAIRNESS_ID_LEN`] bytes of
+///   printable ASCII. The value is client-controlled: whoever counts per key must bound them.
+/// - **SLOs**: `x-llm-d-slo-ttft-ms`, `x-llm-d-slo-tpot-ms`, whole milliseconds 1..=[`MAX_SLO_MS`].
+pub fn classify<'a>(
+    headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    policy: &FlowPolicy,
+    settings: &FlowSettings,
+) -> Result<Classification, ClassifyError> {
+    let mut objective: [Option<&[u8]>; 2] = [None, None];
+    let mut fairness: [Option<&[u8]>; 2] = [None, None];
+    let (mut priority, mut ttft, mut tpot) = (None::<&[u8]>, None::<&[u8]>, None::<&[u8]>);
+    for (name, value) in headers {
+        if value.is_empty() {
+            continue;
+        }
+        let slot = if let Some(i) = position(&OBJECTIVE_HEADERS, name) {
+            &mut objective[i]
+        } else if let Some(i) = position(&FAIRNESS_HEADERS, name) {
+            &mut fairness[i]
+        } else if name.eq_ignore_ascii_case(PRIORITY_HEADER) {
+            &mut priority
+        } else if name.eq_ignore_ascii_case(SLO_TTFT_HEADER) {
+            &mut ttft
+        } else if name.eq_ignore_ascii_case(SLO_TPOT_HEADER) {
+            &mut tpot
+        } else {
+            continue;
+        };
+        slot.get_or_insert(value);
+    }
+
+    let objective_name = first_token(&objective, &OBJECTIVE_HEADERS, MAX_OBJECTIVE_LEN)?;
+    let fairness_id = first_token(&fairness, &FAIRNESS_HEADERS, MAX_FAIRNESS_ID_LEN)?;
+    let known = objective_name.and_then(|n| policy.objective(n));
+    if let (Some(name), None) = (objective_name, known) {
+        tracing::debug!(
+            objective = name,
+            "request names an unknown objective: priority 0"
+        );
+    }
+    let mut out_priority = known.map_or(0, |o| o.priority);
+    if settings.client_priority {
+        if let Some(raw) = priority {
+            out_priority = std::str::from_utf8(raw)
+                .ok()
+                .and_then(|s| s.trim().parse::<i32>().ok())
+                .ok_or(ClassifyError::Priority {
+                    header: PRIORITY_HEADER,
+                })?;
+        }
+    }
+    let fairness_key = match (fairness_id, known) {
+        (Some(id), _) => id.to_string(),
+        (None, Some(o)) => o.name.clone(),
+        (None, None) => DEFAULT_FAIRNESS_KEY.to_string(),
+    };
+    Ok(Classification {
+        priority: out_priority,
+        fairness_key,
+        objective: known.map(|o| o.name.clone()),
+        slo_ttft_ms: slo(ttft, SLO_TTFT_HEADER)?,
+        slo_tpot_ms: slo(tpot, SLO_TPOT_HEADER)?,
+    })
+}
+
+fn position(names: &[&str; 2], name: &str) -> Option<usize> {
+    names.iter().position(|n| n.eq_ignore_ascii_case(name))
+}
+
+/// The preferred header's value as a token: at most `max` bytes of printable ASCII (0x21..=0x7e),
+/// surrounding spaces trimmed.
+fn first_token<'a>(
+    values: &[Option<&'a [u8]>; 2],
+    names: &[&'static str; 2],
+    max: usize,
+) -> Result<Option<&'a str>, ClassifyError> {
+    let Some((i, raw)) = values
+        .iter()
+        .enumerate()
+        .find_map(|(i, v)| v.map(|v| (i, v)))
+    else {
+        return Ok(None);
+    };
+    let header = names[i];
+    if raw.len() > max {
+        return Err(ClassifyError::TooLong { header, max });
+    }
+    let text = std::str::from_utf8(raw)
+        .map_err(|_| ClassifyError::BadChars { header })?
+        .trim_matches(' ');
+    if text.is_empty() {
+        return Ok(None);
+    }
+    if !text.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+        return Err(ClassifyError::BadChars { header });
+    }
+    Ok(Some(text))
+}
+
+fn slo(raw: Option<&[u8]>, header: &'static str) -> Result<Option<u64>, ClassifyError> {
+    let Some(raw) = raw else {
+        return Ok(None);
+    };
+    std::str::from_utf8(raw)
+        .ok()
+        .map(str::trim)
+        .filter(|s| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|s| s.parse::<u64>().ok())
+        .filter(|ms| (1..=MAX_SLO_MS).contains(ms))
+        .map(Some)
+        .ok_or(ClassifyError::Slo {
+            header,
+            max: MAX_SLO_MS,
+        })
+}
+
+/// Why a body's `model` could not be rewritten.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RewriteBodyError {
+    #[error("malformed JSON body: {0}")]
+    Malformed(String),
+    #[error("request body must be a JSON object")]
+    NotAnObject,
+    #[error("missing `model` in request body")]
+    MissingModel,
+    #[error("`model` must be a string")]
+    NotAString,
+    #[error("`model` appears more than once in the request body")]
+    Duplicate,
+    #[error("rewrite target model name must be 1..={MAX_MODEL_LEN} bytes")]
+    BadTarget,
+}
+
+/// The body with its top-level `model` value replaced by `new_model` (JSON-escaped); every other
+/// byte — key order, whitespace, numbers as written, nested `model` keys — is kept as sent. The
+/// length changes: the host must fix `content-length` (see the module's caller notes).
+pub fn rewrite_body_model(body: &[u8], new_model: &str) -> Result<Vec<u8>, RewriteBodyError> {
+    check_model_name(new_model, "rewrite").map_err(|_| RewriteBodyError::BadTarget)?;
+    let text = std::str::from_utf8(body)
+        .map_err(|e| RewriteBodyError::Malformed(format!("body is not UTF-8: {e}")))?;
+    let span = model_span(text)?;
+    splice(body, span, new_model).map_err(|e| RewriteBodyError::Malformed(e.to_string()))
+}
+
+fn splice(
+    body: &[u8],
+    span: std::ops::Range<usize>,
+    new_model: &str,
+) -> Result<Vec<u8>, serde_json::Error> {
+    let encoded = serde_json::to_string(new_model)?;
+    let mut out = Vec::with_capacity(body.len() - (span.end - span.start) + encoded.len());
+    out.extend_from_slice(&body[..span.start]);
+    out.extend_from_slice(encoded.as_bytes());
+    out.extend_from_slice(&body[span.end..]);
+    Ok(out)
+}
+
+/// A request body whose model was rewritten.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RewrittenBody {
+    /// The model the client asked for.
+    pub from: String,
+    /// The model it now names.
+    pub to: String,
+    /// The whole body with `model` replaced (see [`rewrite_body_model`]).
+    pub body: Vec<u8>,
+}
+
+/// The ext_proc host's one call: the body with its model rewritten when a rule of `policy`
+/// applies, else `None` — also for a body that is not a JSON object with a string `model` (the
+/// host's own body parser then answers it as usual). Free when the policy has no rules.
+pub fn rewrite_request_body(policy: &FlowPolicy, body: &[u8], pick: u64) -> Option<RewrittenBody> {
+    if policy.rules.is_empty() {
+        return None;
+    }
+    let text = std::str::from_utf8(body).ok()?;
+    let span = model_span(text).ok()?;
+    let from: String = serde_json::from_str(text.get(span.clone())?).ok()?;
+    let to = policy.rewrite(&from, pick)?;
+    let body = splice(body, span, &to).ok()?;
+    Some(RewrittenBody { from, to, body })
+}
+
+/// Byte range of the top-level `model` value inside `text`.
+fn model_span(text: &str) -> Result<std::ops::Range<usize>, RewriteBodyError> {
+    use serde::de::{Deserializer as _, MapAccess, Visitor};
+    use serde_json::value::RawValue;
+
+    struct Spans<'de>(Vec<&'de RawValue>);
+    struct V;
+    impl<'de> Visitor<'de> for V {
+        type Value = Spans<'de>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut found = Vec::new();
+            while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                let value: &'de RawValue = map.next_value()?;
+                if key == "model" {
+                    found.push(value);
+                }
+            }
+            Ok(Spans(found))
+        }
+    }
+    let trimmed = text.trim_start();
+    if !trimmed.starts_with('{') {
+        return Err(if trimmed.is_empty() {
+            RewriteBodyError::Malformed("empty body".into())
+        } else {
+            RewriteBodyError::NotAnObject
+        });
+    }
+    let mut de = serde_json::Deserializer::from_str(text);
+    let spans = de
+        .deserialize_map(V)
+        .map_err(|e| RewriteBodyError::Malformed(e.to_string()))?;
+    de.end()
+        .map_err(|e| RewriteBodyError::Malformed(e.to_string()))?;
+    let raw = match spans.0.as_slice() {
+        [] => return Err(RewriteBodyError::MissingModel),
+        [one] => *one,
+        _ => return Err(RewriteBodyError::Duplicate),
+    };
+    if !raw.get().starts_with('"') {
+        return Err(RewriteBodyError::NotAString);
+    }
+    // The raw value borrows from `text`: its offset is the distance between the two pointers.
+    let start = (raw.get().as_ptr() as usize).wrapping_sub(text.as_ptr() as usize);
+    let end = start + raw.get().len();
+    if text.get(start..end) != Some(raw.get()) {
+        return Err(RewriteBodyError::Malformed(
+            "model value not in the body".into(),
+        ));
+    }
+    Ok(start..end)
+}
+
+/// Shared handle type the host reads the current policy through.
+pub type PolicyRx = tokio::sync::watch::Receiver<Arc<FlowPolicy>>;
+
+#[cfg(test)]
+mod tests;
