@@ -1809,6 +1809,32 @@ mod flow_tests {
     }
 
     #[test]
+    fn a_request_waits_for_the_saturated_rank_caching_it_when_that_is_faster() {
+        let core = core_with(1, &["a", "b"], FlowConfig::default());
+        let now = Instant::now();
+        let long = |id: &str, token: u32| SelectionRequest {
+            prompt: PromptInput::Tokens(vec![token; 4096]),
+            ..request(id, 0, "")
+        };
+        // The first request's prompt is now cached (predicted) on its rank, which it fills.
+        let first = dispatched(&core, &long("first", 7), now);
+        let (_, _) =
+            core.mark_prefill_complete(&first.booking_id, Claim::Generation(first.generation), now);
+        // The same prompt again: the cached rank is saturated, the other one free but it would
+        // prefill 4096 tokens from scratch (~225 ms) against ~20 ms once the cached rank frees.
+        let t = queued(&core, &long("again", 7), now);
+        // An unrelated prompt has nothing to wait for: it takes the free rank at once.
+        let other = dispatched(&core, &long("other", 9), now);
+        assert_ne!(other.primary.worker_name, first.primary.worker_name);
+        let out = released(&free(&core, &first, now));
+        assert_eq!(out[0].0, t);
+        assert_eq!(
+            out[0].1.as_ref().unwrap().primary.worker_name,
+            first.primary.worker_name
+        );
+    }
+
+    #[test]
     fn hard_bound_sessions_wait_for_their_rank_while_others_flow_elsewhere() {
         let core = core_with(1, &["a", "b"], FlowConfig::default());
         let now = Instant::now();

@@ -146,14 +146,28 @@ impl Check {
     }
 }
 
-/// A request that may be placed on any rank of the partition: when it finds every rank
-/// saturated, so would every request behind it, and a release pass can stop.
-fn unrestricted(request: &SelectionRequest, model: &str) -> bool {
-    request.subset.is_none()
-        && request.pin.is_none()
-        && request.session_id.is_none()
-        && request.slo_ttft_ms.is_none()
-        && request.model.as_deref().is_none_or(|m| m == model)
+/// Whether a release pass can place anything: some schedulable rank is below its saturation
+/// limits, or none is schedulable at all (then every waiting request fails at once, 503).
+fn has_room(state: &State, config: &CoreConfig, now: Instant) -> bool {
+    let limits = &config.flow.saturation;
+    let max_age = config.engine_metrics_max_age;
+    let mut schedulable = state
+        .ranks
+        .slots
+        .iter()
+        .filter(|(_, s)| s.schedulable)
+        .peekable();
+    if schedulable.peek().is_none() {
+        return true;
+    }
+    schedulable.any(|(key, slot)| {
+        let load = slot.total_load();
+        let wait = state
+            .estimator
+            .predict_wait(key, load.active_prefill_tokens as f64);
+        let engine = slot.engine.as_ref().filter(|e| e.is_fresh(now, max_age));
+        !crate::flow::is_saturated(limits, &load, wait, engine)
+    })
 }
 
 fn queue_fact(w: &Waiting<Arc<Queued>>, event: QueueEvent) -> Fact {
@@ -368,6 +382,10 @@ impl Partition {
             }
         }
         for ticket in state.queue.release_order(config.flow.max_scan) {
+            // Nothing is placed on a saturated rank: with none left with room, stop.
+            if !has_room(state, config, now) {
+                break;
+            }
             let Some(w) = state.queue.get(ticket) else {
                 continue;
             };
@@ -407,11 +425,7 @@ impl Partition {
                     }
                     deliver(ticket, Ok(outcome), facts);
                 }
-                Err(Refusal::Saturated) => {
-                    if unrestricted(request, &self.key.model) {
-                        break;
-                    }
-                }
+                Err(Refusal::Saturated) => {}
                 Err(refusal) => {
                     if let Some(w) = state.queue.take(ticket, false) {
                         let exit = if matches!(refusal, Refusal::SloUnmeetable(_)) {

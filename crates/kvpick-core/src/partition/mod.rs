@@ -471,7 +471,7 @@ impl Partition {
             )
         });
         let slots = &state.ranks.slots;
-        let mut eligible = match self.eligible_ranks(slots, request, &allowed, &mut bound, config) {
+        let eligible = match self.eligible_ranks(slots, request, &allowed, &mut bound, config) {
             Ok(e) => e,
             // Over a busy threshold is saturation: with flow control the request waits.
             Err(SelectError::Overloaded(_)) if admission.is_some() => {
@@ -479,18 +479,6 @@ impl Partition {
             }
             Err(e) => return Err(Refusal::Error(e)),
         };
-        if admission.is_some() {
-            let hard_bound = bound.filter(|_| sessions.mode == crate::session::AffinityMode::Hard);
-            pipeline::drop_saturated(
-                slots,
-                &mut eligible,
-                &state.estimator,
-                &config.flow.saturation,
-                now,
-                config.engine_metrics_max_age,
-                hard_bound,
-            )?;
-        }
         let matches = if prompt.seq_hashes.is_empty() {
             Vec::new()
         } else {
@@ -530,6 +518,24 @@ impl Partition {
             &mut state.rng,
         );
         let affinity = pipeline::apply_affinity(&mut decision, &candidates, bound, sessions);
+        if admission.is_some() {
+            pipeline::dispatch_or_wait(
+                &mut decision,
+                &candidates,
+                &pipeline::SaturationView {
+                    slots,
+                    eligible: &eligible,
+                    estimator: &state.estimator,
+                    limits: &config.flow.saturation,
+                    now,
+                    max_age: config.engine_metrics_max_age,
+                },
+                affinity == Affinity::Kept && sessions.mode == crate::session::AffinityMode::Hard,
+                prompt.tokens,
+                block_size,
+                &config.cost,
+            )?;
+        }
         let (primary, fallbacks) =
             pipeline::picked_ranks(slots, &eligible, &decision.ranking, request.fallbacks)
                 .ok_or_else(|| {

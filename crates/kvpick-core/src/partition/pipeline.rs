@@ -6,11 +6,12 @@
 //! 4. [`apply_pin`]: an explicit pin narrows them (and must agree with a hard binding);
 //! 5. [`narrow_adapter`]: a LoRA request goes where its adapter is loaded;
 //! 6. [`drop_busy`]: ranks over a busy threshold go (a hard-bound rank stays);
-//! 7. [`drop_saturated`] (flow control on): saturated ranks go; none left means wait;
-//! 8. [`candidates`]: the survivors with their load and cached overlap (then, with flow
+//! 7. [`candidates`]: the survivors with their load and cached overlap (then, with flow
 //!    control, an SLO keeps only ranks predicted to meet it: `admission`);
-//! 9. [`rank`]: the cost function ([`crate::decide::decide`]);
-//! 10. [`apply_affinity`]: hard affinity keeps the bound rank, soft keeps it within a margin;
+//! 8. [`rank`]: the cost function ([`crate::decide::decide`]);
+//! 9. [`apply_affinity`]: hard affinity keeps the bound rank, soft keeps it within a margin;
+//! 10. [`dispatch_or_wait`] (flow control on): a saturated pick gives way to a rank with room
+//!     only if that one is no slower, else the request waits;
 //! 11. [`picked_ranks`]: the primary and distinct fallback endpoints.
 //!
 //! Every stage is a function of its arguments (the partition's rank table, the request, the
@@ -268,38 +269,81 @@ pub(crate) fn drop_busy(
     Ok(())
 }
 
-/// Flow control: drops saturated ranks ([`crate::flow::is_saturated`]). None left, or the hard-bound
-/// rank saturated (the session must stay there), is [`Refusal::Saturated`]: the request waits.
-pub(crate) fn drop_saturated(
-    slots: &[(RankKey, Slot)],
-    eligible: &mut Vec<usize>,
-    estimator: &crate::estimate::TtftEstimator,
-    limits: &crate::flow::SaturationLimits,
-    now: Instant,
-    max_age: Duration,
-    hard_bound: Option<RankKey>,
-) -> Result<(), super::Refusal> {
-    let saturated = |i: usize| {
-        slots.get(i).is_none_or(|(key, s)| {
-            let load = s.total_load();
-            let wait = estimator.predict_wait(key, load.active_prefill_tokens as f64);
-            let engine = s.engine.as_ref().filter(|e| e.is_fresh(now, max_age));
-            crate::flow::is_saturated(limits, &load, wait, engine)
-        })
-    };
-    if let Some(bound) = hard_bound {
-        let position = eligible
-            .iter()
-            .copied()
-            .find(|&i| slots.get(i).is_some_and(|(k, _)| *k == bound));
-        if position.is_some_and(saturated) {
-            return Err(super::Refusal::Saturated);
-        }
+/// What flow control needs to tell whether a rank is saturated ([`crate::flow::is_saturated`]).
+pub(crate) struct SaturationView<'a> {
+    pub slots: &'a [(RankKey, Slot)],
+    /// Candidate index -> slot index.
+    pub eligible: &'a [usize],
+    pub estimator: &'a crate::estimate::TtftEstimator,
+    pub limits: &'a crate::flow::SaturationLimits,
+    pub now: Instant,
+    pub max_age: Duration,
+}
+
+impl SaturationView<'_> {
+    fn saturated(&self, candidate: usize) -> bool {
+        let Some((key, s)) = self
+            .eligible
+            .get(candidate)
+            .and_then(|&i| self.slots.get(i))
+        else {
+            return true;
+        };
+        let load = s.total_load();
+        let wait = self
+            .estimator
+            .predict_wait(key, load.active_prefill_tokens as f64);
+        let engine = s
+            .engine
+            .as_ref()
+            .filter(|e| e.is_fresh(self.now, self.max_age));
+        crate::flow::is_saturated(self.limits, &load, wait, engine)
     }
-    eligible.retain(|&i| !saturated(i));
-    if eligible.is_empty() {
+}
+
+/// Flow control, after the decision: a saturated rank takes no new request. When the pick is
+/// saturated, the best rank with room (in cost order) takes the request only if it is predicted
+/// to give the first token no later than the pick would; otherwise the request waits
+/// ([`Refusal::Saturated`]) for the pick — typically the rank caching its prefix — rather than
+/// being pushed onto an uncached rank just because that one is free. A hard-bound session's
+/// rank is never replaced: the request waits for it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn dispatch_or_wait(
+    decision: &mut Decision,
+    candidates: &[Candidate],
+    view: &SaturationView,
+    hard_bound_kept: bool,
+    prompt_tokens: u64,
+    block_size: u32,
+    params: &crate::decide::CostParams,
+) -> Result<(), super::Refusal> {
+    let Some(&first) = decision.ranking.first() else {
+        return Err(super::Refusal::Saturated);
+    };
+    if !view.saturated(first) {
+        return Ok(());
+    }
+    if hard_bound_kept {
         return Err(super::Refusal::Saturated);
     }
+    let Some(position) = decision.ranking.iter().position(|&c| !view.saturated(c)) else {
+        return Err(super::Refusal::Saturated);
+    };
+    let ttft = |c: usize| {
+        candidates.get(c).map_or(f64::INFINITY, |cand| {
+            view.estimator.predict(
+                &cand.key,
+                crate::decide::ttft_blocks(cand, prompt_tokens, block_size, params)
+                    * f64::from(block_size.max(1)),
+            )
+        })
+    };
+    let room = decision.ranking[position];
+    if ttft(room) > ttft(first) {
+        return Err(super::Refusal::Saturated);
+    }
+    decision.ranking.remove(position);
+    decision.ranking.insert(0, room);
     Ok(())
 }
 

@@ -490,7 +490,10 @@ async fn run_one(
     let mut per_rank = vec![0u64; workers];
     let (mut completed, mut refused) = (0u64, 0u64);
     for (o, r) in outcomes.iter().zip(requests) {
-        per_rank[o.rank] += 1;
+        // A request the router refused (flow control) reached no rank.
+        if o.status.is_none() {
+            per_rank[o.rank] += 1;
+        }
         if o.refused {
             refused += 1;
             continue;
