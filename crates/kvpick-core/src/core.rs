@@ -1835,6 +1835,30 @@ mod flow_tests {
     }
 
     #[test]
+    fn a_lower_band_never_takes_room_a_waiting_higher_band_declined() {
+        let core = core_with(1, &["a", "b"], FlowConfig::default());
+        let now = Instant::now();
+        let long = |id: &str, token: u32, priority: i32| SelectionRequest {
+            prompt: PromptInput::Tokens(vec![token; 4096]),
+            ..request(id, priority, "")
+        };
+        let first = dispatched(&core, &long("first", 7, 0), now);
+        core.mark_prefill_complete(&first.booking_id, Claim::Generation(first.generation), now);
+        // High waits for the rank caching its prompt; the other rank has room.
+        let high = queued(&core, &long("high", 7, 5), now);
+        // A sheddable request may not take that room ahead of the waiting high one...
+        let low = queued(&core, &long("low", 9, -1), now);
+        // ...but one of the high band may.
+        let peer = dispatched(&core, &long("peer", 11, 5), now);
+        assert_ne!(peer.primary.worker_name, first.primary.worker_name);
+        let out = released(&free(&core, &first, now));
+        assert_eq!(out.len(), 1, "one rank freed: the high request goes first");
+        assert_eq!(out[0].0, high);
+        let out = released(&free(&core, &peer, now));
+        assert_eq!(out[0].0, low);
+    }
+
+    #[test]
     fn hard_bound_sessions_wait_for_their_rank_while_others_flow_elsewhere() {
         let core = core_with(1, &["a", "b"], FlowConfig::default());
         let now = Instant::now();

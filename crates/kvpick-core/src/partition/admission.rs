@@ -381,6 +381,9 @@ impl Partition {
                 );
             }
         }
+        // The band of a request that waits although a rank has room (for the rank it prefers):
+        // lower bands must not take that room first (strict priority), its own band may.
+        let mut waiting_band: Option<i32> = None;
         for ticket in state.queue.release_order(config.flow.max_scan) {
             // Nothing is placed on a saturated rank: with none left with room, stop.
             if !has_room(state, config, now) {
@@ -389,6 +392,10 @@ impl Partition {
             let Some(w) = state.queue.get(ticket) else {
                 continue;
             };
+            if waiting_band.is_some_and(|band| w.priority < band) {
+                break;
+            }
+            let priority = w.priority;
             let queued = Arc::clone(&w.payload);
             let check = Check::new(&queued.request, w.enqueued);
             let request = &queued.request;
@@ -425,7 +432,9 @@ impl Partition {
                     }
                     deliver(ticket, Ok(outcome), facts);
                 }
-                Err(Refusal::Saturated) => {}
+                Err(Refusal::Saturated) => {
+                    waiting_band.get_or_insert(priority);
+                }
                 Err(refusal) => {
                     if let Some(w) = state.queue.take(ticket, false) {
                         let exit = if matches!(refusal, Refusal::SloUnmeetable(_)) {
