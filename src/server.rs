@@ -320,10 +320,12 @@ pub struct ServeArgs {
     pub queue_band_capacity: usize,
 
     /// A rank is saturated when the prefill already booked on it would take this long at the
-    /// calibrated TTFT line (its queue wait); `inf` = never on this ground.
+    /// calibrated TTFT line (its queue wait); `inf` = never on this ground. It bounds the engine
+    /// queue a released request sits behind (lower = priorities enforced more tightly) while
+    /// keeping a prefill batch or more queued so engines never idle.
     #[arg(
         long,
-        default_value_t = 1.0,
+        default_value_t = 0.5,
         value_name = "SECONDS",
         help_heading = "Flow control"
     )]

@@ -43,7 +43,7 @@ pub struct SaturationLimits {
 impl Default for SaturationLimits {
     fn default() -> Self {
         SaturationLimits {
-            max_wait_seconds: Some(1.0),
+            max_wait_seconds: Some(0.5),
             max_active_requests: None,
             engine_waiting: Some(8),
             engine_kv_usage: Some(0.95),
@@ -482,8 +482,8 @@ mod tests {
     fn saturation_limits() {
         let limits = SaturationLimits::default();
         let load = RankLoad::default();
-        assert!(!is_saturated(&limits, &load, 0.5, None));
-        assert!(is_saturated(&limits, &load, 1.0, None));
+        assert!(!is_saturated(&limits, &load, 0.4, None));
+        assert!(is_saturated(&limits, &load, 0.5, None));
         let capped = SaturationLimits {
             max_active_requests: Some(3),
             ..limits

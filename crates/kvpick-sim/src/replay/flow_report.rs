@@ -37,6 +37,10 @@ pub struct TenantReport {
     pub throughput_tok_s: f64,
     /// This tenant's share of its priority band's output tokens.
     pub band_output_share: f64,
+    /// Its share of the band's work (prompt tokens) served while every tenant of the band still
+    /// had requests to serve: up to the earliest tenant's last first token. Fair queuing gives
+    /// equal shares there, whatever the tenants' rates.
+    pub backlogged_work_share: f64,
     pub ttft_ms: Stat,
 }
 
@@ -127,9 +131,39 @@ pub(super) fn tenants(
         let tenant = r.class.tenant.clone().unwrap_or_default();
         by_tenant.entry((tenant, band)).or_default().push((o, r));
     }
+    // Per band: the end of the window in which every tenant still had requests to serve.
+    let mut window_end: BTreeMap<i32, u64> = BTreeMap::new();
+    for ((_, band), members) in &by_tenant {
+        let last = members
+            .iter()
+            .filter(|(o, _)| served(o))
+            .filter_map(|(o, _)| o.first_ns)
+            .max()
+            .unwrap_or(0);
+        let end = window_end.entry(*band).or_insert(u64::MAX);
+        *end = (*end).min(last);
+    }
+    let in_window = |o: &Outcome, band: i32| {
+        served(o)
+            && o.first_ns
+                .is_some_and(|f| f <= window_end.get(&band).copied().unwrap_or(0))
+    };
+    let mut window_work: BTreeMap<i32, u64> = BTreeMap::new();
+    for ((_, band), members) in &by_tenant {
+        *window_work.entry(*band).or_default() += members
+            .iter()
+            .filter(|(o, _)| in_window(o, *band))
+            .map(|(o, _)| o.prompt)
+            .sum::<u64>();
+    }
     by_tenant
         .into_iter()
         .map(|((tenant, band), members)| {
+            let work: u64 = members
+                .iter()
+                .filter(|(o, _)| in_window(o, band))
+                .map(|(o, _)| o.prompt)
+                .sum();
             let mut ttft: Vec<f64> = members.iter().filter_map(|(o, r)| ttft_ms(o, r)).collect();
             let output: u64 = members
                 .iter()
@@ -144,6 +178,8 @@ pub(super) fn tenants(
                 refused: members.iter().filter(|(o, _)| o.refused).count() as u64,
                 throughput_tok_s: output as f64 / span_s,
                 band_output_share: output as f64 / band_total as f64,
+                backlogged_work_share: work as f64
+                    / window_work.get(&band).copied().unwrap_or(0).max(1) as f64,
                 ttft_ms: stat(&mut ttft),
             }
         })

@@ -93,7 +93,7 @@ pub struct ReplayArgs {
     pub queue_timeout: f64,
     /// kvpick policy: a rank is saturated when its booked prefill would take this long, seconds
     /// (as `kvpick serve`; `inf` = off).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 0.5)]
     pub saturation_wait: f64,
 }
 
