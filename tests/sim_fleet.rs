@@ -261,6 +261,7 @@ async fn ingest_indexes_what_the_sim_announced(encoding: &str) {
             lora_adapters: vec![],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         })
         .collect();
     core.apply_snapshot(specs).unwrap();

@@ -346,6 +346,7 @@ fn pod_to_spec(
         lora_adapters: Vec::new(),
         draining,
         incarnation: incarnation(pod),
+        roles: Vec::new(),
     }))
 }
 

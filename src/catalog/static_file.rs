@@ -116,6 +116,7 @@ pub fn to_spec(w: StaticWorker, namespace: &str) -> anyhow::Result<WorkerSpec> {
         lora_adapters: w.lora_adapters,
         draining: false,
         incarnation: 0,
+        roles: Vec::new(),
     })
 }
 

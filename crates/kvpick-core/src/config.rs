@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::decide::CostParams;
+use crate::disagg::PdConfig;
 use crate::estimate::EstimatorConfig;
 use crate::session::SessionConfig;
 
@@ -60,6 +61,9 @@ pub struct CoreConfig {
     /// An engine-metrics reading older than this is stale: ignored by the decision (the rank is
     /// costed on bookings alone), as if it had never been scraped.
     pub engine_metrics_max_age: Duration,
+    /// The prefill/decode pair decision ([`crate::disagg`]); only partitions with role-split
+    /// ranks use it.
+    pub pd: PdConfig,
 }
 
 impl Default for CoreConfig {
@@ -80,6 +84,7 @@ impl Default for CoreConfig {
             max_prompt_blocks: 16_384,
             estimator: EstimatorConfig::default(),
             engine_metrics_max_age: Duration::from_secs(1),
+            pd: PdConfig::default(),
         }
     }
 }

@@ -542,6 +542,7 @@ pub fn fleet_specs(
             lora_adapters: vec![],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         })
         .collect()
 }
