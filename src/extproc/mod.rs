@@ -3,6 +3,7 @@
 //! selection core's.
 
 pub mod budget;
+pub mod pd_headers;
 pub mod stream;
 
 use std::pin::Pin;
@@ -21,6 +22,7 @@ use crate::selection::SelectionCore;
 use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
 pub use budget::{BodyBudget, BodyLease, DEFAULT_BUDGET_BYTES};
+pub use pd_headers::PdProtocol;
 pub use stream::StreamMachine;
 
 /// Per-process ext_proc settings.
@@ -35,6 +37,8 @@ pub struct ExtProcSettings {
     pub tokenizers: Option<Arc<Tokenizers>>,
     /// Request-body bytes all streams together may buffer (`--max-buffered-body-bytes`).
     pub body_budget: Arc<BodyBudget>,
+    /// Which headers carry a prefill/decode pair (`--pd-protocol`).
+    pub pd_protocol: PdProtocol,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -53,6 +57,7 @@ impl Default for ExtProcSettings {
             session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
             tokenizers: None,
             body_budget: BodyBudget::unmetered(DEFAULT_BUDGET_BYTES),
+            pd_protocol: PdProtocol::default(),
         }
     }
 }

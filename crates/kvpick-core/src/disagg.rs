@@ -69,7 +69,8 @@ pub struct PrefillChoice {
 /// prefill (blocks) and the engine-metrics charge, at the rank's calibrated speed.
 pub fn decode_cost(c: &Candidate, block_size: u32, params: &CostParams, pd: &PdConfig) -> f64 {
     let queued = c.active_prefill_tokens as f64 / f64::from(block_size.max(1));
-    c.scale * (params.prefill_load_scale * queued + pd.decode_request_weight * c.active_requests as f64)
+    c.scale
+        * (params.prefill_load_scale * queued + pd.decode_request_weight * c.active_requests as f64)
         + params.decode_block_weight * c.active_decode_blocks as f64
         + engine_metrics_cost(c, params)
 }

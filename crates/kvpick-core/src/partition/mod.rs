@@ -641,9 +641,9 @@ impl Partition {
         let cached_tokens = u64::from(pick.overlap.gpu)
             .saturating_mul(block_size)
             .min(tokens);
-        let leg = pick
-            .prefill
-            .and_then(|(rank, overlap)| pair::book_leg(state, rank, overlap, pick, config, now, facts));
+        let leg = pick.prefill.and_then(|(rank, overlap)| {
+            pair::book_leg(state, rank, overlap, pick, config, now, facts)
+        });
         let booking = Booking {
             generation: pick.generation,
             holder: request.holder,

@@ -55,9 +55,15 @@ pub(crate) fn decide_pair(
             *bound = None;
         }
     }
-    let ranking =
-        disagg::rank_decode(candidates, &roles, block_size, &config.cost, &config.pd, rng)
-            .ok_or_else(|| SelectError::Unavailable("no eligible decode rank".into()))?;
+    let ranking = disagg::rank_decode(
+        candidates,
+        &roles,
+        block_size,
+        &config.cost,
+        &config.pd,
+        rng,
+    )
+    .ok_or_else(|| SelectError::Unavailable("no eligible decode rank".into()))?;
     Ok((
         Decision {
             ranking: ranking.ranking,
@@ -104,7 +110,9 @@ pub(crate) fn book_leg(
 ) -> Option<PrefillLeg> {
     let block_size = u64::from(pick.block_size.max(1));
     let tokens = pick.prompt.tokens;
-    let cached = u64::from(overlap.gpu).saturating_mul(block_size).min(tokens);
+    let cached = u64::from(overlap.gpu)
+        .saturating_mul(block_size)
+        .min(tokens);
     let leg = PrefillLeg {
         rank,
         prefill_tokens: tokens.saturating_sub(cached),

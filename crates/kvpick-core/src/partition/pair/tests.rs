@@ -81,7 +81,10 @@ fn a_long_prompt_is_split_and_both_ranks_are_booked() {
         .unwrap();
     let prefill = s.prefill.clone().expect("2048 uncached tokens split");
     assert_eq!(prefill.worker_name, "p");
-    assert_ne!(s.primary.worker_name, "p", "a prefill rank is never the destination");
+    assert_ne!(
+        s.primary.worker_name, "p",
+        "a prefill rank is never the destination"
+    );
     let decode = s.primary.worker_name.clone();
     assert_eq!(
         load(&core, "p"),
@@ -134,20 +137,23 @@ fn a_short_uncached_part_prefills_on_the_decode_rank() {
     let (s, _) = core
         .select_and_reserve(&request("r", 256, Holder::Stream), now)
         .unwrap();
-    assert!(s.prefill.is_none(), "256 tokens are under the 512 threshold");
+    assert!(
+        s.prefill.is_none(),
+        "256 tokens are under the 512 threshold"
+    );
     assert_ne!(s.primary.worker_name, "p");
     assert_eq!(load(&core, "p"), RankLoad::default());
-    assert_eq!(load(&core, &s.primary.worker_name).active_prefill_tokens, 256);
+    assert_eq!(
+        load(&core, &s.primary.worker_name).active_prefill_tokens,
+        256
+    );
     assert!(core.free("r", Claim::Generation(s.generation), now).0);
     assert!(idle(&core));
 }
 
 #[test]
 fn without_roles_nothing_is_split() {
-    let core = core_of(vec![
-        worker("a", 1, Role::Both),
-        worker("b", 2, Role::Both),
-    ]);
+    let core = core_of(vec![worker("a", 1, Role::Both), worker("b", 2, Role::Both)]);
     let (s, _) = core
         .select_and_reserve(&request("r", 4096, Holder::Stream), Instant::now())
         .unwrap();
@@ -176,7 +182,11 @@ fn the_prefill_rank_leaving_keeps_the_decode_booking() {
         .unwrap();
     assert_eq!(other.prefill.map(|p| p.worker_name).as_deref(), Some("p"));
     assert!(core.free("r", claim, now).0);
-    assert_eq!(load(&core, "p").active_prefill_tokens, 2048, "o's leg stays");
+    assert_eq!(
+        load(&core, "p").active_prefill_tokens,
+        2048,
+        "o's leg stays"
+    );
     assert!(core.free("o", Claim::Generation(other.generation), now).0);
     assert!(idle(&core));
 }
@@ -193,7 +203,11 @@ fn the_decode_rank_leaving_frees_the_prefill_leg() {
     assert_eq!(core.live_bookings(), 0);
     assert!(idle(&core));
     assert!(!core.free("r", Claim::Generation(s.generation), now).0);
-    assert!(!core.mark_prefill_complete("r", Claim::Generation(s.generation), now).0);
+    assert!(
+        !core
+            .mark_prefill_complete("r", Claim::Generation(s.generation), now)
+            .0
+    );
     assert!(idle(&core));
 }
 
@@ -239,7 +253,11 @@ fn a_moved_booking_moves_the_decode_side_only() {
     assert!(core.move_booking("r", claim, served.parse().unwrap()).0);
     assert_eq!(load(&core, from), RankLoad::default());
     assert_eq!(load(&core, to).active_decode_blocks, 128);
-    assert_eq!(load(&core, "p").active_prefill_tokens, 2048, "the leg stays");
+    assert_eq!(
+        load(&core, "p").active_prefill_tokens,
+        2048,
+        "the leg stays"
+    );
     assert!(core.mark_prefill_complete("r", claim, now).0);
     assert_eq!(load(&core, "p"), RankLoad::default());
     assert!(core.free("r", claim, now).0);
@@ -259,7 +277,10 @@ fn a_session_follows_its_decode_rank_and_the_prefill_is_rechosen() {
     assert_eq!(first.primary.worker_name, second.primary.worker_name);
     assert_ne!(second.primary.worker_name, "p");
     for s in [first, second] {
-        assert!(core.free(&s.booking_id, Claim::Generation(s.generation), now).0);
+        assert!(
+            core.free(&s.booking_id, Claim::Generation(s.generation), now)
+                .0
+        );
     }
     assert!(idle(&core));
 }
