@@ -9,13 +9,16 @@
 //!
 //! 1. **Decode rank**: [`decode_cost`] — the KV the rank holds (headroom), its batch (every
 //!    active request lengthens each decode step) and the prefill queued on it (a local prefill
-//!    stalls the decodes, this one's first token included), plus its engine-metrics charge.
-//!    Prefill-only ranks are never destinations.
+//!    stalls the decodes, this one's first token included), plus its engine-metrics charge, less
+//!    the transfer its cached prefix saves. Prefill-only ranks are never destinations; a session
+//!    bound to a decode rank keeps it (the pipeline's affinity stage).
 //! 2. **Disaggregate?** Only when the prompt's part not cached on the decode rank is at least
-//!    [`PdConfig::threshold_tokens`], and the best prefill rank's cost (its own TTFT at its
-//!    calibrated speed, [`crate::decide::cost`], plus the transfer of the blocks the decode rank
-//!    lacks) is lower than prefilling on the decode rank (its TTFT plus the stall it inflicts on
-//!    the rank's decodes, the same cost function).
+//!    [`PdConfig::threshold_tokens`], and the best prefill rank's cost (its own predicted TTFT at
+//!    its calibrated speed, [`crate::decide::cost`], plus the transfer of the blocks the decode
+//!    rank lacks) is at most prefilling on the decode rank (its predicted TTFT plus the stall it
+//!    inflicts on the rank's decodes, the same cost function). Comparing TTFT alone (a bound
+//!    like `ttft_slack`) was measured worse on the replay: prefilling locally next to a batch of
+//!    decodes is exactly what disaggregation exists to avoid.
 //! 3. **Prefill rank**: [`crate::decide::decide`] over the prefill-capable ranks (not the decode
 //!    rank) — cached overlap and queued prefill; a prefill-only rank runs no decodes, so it has no
 //!    one to stall.
@@ -66,13 +69,15 @@ pub struct PrefillChoice {
 }
 
 /// The cost of a rank as the destination of a decode: held KV blocks, active requests, queued
-/// prefill (blocks) and the engine-metrics charge, at the rank's calibrated speed.
+/// prefill (blocks) and the engine-metrics charge, at the rank's calibrated speed; less the
+/// transfer its cached prefix of the prompt saves (a session's next turn stays where its KV is).
 pub fn decode_cost(c: &Candidate, block_size: u32, params: &CostParams, pd: &PdConfig) -> f64 {
     let queued = c.active_prefill_tokens as f64 / f64::from(block_size.max(1));
     c.scale
         * (params.prefill_load_scale * queued + pd.decode_request_weight * c.active_requests as f64)
         + params.decode_block_weight * c.active_decode_blocks as f64
         + engine_metrics_cost(c, params)
+        - pd.transfer_block_cost * overlap_score(c.overlap, params)
 }
 
 /// Ranks the decode-capable candidates by [`decode_cost`], lowest first, ties uniformly at
@@ -226,6 +231,17 @@ mod tests {
         let r = rank_decode(&cs, &[D, D, D], 16, &p, &PdConfig::default(), &mut rng);
         // 20 decodes on 4000 blocks (40 + 20) weigh less than 500 blocks of queued prefill.
         assert_eq!(r.map(|r| r.ranking), Some(vec![1, 0, 2]));
+    }
+
+    #[test]
+    fn among_equal_decode_ranks_the_one_caching_the_prompt_wins() {
+        let cs = [cand(1, load(0, 100, 2), 0), cand(2, load(0, 100, 2), 300)];
+        let p = CostParams::default();
+        for seed in 0..8 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let r = rank_decode(&cs, &[D, D], 16, &p, &PdConfig::default(), &mut rng);
+            assert_eq!(r.and_then(|r| r.ranking.first().copied()), Some(1));
+        }
     }
 
     #[test]
