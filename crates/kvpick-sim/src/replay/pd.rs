@@ -25,7 +25,9 @@ use super::policy::{self, FleetView, PickRequest, Policy, PolicyOptions, SplitMi
 use super::{ratio, stat, Prepared, Stat};
 use crate::sim::engine::{Engine, EngineConfig, EngineRequest, EngineStats, StepResult};
 use kvpick_core::event::KvEvent;
-use kvpick_core::{Claim, Core, CoreConfig, PdConfig, PromptInput, RankKey, Role, SelectionRequest};
+use kvpick_core::{
+    Claim, Core, CoreConfig, PdConfig, PromptInput, RankKey, Role, SelectionRequest,
+};
 
 /// Policies of the P/D mode, in report order.
 pub const PD_POLICIES: [&str; 4] = ["kvpick", "kvpick-pd", "random-pair", "round-robin-pair"];
@@ -137,9 +139,7 @@ impl KvpickPd {
         Ok(KvpickPd {
             core,
             ranks: keys,
-            port_to_rank: (0..ranks)
-                .map(|i| (PD_BASE_PORT + i as u16, i))
-                .collect(),
+            port_to_rank: (0..ranks).map(|i| (PD_BASE_PORT + i as u16, i)).collect(),
             bookings: HashMap::new(),
             splits: 0,
         })
@@ -234,7 +234,10 @@ pub fn build(
     pd: &PdOptions,
 ) -> anyhow::Result<Box<dyn PairPolicy>> {
     Ok(match name {
-        "kvpick" => Box::new(Aggregated(policy::build("kvpick", ranks, options)?, HashMap::new())),
+        "kvpick" => Box::new(Aggregated(
+            policy::build("kvpick", ranks, options)?,
+            HashMap::new(),
+        )),
         "kvpick-pd" => Box::new(KvpickPd::new(ranks, options, pd)?),
         "random-pair" => Box::new(BlindPair {
             name: "random-pair",
@@ -455,7 +458,14 @@ async fn run_one(
             }
         }
     }
-    report(policy.name(), requests, &outcomes, &ranks, pd, transferred_blocks)
+    report(
+        policy.name(),
+        requests,
+        &outcomes,
+        &ranks,
+        pd,
+        transferred_blocks,
+    )
 }
 
 fn report(
@@ -602,7 +612,9 @@ mod tests {
                 id: i,
                 arrival_ns: i * 100_000_000,
                 tokens: (0..1024u32)
-                    .chain((0..(2048 + (i as u32 % 5) * 1024)).map(|t| t + 1_000_000 * (i as u32 + 1)))
+                    .chain(
+                        (0..(2048 + (i as u32 % 5) * 1024)).map(|t| t + 1_000_000 * (i as u32 + 1)),
+                    )
                     .collect(),
                 output: 64,
             })
@@ -634,7 +646,11 @@ mod tests {
         for r in &reports[1..] {
             assert!(r.split_fraction > 0.0, "{} splits some requests", r.policy);
             assert_eq!(r.ranks[0].decoded, 0, "{}: rank 0 only prefills", r.policy);
-            assert!(r.ranks[1..].iter().all(|k| k.prefilled == 0), "{}", r.policy);
+            assert!(
+                r.ranks[1..].iter().all(|k| k.prefilled == 0),
+                "{}",
+                r.policy
+            );
             assert!(r.transferred_blocks > 0, "{}", r.policy);
         }
         // The blind pairs split everything, so every prompt crosses to a decode rank.
@@ -643,6 +659,9 @@ mod tests {
 
     #[test]
     fn the_same_seed_gives_the_same_report() {
-        assert_eq!(run(&["kvpick-pd", "random-pair"]), run(&["kvpick-pd", "random-pair"]));
+        assert_eq!(
+            run(&["kvpick-pd", "random-pair"]),
+            run(&["kvpick-pd", "random-pair"])
+        );
     }
 }

@@ -4,6 +4,7 @@
 //! touches the selection core.
 
 pub mod engine;
+pub mod pd;
 pub mod server;
 pub mod wire;
 

@@ -298,7 +298,11 @@ fn a_transferred_prompt_is_cached_without_prefill_and_decodes_at_once() {
     e.add_transferred(req(1, p.clone(), 3)).unwrap();
     let step = e.step().unwrap();
     assert_eq!(step.prefill_tokens, 0);
-    assert_eq!(step.duration_ns, config().itl(1), "one decode step, no prefill");
+    assert_eq!(
+        step.duration_ns,
+        config().itl(1),
+        "one decode step, no prefill"
+    );
     assert!(step.outputs[0].first && step.outputs[0].new_tokens == 1);
     let stored: usize = step
         .events
