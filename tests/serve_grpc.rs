@@ -442,7 +442,9 @@ async fn the_api_returns_and_books_the_prefill_decode_pair() {
         .into_inner();
     assert_eq!(pick.primary.unwrap().address, "127.0.0.1:9000");
     assert_eq!(pick.prefill.unwrap().address, "127.0.0.1:8000");
-    let list = || ListWorkersRequest { model: String::new() };
+    let list = || ListWorkersRequest {
+        model: String::new(),
+    };
     let workers = api.list_workers(list()).await.unwrap().into_inner().workers;
     assert_eq!(loads(&workers), vec![("d".into(), 1), ("p".into(), 1)]);
     let r = || BookingRef {
