@@ -8,7 +8,8 @@
 //! Everything is deterministic for a seed: same inputs -> byte-identical JSON.
 //!
 //! This module owns the loop, the metrics and the report; policies live in [`policy`], the trace
-//! format in [`trace`]. It must not reach into the selection core beyond its public API.
+//! format in [`trace`], the prefill/decode mode (`--pd-prefill-ranks`, its own loop) in [`pd`].
+//! It must not reach into the selection core beyond its public API.
 
 pub mod pd;
 pub mod policy;
