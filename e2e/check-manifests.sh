@@ -145,8 +145,8 @@ render poolns --set pool.namespace=models --set pool.create=false
 render shared --set sharedState.url=redis://redis.db:6379/1 --set sharedState.passwordSecret.name=redis-auth \
   --set podAntiAffinity=hard
 render single --set replicas=1
-render pd --set disaggregation.protocol=dynamo --set disaggregation.roleLabel=example.com/role \
-  --set disaggregation.thresholdTokens=1024 --set disaggregation.transferBlockCost=0.1
+render pd --set-json \
+  'disaggregation={"protocol":"dynamo","roleLabel":"example.com/role","thresholdTokens":1024,"transferBlockCost":0.1}'
 must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
   local what=$1
   shift
