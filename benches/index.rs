@@ -167,6 +167,7 @@ fn core_with(ranks: usize) -> (Arc<SelectionCore>, Vec<RankKey>) {
         lora_adapters: vec![],
         draining: false,
         incarnation: 0,
+        roles: Vec::new(),
     }])
     .unwrap();
     let id = core.list_workers(None)[0].record.id;

@@ -65,6 +65,7 @@ fn fixture(ranks: usize) -> Fixture {
             lora_adapters: vec![],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         })
         .collect();
     core.apply_snapshot(specs).unwrap();

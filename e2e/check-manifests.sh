@@ -148,6 +148,8 @@ render shared --set sharedState.url=redis://redis.db:6379/1 --set sharedState.pa
 render single --set replicas=1
 # Flow control without the InferenceObjective / InferenceModelRewrite watch (and their RBAC).
 render noflow --set flowControl.watchCrds=false --set flowControl.clientPriority=false
+render pd --set-json \
+  'disaggregation={"protocol":"dynamo","roleLabel":"example.com/role","thresholdTokens":1024,"transferBlockCost":0.1}'
 must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
   local what=$1
   shift
@@ -158,6 +160,7 @@ must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
 must_fail "certSecretName with secureServing=false" --set certSecretName=x --set secureServing=false
 must_fail "logFormat=xml (values.schema.json not applied?)" --set logFormat=xml
 must_fail "mode=crd" --set mode=crd
+must_fail "disaggregation.protocol=sglang" --set disaggregation.protocol=sglang
 must_fail "nine targetPorts" --set-json 'pool.targetPorts=[{"number":1},{"number":2},{"number":3},{"number":4},{"number":5},{"number":6},{"number":7},{"number":8},{"number":9}]'
 must_fail "failureMode=Open" --set pool.failureMode=Open
 must_fail "sharedState.url and urlSecret together" --set sharedState.url=redis://r:6379 --set sharedState.urlSecret.name=s
@@ -188,7 +191,7 @@ pool_render default
 pool_render dp "${DP_ARGS[@]}"
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
-files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single,noflow}.yaml)
+files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single,noflow,pd}.yaml)
 for f in "${files[@]}"; do
   run "$KUBECTL" label --local -f "$f" -o name kvpick.io/check=ok
   # Static mode has no Role / RoleBinding.
@@ -223,13 +226,14 @@ FLOW_READ = ["list", "watch"]
 FLOW_GROUPS = ("inference.networking.x-k8s.io", "llm-d.ai")
 FLOW_RESOURCES = ("inferenceobjectives", "inferencemodelrewrites")
 CATALOG_KEYS = {"name", "model", "routing_group", "address", "ports", "port",
-                "data_parallel_size", "block_size", "kv_events", "kv_replay", "lora_adapters"}
+                "data_parallel_size", "block_size", "kv_events", "kv_replay", "lora_adapters", "role"}
 MAX_DP_RANKS = 64
 # What each render must be: (mode, expects an InferencePool object).
 EXPECT = {"kustomize": ("pool", True), "default": ("pool", True), "dp": ("pool", True),
           "selector": ("selector", False), "static": ("static", False), "certs": ("pool", True),
           "h2c": ("pool", True), "nopool": ("pool", False), "poolns": ("pool", False),
-          "shared": ("pool", True), "single": ("pool", True), "noflow": ("pool", True)}
+          "shared": ("pool", True), "single": ("pool", True), "noflow": ("pool", True),
+          "pd": ("pool", True)}
 RBAC = ("Role", "RoleBinding")
 
 def arg_value(args, flag):

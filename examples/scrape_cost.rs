@@ -121,6 +121,7 @@ async fn main() {
                 lora_adapters: vec![],
                 draining: false,
                 incarnation: 0,
+                roles: Vec::new(),
             })
             .collect(),
     )

@@ -147,6 +147,7 @@ fn response(selection: selection::Selection) -> SelectResponse {
         overlap_blocks: selection.overlap_blocks as u64,
         cost: selection.cost,
         prompt_blocks: selection.prompt_blocks,
+        prefill: selection.prefill.as_ref().map(endpoint),
     }
 }
 
@@ -285,6 +286,10 @@ impl Selection for SelectionApi {
             kv_events: (!w.kv_events.is_empty()).then_some(w.kv_events),
             kv_replay: None,
             lora_adapters: w.lora_adapters,
+            role: match w.roles.len() {
+                0 => None,
+                _ => Some(crate::catalog::static_file::RoleField::PerRank(w.roles)),
+            },
         };
         let spec =
             to_spec(entry, API_SOURCE).map_err(|e| Status::invalid_argument(format!("{e:#}")))?;

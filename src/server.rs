@@ -169,6 +169,36 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fallbacks: usize,
 
+    /// Prefill/decode disaggregation: the headers that name the prefill rank of a pair. `llm-d`:
+    /// `x-prefiller-host-port` (llm-d's routing sidecar); `dynamo`: `x-dynamo-prefill-instance-id`,
+    /// `x-dynamo-prefill-dp-rank`, `x-dynamo-routing-mode`. Only partitions whose workers declare
+    /// roles (`role:` / `--role-label`) are ever split.
+    #[arg(
+        long,
+        default_value = "llm-d",
+        value_name = "llm-d|dynamo",
+        help_heading = "Prefill/decode"
+    )]
+    pub pd_protocol: crate::extproc::PdProtocol,
+
+    /// Disaggregate only when at least this many prompt tokens are not cached on the decode rank.
+    #[arg(long, default_value_t = kvpick_core::PdConfig::default().threshold_tokens, value_name = "TOKENS", help_heading = "Prefill/decode")]
+    pub pd_threshold_tokens: u64,
+
+    /// Cost of transferring one KV block from the prefill to the decode rank, in blocks of
+    /// uncached prefill (the pair decision adds it to the prefill rank's cost).
+    #[arg(long, default_value_t = kvpick_core::PdConfig::default().transfer_block_cost, value_name = "BLOCKS", help_heading = "Prefill/decode")]
+    pub pd_transfer_block_cost: f64,
+
+    /// Weight of one active request on a decode rank (it lengthens every decode step), in blocks.
+    #[arg(long, default_value_t = kvpick_core::PdConfig::default().decode_request_weight, value_name = "BLOCKS", help_heading = "Prefill/decode")]
+    pub pd_decode_request_weight: f64,
+
+    /// Kubernetes: the pod label naming a pod's role (`prefill`, `decode`, `both`/`prefill-decode`;
+    /// absent = both). Annotation `kvpick.io/data-parallel-roles` gives one role per DP rank.
+    #[arg(long, default_value = crate::catalog::kube::DEFAULT_ROLE_LABEL, value_name = "KEY", help_heading = "Kubernetes")]
+    pub role_label: String,
+
     /// Seconds after which a gRPC API booking that was never freed is reaped. ext_proc bookings
     /// never expire: each is freed when its stream ends, however long the response runs.
     #[arg(long, default_value_t = 300, value_name = "SECONDS")]
@@ -688,6 +718,8 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         ("--engine-kv-usage-weight", args.engine_kv_usage_weight),
         ("--adapter-load-weight", args.adapter_load_weight),
         ("--adapter-full-weight", args.adapter_full_weight),
+        ("--pd-transfer-block-cost", args.pd_transfer_block_cost),
+        ("--pd-decode-request-weight", args.pd_decode_request_weight),
     ] {
         if !value.is_finite() || value < 0.0 {
             anyhow::bail!("{name} must be a finite number >= 0, got {value}");
@@ -750,6 +782,11 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         index_max_blocks: args.index_max_blocks,
         engine_metrics_max_age: Duration::from_millis(args.engine_metrics_stale_ms),
         flow: flow_config(args)?,
+        pd: kvpick_core::PdConfig {
+            threshold_tokens: args.pd_threshold_tokens,
+            transfer_block_cost: args.pd_transfer_block_cost,
+            decode_request_weight: args.pd_decode_request_weight,
+        },
         ..CoreConfig::default()
     })
 }
@@ -955,6 +992,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             ),
             flow_policy: Some(flow_policy.clone()),
             flow_settings,
+            pd_protocol: args.pd_protocol,
         },
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
@@ -1162,6 +1200,7 @@ pub fn catalog_source(
                 target,
                 model: args.model.clone(),
                 resync: KUBE_RESYNC,
+                role_label: args.role_label.clone(),
             }))
         }
     }

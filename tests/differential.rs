@@ -39,6 +39,7 @@ fn catalog() -> Vec<WorkerSpec> {
         lora_adapters: vec![],
         draining: false,
         incarnation: 0,
+        roles: Vec::new(),
     };
     vec![
         worker("a", RankLayout::PerPort(vec![8000, 8001])),

@@ -81,6 +81,7 @@ fn worker(name: &str, port: u16, adapters: &[&str]) -> WorkerSpec {
         lora_adapters: adapters.iter().map(|a| a.to_string()).collect(),
         draining: false,
         incarnation: 0,
+        roles: Vec::new(),
     }
 }
 

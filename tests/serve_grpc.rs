@@ -411,3 +411,74 @@ async fn ext_proc_protocol_errors_over_the_wire() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Prefill/decode through the API: `SelectAndReserve` returns the pair (the optional `prefill`
+/// endpoint), `PrefillComplete` frees the prefill side, `Free` the rest; `UpsertWorker` takes roles.
+#[tokio::test]
+async fn the_api_returns_and_books_the_prefill_decode_pair() {
+    use kvpick::proto::{ListWorkersRequest, WorkerSpec};
+    let serve = start_static(
+        "workers:\n  - {name: p, model: m, address: 127.0.0.1, port: 8000, role: prefill}\n  - {name: d, model: m, address: 127.0.0.1, port: 9000, role: decode}\n",
+        &["--pd-transfer-block-cost", "0", "--worker-api"],
+    );
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+    let mut api = common::api(serve.grpc).await;
+    let loads = |workers: &[kvpick::proto::Worker]| -> Vec<(String, u64)> {
+        workers
+            .iter()
+            .map(|w| (w.name.clone(), w.ranks[0].active_requests))
+            .collect()
+    };
+    let request = SelectRequest {
+        request_id: "r".into(),
+        model: "m".into(),
+        token_ids: (0..2048).collect(),
+        ..Default::default()
+    };
+    let pick = api
+        .select_and_reserve(request.clone())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(pick.primary.unwrap().address, "127.0.0.1:9000");
+    assert_eq!(pick.prefill.unwrap().address, "127.0.0.1:8000");
+    let list = || ListWorkersRequest {
+        model: String::new(),
+    };
+    let workers = api.list_workers(list()).await.unwrap().into_inner().workers;
+    assert_eq!(loads(&workers), vec![("d".into(), 1), ("p".into(), 1)]);
+    let r = || BookingRef {
+        request_id: "r".into(),
+    };
+    assert!(api.prefill_complete(r()).await.unwrap().into_inner().found);
+    let workers = api.list_workers(list()).await.unwrap().into_inner().workers;
+    assert_eq!(loads(&workers), vec![("d".into(), 1), ("p".into(), 0)]);
+    assert!(api.free(r()).await.unwrap().into_inner().found);
+    assert!(!api.free(r()).await.unwrap().into_inner().found);
+    let workers = api.list_workers(list()).await.unwrap().into_inner().workers;
+    assert_eq!(loads(&workers), vec![("d".into(), 0), ("p".into(), 0)]);
+    // A short prompt is not split: no prefill endpoint.
+    let short = api
+        .select(SelectRequest {
+            token_ids: (0..64).collect(),
+            ..request.clone()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(short.prefill.is_none());
+    // Roles through the API: an unknown one is refused, naming the field.
+    let bad = api
+        .upsert_worker(WorkerSpec {
+            name: "x".into(),
+            model: "m".into(),
+            address: "127.0.0.1".into(),
+            port: 9100,
+            roles: vec!["encode".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+    assert!(bad.message().contains("role"), "{}", bad.message());
+}

@@ -261,6 +261,7 @@ async fn ingest_indexes_what_the_sim_announced(encoding: &str) {
             lora_adapters: vec![],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         })
         .collect();
     core.apply_snapshot(specs).unwrap();
@@ -461,4 +462,72 @@ async fn lora_requests_info_lists_running_adapters() {
     let bad = serde_json::json!({"model": "nope", "prompt": prompt(4)}).to_string();
     let (status, _, _) = http(port, "POST", "/v1/completions", &[], &bad).await;
     assert_eq!(status, 404);
+}
+
+/// Prefill/decode: a decode worker told (llm-d's header) which prefill worker to use has it run
+/// the prefill, pulls the blocks, decodes; the prompt is then cached on both; a bad header is a
+/// 400, an unreachable prefill rank a 502.
+#[tokio::test]
+async fn a_decode_worker_pulls_the_prompt_from_the_named_prefill_worker() {
+    let prefill = start(&sim_args(&["--workers", "1", "--role", "prefill"]))
+        .await
+        .unwrap();
+    let decode = start(&sim_args(&["--workers", "1", "--role", "decode"]))
+        .await
+        .unwrap();
+    let (p, d) = (prefill.workers[0].http, decode.workers[0].http);
+    let target = format!("127.0.0.1:{p}");
+    let body = completion(&prompt(200), 4, false);
+    let (status, head, out) = http(
+        d,
+        "POST",
+        "/v1/completions",
+        &[("x-prefiller-host-port", &target)],
+        &body,
+    )
+    .await;
+    assert_eq!(status, 200, "{out}");
+    assert!(head.contains("x-sim-role: decode"), "{head}");
+    assert!(head.contains("x-sim-prefill-worker: 0"), "{head}");
+    assert!(
+        head.contains(&format!("x-sim-prefill-host-port: {target}")),
+        "{head}"
+    );
+    assert!(
+        head.contains("x-sim-transferred-blocks: 12"),
+        "200 tokens = 12 complete blocks, none cached here: {head}"
+    );
+    let out: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        out["usage"]["completion_tokens"], 4,
+        "the decode rank generates"
+    );
+    // Both ranks cache the prompt now.
+    for port in [p, d] {
+        let (_, _, again) = http(port, "POST", "/v1/completions", &[], &body).await;
+        let again: serde_json::Value = serde_json::from_str(&again).unwrap();
+        assert_eq!(
+            again["usage"]["prompt_tokens_details"]["cached_tokens"],
+            192
+        );
+    }
+    let (status, _, _) = http(
+        d,
+        "POST",
+        "/v1/completions",
+        &[("x-prefiller-host-port", "nowhere")],
+        &body,
+    )
+    .await;
+    assert_eq!(status, 400);
+    drop(prefill);
+    let (status, _, _) = http(
+        d,
+        "POST",
+        "/v1/completions",
+        &[("x-prefiller-host-port", "127.0.0.1:1")],
+        &body,
+    )
+    .await;
+    assert_eq!(status, 502);
 }

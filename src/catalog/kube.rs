@@ -31,6 +31,8 @@ use kube::{Api, Client, ResourceExt};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 
+use kvpick_core::Role;
+
 use super::{RankLayout, WorkerSpec, MAX_DP_RANKS};
 
 /// Pod annotation restricting the live ranks to some of the pool's target ports.
@@ -48,6 +50,12 @@ pub const KV_REPLAY_PORT_ANNOTATION: &str = "kvpick.io/kv-replay-port";
 /// Pod annotation: the engine's KV block size in tokens (vLLM `--block-size`). Without it the
 /// partition learns the size from the engine's KV events.
 pub const BLOCK_SIZE_ANNOTATION: &str = "kvpick.io/block-size";
+/// Default pod label naming a pod's prefill/decode role (llm-d's; `--role-label` changes it):
+/// `prefill`, `decode`, `both` (or llm-d's `prefill-decode`); absent = both.
+pub const DEFAULT_ROLE_LABEL: &str = "llm-d.ai/role";
+/// Pod annotation: one role per data-parallel rank, comma-separated (`prefill,prefill,decode,
+/// decode`); a label value cannot hold commas. It wins over the role label.
+pub const DP_ROLES_ANNOTATION: &str = "kvpick.io/data-parallel-roles";
 /// Default KV-event port of rank 0 (vLLM's default).
 pub const DEFAULT_KV_EVENTS_PORT: u16 = 5557;
 /// Most target ports an InferencePool may list.
@@ -129,6 +137,8 @@ impl kube::Resource for InferencePool {
 pub struct PoolView {
     pub selector: BTreeMap<String, String>,
     pub target_ports: Vec<u16>,
+    /// The pod label carrying the prefill/decode role ([`DEFAULT_ROLE_LABEL`]).
+    pub role_label: String,
 }
 
 impl PoolView {
@@ -158,7 +168,16 @@ impl PoolView {
         Ok(PoolView {
             selector,
             target_ports,
+            role_label: DEFAULT_ROLE_LABEL.to_string(),
         })
+    }
+
+    /// The same view reading roles from `label`.
+    pub fn with_role_label(self, label: &str) -> Self {
+        PoolView {
+            role_label: label.to_string(),
+            ..self
+        }
     }
 
     /// The server-side label selector (`k=v,k2=v2`).
@@ -302,6 +321,25 @@ fn pod_to_spec(
         }
     };
 
+    let roles = match annotations
+        .get(DP_ROLES_ANNOTATION)
+        .map(|v| (DP_ROLES_ANNOTATION, v))
+        .or_else(|| {
+            labels
+                .get(&pool.role_label)
+                .map(|v| (pool.role_label.as_str(), v))
+        }) {
+        None => Vec::new(),
+        Some((key, value)) => value
+            .split(',')
+            .map(|r| {
+                Role::parse(r).with_context(|| {
+                    format!("{key} must be prefill, decode or both, got {value:?}")
+                })
+            })
+            .collect::<anyhow::Result<Vec<Role>>>()?,
+    };
+
     let port_annotation = |key: &str| -> anyhow::Result<Option<u16>> {
         match annotations.get(key).map(|v| v.trim()) {
             None => Ok(None),
@@ -333,7 +371,7 @@ fn pod_to_spec(
         .filter(|p| *p != 0)
         .map(endpoint);
 
-    Ok(Some(WorkerSpec {
+    let spec = WorkerSpec {
         namespace: pod.namespace().unwrap_or_default(),
         name: pod.name_any(),
         model,
@@ -346,7 +384,10 @@ fn pod_to_spec(
         lora_adapters: Vec::new(),
         draining,
         incarnation: incarnation(pod),
-    }))
+        roles,
+    };
+    spec.validate_roles().map_err(|e| anyhow::anyhow!(e))?;
+    Ok(Some(spec))
 }
 
 /// The complete desired snapshot for `pool` from the current pods, sorted by namespace/name. A
@@ -388,6 +429,8 @@ pub struct KubeSourceConfig {
     pub model: Option<String>,
     /// Period of the forced re-publication of the current state.
     pub resync: Duration,
+    /// Pod label naming the prefill/decode role ([`DEFAULT_ROLE_LABEL`]).
+    pub role_label: String,
 }
 
 type PodEvents = BoxStream<'static, Result<Event<Pod>, watcher::Error>>;
@@ -441,7 +484,7 @@ pub async fn run(
 
     // The pool side: either a fixed view, or a watcher on the named pool.
     let (mut view, mut pool_events): (Option<PoolView>, Option<PoolEvents>) = match &config.target {
-        Target::Selector(view) => (Some(view.clone()), None),
+        Target::Selector(view) => (Some(view.clone().with_role_label(&config.role_label)), None),
         Target::Pool { name } => {
             let api: Api<InferencePool> = Api::namespaced(client.clone(), &config.namespace);
             let wc = watcher::Config::default().fields(&format!("metadata.name={name}"));
@@ -497,7 +540,9 @@ pub async fn run(
                             tracing::warn!(pool = %pool_name, namespace = %config.namespace, "InferencePool not found: failing closed (empty catalog)");
                             None
                         }
-                        Some(p) => match PoolView::from_pool(p) {
+                        Some(p) => match PoolView::from_pool(p)
+                            .map(|v| v.with_role_label(&config.role_label))
+                        {
                             Ok(v) => Some(v),
                             Err(err) => {
                                 tracing::error!(pool = %pool_name, err = format!("{err:#}"), "invalid InferencePool: failing closed (empty catalog)");
@@ -664,6 +709,71 @@ mod tests {
             snapshot(&view(), &[bad], Some("m")).is_empty(),
             "refused, with a warning"
         );
+    }
+
+    #[test]
+    fn roles_come_from_the_role_label_or_one_per_rank_from_the_annotation() {
+        let labelled =
+            |name: &str, extra: serde_json::Value| pod(name, true, Some("10.0.0.1"), extra);
+        let pods = [
+            labelled(
+                "p",
+                serde_json::json!({"labels": {"llm-d.ai/role": "prefill"}}),
+            ),
+            labelled(
+                "d",
+                serde_json::json!({"labels": {"llm-d.ai/role": "decode"}}),
+            ),
+            labelled(
+                "pd",
+                serde_json::json!({"labels": {"llm-d.ai/role": "prefill-decode"}}),
+            ),
+            labelled("none", serde_json::json!({})),
+            labelled(
+                "dp",
+                serde_json::json!({"labels": {"llm-d.ai/role": "decode"},
+                                   "annotations": {"kvpick.io/data-parallel-roles": "prefill, decode"}}),
+            ),
+            labelled(
+                "bad",
+                serde_json::json!({"labels": {"llm-d.ai/role": "encode"}}),
+            ),
+            labelled(
+                "short",
+                serde_json::json!({"annotations": {"kvpick.io/data-parallel-roles": "prefill,decode,decode"}}),
+            ),
+        ];
+        let specs = snapshot(&view(), &pods, Some("m"));
+        let roles: Vec<(&str, Vec<Role>)> = specs
+            .iter()
+            .map(|s| (s.name.as_str(), s.roles.clone()))
+            .collect();
+        assert_eq!(
+            roles,
+            vec![
+                ("d", vec![Role::Decode]),
+                ("dp", vec![Role::Prefill, Role::Decode]),
+                ("none", vec![]),
+                ("p", vec![Role::Prefill]),
+                ("pd", vec![Role::Both]),
+            ],
+            "an unknown role and three roles for two ports are refused"
+        );
+        // Another label key: the llm-d one means nothing then.
+        let custom = view().with_role_label("example.com/role");
+        let pods = [
+            labelled(
+                "p",
+                serde_json::json!({"labels": {"llm-d.ai/role": "prefill"}}),
+            ),
+            labelled(
+                "q",
+                serde_json::json!({"labels": {"example.com/role": "prefill"}}),
+            ),
+        ];
+        let specs = snapshot(&custom, &pods, Some("m"));
+        assert_eq!(specs[0].roles, Vec::<Role>::new());
+        assert_eq!(specs[1].roles, vec![Role::Prefill]);
     }
 
     #[test]

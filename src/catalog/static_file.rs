@@ -10,6 +10,8 @@ use anyhow::{bail, Context};
 use serde::Deserialize;
 use tokio::sync::watch;
 
+use kvpick_core::Role;
+
 use super::{RankLayout, WorkerSpec, MAX_DP_RANKS};
 
 /// Namespace given to static workers, so their ids never collide with pod-derived ids.
@@ -45,6 +47,36 @@ pub struct StaticWorker {
     pub kv_replay: Option<String>,
     #[serde(default)]
     pub lora_adapters: Vec<String>,
+    /// Prefill/decode role: `prefill`, `decode` or `both` (absent = `both`), or a list with one
+    /// role per data-parallel rank (`[prefill, prefill, decode, decode]`).
+    #[serde(default)]
+    pub role: Option<RoleField>,
+}
+
+/// `role:` as written: one role for every rank, or one per rank.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum RoleField {
+    One(String),
+    PerRank(Vec<String>),
+}
+
+/// Parses `role:` into the core's roles, naming a bad value.
+pub fn parse_roles(field: Option<&RoleField>) -> anyhow::Result<Vec<Role>> {
+    let one = |v: &str| {
+        Role::parse(v).with_context(|| {
+            format!(
+                "`role` must be prefill, decode or both, got {:?}",
+                v.chars().take(64).collect::<String>()
+            )
+        })
+    };
+    match field {
+        None => Ok(Vec::new()),
+        Some(RoleField::One(v)) => Ok(vec![one(v)?]),
+        Some(RoleField::PerRank(vs)) if vs.is_empty() => bail!("`role` must not be an empty list"),
+        Some(RoleField::PerRank(vs)) => vs.iter().map(|v| one(v)).collect(),
+    }
 }
 
 /// Parses the catalog YAML into worker specs, with errors that name the worker and field.
@@ -103,7 +135,8 @@ pub fn to_spec(w: StaticWorker, namespace: &str) -> anyhow::Result<WorkerSpec> {
     if w.block_size == Some(0) {
         bail!("`block_size` must be positive");
     }
-    Ok(WorkerSpec {
+    let roles = parse_roles(w.role.as_ref())?;
+    let spec = WorkerSpec {
         namespace: namespace.to_string(),
         name: w.name,
         model: w.model,
@@ -116,7 +149,11 @@ pub fn to_spec(w: StaticWorker, namespace: &str) -> anyhow::Result<WorkerSpec> {
         lora_adapters: w.lora_adapters,
         draining: false,
         incarnation: 0,
-    })
+        roles,
+    };
+    spec.validate_roles()
+        .map_err(|e| anyhow::anyhow!("`role`: {e}"))?;
+    Ok(spec)
 }
 
 /// Reads and parses the catalog file once.
@@ -206,6 +243,53 @@ workers:
         );
         assert_eq!(specs[1].block_size, Some(16));
         assert_eq!(specs[1].namespace, STATIC_NAMESPACE);
+    }
+
+    #[test]
+    fn roles_are_one_for_all_ranks_or_one_per_rank() {
+        let specs = parse_catalog(
+            r#"
+workers:
+  - {name: p, model: m, address: 10.0.0.1, port: 8000, role: prefill}
+  - {name: d, model: m, address: 10.0.0.2, port: 8000, role: Decode}
+  - {name: b, model: m, address: 10.0.0.3, port: 8000}
+  - {name: dp, model: m, address: 10.0.0.4, ports: [8000, 8001], role: [prefill, decode]}
+"#,
+        )
+        .unwrap();
+        let roles: Vec<Vec<Role>> = specs.iter().map(|s| s.roles.clone()).collect();
+        assert_eq!(
+            roles,
+            vec![
+                vec![Role::Prefill],
+                vec![Role::Decode],
+                vec![],
+                vec![Role::Prefill, Role::Decode]
+            ]
+        );
+        let ranks = specs[3].rank_endpoints();
+        assert_eq!(
+            (ranks[0].role, ranks[1].role),
+            (Role::Prefill, Role::Decode)
+        );
+        assert_eq!(specs[2].rank_endpoints()[0].role, Role::Both);
+        for (yaml, expected) in [
+            (
+                "workers: [{name: a, model: m, address: 1.2.3.4, port: 2, role: encode}]",
+                "prefill, decode or both",
+            ),
+            (
+                "workers: [{name: a, model: m, address: 1.2.3.4, ports: [1, 2], role: [prefill, decode, decode]}]",
+                "3 roles for 2 ranks",
+            ),
+            (
+                "workers: [{name: a, model: m, address: 1.2.3.4, port: 2, role: []}]",
+                "empty list",
+            ),
+        ] {
+            let err = format!("{:#}", parse_catalog(yaml).unwrap_err());
+            assert!(err.contains(expected) && err.contains("workers[0] (a)"), "{err}");
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! selection core's.
 
 pub mod budget;
+pub mod pd_headers;
 pub mod stream;
 
 use std::pin::Pin;
@@ -21,6 +22,7 @@ use crate::selection::SelectionCore;
 use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
 pub use budget::{BodyBudget, BodyLease, DEFAULT_BUDGET_BYTES};
+pub use pd_headers::PdProtocol;
 pub use stream::StreamMachine;
 
 /// Per-process ext_proc settings.
@@ -39,6 +41,8 @@ pub struct ExtProcSettings {
     pub flow_policy: Option<crate::flow::PolicyRx>,
     /// How requests are classified (`--client-priority`).
     pub flow_settings: crate::flow::FlowSettings,
+    /// Which headers carry a prefill/decode pair (`--pd-protocol`).
+    pub pd_protocol: PdProtocol,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -59,6 +63,7 @@ impl Default for ExtProcSettings {
             body_budget: BodyBudget::unmetered(DEFAULT_BUDGET_BYTES),
             flow_policy: None,
             flow_settings: crate::flow::FlowSettings::default(),
+            pd_protocol: PdProtocol::default(),
         }
     }
 }

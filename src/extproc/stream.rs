@@ -693,7 +693,7 @@ impl StreamMachine {
         };
         match self.core.admit(&request) {
             Ok(Admitted::Now(r)) => {
-                self.routed(r, &request.request_id, started, header_only, false)
+                self.routed(*r, &request.request_id, started, header_only, false)
             }
             Ok(Admitted::Queued(waiter)) => {
                 tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
@@ -797,6 +797,20 @@ impl StreamMachine {
         {
             remove.push("x-data-parallel-rank".into());
         }
+        // The prefill/decode pair, in `--pd-protocol`'s headers; client-sent ones never pass.
+        let pair = super::pd_headers::headers(selection, self.settings.pd_protocol);
+        for (name, value) in &pair {
+            set.push(set_header(name, value));
+        }
+        remove.extend(
+            self.header_names
+                .iter()
+                .filter(|n| {
+                    super::pd_headers::ALL.contains(&n.as_str())
+                        && pair.iter().all(|(set, _)| set != n)
+                })
+                .cloned(),
+        );
         remove.sort();
         remove.dedup();
         let response = ProcessingResponse {

@@ -39,7 +39,7 @@ impl Mailboxes {
 /// What [`SelectionCore::admit`] did.
 pub enum Admitted {
     /// Booked now.
-    Now(Reservation),
+    Now(Box<Reservation>),
     /// Waiting for capacity: await [`Waiter::wait`]; dropping the waiter leaves the queue.
     Queued(Waiter),
 }
@@ -133,13 +133,13 @@ impl SelectionCore {
                 if let (Some(shared), Some(sid), Some(before)) = (self.shared.get(), sid, before) {
                     shared.after_pick(&selection, sid, before);
                 }
-                Ok(Admitted::Now(self.reservation(selection)))
+                Ok(Admitted::Now(Box::new(self.reservation(*selection))))
             }
             Admission::Queued { ticket, deadline } => {
                 let mut mailboxes = self.mailboxes.lock();
                 if let Some(Mailbox::Ready(outcome)) = mailboxes.remove(&ticket) {
                     drop(mailboxes);
-                    return (*outcome).map(Admitted::Now);
+                    return (*outcome).map(|r| Admitted::Now(Box::new(r)));
                 }
                 let (tx, rx) = oneshot::channel();
                 mailboxes.insert(ticket, Mailbox::Waiting(tx));
@@ -175,7 +175,7 @@ impl SelectionCore {
                 continue;
             };
             let outcome = match (result, self.this.upgrade()) {
-                (Ok(selection), Some(this)) => Ok(this.reservation(selection.clone())),
+                (Ok(selection), Some(this)) => Ok(this.reservation((**selection).clone())),
                 (Ok(selection), None) => {
                     // The process is going away: free the booking at once.
                     let claim = kvpick_core::Claim::Generation(selection.generation);

@@ -1337,3 +1337,80 @@ fn a_departed_workers_series_are_removed() {
     assert!(!text.contains("worker=\"a\""), "{text}");
     assert!(text.contains("kvpick_time_to_first_byte_seconds_count{worker=\"b\"}"));
 }
+
+/// A split pick's two bookings through the RAII reservation: the first token frees the prefill
+/// rank, dropping (a stream that ended, failed or went away) frees the decode rank, once; the
+/// per-rank gauges follow.
+#[test]
+fn a_split_reservation_frees_each_rank_once() {
+    let core = core_with(CoreConfig {
+        pd: kvpick_core::PdConfig {
+            transfer_block_cost: 0.0,
+            ..Default::default()
+        },
+        ..CoreConfig::default()
+    });
+    let with_role = |name: &str, port: u16, role: kvpick_core::Role| WorkerSpec {
+        roles: vec![role],
+        ..spec(name, "m", ports(&[port]))
+    };
+    core.apply_snapshot(vec![
+        with_role("p", 1, kvpick_core::Role::Prefill),
+        with_role("d", 2, kvpick_core::Role::Decode),
+    ])
+    .unwrap();
+    let requests = |core: &SelectionCore| -> Vec<u64> {
+        let mut v: Vec<(String, u64)> = core
+            .list_workers(None)
+            .iter()
+            .map(|w| (w.record.spec.name.clone(), w.loads[0].active_requests))
+            .collect();
+        v.sort();
+        v.into_iter().map(|(_, n)| n).collect()
+    };
+    let long = |id: &str, first: u32| SelectionRequest {
+        prompt: PromptInput::Tokens((first..first + 2048).collect()),
+        ..request(id, Some("m"))
+    };
+    let gauge = |core: &SelectionCore, worker: &str| {
+        core.metrics()
+            .selection
+            .inflight
+            .with_label_values(&[worker, "0"])
+            .get()
+    };
+    let first = core.select_and_reserve(&long("r1", 0)).unwrap();
+    assert_eq!(
+        first
+            .selection()
+            .prefill
+            .as_ref()
+            .map(|p| p.worker_name.as_str()),
+        Some("p")
+    );
+    assert_eq!(
+        requests(&core),
+        vec![1, 1],
+        "decode d and prefill p both booked"
+    );
+    assert_eq!((gauge(&core, "d"), gauge(&core, "p")), (1, 1));
+    first.mark_prefill_complete();
+    first.mark_prefill_complete();
+    assert_eq!(requests(&core), vec![1, 0]);
+    assert_eq!((gauge(&core, "d"), gauge(&core, "p")), (1, 0));
+    drop(first);
+    assert_eq!(requests(&core), vec![0, 0]);
+    assert_eq!(core.metrics().selection.inflight_total.get(), 0);
+    assert!(!core.free("r1"), "freed exactly once");
+    // The same prompt again: the decode rank caches it now, so it prefills the short rest itself.
+    let again = core.select_and_reserve(&long("r3", 0)).unwrap();
+    assert!(again.selection().prefill.is_none());
+    drop(again);
+    // Another prompt, dropped before its first token: both ranks at once.
+    let second = core.select_and_reserve(&long("r2", 100_000)).unwrap();
+    assert_eq!(requests(&core), vec![1, 1]);
+    drop(second);
+    assert_eq!(requests(&core), vec![0, 0]);
+    assert_eq!((gauge(&core, "d"), gauge(&core, "p")), (0, 0));
+    assert_eq!(core.live_bookings(), 0);
+}

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::{IpAddr, SocketAddr};
 
 use crate::error::CatalogError;
-use crate::types::{Lifecycle, PartitionKey};
+use crate::types::{Lifecycle, PartitionKey, Role};
 
 /// Largest number of data-parallel ranks one worker may declare.
 pub const MAX_DP_RANKS: u32 = 64;
@@ -45,6 +45,9 @@ pub struct WorkerSpec {
     /// when it changes, the engine's KV cache is gone and the rank's index entries are dropped.
     /// Sources that cannot tell leave it 0.
     pub incarnation: u64,
+    /// Prefill/decode roles ([`Role`]): empty = every rank `Both`; one entry = every rank;
+    /// otherwise one entry per rank, in rank order (a DP engine whose ranks play different roles).
+    pub roles: Vec<Role>,
 }
 
 /// One schedulable endpoint of a worker.
@@ -53,6 +56,7 @@ pub struct RankEndpoint {
     pub dp_rank: u32,
     pub endpoint: SocketAddr,
     pub multiplexed: bool,
+    pub role: Role,
 }
 
 impl WorkerSpec {
@@ -61,7 +65,37 @@ impl WorkerSpec {
         worker_id(&self.namespace, &self.name)
     }
 
+    /// The role of the rank at `position` in rank order (see [`WorkerSpec::roles`]).
+    pub fn role_at(&self, position: usize) -> Role {
+        match self.roles.as_slice() {
+            [] => Role::Both,
+            [one] => *one,
+            many => many.get(position).copied().unwrap_or_default(),
+        }
+    }
+
+    /// Checks `roles` against the rank count: none, one for all, or exactly one per rank.
+    pub fn validate_roles(&self) -> Result<(), String> {
+        let ranks = self.rank_endpoints().len();
+        match self.roles.len() {
+            0 | 1 => Ok(()),
+            n if n == ranks => Ok(()),
+            n => Err(format!(
+                "worker {} declares {n} roles for {ranks} ranks (give one role, or one per rank)",
+                self.name
+            )),
+        }
+    }
+
     pub fn rank_endpoints(&self) -> Vec<RankEndpoint> {
+        let mut ranks = self.rank_endpoints_without_roles();
+        for (position, rank) in ranks.iter_mut().enumerate() {
+            rank.role = self.role_at(position);
+        }
+        ranks
+    }
+
+    fn rank_endpoints_without_roles(&self) -> Vec<RankEndpoint> {
         match &self.ranks {
             RankLayout::PerPort(ports) => ports
                 .iter()
@@ -70,6 +104,7 @@ impl WorkerSpec {
                     dp_rank: rank as u32,
                     endpoint: SocketAddr::new(self.address, *port),
                     multiplexed: false,
+                    role: Role::Both,
                 })
                 .collect(),
             RankLayout::Sparse(ranks) => ranks
@@ -78,6 +113,7 @@ impl WorkerSpec {
                     dp_rank,
                     endpoint: SocketAddr::new(self.address, port),
                     multiplexed: false,
+                    role: Role::Both,
                 })
                 .collect(),
             RankLayout::Multiplexed { port, size } => (0..*size)
@@ -85,6 +121,7 @@ impl WorkerSpec {
                     dp_rank: rank,
                     endpoint: SocketAddr::new(self.address, *port),
                     multiplexed: true,
+                    role: Role::Both,
                 })
                 .collect(),
         }
@@ -113,6 +150,7 @@ impl WorkerSpec {
             lora_adapters: vec![],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         }
     }
 }
@@ -144,6 +182,8 @@ impl WorkerRecord {
         let ranks = spec.rank_endpoints();
         let (lifecycle, reason) = if ranks.is_empty() {
             (Lifecycle::Incomplete, "no ranks".to_string())
+        } else if let Err(reason) = spec.validate_roles() {
+            (Lifecycle::Incomplete, reason)
         } else if spec.draining {
             (Lifecycle::Draining, "not ready".to_string())
         } else {
@@ -351,6 +391,7 @@ mod tests {
             lora_adapters: vec!["lora-a".into()],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         };
         let ranks = spec.rank_endpoints();
         assert_eq!(ranks.len(), 3);

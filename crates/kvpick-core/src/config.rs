@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::decide::CostParams;
+use crate::disagg::PdConfig;
 use crate::estimate::EstimatorConfig;
 use crate::flow::FlowConfig;
 use crate::session::SessionConfig;
@@ -63,6 +64,9 @@ pub struct CoreConfig {
     pub engine_metrics_max_age: Duration,
     /// Flow control: the EPP-side queue and saturation limits ([`crate::flow`]).
     pub flow: FlowConfig,
+    /// The prefill/decode pair decision ([`crate::disagg`]); only partitions with role-split
+    /// ranks use it.
+    pub pd: PdConfig,
 }
 
 impl Default for CoreConfig {
@@ -84,6 +88,7 @@ impl Default for CoreConfig {
             estimator: EstimatorConfig::default(),
             engine_metrics_max_age: Duration::from_secs(1),
             flow: FlowConfig::default(),
+            pd: PdConfig::default(),
         }
     }
 }

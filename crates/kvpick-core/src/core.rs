@@ -77,7 +77,7 @@ impl Claims for Core {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Admission {
     /// Booked now.
-    Dispatched(Selection),
+    Dispatched(Box<Selection>),
     /// Waiting for capacity. Its outcome comes later as a [`Fact::Dequeued`] for `ticket` from
     /// whichever core operation releases it, or from [`Core::expire_waiting`] at `deadline`;
     /// [`Core::cancel_waiting`] takes it out if its client goes away.
@@ -303,7 +303,7 @@ impl Core {
     ) -> (Result<Admission, SelectError>, Facts) {
         if !self.config.flow.enabled || request.holder == Holder::Api {
             return match self.select_and_reserve(request, now) {
-                Ok((s, f)) => (Ok(Admission::Dispatched(s)), f),
+                Ok((s, f)) => (Ok(Admission::Dispatched(Box::new(s))), f),
                 Err(e) => (Err(e), Facts::default()),
             };
         }
@@ -323,7 +323,7 @@ impl Core {
             Ok(Admitted::Dispatched(outcome)) => {
                 self.waiting.remove(&ticket);
                 self.record_trace(request, &outcome);
-                Ok(Admission::Dispatched(outcome.selection))
+                Ok(Admission::Dispatched(Box::new(outcome.selection)))
             }
             Ok(Admitted::Queued { deadline }) => Ok(Admission::Queued { ticket, deadline }),
             Err(e) => {
@@ -1455,7 +1455,7 @@ mod flow_tests {
 
     fn dispatched(core: &Core, r: &SelectionRequest, now: Instant) -> Selection {
         match core.admit(r, now).0 {
-            Ok(Admission::Dispatched(s)) => s,
+            Ok(Admission::Dispatched(s)) => *s,
             other => panic!("expected a dispatch, got {other:?}"),
         }
     }
@@ -1472,7 +1472,7 @@ mod flow_tests {
         facts
             .iter()
             .filter_map(|f| match f {
-                Fact::Dequeued { ticket, result } => Some((*ticket, result.clone())),
+                Fact::Dequeued { ticket, result } => Some((*ticket, result.clone().map(|s| *s))),
                 _ => None,
             })
             .collect()

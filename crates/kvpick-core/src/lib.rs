@@ -14,6 +14,8 @@
 //! - [`catalog`]: worker specs and records, the union of sources, the reconcile diff.
 //! - [`engine`]: one scrape of a rank's engine metrics, as a value (the host scrapes).
 //! - [`decide`]: the pure cost function and choice.
+//! - [`disagg`]: the pure prefill/decode pair decision (decode rank, whether to split, prefill
+//!   rank), for partitions whose ranks declare roles.
 //! - [`session`]: the session-affinity table.
 //! - [`flow`]: flow control's queue discipline (bands, fair queuing, EDF) and saturation rule.
 //! - `partition`: one `(model, routing_group)` behind one lock; its `pipeline` runs the selection
@@ -26,6 +28,7 @@ pub mod catalog;
 pub mod config;
 pub mod core;
 pub mod decide;
+pub mod disagg;
 pub mod engine;
 pub mod error;
 pub mod estimate;
@@ -47,6 +50,7 @@ pub use crate::core::Core;
 pub use crate::decide::{
     cost, decide, engine_metrics_cost, overlap_score, Candidate, CostParams, Decision,
 };
+pub use crate::disagg::PdConfig;
 pub use crate::engine::{AdapterFit, EngineLoad, EngineMetrics};
 pub use crate::error::{CatalogError, SelectError};
 pub use crate::estimate::{Coefficients, EstimatorConfig, TtftEstimator};
@@ -57,7 +61,7 @@ pub use crate::request::{
     clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, SelectionRequest,
 };
 pub use crate::session::{AffinityMode, SessionConfig, SessionOutcome};
-pub use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
+pub use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad, Role};
 
 /// One picked rank, with everything a host needs to route to it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -78,6 +82,9 @@ pub struct Selection {
     pub partition: PartitionKey,
     pub primary: PickedRank,
     pub fallbacks: Vec<PickedRank>,
+    /// Prefill/decode disaggregation: the rank that prefills for `primary` (the decode rank),
+    /// booked with it; `None` = the primary prefills itself (always, without role-split ranks).
+    pub prefill: Option<PickedRank>,
     /// Blocks of the prompt already cached on the primary (GPU tier).
     pub overlap_blocks: u32,
     /// Complete blocks in the prompt.

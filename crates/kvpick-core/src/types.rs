@@ -9,6 +9,47 @@ pub struct RankKey {
     pub dp_rank: u32,
 }
 
+/// What a rank does under prefill/decode disaggregation (`llm-d.ai/role`): `Both` (the default,
+/// aggregated serving) runs whole requests; `Prefill` only prefills for a decode rank that pulls
+/// the KV; `Decode` decodes (and prefills locally when disaggregating does not pay).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Role {
+    Prefill,
+    Decode,
+    #[default]
+    Both,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Both => "both",
+        }
+    }
+
+    /// `prefill`, `decode` or `both` (llm-d also labels decode pods `prefill-decode`: both).
+    pub fn parse(value: &str) -> Option<Role> {
+        match value.trim().to_ascii_lowercase().as_str() {
+            "prefill" => Some(Role::Prefill),
+            "decode" => Some(Role::Decode),
+            "both" | "prefill-decode" | "" => Some(Role::Both),
+            _ => None,
+        }
+    }
+
+    /// Whether the rank may be a request's destination (decode side).
+    pub fn decodes(self) -> bool {
+        self != Role::Prefill
+    }
+
+    /// Whether the rank may prefill for another rank.
+    pub fn prefills(self) -> bool {
+        self != Role::Decode
+    }
+}
+
 /// A worker's lifecycle as the scheduler sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Lifecycle {

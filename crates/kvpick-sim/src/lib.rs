@@ -4,9 +4,10 @@
 //! # Layout
 //! - [`sim`]: the vLLM-like simulator: [`sim::engine`] (one rank, pure and clock-agnostic),
 //!   [`sim::server`] (the real-time HTTP + ZeroMQ fleet behind `kvpick sim`), [`sim::wire`] (its
-//!   KV-event encoder).
+//!   KV-event encoder), [`sim::pd`] (a decode worker's prefill fetch, prefill/decode mode).
 //! - [`replay`]: `kvpick replay`, the virtual-clock replay of a trace through every routing
-//!   policy ([`replay::policy`]), the kvpick one being [`kvpick_core::Core`] itself.
+//!   policy ([`replay::policy`]), the kvpick one being [`kvpick_core::Core`] itself; its
+//!   prefill/decode mode is [`replay::pd`].
 //! - [`workload`]: `kvpick workload`, seeded generators of Mooncake traces in five workload
 //!   families (chat, agentic, shared-docs, small-families, no-reuse) and their statistics.
 

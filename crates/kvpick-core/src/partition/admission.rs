@@ -356,7 +356,7 @@ impl Partition {
                 } else {
                     facts.push(Fact::Dequeued {
                         ticket,
-                        result: result.map(|o| o.selection),
+                        result: result.map(|o| Box::new(o.selection)),
                     });
                 }
             };

@@ -3,8 +3,9 @@
 //! booking are atomic. The decision itself is the staged [`pipeline`]; this module runs it under
 //! the lock and books the result. Every operation returns what it changed as [`Facts`].
 //!
-//! Layout: [`ranks`] (the rank table), [`pipeline`] (the selection stages), [`events`] (KV events
-//! applied to the index).
+//! Layout: [`ranks`] (the rank table), [`pipeline`] (the selection stages), [`pair`] (the
+//! prefill/decode pair stage and the prefill leg of a booking), [`events`] (KV events applied to
+//! the index).
 
 // Request fields and KV events come from the network: arithmetic on them says what happens at
 // the edge (checked, saturating) instead of wrapping in release builds and panicking in debug.
@@ -12,6 +13,7 @@
 
 mod admission;
 mod events;
+mod pair;
 mod pipeline;
 mod ranks;
 
@@ -74,6 +76,9 @@ struct Booking {
     /// The request's priority and TTFT SLO (seconds), for SLO attainment at its first token.
     priority: i32,
     slo_ttft: Option<f64>,
+    /// Prefill/decode disaggregation: the prefill rank's part of the booking, until the first
+    /// token arrives ([`pair::PrefillLeg`]); `rank` is then the decode rank.
+    prefill: Option<pair::PrefillLeg>,
 }
 
 struct State {
@@ -318,6 +323,7 @@ impl Partition {
                 endpoint: rank.endpoint,
                 multiplexed: rank.multiplexed,
                 lora_adapters: Arc::clone(&lora),
+                role: rank.role,
                 schedulable: false,
                 kv_events: false,
                 incarnation: record.spec.incarnation,
@@ -337,6 +343,7 @@ impl Partition {
             slot.worker_name = Arc::clone(&name);
             slot.multiplexed = rank.multiplexed;
             slot.lora_adapters = Arc::clone(&lora);
+            slot.role = rank.role;
             slot.schedulable = record.lifecycle == Lifecycle::Schedulable;
             slot.kv_events = record.spec.kv_events.is_some();
             if new_rank {
@@ -384,10 +391,18 @@ impl Partition {
         state.index.clear_rank(key);
         state.engines.remove(&key);
         let mut leases = Vec::new();
+        let mut legs = Vec::new();
         state.bookings.retain(|id, b| {
+            if b.prefill.as_ref().is_some_and(|leg| leg.rank == key) {
+                // The prefill rank left: its load went with it; the decode side lives on (no
+                // TTFT observation: the first token, if any, did not come from a known prefill).
+                b.prefill = None;
+                b.prefill_complete = true;
+            }
             if b.rank == key {
                 dropped.push((id.clone(), b.generation));
                 leases.extend(b.session.take());
+                legs.extend(b.prefill.take());
                 false
             } else {
                 true
@@ -395,6 +410,9 @@ impl Partition {
         });
         for sid in leases {
             state.sessions.release(&sid, now);
+        }
+        for leg in legs {
+            pair::unbook_leg(state, Some(&leg), facts);
         }
         facts.push(Fact::Inflight(negative(slot.load.active_requests)));
         facts.push(Fact::RankGone {
@@ -509,14 +527,28 @@ impl Partition {
             )?,
             None => (eligible, candidates),
         };
-        let mut decision = pipeline::rank(
-            &candidates,
-            prompt,
-            block_size,
-            request,
-            config,
-            &mut state.rng,
-        );
+        let (mut decision, roles) = if state.ranks.split_roles {
+            let (decision, roles) = pair::decide_pair(
+                slots,
+                &eligible,
+                &candidates,
+                block_size,
+                config,
+                &mut bound,
+                &mut state.rng,
+            )?;
+            (decision, Some(roles))
+        } else {
+            let decision = pipeline::rank(
+                &candidates,
+                prompt,
+                block_size,
+                request,
+                config,
+                &mut state.rng,
+            );
+            (decision, None)
+        };
         let affinity = pipeline::apply_affinity(&mut decision, &candidates, bound, sessions);
         if admission.is_some() {
             pipeline::dispatch_or_wait(
@@ -536,6 +568,17 @@ impl Partition {
                 &config.cost,
             )?;
         }
+        let prefill = roles.as_deref().and_then(|roles| {
+            pair::prefill_for(
+                &candidates,
+                roles,
+                &decision,
+                prompt,
+                block_size,
+                config,
+                &mut state.rng,
+            )
+        });
         let (primary, fallbacks) =
             pipeline::picked_ranks(slots, &eligible, &decision.ranking, request.fallbacks)
                 .ok_or_else(|| {
@@ -544,11 +587,21 @@ impl Partition {
         let best = decision.ranking.first().copied().unwrap_or_default();
         let overlap = candidates.get(best).map(|c| c.overlap).unwrap_or_default();
         let cost = decision.costs.get(best).copied().unwrap_or_default();
-        let ttft_tokens = candidates.get(best).map_or(0.0, |c| {
+        // The first token waits for the rank that prefills: the prefill rank when split.
+        let prefilling = prefill.map_or(best, |p| p.position);
+        let ttft_tokens = candidates.get(prefilling).map_or(0.0, |c| {
             crate::decide::ttft_blocks(c, prompt.tokens, block_size, &config.cost)
                 * f64::from(block_size)
         });
-        let predicted_ttft = state.estimator.predict(&primary.key, ttft_tokens);
+        let prefill_pick = prefill.and_then(|p| {
+            let candidate = candidates.get(p.position)?;
+            let picked = pipeline::picked(slots, *eligible.get(p.position)?)?;
+            Some((picked, candidate.overlap))
+        });
+        let predicted_ttft = state.estimator.predict(
+            &prefill_pick.as_ref().map_or(primary.key, |(p, _)| p.key),
+            ttft_tokens,
+        );
         let trace = if config.trace_decisions > 0 {
             cost_trace(&candidates, &decision.costs)
         } else {
@@ -565,6 +618,7 @@ impl Partition {
                     block_size,
                     ttft_tokens,
                     predicted_ttft,
+                    prefill: prefill_pick.as_ref().map(|(p, overlap)| (p.key, *overlap)),
                 };
                 self.book(state, request, &pick, affinity, config, now, facts)
             }
@@ -576,6 +630,7 @@ impl Partition {
             partition: (*self.key).clone(),
             primary,
             fallbacks,
+            prefill: prefill_pick.map(|(p, _)| p),
             overlap_blocks: overlap.gpu,
             prompt_blocks: prompt.seq_hashes.len() as u32,
             prompt_tokens: prompt.tokens,
@@ -661,11 +716,19 @@ impl Partition {
         let cached_tokens = u64::from(pick.overlap.gpu)
             .saturating_mul(block_size)
             .min(tokens);
+        let leg = pick.prefill.and_then(|(rank, overlap)| {
+            pair::book_leg(state, rank, overlap, pick, config, now, facts)
+        });
         let booking = Booking {
             generation: pick.generation,
             holder: request.holder,
             rank: pick.rank,
-            prefill_tokens: tokens.saturating_sub(cached_tokens),
+            // A split request's decode rank pulls the KV instead of prefilling it.
+            prefill_tokens: if leg.is_some() {
+                0
+            } else {
+                tokens.saturating_sub(cached_tokens)
+            },
             decode_blocks: tokens.div_ceil(block_size),
             prefill_complete: false,
             created: now,
@@ -674,8 +737,10 @@ impl Partition {
             session: leased_session,
             priority: request.priority,
             slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
+            prefill: leg,
         };
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
+            pair::unbook_leg(state, booking.prefill.as_ref(), facts);
             return outcome;
         };
         slot.add_load(booking.prefill_tokens, booking.decode_blocks);
@@ -768,6 +833,7 @@ impl Partition {
             state.sessions.release(sid, now);
         }
         Self::unload(state, booking, facts);
+        pair::unbook_leg(state, booking.prefill.as_ref(), facts);
     }
 
     /// Takes a booking's load off its rank (the booking itself lives on elsewhere or not).
@@ -793,7 +859,16 @@ impl Partition {
         };
         if !booking.prefill_complete {
             booking.prefill_complete = true;
-            if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+            if let Some(leg) = booking.prefill.take() {
+                let observed = now.saturating_duration_since(booking.created).as_secs_f64();
+                let (ttft_tokens, predicted) = (booking.ttft_tokens, booking.predicted_ttft);
+                pair::unbook_leg(state, Some(&leg), facts);
+                state.estimator.observe(leg.rank, ttft_tokens, observed);
+                facts.push(Fact::TtftObserved {
+                    predicted_seconds: predicted,
+                    observed_seconds: observed,
+                });
+            } else if let Some(slot) = state.ranks.get_mut(&booking.rank) {
                 slot.load.active_prefill_tokens = slot
                     .load
                     .active_prefill_tokens
@@ -1072,4 +1147,6 @@ struct Pick<'a> {
     block_size: u32,
     ttft_tokens: f64,
     predicted_ttft: f64,
+    /// The prefill rank and the prompt's overlap there, when the pair decision split the request.
+    prefill: Option<(RankKey, TierDepths)>,
 }

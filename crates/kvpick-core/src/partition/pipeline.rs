@@ -471,7 +471,7 @@ pub(crate) fn apply_affinity(
     }
 }
 
-fn picked(slots: &[(RankKey, Slot)], position: usize) -> Option<PickedRank> {
+pub(crate) fn picked(slots: &[(RankKey, Slot)], position: usize) -> Option<PickedRank> {
     slots.get(position).map(|(key, s)| PickedRank {
         key: *key,
         worker_name: s.worker_name.to_string(),

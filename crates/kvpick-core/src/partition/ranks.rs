@@ -6,7 +6,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use crate::engine::EngineMetrics;
-use crate::types::{RankKey, RankLoad};
+use crate::types::{RankKey, RankLoad, Role};
 
 #[derive(Debug)]
 pub(crate) struct Slot {
@@ -14,6 +14,8 @@ pub(crate) struct Slot {
     pub endpoint: SocketAddr,
     pub multiplexed: bool,
     pub lora_adapters: Arc<[String]>,
+    /// Prefill/decode role (`Both` unless the worker declares one).
+    pub role: Role,
     pub schedulable: bool,
     pub kv_events: bool,
     /// The engine run this slot's index entries belong to ([`crate::WorkerSpec::incarnation`]).
@@ -69,6 +71,8 @@ impl Slot {
 pub(crate) struct RankTable {
     pub slots: Vec<(RankKey, Slot)>,
     positions: HashMap<RankKey, usize>,
+    /// Some rank is not `Both`: picks go through the pair decision ([`crate::disagg`]).
+    pub split_roles: bool,
 }
 
 impl RankTable {
@@ -122,6 +126,7 @@ impl RankTable {
 
     pub fn finish(&mut self) {
         self.slots.sort_unstable_by_key(|(k, _)| *k);
+        self.split_roles = self.slots.iter().any(|(_, s)| s.role != Role::Both);
         self.positions = self
             .slots
             .iter()

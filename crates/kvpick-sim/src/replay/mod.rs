@@ -8,9 +8,11 @@
 //! Everything is deterministic for a seed: same inputs -> byte-identical JSON.
 //!
 //! This module owns the loop, the metrics and the report; policies live in [`policy`], the trace
-//! format in [`trace`]. It must not reach into the selection core beyond its public API.
+//! format in [`trace`], the prefill/decode mode (`--pd-prefill-ranks`, its own loop) in [`pd`].
+//! It must not reach into the selection core beyond its public API.
 
 mod flow_report;
+pub mod pd;
 pub mod policy;
 pub mod trace;
 
@@ -95,6 +97,22 @@ pub struct ReplayArgs {
     /// (as `kvpick serve`; `inf` = off).
     #[arg(long, default_value_t = 0.5)]
     pub saturation_wait: f64,
+    /// Prefill/decode mode ([`pd`]): ranks `0..P` prefill and the rest decode for the split
+    /// policies; runs `--pd-policy` instead of `--policy`.
+    #[arg(long, value_name = "P", help_heading = "Prefill/decode")]
+    pub pd_prefill_ranks: Option<usize>,
+    /// P/D-mode policies (default: all of them).
+    #[arg(long, value_delimiter = ',', default_values_t = pd::PD_POLICIES.map(String::from), help_heading = "Prefill/decode")]
+    pub pd_policy: Vec<String>,
+    /// kvpick-pd: split only when this many prompt tokens are not cached on the decode rank.
+    #[arg(long, default_value_t = kvpick_core::PdConfig::default().threshold_tokens, help_heading = "Prefill/decode")]
+    pub pd_threshold_tokens: u64,
+    /// kvpick-pd: transfer cost per block, in blocks of uncached prefill (as `kvpick serve`).
+    #[arg(long, default_value_t = kvpick_core::PdConfig::default().transfer_block_cost, help_heading = "Prefill/decode")]
+    pub pd_transfer_block_cost: f64,
+    /// kvpick-pd: weight of one active request on a decode rank, blocks (as `kvpick serve`).
+    #[arg(long, default_value_t = kvpick_core::PdConfig::default().decode_request_weight, help_heading = "Prefill/decode")]
+    pub pd_decode_request_weight: f64,
 }
 
 /// kvpick's flow control in the replay, from `--flow-control`, `--queue-timeout`,
@@ -202,6 +220,19 @@ pub struct Report {
     /// Hit rate if every rank had every block ever computed (blocks seen earlier in the trace).
     pub infinite_cache_hit_rate: f64,
     pub policies: Vec<PolicyReport>,
+    /// `--pd-prefill-ranks`: the prefill/decode mode's policies (then `policies` is empty).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pd: Option<PdSection>,
+}
+
+/// The prefill/decode mode's part of a report.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct PdSection {
+    pub prefill_ranks: usize,
+    pub kv_transfer_us_per_block: f64,
+    pub threshold_tokens: u64,
+    pub transfer_block_cost: f64,
+    pub policies: Vec<pd::PdPolicyReport>,
 }
 
 /// One trace request ready to replay.
@@ -625,14 +656,54 @@ pub fn build_report_with(args: &ReplayArgs, peers: policy::PeerBuilder) -> anyho
         },
         flow: replay_flow(args)?,
     };
-    let policies = run_policies_with(
-        &requests,
-        &args.policy,
-        args.workers,
-        &config,
-        &options,
-        peers,
-    )?;
+    let (policies, pd) = match args.pd_prefill_ranks {
+        None => (
+            run_policies_with(
+                &requests,
+                &args.policy,
+                args.workers,
+                &config,
+                &options,
+                peers,
+            )?,
+            None,
+        ),
+        Some(prefill_ranks) => {
+            for (name, v) in [
+                ("--pd-transfer-block-cost", args.pd_transfer_block_cost),
+                ("--pd-decode-request-weight", args.pd_decode_request_weight),
+            ] {
+                anyhow::ensure!(v.is_finite() && v >= 0.0, "{name} must be >= 0, got {v}");
+            }
+            let pd_options = pd::PdOptions {
+                prefill_ranks,
+                transfer_ns_per_block: args.engine.kv_transfer_ns_per_block()?,
+                pd: kvpick_core::PdConfig {
+                    threshold_tokens: args.pd_threshold_tokens,
+                    transfer_block_cost: args.pd_transfer_block_cost,
+                    decode_request_weight: args.pd_decode_request_weight,
+                },
+            };
+            let reports = pd::run_policies(
+                &requests,
+                &args.pd_policy,
+                args.workers,
+                &config,
+                &options,
+                &pd_options,
+            )?;
+            (
+                Vec::new(),
+                Some(PdSection {
+                    prefill_ranks,
+                    kv_transfer_us_per_block: args.engine.kv_transfer_us_per_block,
+                    threshold_tokens: args.pd_threshold_tokens,
+                    transfer_block_cost: args.pd_transfer_block_cost,
+                    policies: reports,
+                }),
+            )
+        }
+    };
     Ok(Report {
         trace: args.trace.display().to_string(),
         requests: requests.len(),
@@ -653,6 +724,7 @@ pub fn build_report_with(args: &ReplayArgs, peers: policy::PeerBuilder) -> anyho
         offered_load: offered_load(&requests, &config, args.workers),
         infinite_cache_hit_rate: infinite_cache_hit_rate(&requests, config.block_size),
         policies,
+        pd,
     })
 }
 
@@ -702,6 +774,21 @@ pub fn markdown(report: &Report) -> String {
                 .collect::<Vec<_>>()
                 .join("/"),
         ));
+    }
+    if let Some(pd) = &report.pd {
+        s = format!(
+            "{} requests, {} ranks ({} prefill / {} decode for the split policies), offered load {:.2}, \
+             KV transfer {} us/block, seed {}\n\n{}",
+            report.requests,
+            report.workers,
+            pd.prefill_ranks,
+            report.workers - pd.prefill_ranks,
+            report.offered_load,
+            pd.kv_transfer_us_per_block,
+            report.seed,
+            pd::markdown(&pd.policies)
+        );
+        return s;
     }
     s.push_str(&format!(
         "| infinite-cache bound | {:.1}% | | | | | | | | |\n",

@@ -593,6 +593,7 @@ pub fn fleet_specs(
             lora_adapters: vec![],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         })
         .collect()
 }

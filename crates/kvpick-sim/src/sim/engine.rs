@@ -156,6 +156,9 @@ struct Seq {
     hashed: usize,
     /// Blocks held outside the cache (uncomputed prompt blocks, partial tail, decode).
     private: usize,
+    /// Prefill/decode disaggregation: the prompt's KV was computed by a prefill rank and
+    /// transferred here, so its uncached blocks enter the cache at admission without a prefill.
+    transferred: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -232,7 +235,21 @@ impl Engine {
             generated: 0,
             hashed: 0,
             private: 0,
+            transferred: false,
         });
+        Ok(())
+    }
+
+    /// Queues a request whose prompt KV a prefill rank computed and this rank pulled
+    /// (prefill/decode disaggregation, after the caller paid the transfer): at admission its
+    /// uncached prompt blocks enter the prefix cache (and the KV events) with no prefill cost,
+    /// and its first token comes from its first decode step.
+    pub fn add_transferred(&mut self, request: EngineRequest) -> Result<(), AddError> {
+        let id = request.id;
+        self.add_request(request)?;
+        if let Some(seq) = self.waiting.iter_mut().rev().find(|s| s.id == id) {
+            seq.transferred = true;
+        }
         Ok(())
     }
 
@@ -437,6 +454,26 @@ impl Engine {
                 self.queries += len as u64;
                 self.hits += (hit * bs) as u64;
             }
+            if seq.transferred {
+                // Pulled from the prefill rank: the prompt is computed; this step decodes.
+                seq.transferred = false;
+                Self::flush_removed(&mut removed, &mut events);
+                let before = seq.computed;
+                seq.computed = len;
+                commit_blocks(
+                    &mut self.cache,
+                    &mut self.lru,
+                    &mut self.private_total,
+                    &mut seq,
+                    before,
+                    bs,
+                    &mut events,
+                );
+                budget -= 1;
+                self.running.push(seq);
+                plan.push((self.running.len() - 1, 0));
+                continue;
+            }
             let chunk = (len - seq.computed).min(budget);
             budget -= chunk;
             starts += 1;
@@ -472,57 +509,15 @@ impl Engine {
             let sampled = if chunk > 0 {
                 let before = seq.computed;
                 seq.computed += chunk;
-                // Newly complete prompt blocks enter the prefix cache.
-                let first_new = before / bs;
-                let done_blocks = (seq.computed / bs).min(seq.hashes.len());
-                let mut run: Vec<u64> = Vec::new();
-                let mut run_start = first_new;
-                let mut stored: Vec<(usize, Vec<u64>)> = Vec::new();
-                for b in first_new.max(seq.hashed)..done_blocks {
-                    let h = seq.hashes[b];
-                    seq.private -= 1;
-                    seq.hashed = b + 1;
-                    match self.cache.get_mut(&h) {
-                        Some(block) => {
-                            // Computed concurrently by another request: share that block.
-                            self.private_total -= 1;
-                            if block.refs == 0 {
-                                self.lru.remove(&(block.tick, h));
-                            }
-                            block.refs += 1;
-                            if !run.is_empty() {
-                                stored.push((run_start, std::mem::take(&mut run)));
-                            }
-                            run_start = b + 1;
-                        }
-                        None => {
-                            self.private_total -= 1;
-                            self.cache.insert(h, Block { refs: 1, tick: 0 });
-                            if run.is_empty() {
-                                run_start = b;
-                            }
-                            run.push(h);
-                        }
-                    }
-                }
-                if !run.is_empty() {
-                    stored.push((run_start, run));
-                }
-                for (start, block_hashes) in stored {
-                    let token_ids =
-                        seq.prompt[start * bs..(start + block_hashes.len()) * bs].to_vec();
-                    events.push(KvEvent::BlockStored {
-                        parent_block_hash: start.checked_sub(1).map(|p| seq.hashes[p]),
-                        block_hashes,
-                        token_ids,
-                        block_size: bs as u32,
-                        lora_id: None,
-                        medium: Medium::Gpu,
-                        lora_name: None,
-                        cache_salt: None,
-                        group_idx: None,
-                    });
-                }
+                commit_blocks(
+                    &mut self.cache,
+                    &mut self.lru,
+                    &mut self.private_total,
+                    seq,
+                    before,
+                    bs,
+                    &mut events,
+                );
                 seq.computed == len
             } else {
                 true
@@ -558,6 +553,69 @@ impl Engine {
             outputs,
             events,
         })
+    }
+}
+
+/// Moves a sequence's prompt blocks completed since `before` (tokens) into the prefix cache and
+/// reports the new ones as `BlockStored` events (runs of consecutive new blocks; a block another
+/// request computed meanwhile is shared instead).
+fn commit_blocks(
+    cache: &mut HashMap<u64, Block>,
+    lru: &mut BTreeSet<(u64, u64)>,
+    private_total: &mut usize,
+    seq: &mut Seq,
+    before: usize,
+    bs: usize,
+    events: &mut Vec<KvEvent>,
+) {
+    let first_new = before / bs;
+    let done_blocks = (seq.computed / bs).min(seq.hashes.len());
+    let mut run: Vec<u64> = Vec::new();
+    let mut run_start = first_new;
+    let mut stored: Vec<(usize, Vec<u64>)> = Vec::new();
+    for b in first_new.max(seq.hashed)..done_blocks {
+        let h = seq.hashes[b];
+        seq.private -= 1;
+        seq.hashed = b + 1;
+        match cache.get_mut(&h) {
+            Some(block) => {
+                // Computed concurrently by another request: share that block.
+                *private_total -= 1;
+                if block.refs == 0 {
+                    lru.remove(&(block.tick, h));
+                }
+                block.refs += 1;
+                if !run.is_empty() {
+                    stored.push((run_start, std::mem::take(&mut run)));
+                }
+                run_start = b + 1;
+            }
+            None => {
+                *private_total -= 1;
+                cache.insert(h, Block { refs: 1, tick: 0 });
+                if run.is_empty() {
+                    run_start = b;
+                }
+                run.push(h);
+            }
+        }
+    }
+    if !run.is_empty() {
+        stored.push((run_start, run));
+    }
+    for (start, block_hashes) in stored {
+        let token_ids = seq.prompt[start * bs..(start + block_hashes.len()) * bs].to_vec();
+        events.push(KvEvent::BlockStored {
+            parent_block_hash: start.checked_sub(1).map(|p| seq.hashes[p]),
+            block_hashes,
+            token_ids,
+            block_size: bs as u32,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            cache_salt: None,
+            group_idx: None,
+        });
     }
 }
 

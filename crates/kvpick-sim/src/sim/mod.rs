@@ -4,6 +4,7 @@
 //! touches the selection core.
 
 pub mod engine;
+pub mod pd;
 pub mod server;
 pub mod wire;
 
@@ -42,9 +43,24 @@ pub struct EngineArgs {
     /// 128 KiB/token KV read at ~3 TB/s.
     #[arg(long, default_value_t = 0.0)]
     pub itl_ns_per_kv_token: f64,
+    /// Prefill/decode disaggregation: time a decode rank spends pulling one KV block from the
+    /// prefill rank, microseconds (NIXL/RDMA; default 5% of computing the block at the default
+    /// prefill speed).
+    #[arg(long, default_value_t = 40.0)]
+    pub kv_transfer_us_per_block: f64,
 }
 
 impl EngineArgs {
+    /// `--kv-transfer-us-per-block` in nanoseconds, checked.
+    pub fn kv_transfer_ns_per_block(&self) -> anyhow::Result<u64> {
+        let v = self.kv_transfer_us_per_block;
+        anyhow::ensure!(
+            v.is_finite() && v >= 0.0,
+            "--kv-transfer-us-per-block must be >= 0, got {v}"
+        );
+        Ok((v * 1e3).round() as u64)
+    }
+
     pub fn config(&self) -> anyhow::Result<engine::EngineConfig> {
         for (name, v) in [
             ("--prefill-overhead-ms", self.prefill_overhead_ms),

@@ -12,6 +12,14 @@
 //! Text prompts are tokenized deterministically: 4-byte little-endian words of the UTF-8 text
 //! (the same pseudo-tokens kvpick hashes for text without a tokenizer).
 //!
+//! Prefill/decode disaggregation (`--role`): a `decode` (or `both`) worker that receives a request
+//! naming a prefill rank (llm-d's `x-prefiller-host-port`, Dynamo's `x-dynamo-prefill-*`) has that
+//! rank prefill it over HTTP ([`super::pd`]), waits `--kv-transfer-us-per-block` per block it does
+//! not cache, then decodes the prompt as transferred ([`Engine::add_transferred`]); both ranks
+//! publish their KV events. Its response carries `x-sim-prefill-worker`, `x-sim-prefill-rank` and
+//! `x-sim-transferred-blocks`. A `prefill` worker serves whatever it is sent (the sidecar sends it
+//! `max_tokens: 1`).
+//!
 //! This module owns sockets and timing only; the engine model is [`super::engine`], the event
 //! encoding [`super::wire`]. It never talks to the selection core.
 
@@ -38,6 +46,7 @@ use super::engine::{AddError, Engine, EngineConfig, EngineRequest, EngineStats, 
 use super::wire::{encode_batch, Encoding};
 use super::EngineArgs;
 use kvpick_core::event::{KvEvent, REPLAY_END_SEQ};
+use kvpick_core::Role;
 
 /// `kvpick sim` flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -89,6 +98,19 @@ pub struct SimArgs {
     /// Write `{"workers":[{"http":P,"ranks":[{"events":P,"replay":P}]}]}` once bound.
     #[arg(long)]
     pub port_file: Option<PathBuf>,
+    /// Prefill/decode role of the workers: one for all, or one per worker (`prefill,decode`).
+    /// Decode and both workers honour the prefill headers; prefill workers report their role.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "both",
+        value_name = "prefill|decode|both"
+    )]
+    pub role: Vec<String>,
+    /// A prefill worker Dynamo's `x-dynamo-prefill-instance-id` may name: the kvpick static
+    /// catalog worker `NAME` (its instance id is kvpick's worker id) serving at `IP:PORT`.
+    #[arg(long, value_name = "NAME=IP:PORT")]
+    pub prefill_peer: Vec<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -97,10 +119,17 @@ pub struct SimArgs {
 enum Cmd {
     Add {
         request: EngineRequest,
+        /// The prompt's KV was pulled from a prefill rank ([`Engine::add_transferred`]).
+        transferred: bool,
         outputs: mpsc::UnboundedSender<SeqOutput>,
         reply: oneshot::Sender<Result<(), AddError>>,
     },
     Abort(u64),
+    /// Prompt tokens the rank caches right now.
+    Cached {
+        prompt: Vec<u32>,
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 struct Rank {
@@ -140,6 +169,11 @@ impl Drop for AdapterInFlight {
 
 struct Worker {
     index: usize,
+    role: Role,
+    /// Dynamo instance id -> address of the prefill workers `--prefill-peer` names.
+    peers: Arc<HashMap<u64, std::net::SocketAddr>>,
+    speedup: f64,
+    transfer_ns_per_block: u64,
     stream_interval: u32,
     model: String,
     lora: Vec<String>,
@@ -202,6 +236,27 @@ pub async fn start(args: &SimArgs) -> anyhow::Result<Fleet> {
         "--speedup must be > 0"
     );
     let config = args.engine.config()?;
+    let transfer_ns_per_block = args.engine.kv_transfer_ns_per_block()?;
+    let roles = args
+        .role
+        .iter()
+        .map(|r| {
+            Role::parse(r)
+                .ok_or_else(|| anyhow::anyhow!("--role must be prefill, decode or both, got {r:?}"))
+        })
+        .collect::<anyhow::Result<Vec<Role>>>()?;
+    anyhow::ensure!(
+        roles.len() <= 1 || roles.len() == args.workers,
+        "--role lists {} roles for {} workers (give one, or one per worker)",
+        roles.len(),
+        args.workers
+    );
+    let peers: Arc<HashMap<u64, std::net::SocketAddr>> = Arc::new(
+        args.prefill_peer
+            .iter()
+            .map(|p| super::pd::parse_peer(p).map_err(anyhow::Error::msg))
+            .collect::<anyhow::Result<_>>()?,
+    );
     let next_id = Arc::new(AtomicU64::new(1));
     let mut tasks = Vec::new();
     let mut ports = Vec::new();
@@ -249,6 +304,14 @@ pub async fn start(args: &SimArgs) -> anyhow::Result<Fleet> {
         }
         let worker = Arc::new(Worker {
             index: w,
+            role: match roles.as_slice() {
+                [] => Role::Both,
+                [one] => *one,
+                many => many.get(w).copied().unwrap_or_default(),
+            },
+            peers: Arc::clone(&peers),
+            speedup: args.speedup,
+            transfer_ns_per_block,
             stream_interval: args.stream_interval.max(1),
             model: args.model.clone(),
             lora: args.lora.clone(),
@@ -322,11 +385,16 @@ async fn rank_loop(
         match cmd {
             Cmd::Add {
                 request,
+                transferred,
                 outputs,
                 reply,
             } => {
                 let id = request.id;
-                let result = engine.add_request(request);
+                let result = if transferred {
+                    engine.add_transferred(request)
+                } else {
+                    engine.add_request(request)
+                };
                 if result.is_ok() {
                     streams.insert(id, outputs);
                 }
@@ -335,6 +403,9 @@ async fn rank_loop(
             Cmd::Abort(id) => {
                 engine.abort(id);
                 streams.remove(&id);
+            }
+            Cmd::Cached { prompt, reply } => {
+                let _ = reply.send(engine.cached_prefix_tokens(&prompt));
             }
         }
     };
@@ -671,9 +742,48 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
         None => worker.next_rank.fetch_add(1, Ordering::Relaxed) % n,
     };
     let id = worker.next_id.fetch_add(1, Ordering::Relaxed);
+    let cmd = worker.ranks[rank].cmd.clone();
+    // Prefill/decode: the named prefill rank computes the prompt, this rank pulls its KV.
+    let mut pd_headers: Vec<(&'static str, String)> = Vec::new();
+    let target = if worker.role.decodes() {
+        match super::pd::target(&headers, &worker.peers) {
+            Ok(t) => t,
+            Err(message) => return error(StatusCode::BAD_REQUEST, message),
+        }
+    } else {
+        None
+    };
+    if let Some(target) = target {
+        let done = match super::pd::prefill(
+            target,
+            &parsed.model,
+            &parsed.prompt,
+            Duration::from_secs(120),
+        )
+        .await
+        {
+            Ok(done) => done,
+            Err(message) => return error(StatusCode::BAD_GATEWAY, message),
+        };
+        let (cached_tx, cached_rx) = oneshot::channel();
+        let _ = cmd.send(Cmd::Cached {
+            prompt: parsed.prompt.clone(),
+            reply: cached_tx,
+        });
+        let bs = worker.config.block_size.max(1);
+        let have = cached_rx.await.unwrap_or(0) / bs;
+        let blocks = (parsed.prompt.len() / bs).saturating_sub(have) as u64;
+        let wait = blocks.saturating_mul(worker.transfer_ns_per_block) as f64 / worker.speedup;
+        tokio::time::sleep(Duration::from_nanos(wait as u64)).await;
+        pd_headers = vec![
+            ("x-sim-prefill-worker", done.worker),
+            ("x-sim-prefill-rank", done.rank),
+            ("x-sim-prefill-host-port", target.addr.to_string()),
+            ("x-sim-transferred-blocks", blocks.to_string()),
+        ];
+    }
     let (out_tx, mut out_rx) = mpsc::unbounded_channel();
     let (reply_tx, reply_rx) = oneshot::channel();
-    let cmd = worker.ranks[rank].cmd.clone();
     if cmd
         .send(Cmd::Add {
             request: EngineRequest {
@@ -681,6 +791,7 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
                 prompt: parsed.prompt,
                 max_tokens: parsed.max_tokens,
             },
+            transferred: target.is_some(),
             outputs: out_tx,
             reply: reply_tx,
         })
@@ -711,6 +822,7 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
     let model = parsed.model;
     let rank_header = ("x-sim-rank", rank.to_string());
     let worker_header = ("x-sim-worker", worker.index.to_string());
+    let role_header = ("x-sim-role", worker.role.as_str().to_string());
     let interval = worker.stream_interval;
     if !parsed.stream {
         let mut text = String::new();
@@ -741,16 +853,19 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
                                 "finish_reason": "length"}],
                    "usage": usage})
         };
-        return (
+        let mut response = (
             StatusCode::OK,
             [
                 ("content-type", "application/json".to_string()),
                 rank_header,
                 worker_header,
+                role_header,
             ],
             body.to_string(),
         )
             .into_response();
+        add_headers(&mut response, &pd_headers);
+        return response;
     }
     let include_usage = parsed.include_usage;
     let stream = futures::stream::unfold(
@@ -825,17 +940,28 @@ async fn generate(worker: Arc<Worker>, headers: HeaderMap, body: Bytes, chat: bo
             }
         },
     );
-    (
+    let mut response = (
         StatusCode::OK,
         [
             ("content-type", "text/event-stream".to_string()),
             ("cache-control", "no-cache".to_string()),
             rank_header,
             worker_header,
+            role_header,
         ],
         Body::from_stream(stream),
     )
-        .into_response()
+        .into_response();
+    add_headers(&mut response, &pd_headers);
+    response
+}
+
+fn add_headers(response: &mut Response, headers: &[(&'static str, String)]) {
+    for (name, value) in headers {
+        if let Ok(value) = axum::http::HeaderValue::from_str(value) {
+            response.headers_mut().insert(*name, value);
+        }
+    }
 }
 
 /// SGLang's `/server_info`: the served model and the cache geometry. No `model_path` or

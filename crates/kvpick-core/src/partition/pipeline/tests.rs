@@ -16,6 +16,7 @@ fn slot(port: u16) -> Slot {
         endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
         multiplexed: false,
         lora_adapters: Arc::from(Vec::<String>::new()),
+        role: crate::types::Role::Both,
         schedulable: true,
         kv_events: false,
         incarnation: 0,

@@ -287,3 +287,36 @@ fn decode_cost_can_grow_with_the_kv_read() {
     assert_eq!(s.decode_ns, cfg.itl(1) + 101 * 2);
     assert_eq!(s.duration_ns, s.decode_ns);
 }
+
+/// A prompt whose KV was transferred from a prefill rank: no prefill time, the blocks enter the
+/// cache (and the events) at admission, the first token comes from the first decode step, and a
+/// later request with the same prefix hits them.
+#[test]
+fn a_transferred_prompt_is_cached_without_prefill_and_decodes_at_once() {
+    let mut e = Engine::new(config());
+    let p = prompt(3, 100);
+    e.add_transferred(req(1, p.clone(), 3)).unwrap();
+    let step = e.step().unwrap();
+    assert_eq!(step.prefill_tokens, 0);
+    assert_eq!(
+        step.duration_ns,
+        config().itl(1),
+        "one decode step, no prefill"
+    );
+    assert!(step.outputs[0].first && step.outputs[0].new_tokens == 1);
+    let stored: usize = step
+        .events
+        .iter()
+        .map(|ev| match ev {
+            KvEvent::BlockStored { block_hashes, .. } => block_hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(stored, 100 / 16, "every complete prompt block is announced");
+    let r = run(&mut e, 0);
+    assert!(r.done.contains_key(&1));
+    // The prompt is cached here now: a normal request with it prefills only its tail.
+    e.add_request(req(2, p, 1)).unwrap();
+    let r = run(&mut e, 0);
+    assert_eq!(r.cached[&2], 96);
+}

@@ -1,0 +1,150 @@
+//! The prefill/decode pair stage of a partition with role-split ranks: it runs the pure pair
+//! decision ([`crate::disagg`]) over the pipeline's candidates, and books and unbooks the prefill
+//! rank's part of a booking (its [`PrefillLeg`]).
+//!
+//! It owns only the prefill leg. It must not touch the decode side of a booking, sessions or the
+//! estimator: [`super::Partition`] books the decode rank as for any pick, and frees the leg
+//! through [`unbook_leg`] exactly where it frees the booking (first token, free, expiry, a rank
+//! leaving). A booking has at most one leg and `Option::take` removes it, so the leg is freed
+//! exactly once on every path.
+
+use rand::rngs::StdRng;
+
+use crate::config::CoreConfig;
+use crate::decide::{Candidate, Decision};
+use crate::disagg::{self, PrefillChoice};
+use crate::error::SelectError;
+use crate::facts::Facts;
+use crate::index::{Tier, TierDepths};
+use crate::types::{RankKey, Role};
+
+use super::pipeline::PromptBlocks;
+use super::ranks::Slot;
+use super::{load_fact, Pick, State};
+
+/// The prefill rank's load held by a split booking until its first token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PrefillLeg {
+    pub rank: RankKey,
+    pub prefill_tokens: u64,
+    pub blocks: u64,
+}
+
+/// The decode ranking (prefill-only ranks excluded) and each candidate's role, for
+/// [`prefill_for`] once session affinity has settled the decode rank. A session bound to a rank
+/// that cannot decode is not followed.
+pub(crate) fn decide_pair(
+    slots: &[(RankKey, Slot)],
+    eligible: &[usize],
+    candidates: &[Candidate],
+    block_size: u32,
+    config: &CoreConfig,
+    bound: &mut Option<RankKey>,
+    rng: &mut StdRng,
+) -> Result<(Decision, Vec<Role>), SelectError> {
+    let roles: Vec<Role> = eligible
+        .iter()
+        .map(|&i| slots.get(i).map_or(Role::Both, |(_, s)| s.role))
+        .collect();
+    if let Some(b) = *bound {
+        let decodes = candidates
+            .iter()
+            .zip(&roles)
+            .any(|(c, r)| c.key == b && r.decodes());
+        if !decodes {
+            *bound = None;
+        }
+    }
+    let ranking = disagg::rank_decode(
+        candidates,
+        &roles,
+        block_size,
+        &config.cost,
+        &config.pd,
+        rng,
+    )
+    .ok_or_else(|| SelectError::Unavailable("no eligible decode rank".into()))?;
+    Ok((
+        Decision {
+            ranking: ranking.ranking,
+            costs: ranking.costs,
+        },
+        roles,
+    ))
+}
+
+/// The prefill side for the decode rank the pipeline settled on (`decision.ranking[0]`).
+pub(crate) fn prefill_for(
+    candidates: &[Candidate],
+    roles: &[Role],
+    decision: &Decision,
+    prompt: &PromptBlocks,
+    block_size: u32,
+    config: &CoreConfig,
+    rng: &mut StdRng,
+) -> Option<PrefillChoice> {
+    let decode = *decision.ranking.first()?;
+    disagg::choose_prefill(
+        candidates,
+        roles,
+        decode,
+        prompt.tokens,
+        block_size,
+        &config.cost,
+        &config.pd,
+        rng,
+    )
+}
+
+/// Books the prefill rank's part of a split pick: the prompt's uncached tokens there, the KV it
+/// holds until the transfer, one request; the prompt's blocks become predicted entries of the
+/// prefill rank (it caches what it prefills). `None` when the rank is gone.
+pub(crate) fn book_leg(
+    state: &mut State,
+    rank: RankKey,
+    overlap: TierDepths,
+    pick: &Pick,
+    config: &CoreConfig,
+    now: std::time::Instant,
+    facts: &mut Facts,
+) -> Option<PrefillLeg> {
+    let block_size = u64::from(pick.block_size.max(1));
+    let tokens = pick.prompt.tokens;
+    let cached = u64::from(overlap.gpu)
+        .saturating_mul(block_size)
+        .min(tokens);
+    let leg = PrefillLeg {
+        rank,
+        prefill_tokens: tokens.saturating_sub(cached),
+        blocks: tokens.div_ceil(block_size),
+    };
+    let slot = state.ranks.get_mut(&rank)?;
+    slot.add_load(leg.prefill_tokens, leg.blocks);
+    let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
+        config.predicted_ttl
+    } else {
+        config.approx_ttl
+    };
+    facts.push(load_fact(slot, rank));
+    let hashes = &pick.prompt.seq_hashes;
+    if !hashes.is_empty() {
+        state
+            .index
+            .insert(rank, hashes, Tier::Gpu, now.checked_add(ttl));
+    }
+    Some(leg)
+}
+
+/// Takes a prefill leg's load off its rank (no-op for `None` or a rank that left).
+pub(crate) fn unbook_leg(state: &mut State, leg: Option<&PrefillLeg>, facts: &mut Facts) {
+    let Some(leg) = leg else {
+        return;
+    };
+    if let Some(slot) = state.ranks.get_mut(&leg.rank) {
+        slot.remove_load(leg.prefill_tokens, leg.blocks);
+        facts.push(load_fact(slot, leg.rank));
+    }
+}
+
+#[cfg(test)]
+mod tests;
