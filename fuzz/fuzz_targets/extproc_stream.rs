@@ -65,6 +65,7 @@ fn core() -> &'static (Arc<SelectionCore>, Arc<ExtProcSettings>) {
             lora_adapters: vec![],
             draining: false,
             incarnation: 0,
+            roles: Vec::new(),
         };
         core.apply_snapshot(vec![
             spec("a", "10.0.0.1", RankLayout::PerPort(vec![8000, 8001])),
