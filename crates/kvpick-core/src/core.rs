@@ -1859,6 +1859,34 @@ mod flow_tests {
     }
 
     #[test]
+    fn other_replicas_bookings_saturate_and_their_end_releases() {
+        let core = core_with(1, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let rank = core
+            .list_workers(None)
+            .first()
+            .map(|w| RankKey {
+                worker_id: w.record.id,
+                dp_rank: 0,
+            })
+            .unwrap();
+        let elsewhere = RankLoad {
+            active_requests: 1,
+            ..RankLoad::default()
+        };
+        // Another replica (--shared-state) has the rank's one slot.
+        core.set_remote_loads(&HashMap::from([(rank, elsewhere)]));
+        let t = queued(&core, &request("here", 0, ""), now);
+        assert!(released(&core.pump(now)).is_empty());
+        // Its booking ended: the next load exchange says so, and a release pass places ours.
+        core.set_remote_loads(&HashMap::new());
+        let out = released(&core.pump(now));
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].0, t);
+        assert!(out[0].1.is_ok());
+    }
+
+    #[test]
     fn hard_bound_sessions_wait_for_their_rank_while_others_flow_elsewhere() {
         let core = core_with(1, &["a", "b"], FlowConfig::default());
         let now = Instant::now();
