@@ -63,6 +63,7 @@ pub struct FlowMetrics {
     pub queue_wait: HistogramVec,
     pub queue_exits: IntCounterVec,
     pub slo_ttft: IntCounterVec,
+    pub slo_tpot: IntCounterVec,
     priorities: std::sync::Arc<BoundedLabel>,
     fairness_keys: std::sync::Arc<BoundedLabel>,
 }
@@ -115,6 +116,18 @@ impl FlowMetrics {
                         "kvpick_slo_ttft_total",
                         "Requests with a TTFT SLO (x-llm-d-slo-ttft-ms) by outcome at their first \
                          token: met or missed (refused ones are in kvpick_queue_rejected_total)",
+                    ),
+                    &["priority", "outcome"],
+                )
+                .unwrap(),
+            ),
+            slo_tpot: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_slo_tpot_total",
+                        "Requests with a TPOT SLO (x-llm-d-slo-tpot-ms) by outcome at their end \
+                         (decode time over output tokens, from the response usage): met or missed",
                     ),
                     &["priority", "outcome"],
                 )
@@ -738,6 +751,14 @@ impl Metrics {
                     let outcome = if *met { "met" } else { "missed" };
                     self.flow
                         .slo_ttft
+                        .with_label_values(&[&band, outcome])
+                        .inc();
+                }
+                Fact::SloTpot { priority, met } => {
+                    let band = self.flow.priority_label(*priority);
+                    let outcome = if *met { "met" } else { "missed" };
+                    self.flow
+                        .slo_tpot
                         .with_label_values(&[&band, outcome])
                         .inc();
                 }

@@ -942,6 +942,10 @@ impl StreamMachine {
             m.with_label_values(&["completion"])
                 .inc_by(usage.completion_tokens);
             m.with_label_values(&["cached"]).inc_by(usage.cached_tokens);
+            // The decode speed the engine reported (TPOT estimator, TPOT SLO attainment).
+            if let Some(r) = &self.reservation {
+                r.decode_complete(usage.completion_tokens);
+            }
         }
         self.usage = None;
         if let Some(r) = self.reservation.take() {

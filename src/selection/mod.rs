@@ -408,6 +408,17 @@ impl Reservation {
             .mark_prefill_complete_claimed(&self.selection.booking_id, self.own());
     }
 
+    /// The response ended after `output_tokens` tokens (before the booking is freed).
+    pub fn decode_complete(&self, output_tokens: u64) {
+        let (_, facts) = self.core.core.decode_complete(
+            &self.selection.booking_id,
+            self.own(),
+            output_tokens,
+            now(),
+        );
+        self.core.record(facts);
+    }
+
     /// Moves the booking to the endpoint that served the request.
     pub fn served_by(&self, endpoint: SocketAddr) -> bool {
         self.core

@@ -518,6 +518,30 @@ impl Core {
         (done, facts)
     }
 
+    /// The booking's response ended after `output_tokens` tokens (call before freeing it): its
+    /// decode speed calibrates the TPOT estimator and settles its TPOT SLO. Unknown ids are
+    /// ignored.
+    pub fn decode_complete(
+        &self,
+        booking_id: &str,
+        claim: Claim,
+        output_tokens: u64,
+        now: Instant,
+    ) -> (bool, Facts) {
+        let mut facts = Facts::default();
+        let done = self
+            .booked(booking_id, claim)
+            .is_some_and(|(generation, p)| {
+                p.decode_complete(
+                    &(booking_id.to_string(), generation),
+                    output_tokens,
+                    now,
+                    &mut facts,
+                )
+            });
+        (done, facts)
+    }
+
     /// Frees a booking exactly once; unknown, repeated or foreign frees (a claim that does not
     /// name the id's current booking) are no-ops returning false.
     pub fn free(&self, booking_id: &str, claim: Claim, now: Instant) -> (bool, Facts) {
@@ -1884,6 +1908,79 @@ mod flow_tests {
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].0, t);
         assert!(out[0].1.is_ok());
+    }
+
+    #[test]
+    fn a_tpot_slo_goes_to_a_rank_decoding_few_enough_requests() {
+        let core = Core::new(CoreConfig {
+            seed: Some(1),
+            ..CoreConfig::default()
+        });
+        let specs = vec![
+            WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![8000])),
+            WorkerSpec::for_test("b", "m", RankLayout::PerPort(vec![8001])),
+        ];
+        core.apply_source_snapshot("catalog", specs, Instant::now())
+            .unwrap();
+        let now = Instant::now();
+        let key = |name: &str| {
+            let r = core
+                .records()
+                .into_iter()
+                .find(|r| r.spec.name == name)
+                .unwrap();
+            RankKey {
+                worker_id: r.id,
+                dp_rank: 0,
+            }
+        };
+        // "a" decodes 200 requests (another replica's): ~30 ms per token at the prior line;
+        // "b" decodes 150: ~25 ms. Both are far from saturated (no prefill queued).
+        let decoding = |n| RankLoad {
+            active_requests: n,
+            ..RankLoad::default()
+        };
+        core.set_remote_loads(&HashMap::from([
+            (key("a"), decoding(200)),
+            (key("b"), decoding(150)),
+        ]));
+        let tpot = |ms| SelectionRequest {
+            slo_tpot_ms: Some(ms),
+            ..request("t", 0, "")
+        };
+        for _ in 0..4 {
+            let s = dispatched(&core, &tpot(27), now);
+            assert_eq!(s.primary.worker_name, "b", "only b decodes fast enough");
+            free(&core, &s, now);
+        }
+        // No rank meets 20 ms now, but an idle one would: wait.
+        queued(&core, &tpot(20), now);
+        // Even an idle rank needs ~10 ms per token: refused at once.
+        let err = core.admit(&tpot(5), now).0.unwrap_err();
+        assert_eq!(err.label(), "overloaded");
+        assert!(err.to_string().contains("TPOT SLO of 5 ms"), "{err}");
+    }
+
+    #[test]
+    fn tpot_attainment_is_reported_at_the_end_of_the_response() {
+        let core = core_with(4, &["a"], FlowConfig::default());
+        let now = Instant::now();
+        let r = SelectionRequest {
+            slo_tpot_ms: Some(50),
+            ..request("r", 2, "")
+        };
+        let s = dispatched(&core, &r, now);
+        let claim = Claim::Generation(s.generation);
+        core.mark_prefill_complete(&s.booking_id, claim, now);
+        // 11 tokens in 0.3 s after the first: 30 ms per token.
+        let (done, facts) =
+            core.decode_complete(&s.booking_id, claim, 11, now + Duration::from_millis(300));
+        assert!(done);
+        assert!(facts.iter().any(|f| *f
+            == Fact::SloTpot {
+                priority: 2,
+                met: true
+            }));
     }
 
     #[test]

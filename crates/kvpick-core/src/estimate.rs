@@ -264,6 +264,82 @@ impl TtftEstimator {
     }
 }
 
+/// The time-per-output-token estimator (flow control's `x-llm-d-slo-tpot-ms`): per partition, an
+/// exponentially weighted least-squares line `tpot = base + per_request × batch`, where `batch`
+/// is the number of requests booked on the rank when the request's first token arrived (the
+/// engine decodes them together, so every one of them slows each step). Observations are the
+/// host's: decode time (first token to end of stream) over the output tokens after the first.
+/// The prior (10 ms + 0.1 ms per request, an 8B-class model on one modern GPU) only sets units
+/// until `min_observations`.
+#[derive(Debug, Clone)]
+pub struct TpotEstimator {
+    calibrate: bool,
+    min_observations: f64,
+    decay: f64,
+    line: Sums,
+    coefficients: (f64, f64),
+}
+
+/// Prior TPOT line: seconds per token at batch 0, and per request in the batch.
+const PRIOR_TPOT: (f64, f64) = (0.010, 0.0001);
+
+impl TpotEstimator {
+    pub fn new(config: EstimatorConfig) -> Self {
+        TpotEstimator {
+            calibrate: config.calibrate,
+            min_observations: config.min_observations,
+            decay: decay_for(config.half_life),
+            line: Sums::default(),
+            coefficients: PRIOR_TPOT,
+        }
+    }
+
+    /// Predicted seconds per output token on a rank decoding `batch` requests.
+    pub fn predict(&self, batch: f64) -> f64 {
+        let (base, per_request) = self.coefficients;
+        base + per_request * batch.max(0.0)
+    }
+
+    /// A request that decoded alongside `batch` requests took `seconds_per_token`.
+    pub fn observe(&mut self, batch: f64, seconds_per_token: f64) {
+        if !self.calibrate
+            || !batch.is_finite()
+            || !seconds_per_token.is_finite()
+            || batch < 0.0
+            || seconds_per_token < 0.0
+        {
+            return;
+        }
+        self.line.add(batch, seconds_per_token, self.decay);
+        self.coefficients = self.fit();
+    }
+
+    fn fit(&self) -> (f64, f64) {
+        let s = &self.line;
+        if s.w < self.min_observations {
+            return PRIOR_TPOT;
+        }
+        let mean_x = s.x / s.w;
+        let mean_y = s.y / s.w;
+        let var_x = s.xx / s.w - mean_x * mean_x;
+        let cov = s.xy / s.w - mean_x * mean_y;
+        // Without a spread of batch sizes the slope is not identified: keep the prior's.
+        let slope = if var_x > 0.25 && cov > 0.0 {
+            cov / var_x
+        } else {
+            PRIOR_TPOT.1
+        };
+        let slope = slope.clamp(PRIOR_TPOT.1 / 1000.0, PRIOR_TPOT.1 * 1000.0);
+        ((mean_y - slope * mean_x).max(0.0), slope)
+    }
+}
+
+impl Default for TpotEstimator {
+    fn default() -> Self {
+        Self::new(EstimatorConfig::default())
+    }
+}
+
 impl Default for TtftEstimator {
     fn default() -> Self {
         Self::new(EstimatorConfig::default())
@@ -279,6 +355,29 @@ mod tests {
             worker_id: w,
             dp_rank: 0,
         }
+    }
+
+    #[test]
+    fn tpot_learns_how_the_batch_slows_decoding() {
+        let mut e = TpotEstimator::default();
+        assert_eq!(e.predict(0.0), 0.010);
+        // An engine at 20 ms/token alone, +1 ms per request decoding alongside.
+        for i in 0..400u32 {
+            let batch = f64::from(i % 32);
+            e.observe(batch, 0.020 + 0.001 * batch);
+        }
+        assert!((e.predict(0.0) - 0.020).abs() < 1e-4, "{}", e.predict(0.0));
+        assert!(
+            (e.predict(10.0) - 0.030).abs() < 1e-4,
+            "{}",
+            e.predict(10.0)
+        );
+        let mut fixed = TpotEstimator::new(EstimatorConfig {
+            calibrate: false,
+            ..Default::default()
+        });
+        fixed.observe(3.0, 1.0);
+        assert_eq!(fixed.predict(0.0), 0.010);
     }
 
     #[test]

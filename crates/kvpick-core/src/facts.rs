@@ -61,6 +61,8 @@ pub enum Fact {
     },
     /// A request with a TTFT SLO got its first token, within the SLO or not.
     SloTtft { priority: i32, met: bool },
+    /// A request with a TPOT SLO finished, its time per output token within the SLO or not.
+    SloTpot { priority: i32, met: bool },
     /// Flow control: what happened to a request in a partition's queue. `fairness_key` is the
     /// client's value: a host must bound it before using it as a label.
     Queue {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use crate::config::CoreConfig;
 use crate::decide::{ttft_blocks, Candidate, CostParams};
 use crate::error::SelectError;
-use crate::estimate::TtftEstimator;
+use crate::estimate::{TpotEstimator, TtftEstimator};
 use crate::facts::{Fact, Facts, QueueEvent, QueueExit};
 use crate::flow::Waiting;
 use crate::request::SelectionRequest;
@@ -83,6 +83,8 @@ pub(crate) struct Check {
     pub enqueued: Instant,
     /// TTFT objective in seconds, counted from `enqueued`.
     pub slo_ttft: Option<f64>,
+    /// TPOT objective, seconds per output token.
+    pub slo_tpot: Option<f64>,
 }
 
 impl Check {
@@ -90,29 +92,34 @@ impl Check {
         Check {
             enqueued,
             slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
+            slo_tpot: request.slo_tpot_ms.map(|ms| ms as f64 / 1000.0),
         }
     }
 
-    /// Keeps only the candidates predicted to give the first token within what is left of the
-    /// SLO. None can now: [`Refusal::Saturated`] (wait) while an idle rank still could,
-    /// [`Refusal::SloUnmeetable`] once even that cannot.
+    /// Keeps only the candidates predicted to meet the request's SLOs: the first token within
+    /// what is left of the TTFT SLO, and a time per output token (at the rank's batch with this
+    /// request in it) within the TPOT SLO. None can now: [`Refusal::Saturated`] (wait) while an
+    /// idle rank still could, [`Refusal::SloUnmeetable`] once even that cannot.
     #[allow(clippy::too_many_arguments)]
     pub fn meet_slo(
         &self,
         eligible: Vec<usize>,
         candidates: Vec<Candidate>,
         estimator: &TtftEstimator,
+        tpot: &TpotEstimator,
         prompt_tokens: u64,
         block_size: u32,
         params: &CostParams,
         now: Instant,
     ) -> Result<(Vec<usize>, Vec<Candidate>), Refusal> {
-        let Some(slo) = self.slo_ttft else {
+        if self.slo_ttft.is_none() && self.slo_tpot.is_none() {
             return Ok((eligible, candidates));
-        };
-        let remaining = slo - now.saturating_duration_since(self.enqueued).as_secs_f64();
+        }
+        let remaining = self
+            .slo_ttft
+            .map(|slo| slo - now.saturating_duration_since(self.enqueued).as_secs_f64());
         let block = f64::from(block_size.max(1));
-        let predict = |c: &Candidate, queued: u64| {
+        let ttft = |c: &Candidate, queued: u64| {
             let c = Candidate {
                 active_prefill_tokens: queued,
                 ..*c
@@ -122,25 +129,43 @@ impl Check {
                 ttft_blocks(&c, prompt_tokens, block_size, params) * block,
             )
         };
+        let meets = |c: &Candidate| {
+            remaining.is_none_or(|r| ttft(c, c.active_prefill_tokens) <= r)
+                && self
+                    .slo_tpot
+                    .is_none_or(|slo| tpot.predict(c.active_requests as f64 + 1.0) <= slo)
+        };
         let (kept_eligible, kept): (Vec<usize>, Vec<Candidate>) = eligible
             .iter()
             .copied()
-            .zip(candidates.iter().cloned())
-            .filter(|(_, c)| predict(c, c.active_prefill_tokens) <= remaining)
+            .zip(candidates.iter().copied())
+            .filter(|(_, c)| meets(c))
             .unzip();
         if !kept.is_empty() {
             return Ok((kept_eligible, kept));
         }
-        let fastest_idle = candidates
-            .iter()
-            .map(|c| predict(c, 0))
-            .fold(f64::INFINITY, f64::min);
-        if fastest_idle > remaining {
-            return Err(Refusal::SloUnmeetable(format!(
-                "TTFT SLO of {:.0} ms cannot be met: the fastest worker needs {:.0} ms",
-                slo * 1000.0,
-                (fastest_idle + slo - remaining) * 1000.0
-            )));
+        if let (Some(slo), Some(remaining)) = (self.slo_ttft, remaining) {
+            let fastest_idle = candidates
+                .iter()
+                .map(|c| ttft(c, 0))
+                .fold(f64::INFINITY, f64::min);
+            if fastest_idle > remaining {
+                return Err(Refusal::SloUnmeetable(format!(
+                    "TTFT SLO of {:.0} ms cannot be met: the fastest worker needs {:.0} ms",
+                    slo * 1000.0,
+                    (fastest_idle + slo - remaining) * 1000.0
+                )));
+            }
+        }
+        if let Some(slo) = self.slo_tpot {
+            let idle = tpot.predict(1.0);
+            if idle > slo {
+                return Err(Refusal::SloUnmeetable(format!(
+                    "TPOT SLO of {:.0} ms cannot be met: an idle worker needs {:.1} ms per token",
+                    slo * 1000.0,
+                    idle * 1000.0
+                )));
+            }
         }
         Err(Refusal::Saturated)
     }

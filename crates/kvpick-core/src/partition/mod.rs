@@ -76,6 +76,9 @@ struct Booking {
     /// The request's priority and TTFT SLO (seconds), for SLO attainment at its first token.
     priority: i32,
     slo_ttft: Option<f64>,
+    /// TPOT SLO (seconds), and the first token's time and the rank's batch then (for TPOT).
+    slo_tpot: Option<f64>,
+    first_token: Option<(Instant, u64)>,
     /// Prefill/decode disaggregation: the prefill rank's part of the booking, until the first
     /// token arrives ([`pair::PrefillLeg`]); `rank` is then the decode rank.
     prefill: Option<pair::PrefillLeg>,
@@ -91,6 +94,8 @@ struct State {
     /// Per rank: engine block hash -> our hash (KV events).
     engines: HashMap<RankKey, EngineMap>,
     estimator: TtftEstimator,
+    /// Decode speed against batch size (TPOT SLOs).
+    tpot: crate::estimate::TpotEstimator,
     rng: StdRng,
     /// Requests waiting for capacity (flow control), released by [`Partition::pump`].
     queue: crate::flow::FlowQueue<Arc<admission::Queued>>,
@@ -170,6 +175,7 @@ impl Partition {
                 sessions: SessionTable::default(),
                 engines: HashMap::new(),
                 estimator: TtftEstimator::new(config.estimator),
+                tpot: crate::estimate::TpotEstimator::new(config.estimator),
                 rng,
                 queue: crate::flow::FlowQueue::default(),
             }),
@@ -520,6 +526,7 @@ impl Partition {
                 eligible,
                 candidates,
                 &state.estimator,
+                &state.tpot,
                 prompt.tokens,
                 block_size,
                 &config.cost,
@@ -737,6 +744,8 @@ impl Partition {
             session: leased_session,
             priority: request.priority,
             slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
+            slo_tpot: request.slo_tpot_ms.map(|ms| ms as f64 / 1000.0),
+            first_token: None,
             prefill: leg,
         };
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
@@ -850,6 +859,7 @@ impl Partition {
     pub fn prefill_complete(&self, booking: &BookingRef, now: Instant, facts: &mut Facts) -> bool {
         let mut guard = self.state.lock();
         let state = &mut *guard;
+        let id = &booking.0;
         let Some(booking) = state
             .bookings
             .get_mut(&booking.0)
@@ -859,6 +869,12 @@ impl Partition {
         };
         if !booking.prefill_complete {
             booking.prefill_complete = true;
+            let (created, slo_ttft, priority, rank) = (
+                booking.created,
+                booking.slo_ttft,
+                booking.priority,
+                booking.rank,
+            );
             if let Some(leg) = booking.prefill.take() {
                 let observed = now.saturating_duration_since(booking.created).as_secs_f64();
                 let (ttft_tokens, predicted) = (booking.ttft_tokens, booking.predicted_ttft);
@@ -882,14 +898,55 @@ impl Partition {
                     predicted_seconds: booking.predicted_ttft,
                     observed_seconds: observed,
                 });
-                if let Some(slo) = booking.slo_ttft {
-                    facts.push(Fact::SloTtft {
-                        priority: booking.priority,
-                        met: observed <= slo,
-                    });
-                }
+            }
+            let observed = now.saturating_duration_since(created).as_secs_f64();
+            if let Some(slo) = slo_ttft {
+                facts.push(Fact::SloTtft {
+                    priority,
+                    met: observed <= slo,
+                });
+            }
+            let batch = state
+                .ranks
+                .get(&rank)
+                .map_or(1, |s| s.total_load().active_requests);
+            if let Some(b) = state.bookings.get_mut(id) {
+                b.first_token = Some((now, batch));
             }
         }
+        true
+    }
+
+    /// The booking's response ended after `output_tokens` tokens: its decode speed (first token
+    /// to now) is an observation for the TPOT estimator, and its TPOT SLO is met or missed.
+    pub fn decode_complete(
+        &self,
+        booking: &BookingRef,
+        output_tokens: u64,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(b) = state
+            .bookings
+            .get(&booking.0)
+            .filter(|b| b.generation == booking.1)
+        else {
+            return false;
+        };
+        let Some((first, batch)) = b.first_token.filter(|_| output_tokens >= 2) else {
+            return false;
+        };
+        let tpot = now.saturating_duration_since(first).as_secs_f64()
+            / output_tokens.saturating_sub(1) as f64;
+        if let Some(slo) = b.slo_tpot {
+            facts.push(Fact::SloTpot {
+                priority: b.priority,
+                met: tpot <= slo,
+            });
+        }
+        state.tpot.observe(batch as f64, tpot);
         true
     }
 
