@@ -1940,3 +1940,28 @@ fn a_split_pick_speaks_dynamo_and_a_dropped_stream_frees_both_ranks() {
     );
     assert_eq!(set_value(mutation, "x-dynamo-prefill-instance-id"), None);
 }
+
+#[test]
+fn a_tpot_slo_is_settled_from_the_response_usage() {
+    let (core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    let h = headers(
+        &[
+            (":method", "POST"),
+            (":path", "/v1/chat/completions"),
+            ("content-type", "application/json"),
+            ("x-llm-d-slo-tpot-ms", "60000"),
+        ],
+        false,
+    );
+    m.handle(h).unwrap();
+    m.handle(body(CHAT, true)).unwrap();
+    m.handle(response_headers("application/json")).unwrap();
+    let json = br#"{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":3}}"#;
+    m.handle(response_body(json, true)).unwrap();
+    assert_eq!(core.live_bookings(), 0);
+    let text = core.metrics().render();
+    assert!(
+        text.contains(r#"kvpick_slo_tpot_total{outcome="met",priority="0"} 1"#),
+        "{text}"
+    );
+}
