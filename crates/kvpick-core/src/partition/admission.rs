@@ -228,6 +228,28 @@ fn expiry_error(w: &Waiting<Arc<Queued>>, timeout: Duration) -> SelectError {
     }
 }
 
+/// A request taken out at its deadline: its exit fact, and the error its client gets.
+fn expired(
+    w: &Waiting<Arc<Queued>>,
+    config: &CoreConfig,
+    now: Instant,
+    facts: &mut Facts,
+) -> SelectError {
+    let exit = if w.slo_bound {
+        QueueExit::SloMissed
+    } else {
+        QueueExit::Timeout
+    };
+    facts.push(queue_fact(
+        w,
+        QueueEvent::Left {
+            exit,
+            waited_seconds: waited(w, now),
+        },
+    ));
+    expiry_error(w, config.flow.queue_timeout)
+}
+
 fn full_error(priority: i32, capacity: usize) -> SelectError {
     if priority < 0 {
         SelectError::Overloaded(format!(
@@ -387,23 +409,8 @@ impl Partition {
             };
         for ticket in state.queue.expired(now) {
             if let Some(w) = state.queue.take(ticket, false) {
-                let exit = if w.slo_bound {
-                    QueueExit::SloMissed
-                } else {
-                    QueueExit::Timeout
-                };
-                facts.push(queue_fact(
-                    &w,
-                    QueueEvent::Left {
-                        exit,
-                        waited_seconds: waited(&w, now),
-                    },
-                ));
-                deliver(
-                    ticket,
-                    Err(expiry_error(&w, config.flow.queue_timeout)),
-                    facts,
-                );
+                let error = expired(&w, config, now, facts);
+                deliver(ticket, Err(error), facts);
             }
         }
         // The band of a request that waits although a rank has room (for the rank it prefers):
@@ -512,20 +519,9 @@ impl Partition {
     ) -> Option<SelectError> {
         let mut state = self.state.lock();
         let w = state.queue.take(ticket, false)?;
-        let exit = if w.slo_bound {
-            QueueExit::SloMissed
-        } else {
-            QueueExit::Timeout
-        };
-        facts.push(queue_fact(
-            &w,
-            QueueEvent::Left {
-                exit,
-                waited_seconds: waited(&w, now),
-            },
-        ));
+        let error = expired(&w, config, now, facts);
         self.queued.store(state.queue.len(), Ordering::Release);
-        Some(expiry_error(&w, config.flow.queue_timeout))
+        Some(error)
     }
 
     /// Requests waiting in this partition's queue.
