@@ -138,6 +138,14 @@ impl FlowMetrics {
         }
     }
 
+    /// Counts one SLO outcome (`met` / `missed`) of a band in `counter`.
+    fn slo_outcome(&self, counter: &IntCounterVec, priority: i32, met: bool) {
+        let outcome = if met { "met" } else { "missed" };
+        counter
+            .with_label_values(&[&self.priority_label(priority), outcome])
+            .inc();
+    }
+
     pub fn priority_label(&self, priority: i32) -> String {
         self.priorities.label(&priority.to_string())
     }
@@ -747,20 +755,10 @@ impl Metrics {
                     }
                 }
                 Fact::SloTtft { priority, met } => {
-                    let band = self.flow.priority_label(*priority);
-                    let outcome = if *met { "met" } else { "missed" };
-                    self.flow
-                        .slo_ttft
-                        .with_label_values(&[&band, outcome])
-                        .inc();
+                    self.flow.slo_outcome(&self.flow.slo_ttft, *priority, *met)
                 }
                 Fact::SloTpot { priority, met } => {
-                    let band = self.flow.priority_label(*priority);
-                    let outcome = if *met { "met" } else { "missed" };
-                    self.flow
-                        .slo_tpot
-                        .with_label_values(&[&band, outcome])
-                        .inc();
+                    self.flow.slo_outcome(&self.flow.slo_tpot, *priority, *met)
                 }
                 Fact::Queue {
                     priority,

@@ -25,9 +25,7 @@ use super::policy::{self, FleetView, PickRequest, Policy, PolicyOptions, SplitMi
 use super::{ratio, stat, Prepared, Stat};
 use crate::sim::engine::{Engine, EngineConfig, EngineRequest, EngineStats, StepResult};
 use kvpick_core::event::KvEvent;
-use kvpick_core::{
-    Claim, Core, CoreConfig, PdConfig, PromptInput, RankKey, Role, SelectionRequest,
-};
+use kvpick_core::{Claim, Core, CoreConfig, PdConfig, RankKey, Role};
 
 /// Policies of the P/D mode, in report order.
 pub const PD_POLICIES: [&str; 4] = ["kvpick", "kvpick-pd", "random-pair", "round-robin-pair"];
@@ -151,13 +149,10 @@ impl PairPolicy for KvpickPd {
         "kvpick-pd"
     }
     fn pick(&mut self, req: &PickRequest, _: &FleetView) -> Pair {
-        let request = SelectionRequest {
-            request_id: format!("r{}", req.id),
-            model: Some(crate::sim::MODEL.into()),
-            prompt: PromptInput::Tokens(req.tokens.to_vec()),
-            ..Default::default()
-        };
-        match self.core.select_and_reserve(&request, now()) {
+        match self
+            .core
+            .select_and_reserve(&super::policy::selection_request(req), now())
+        {
             Ok((sel, _)) => {
                 self.bookings.insert(req.id, sel.booking_id.clone());
                 let rank = |port: u16| self.port_to_rank.get(&port).copied();

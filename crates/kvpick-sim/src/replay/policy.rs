@@ -675,6 +675,20 @@ impl Kvpick {
     }
 }
 
+/// What kvpick's core is asked for a replayed request: the simulated model, its tokens and its
+/// flow-control class.
+pub fn selection_request(req: &PickRequest) -> SelectionRequest {
+    SelectionRequest {
+        request_id: format!("r{}", req.id),
+        model: Some(crate::sim::MODEL.into()),
+        prompt: PromptInput::Tokens(req.tokens.to_vec()),
+        priority: req.priority,
+        fairness_key: req.tenant.map(str::to_string),
+        slo_ttft_ms: req.slo_ttft_ms,
+        ..Default::default()
+    }
+}
+
 /// The HTTP status ext_proc would answer for a refused request.
 fn status_of(e: &kvpick_core::SelectError) -> u16 {
     match e {
@@ -689,13 +703,7 @@ impl Policy for Kvpick {
         "kvpick"
     }
     fn pick(&mut self, req: &PickRequest, _: &FleetView) -> usize {
-        let request = SelectionRequest {
-            request_id: format!("r{}", req.id),
-            model: Some(crate::sim::MODEL.into()),
-            prompt: PromptInput::Tokens(req.tokens.to_vec()),
-            ..Default::default()
-        };
-        match self.core.select_and_reserve(&request, now()) {
+        match self.core.select_and_reserve(&selection_request(req), now()) {
             Ok((sel, _)) => {
                 self.bookings.insert(req.id, sel.booking_id.clone());
                 self.port_to_rank[&sel.primary.endpoint.port()]
@@ -708,16 +716,7 @@ impl Policy for Kvpick {
         }
     }
     fn admit(&mut self, req: &PickRequest, _: &FleetView) -> Admit {
-        let request = SelectionRequest {
-            request_id: format!("r{}", req.id),
-            model: Some(crate::sim::MODEL.into()),
-            prompt: PromptInput::Tokens(req.tokens.to_vec()),
-            priority: req.priority,
-            fairness_key: req.tenant.map(str::to_string),
-            slo_ttft_ms: req.slo_ttft_ms,
-            ..Default::default()
-        };
-        let (result, facts) = self.core.admit(&request, now());
+        let (result, facts) = self.core.admit(&selection_request(req), now());
         self.collect(&facts);
         match result {
             Ok(kvpick_core::core::Admission::Dispatched(sel)) => {
