@@ -237,7 +237,12 @@ impl SelectionCore {
     }
 
     /// Installs a session binding decided by another replica.
-    pub fn install_session_binding(&self, key: &PartitionKey, sid: &str, rank: RankKey) -> bool {
+    pub fn install_session_binding(
+        &self,
+        key: &PartitionKey,
+        sid: &str,
+        rank: RankKey,
+    ) -> session::Installed {
         let (installed, facts) = self.core.install_session_binding(key, sid, rank, now());
         self.record(facts);
         installed

@@ -21,6 +21,7 @@ use std::time::Instant;
 use tokio::sync::mpsc;
 
 use super::{CallError, SharedState};
+use crate::selection::session::Installed;
 use crate::selection::{PartitionKey, RankKey, Selection, SelectionCore, SessionOutcome};
 
 /// Writes drained from the queue per round (sent concurrently over the multiplexed connection).
@@ -188,15 +189,21 @@ impl SharedState {
             Ok((0, _)) if write.reused => event("reconciled"),
             Ok((0 | 2, _)) => event("claimed"),
             Ok((3, theirs)) => {
-                let installed = decode_rank(&theirs).is_some_and(|rank| {
+                let installed = decode_rank(&theirs).map(|rank| {
                     core.install_session_binding(&write.partition, &write.session_id, rank)
                 });
-                if installed {
-                    event("adopted");
-                } else if matches!(self.claim(&key, Some(&theirs), &ours).await, Ok((2, _))) {
-                    // A binding to a rank this replica does not know (it left the catalog):
-                    // ours replaces it.
-                    event("claimed");
+                match installed {
+                    Some(Installed::Yes) => event("adopted"),
+                    // Their binding is valid; this replica just has no room to follow it. It
+                    // stays for the replicas that can (the next request here looks it up again).
+                    Some(Installed::TableFull) => event("not_adopted_full"),
+                    // Not a rank this replica knows (it left the catalog, or not a binding):
+                    // ours replaces it, if it is still there.
+                    Some(Installed::UnknownRank) | None => {
+                        if matches!(self.claim(&key, Some(&theirs), &ours).await, Ok((2, _))) {
+                            event("claimed");
+                        }
+                    }
                 }
             }
             Ok(_) | Err(_) => {}

@@ -85,12 +85,19 @@ fn config(url: &str, timeout_ms: u64) -> SharedConfig {
 
 /// One replica: a selection core over workers a and b, with its own shared-state handle.
 async fn replica(url: &str) -> (Arc<SelectionCore>, Arc<SharedState>) {
+    replica_with(url, CoreConfig::default()).await
+}
+
+async fn replica_with(
+    url: &str,
+    core_config: CoreConfig,
+) -> (Arc<SelectionCore>, Arc<SharedState>) {
     let metrics = Metrics::new();
     let core = SelectionCore::new(
         CoreConfig {
             seed: Some(3),
             allow_pins: true,
-            ..CoreConfig::default()
+            ..core_config
         },
         metrics.clone(),
     );
@@ -283,6 +290,47 @@ async fn the_first_binding_wins_and_survives_a_restart() {
             .get(),
         1
     );
+}
+
+/// A replica whose session table is full (every session has a request in flight) cannot follow
+/// another replica's binding: that binding is valid and stays in Redis, never overwritten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_local_table_never_overwrites_a_remote_binding() {
+    let redis = RedisServer::start();
+    redis.ready().await;
+    let (core_a, shared_a) = replica(&redis.url()).await;
+    let mut config = CoreConfig::default();
+    config.sessions.max_entries = 1;
+    let (core_b, shared_b) = replica_with(&redis.url(), config).await;
+    let (a, b) = (rank(&core_a, "a"), rank(&core_a, "b"));
+    // B's only slot is leased by a session with a request in flight.
+    let held = core_b.select_and_reserve(&request("held", "sx")).unwrap();
+    assert_eq!(held.selection().session, Some(SessionOutcome::Created));
+    // A bound s9 to rank a; B's pick for s9 (made before it saw A's) chose b.
+    let key = sessions::session_key("t", &partition(), "s9");
+    let ours = |r| sessions::encode_rank(r);
+    assert_eq!(shared_a.claim(&key, None, &ours(a)).await, Ok((0, ours(a))));
+    let mut selection = held.selection().clone();
+    selection.primary.key = b;
+    shared_b.after_pick(&selection, "s9", None);
+    let mut queue = shared_b.writes_rx.lock().await;
+    let queue = queue.as_mut().unwrap();
+    for _ in 0..2 {
+        // The held request's own write first, then s9's.
+        let write = queue.recv().await.unwrap();
+        shared_b.write(&core_b, write).await;
+    }
+    let mut conn = shared_a.connection();
+    let stored: Option<String> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(stored, Some(ours(a)), "A's valid binding survives");
+    let events = &shared_b.metrics.sessions;
+    assert_eq!(events.with_label_values(&["not_adopted_full"]).get(), 1);
+    assert_eq!(events.with_label_values(&["adopted"]).get(), 0);
+    drop(held);
 }
 
 /// A's bookings become B's remote load through one exchange each; once A stops publishing, its

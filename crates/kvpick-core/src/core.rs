@@ -731,18 +731,18 @@ impl Core {
     }
 
     /// Installs a session binding decided elsewhere (another replica): later picks of the
-    /// session follow it like a binding made here. False when the partition or rank is unknown
-    /// here or the session table is full of sessions with requests in flight.
+    /// session follow it like a binding made here. Not installed when the partition or rank is
+    /// unknown here or the session table is full of sessions with requests in flight.
     pub fn install_session_binding(
         &self,
         key: &PartitionKey,
         sid: &str,
         rank: RankKey,
         now: Instant,
-    ) -> (bool, Facts) {
+    ) -> (crate::session::Installed, Facts) {
         let mut facts = Facts::default();
         let Some(partition) = self.partitions.read().get(key).cloned() else {
-            return (false, facts);
+            return (crate::session::Installed::UnknownRank, facts);
         };
         let max = self.config.sessions.max_entries;
         let installed = partition.install_session(sid, rank, now, max, &mut facts);
@@ -925,9 +925,15 @@ mod booking_tests {
             worker_id: 999,
             dp_rank: 0,
         };
-        assert!(!core.install_session_binding(&key, "s1", stranger, now).0);
+        assert_eq!(
+            core.install_session_binding(&key, "s1", stranger, now).0,
+            crate::session::Installed::UnknownRank
+        );
         for target in [a, b] {
-            assert!(core.install_session_binding(&key, "s1", target, now).0);
+            assert!(core
+                .install_session_binding(&key, "s1", target, now)
+                .0
+                .is_yes());
             for i in 0..4 {
                 let mut r = request(&format!("{target:?}{i}"), Holder::Api);
                 r.session_id = Some("s1".into());

@@ -60,7 +60,7 @@ pub use crate::partition::EventStats;
 pub use crate::request::{
     clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, SelectionRequest,
 };
-pub use crate::session::{AffinityMode, SessionConfig, SessionOutcome};
+pub use crate::session::{AffinityMode, Installed, SessionConfig, SessionOutcome};
 pub use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad, Role};
 
 /// One picked rank, with everything a host needs to route to it.

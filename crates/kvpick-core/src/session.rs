@@ -126,6 +126,24 @@ pub enum SessionOutcome {
     TableFull,
 }
 
+/// What installing a binding decided elsewhere (another replica) did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Installed {
+    /// Later picks of the session follow it.
+    Yes,
+    /// The partition or the rank is not known here (it left this replica's catalog).
+    UnknownRank,
+    /// The table is full of sessions with requests in flight: nothing was installed, and the
+    /// binding stays valid elsewhere.
+    TableFull,
+}
+
+impl Installed {
+    pub fn is_yes(self) -> bool {
+        self == Installed::Yes
+    }
+}
+
 /// Result of a binding lookup.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lookup {

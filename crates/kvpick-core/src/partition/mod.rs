@@ -1098,8 +1098,8 @@ impl Partition {
     }
 
     /// Binds `sid` to `rank` as decided elsewhere (another replica); in-flight requests keep
-    /// their leases. False when the rank is not in this partition or the table is full of
-    /// leased sessions.
+    /// their leases. Not installed when the rank is not in this partition or the table is full
+    /// of leased sessions.
     pub fn install_session(
         &self,
         sid: &str,
@@ -1107,10 +1107,11 @@ impl Partition {
         now: Instant,
         max_entries: usize,
         facts: &mut Facts,
-    ) -> bool {
+    ) -> crate::session::Installed {
+        use crate::session::Installed;
         let mut state = self.state.lock();
         if state.ranks.get(&rank).is_none() {
-            return false;
+            return Installed::UnknownRank;
         }
         match state.sessions.bind(sid, rank, now, max_entries) {
             Bound::Yes { created, evicted } => {
@@ -1119,9 +1120,9 @@ impl Partition {
                 } else if created {
                     facts.push(Fact::SessionsLive(1));
                 }
-                true
+                Installed::Yes
             }
-            Bound::Full => false,
+            Bound::Full => Installed::TableFull,
         }
     }
 
