@@ -14,7 +14,9 @@ use tokio::sync::oneshot;
 
 use kvpick_core::core::Admission;
 
-use super::{now, Fact, Facts, RankKey, Reservation, SelectError, SelectionCore, SelectionRequest};
+use super::{
+    now, Fact, Facts, RankKey, Reservation, SelectError, Selection, SelectionCore, SelectionRequest,
+};
 
 type Outcome = Result<Reservation, SelectError>;
 
@@ -26,13 +28,88 @@ enum Mailbox {
     Ready(Box<Outcome>),
 }
 
-/// The waiters of this process's queued requests, by ticket.
+/// The waiters of this process's queued requests, by ticket. Each operation is one critical
+/// section, so a release racing the registration of its waiter is seen by exactly one side.
 #[derive(Default)]
 pub(super) struct Mailboxes(Mutex<HashMap<u64, Mailbox>>);
+
+/// What registering a waiter found.
+enum Registered {
+    /// Released already: the outcome.
+    Ready(Box<Outcome>),
+    Waiting(oneshot::Receiver<Outcome>),
+}
 
 impl Mailboxes {
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Mailbox>> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The waiter of `ticket` starts listening, or takes the outcome delivered before it came.
+    fn register(&self, ticket: u64) -> Registered {
+        let mut boxes = self.lock();
+        if let Some(Mailbox::Ready(outcome)) = boxes.remove(&ticket) {
+            return Registered::Ready(outcome);
+        }
+        let (tx, rx) = oneshot::channel();
+        boxes.insert(ticket, Mailbox::Waiting(tx));
+        Registered::Waiting(rx)
+    }
+
+    /// Hands `ticket`'s outcome to its waiter, or keeps it for the waiter about to register.
+    /// An outcome nobody receives (the waiter has gone) is dropped after the lock is released:
+    /// dropping a reservation frees its booking, which delivers again.
+    fn deliver(&self, ticket: u64, outcome: Outcome) {
+        let undelivered = {
+            let mut boxes = self.lock();
+            match boxes.remove(&ticket) {
+                Some(Mailbox::Waiting(tx)) => tx.send(outcome).err(),
+                Some(Mailbox::Ready(_)) | None => {
+                    boxes.insert(ticket, Mailbox::Ready(Box::new(outcome)));
+                    None
+                }
+            }
+        };
+        drop(undelivered);
+    }
+
+    fn forget(&self, ticket: u64) {
+        let gone = self.lock().remove(&ticket);
+        drop(gone);
+    }
+
+    #[cfg(test)]
+    pub(super) fn len(&self) -> usize {
+        self.lock().len()
+    }
+}
+
+/// `--shared-state`: a session's local binding before its pick, so the pick can be published
+/// to the other replicas once it is made (now, or when the request is released).
+#[derive(Debug, Clone)]
+pub(super) struct SessionBefore {
+    session_id: String,
+    before: Option<RankKey>,
+}
+
+impl SelectionCore {
+    /// The request's session binding before the pick; `None` without shared state, a session
+    /// id or a partition for the model.
+    pub(super) fn session_before(&self, request: &SelectionRequest) -> Option<SessionBefore> {
+        let sid = request.session_id.as_deref()?;
+        let before = self.local_binding(request.model.as_deref(), &request.routing_group, sid)?;
+        Some(SessionBefore {
+            session_id: sid.to_string(),
+            before,
+        })
+    }
+
+    /// Publishes a pick's session binding to the other replicas: the one after-pick step of
+    /// every path (booked now, released from the queue, released before its waiter listened).
+    pub(super) fn after_pick(&self, selection: &Selection, session: Option<&SessionBefore>) {
+        if let (Some(shared), Some(s)) = (self.shared.get(), session) {
+            shared.after_pick(selection, &s.session_id, s.before);
+        }
     }
 }
 
@@ -53,7 +130,7 @@ pub struct Waiter {
     /// The outcome was taken: nothing to cancel on drop.
     settled: bool,
     /// `--shared-state`: the session and its binding before the pick (published on release).
-    session: Option<(String, Option<RankKey>)>,
+    session: Option<SessionBefore>,
 }
 
 impl std::fmt::Debug for Waiter {
@@ -94,10 +171,9 @@ impl Waiter {
         self.settled = true;
         let outcome = outcome
             .unwrap_or_else(|_| Err(SelectError::Unavailable("kvpick is shutting down".into())));
-        if let (Ok(reservation), Some((sid, before))) = (&outcome, &self.session) {
-            if let Some(shared) = self.core.shared() {
-                shared.after_pick(reservation.selection(), sid, *before);
-            }
+        if let Ok(reservation) = &outcome {
+            self.core
+                .after_pick(reservation.selection(), self.session.as_ref());
         }
         outcome
     }
@@ -111,7 +187,7 @@ impl Drop for Waiter {
         let (cancelled, facts) = self.core.inner().cancel_waiting(self.ticket, now());
         self.core.record(facts);
         if cancelled {
-            self.core.mailboxes.lock().remove(&self.ticket);
+            self.core.mailboxes.forget(self.ticket);
         }
         // Not cancelled: it was released. Its outcome was sent into `rx` (dropped with it, so
         // the reservation inside frees its booking) or will be: the send then fails and the
@@ -122,37 +198,29 @@ impl Drop for Waiter {
 impl SelectionCore {
     /// Flow control's entry point for a stream request: a reservation now, or a [`Waiter`].
     pub fn admit(self: &Arc<Self>, request: &SelectionRequest) -> Result<Admitted, SelectError> {
-        let sid = request.session_id.as_deref();
-        let before = sid.and_then(|sid| {
-            self.local_binding(request.model.as_deref(), &request.routing_group, sid)
-        });
+        let session = self.session_before(request);
         let (result, facts) = self.core.admit(request, now());
         self.record(facts);
         match result? {
             Admission::Dispatched(selection) => {
-                if let (Some(shared), Some(sid), Some(before)) = (self.shared.get(), sid, before) {
-                    shared.after_pick(&selection, sid, before);
-                }
+                self.after_pick(&selection, session.as_ref());
                 Ok(Admitted::Now(Box::new(self.reservation(*selection))))
             }
-            Admission::Queued { ticket, deadline } => {
-                let mut mailboxes = self.mailboxes.lock();
-                if let Some(Mailbox::Ready(outcome)) = mailboxes.remove(&ticket) {
-                    drop(mailboxes);
-                    return (*outcome).map(|r| Admitted::Now(Box::new(r)));
+            Admission::Queued { ticket, deadline } => match self.mailboxes.register(ticket) {
+                Registered::Ready(outcome) => {
+                    let reservation = (*outcome)?;
+                    self.after_pick(reservation.selection(), session.as_ref());
+                    Ok(Admitted::Now(Box::new(reservation)))
                 }
-                let (tx, rx) = oneshot::channel();
-                mailboxes.insert(ticket, Mailbox::Waiting(tx));
-                drop(mailboxes);
-                Ok(Admitted::Queued(Waiter {
+                Registered::Waiting(rx) => Ok(Admitted::Queued(Waiter {
                     core: Arc::clone(self),
                     ticket,
                     deadline: tokio::time::Instant::from_std(deadline),
                     rx: Some(rx),
                     settled: false,
-                    session: sid.zip(before).map(|(s, b)| (s.to_string(), b)),
-                }))
-            }
+                    session,
+                })),
+            },
         }
     }
 
@@ -185,16 +253,11 @@ impl SelectionCore {
                 }
                 (Err(e), _) => Err(e.clone()),
             };
-            let mailbox = self.mailboxes.lock().remove(ticket);
-            match mailbox {
-                // A failed send drops the reservation (its client is gone): the booking is freed.
-                Some(Mailbox::Waiting(tx)) => drop(tx.send(outcome)),
-                Some(Mailbox::Ready(_)) | None => {
-                    self.mailboxes
-                        .lock()
-                        .insert(*ticket, Mailbox::Ready(Box::new(outcome)));
-                }
-            }
+            self.mailboxes.deliver(*ticket, outcome);
         }
     }
 }
+
+#[cfg(test)]
+#[path = "admission_tests.rs"]
+mod tests;

@@ -261,15 +261,10 @@ impl SelectionCore {
         self: &Arc<Self>,
         request: &SelectionRequest,
     ) -> Result<Reservation, SelectError> {
-        let sid = request.session_id.as_deref();
-        let before = sid.and_then(|sid| {
-            self.local_binding(request.model.as_deref(), &request.routing_group, sid)
-        });
+        let session = self.session_before(request);
         let (selection, facts) = self.core.select_and_reserve(request, now())?;
         self.record(facts);
-        if let (Some(shared), Some(sid), Some(before)) = (self.shared.get(), sid, before) {
-            shared.after_pick(&selection, sid, before);
-        }
+        self.after_pick(&selection, session.as_ref());
         Ok(Reservation {
             core: Arc::clone(self),
             selection,
