@@ -29,6 +29,7 @@ pub const API_SOURCE: &str = "api";
 pub struct SelectionApi {
     core: Arc<SelectionCore>,
     worker_writes: bool,
+    reservations: bool,
 }
 
 impl SelectionApi {
@@ -37,6 +38,25 @@ impl SelectionApi {
         SelectionApi {
             core,
             worker_writes: true,
+            reservations: true,
+        }
+    }
+
+    /// Whether `SelectAndReserve` / `Free` / `PrefillComplete` are accepted (`--selection-api`);
+    /// refused with `PERMISSION_DENIED` otherwise. Bookings are load: whoever may make them can
+    /// saturate the pool for every Envoy request.
+    pub fn with_reservations(mut self, allowed: bool) -> Self {
+        self.reservations = allowed;
+        self
+    }
+
+    fn check_reservations(&self) -> Result<(), Status> {
+        if self.reservations {
+            Ok(())
+        } else {
+            Err(Status::permission_denied(
+                "bookings through the API are disabled; start kvpick with --selection-api to allow SelectAndReserve, Free and PrefillComplete",
+            ))
         }
     }
 
@@ -199,6 +219,7 @@ impl Selection for SelectionApi {
         &self,
         request: Request<SelectRequest>,
     ) -> Result<Response<SelectResponse>, Status> {
+        self.check_reservations()?;
         let req = request.into_inner();
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is required"));
@@ -225,6 +246,7 @@ impl Selection for SelectionApi {
         &self,
         request: Request<BookingRef>,
     ) -> Result<Response<BookingAck>, Status> {
+        self.check_reservations()?;
         // The API can only touch bookings an API call made, never an ext_proc stream's.
         let found = self.core.mark_prefill_complete_claimed(
             &request.into_inner().request_id,
@@ -234,6 +256,7 @@ impl Selection for SelectionApi {
     }
 
     async fn free(&self, request: Request<BookingRef>) -> Result<Response<BookingAck>, Status> {
+        self.check_reservations()?;
         let found = self
             .core
             .free_claimed(&request.into_inner().request_id, Claim::HeldBy(Holder::Api));

@@ -395,6 +395,19 @@ pub struct ServeArgs {
     #[arg(long)]
     pub worker_api: bool,
 
+    /// Accept `SelectAndReserve`, `Free` and `PrefillComplete` on the gRPC selection API (callers
+    /// that route themselves and book load). Off by default: a booking is load, so whoever can
+    /// reach the gRPC port could otherwise saturate every rank. Read-only RPCs (`Select`,
+    /// `OverlapScores`, `ListWorkers`, `Loads`) are always served. For trusted callers only;
+    /// restrict the port with a NetworkPolicy.
+    #[arg(long)]
+    pub selection_api: bool,
+
+    /// Most live API bookings on one rank: past it the rank takes no API booking
+    /// (`SelectAndReserve` is RESOURCE_EXHAUSTED when every rank is at it).
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub max_api_bookings_per_rank: u32,
+
     /// Seconds a routed prompt's blocks count as cached on its rank (no KV events).
     #[arg(
         long,
@@ -728,6 +741,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
     Ok(CoreConfig {
         booking_ttl: Duration::from_secs(args.booking_ttl),
         max_api_bookings: args.max_api_bookings,
+        max_api_bookings_per_rank: args.max_api_bookings_per_rank,
         max_prompt_blocks: args.max_prompt_blocks,
         seed: args.seed,
         cost: CostParams {
@@ -1013,6 +1027,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .add_service(
             SelectionApi::new(Arc::clone(&core))
                 .with_worker_writes(args.worker_api)
+                .with_reservations(args.selection_api)
                 .into_server(),
         )
         .serve_with_incoming_shutdown(

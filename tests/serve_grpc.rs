@@ -12,8 +12,9 @@ mod common;
 
 use common::{readiness, start_static, wait_readiness};
 
+/// A server whose API takes bookings (`--selection-api`).
 fn start(catalog: &str) -> common::Serve {
-    start_static(catalog, &[])
+    start_static(catalog, &["--selection-api"])
 }
 
 #[tokio::test]
@@ -118,7 +119,7 @@ async fn every_selection_rpc_over_the_wire() {
     use kvpick::proto::{DeleteWorkerRequest, WorkerSpec};
     let serve = start_static(
         "workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001]}\n",
-        &["--worker-api"],
+        &["--worker-api", "--selection-api"],
     );
     wait_readiness(serve.health, ServingStatus::Serving).await;
     let mut api = common::api(serve.grpc).await;
@@ -285,6 +286,40 @@ async fn catalog_writes_need_the_worker_api_flag() {
     );
 }
 
+/// Without `--selection-api` the API books nothing: `SelectAndReserve`, `Free` and
+/// `PrefillComplete` are PERMISSION_DENIED naming the flag; read-only RPCs still answer.
+#[tokio::test]
+async fn bookings_need_the_selection_api_flag() {
+    let serve = start_static(
+        "workers:\n  - {name: a, model: m, address: 127.0.0.1, port: 8000}\n",
+        &[],
+    );
+    wait_readiness(serve.health, ServingStatus::Serving).await;
+    let mut api = common::api(serve.grpc).await;
+    let request = SelectRequest {
+        request_id: "r".into(),
+        model: "m".into(),
+        token_ids: vec![1; 16],
+        ..Default::default()
+    };
+    let denied = api.select_and_reserve(request.clone()).await.unwrap_err();
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied);
+    assert!(denied.message().contains("--selection-api"), "{denied:?}");
+    let booking = || BookingRef {
+        request_id: "r".into(),
+    };
+    assert_eq!(
+        api.free(booking()).await.unwrap_err().code(),
+        tonic::Code::PermissionDenied
+    );
+    assert_eq!(
+        api.prefill_complete(booking()).await.unwrap_err().code(),
+        tonic::Code::PermissionDenied
+    );
+    let pick = api.select(request).await.unwrap().into_inner();
+    assert!(pick.primary.is_some(), "Select is read-only and stays open");
+}
+
 /// Protocol violations on the real ext_proc server: each ends its gRPC stream with a clear
 /// status, a booking made before the violation is freed, nested metadata deeper than the
 /// protobuf recursion limit is refused at decoding (no stack overflow), and the server keeps
@@ -419,7 +454,12 @@ async fn the_api_returns_and_books_the_prefill_decode_pair() {
     use kvpick::proto::{ListWorkersRequest, WorkerSpec};
     let serve = start_static(
         "workers:\n  - {name: p, model: m, address: 127.0.0.1, port: 8000, role: prefill}\n  - {name: d, model: m, address: 127.0.0.1, port: 9000, role: decode}\n",
-        &["--pd-transfer-block-cost", "0", "--worker-api"],
+        &[
+            "--pd-transfer-block-cost",
+            "0",
+            "--worker-api",
+            "--selection-api",
+        ],
     );
     wait_readiness(serve.health, ServingStatus::Serving).await;
     let mut api = common::api(serve.grpc).await;

@@ -119,7 +119,7 @@ def test_a_long_stream_keeps_its_booking_past_the_booking_ttl(make_stack, make_u
                                                                client):
     ups = [make_upstream("a"), make_upstream("b")]
     stack = make_stack([worker("w0", ports=[u.port for u in ups])], secure=False,
-                       name="longstream", extra_args=["--booking-ttl", "1"])
+                       name="longstream", extra_args=["--booking-ttl", "1", "--selection-api"])
     kv = stack.kvpick
     gate = Gate(release_timeout=120)
     done = threading.Event()

@@ -54,6 +54,8 @@ pub struct CoreConfig {
     pub sessions: SessionConfig,
     /// Most live bookings the gRPC API may hold at once (each lives until `Free` or expiry).
     pub max_api_bookings: usize,
+    /// Most live API bookings on one rank.
+    pub max_api_bookings_per_rank: u32,
     /// Most leading blocks of one prompt hashed, matched and inserted (a prefix match needs only
     /// the prefix; a 32 MiB prompt must not flush the index or hold the lock).
     pub max_prompt_blocks: usize,
@@ -84,6 +86,7 @@ impl Default for CoreConfig {
             trace_decisions: 0,
             sessions: SessionConfig::default(),
             max_api_bookings: 10_000,
+            max_api_bookings_per_rank: 64,
             max_prompt_blocks: 16_384,
             estimator: EstimatorConfig::default(),
             engine_metrics_max_age: Duration::from_secs(1),

@@ -253,7 +253,9 @@ impl Core {
         if !self.synced.load(Ordering::Acquire) {
             return Err(SelectError::Unavailable("catalog not synced yet".into()));
         }
-        self.resolve_partition(request)
+        let partition = self.resolve_partition(request)?;
+        crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
+        Ok(partition)
     }
 
     /// Computes a decision without booking anything (the API's `Select`).
@@ -264,7 +266,7 @@ impl Core {
     ) -> Result<(Selection, Facts), SelectError> {
         let partition = self.ensure_ready(request)?;
         let mut facts = Facts::default();
-        let outcome = partition.select(request, None, &self.config, now, &mut facts)?;
+        let outcome = partition.select(request, None, false, &self.config, now, &mut facts)?;
         Ok((outcome.selection, facts))
     }
 
@@ -280,7 +282,8 @@ impl Core {
         let (booking_id, generation) = self.claim(request, &partition)?;
         let mut facts = Facts::default();
         let booking = Some((booking_id.as_str(), generation));
-        match partition.select(request, booking, &self.config, now, &mut facts) {
+        let gate = self.config.flow.enabled && request.holder == Holder::Api;
+        match partition.select(request, booking, gate, &self.config, now, &mut facts) {
             Ok(outcome) => {
                 self.record_trace(request, &outcome);
                 Ok((outcome.selection, facts))
@@ -765,6 +768,7 @@ impl Core {
     ) -> Result<(u32, Vec<(PickedRank, TierDepths)>), SelectError> {
         request.validate()?;
         let partition = self.resolve_partition(request)?;
+        crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
         Ok(partition.overlaps(request, self.config.max_prompt_blocks, now))
     }
 }
@@ -2009,3 +2013,7 @@ mod flow_tests {
         assert_eq!(out[0].1.as_ref().unwrap().primary.worker_name, bound_to);
     }
 }
+
+#[cfg(test)]
+#[path = "core_api_tests.rs"]
+mod api_tests;

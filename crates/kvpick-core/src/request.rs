@@ -146,6 +146,28 @@ pub struct SelectionRequest {
     pub holder: Holder,
 }
 
+/// Precomputed block hashes must describe the prompt they claim: `prompt_tokens` within one
+/// block of `hashes × block_size` (the hashes cover the complete blocks, or every block with the
+/// last one partial). A caller cannot declare a huge prompt (load) with a few hashes.
+pub fn check_block_hashes(prompt: &PromptInput, block_size: u32) -> Result<(), SelectError> {
+    let PromptInput::BlockHashes {
+        seq_hashes,
+        prompt_tokens,
+    } = prompt
+    else {
+        return Ok(());
+    };
+    let block = u64::from(block_size.max(1));
+    let covered = (seq_hashes.len() as u64).saturating_mul(block);
+    if prompt_tokens.abs_diff(covered) >= block {
+        return Err(SelectError::BadRequest(format!(
+            "prompt_tokens {prompt_tokens} does not match {} block hashes of {block} tokens",
+            seq_hashes.len()
+        )));
+    }
+    Ok(())
+}
+
 /// The session-id rule, on the bytes the client sent: a host applies it to the raw value before
 /// any lossy conversion to a string; [`SelectionRequest::validate`] bounds the string it got.
 pub fn check_session_id_len(len: usize, what: &str) -> Result<(), SelectError> {

@@ -337,6 +337,7 @@ impl Partition {
                 load: RankLoad::default(),
                 remote_load: RankLoad::default(),
                 engine: None,
+                api_bookings: 0,
             });
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now.
@@ -445,19 +446,31 @@ impl Partition {
     }
 
     /// Runs the [`pipeline`] under the partition lock and, with `booking_id`, books the pick in
-    /// the same critical section ([`Partition::book`]). No flow control: the API and dry runs.
+    /// the same critical section ([`Partition::book`]). Never queues: the API and dry runs.
+    /// With `saturation_gate` (API bookings while flow control is on) saturated ranks take no
+    /// booking and a request that finds every rank saturated is refused (RESOURCE_EXHAUSTED):
+    /// API callers cannot push a rank past what stream requests would wait for.
     pub fn select(
         &self,
         request: &SelectionRequest,
         booking: Option<(&str, u64)>,
+        saturation_gate: bool,
         config: &CoreConfig,
         now: Instant,
         facts: &mut Facts,
     ) -> Result<SelectOutcome, SelectError> {
         let prompt = self.prompt_of(request, config);
+        let check = saturation_gate.then(|| admission::Check::new(request, now));
         let mut guard = self.state.lock();
         self.select_in(
-            &mut guard, &prompt, request, booking, config, now, None, facts,
+            &mut guard,
+            &prompt,
+            request,
+            booking,
+            config,
+            now,
+            check.as_ref(),
+            facts,
         )
         .map_err(Refusal::into_error)
     }
@@ -700,6 +713,9 @@ impl Partition {
             hard_bound,
             pin.is_some(),
         )?;
+        if request.holder == Holder::Api {
+            pipeline::cap_api_bookings(slots, &mut eligible, config.max_api_bookings_per_rank)?;
+        }
         Ok(eligible)
     }
 
@@ -753,6 +769,9 @@ impl Partition {
             return outcome;
         };
         slot.add_load(booking.prefill_tokens, booking.decode_blocks);
+        if booking.holder == Holder::Api {
+            slot.api_bookings = slot.api_bookings.saturating_add(1);
+        }
         let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
             config.predicted_ttl
         } else {
@@ -849,6 +868,9 @@ impl Partition {
     fn unload(state: &mut State, booking: &Booking, facts: &mut Facts) {
         if let Some(slot) = state.ranks.get_mut(&booking.rank) {
             slot.remove_load(booking.queued_prefill(), booking.decode_blocks);
+            if booking.holder == Holder::Api {
+                slot.api_bookings = slot.api_bookings.saturating_sub(1);
+            }
             facts.push(load_fact(slot, booking.rank));
             facts.push(Fact::Inflight(-1));
         }
@@ -1008,6 +1030,9 @@ impl Partition {
             return false;
         };
         slot.add_load(booking.queued_prefill(), booking.decode_blocks);
+        if booking.holder == Holder::Api {
+            slot.api_bookings = slot.api_bookings.saturating_add(1);
+        }
         facts.push(load_fact(slot, target));
         facts.push(Fact::Inflight(1));
         state.bookings.insert(

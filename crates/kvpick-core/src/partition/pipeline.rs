@@ -269,6 +269,22 @@ pub(crate) fn drop_busy(
     Ok(())
 }
 
+/// API bookings: a rank already holding `cap` of them takes no more, so whoever reaches the
+/// selection API cannot book one rank full (stream requests are bounded by their streams).
+pub(crate) fn cap_api_bookings(
+    slots: &[(RankKey, Slot)],
+    eligible: &mut Vec<usize>,
+    cap: u32,
+) -> Result<(), SelectError> {
+    eligible.retain(|&i| slots.get(i).is_some_and(|(_, s)| s.api_bookings < cap));
+    if eligible.is_empty() {
+        return Err(SelectError::Overloaded(format!(
+            "every eligible worker holds {cap} API bookings (--max-api-bookings-per-rank)"
+        )));
+    }
+    Ok(())
+}
+
 /// What flow control needs to tell whether a rank is saturated ([`crate::flow::is_saturated`]).
 pub(crate) struct SaturationView<'a> {
     pub slots: &'a [(RankKey, Slot)],

@@ -30,6 +30,9 @@ pub(crate) struct Slot {
     pub remote_load: RankLoad,
     /// The last engine-metrics reading (the decision uses it only while fresh).
     pub engine: Option<EngineMetrics>,
+    /// Live bookings the gRPC API holds on this rank (bounded per rank,
+    /// [`crate::CoreConfig::max_api_bookings_per_rank`]).
+    pub api_bookings: u32,
 }
 
 impl Slot {

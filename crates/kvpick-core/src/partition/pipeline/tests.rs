@@ -24,6 +24,7 @@ fn slot(port: u16) -> Slot {
         load: RankLoad::default(),
         remote_load: RankLoad::default(),
         engine: None,
+        api_bookings: 0,
     }
 }
 

@@ -1,0 +1,136 @@
+//! The selection API's bounds in the core: precomputed hashes must describe their prompt, a rank
+//! holds a bounded number of API bookings, and API bookings respect saturation.
+
+use std::time::Instant;
+
+use super::*;
+use crate::catalog::RankLayout;
+use crate::flow::SaturationLimits;
+use crate::request::PromptInput;
+
+fn core_with(config: CoreConfig) -> Core {
+    let core = Core::new(config);
+    let specs = vec![
+        WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![1])),
+        WorkerSpec::for_test("b", "m", RankLayout::PerPort(vec![2])),
+    ];
+    core.apply_source_snapshot("catalog", specs, Instant::now())
+        .unwrap();
+    core
+}
+
+fn api_request(id: &str, prompt: PromptInput) -> SelectionRequest {
+    SelectionRequest {
+        request_id: id.into(),
+        model: Some("m".into()),
+        prompt,
+        holder: Holder::Api,
+        on_duplicate: DuplicateId::Reject,
+        ..Default::default()
+    }
+}
+
+fn hashes(n: usize, prompt_tokens: u64) -> PromptInput {
+    PromptInput::BlockHashes {
+        seq_hashes: (1..=n as u64).collect(),
+        prompt_tokens,
+    }
+}
+
+#[test]
+fn block_hashes_must_agree_with_prompt_tokens_within_one_block() {
+    let core = core_with(CoreConfig::default());
+    let now = Instant::now();
+    let bs = u64::from(DEFAULT_BLOCK_SIZE);
+    // 4 hashes: complete blocks only (4·bs .. 5·bs−1 tokens) or the last one partial (3·bs+1 ..).
+    for (i, tokens) in [3 * bs + 1, 4 * bs, 5 * bs - 1].into_iter().enumerate() {
+        let r = api_request(&format!("ok{i}"), hashes(4, tokens));
+        assert!(core.select_and_reserve(&r, now).is_ok(), "{tokens} tokens");
+    }
+    // Just over either side, and the attack: a few hashes declaring 2^32 tokens of load.
+    for (i, tokens) in [3 * bs, 5 * bs, 1 << 32].into_iter().enumerate() {
+        let r = api_request(&format!("bad{i}"), hashes(4, tokens));
+        let err = core.select_and_reserve(&r, now).unwrap_err();
+        assert!(
+            matches!(&err, SelectError::BadRequest(m) if m.contains("does not match")),
+            "{tokens}: {err:?}"
+        );
+        assert!(core.select(&r, now).is_err());
+        assert!(core.overlap_scores(&r, now).is_err());
+    }
+}
+
+#[test]
+fn a_rank_takes_at_most_the_cap_of_api_bookings() {
+    let core = core_with(CoreConfig {
+        max_api_bookings_per_rank: 2,
+        flow: crate::FlowConfig {
+            enabled: false,
+            ..Default::default()
+        },
+        ..CoreConfig::default()
+    });
+    let now = Instant::now();
+    let mut per_rank: HashMap<RankKey, u32> = HashMap::new();
+    for i in 0..4 {
+        let r = api_request(&format!("r{i}"), PromptInput::Tokens(vec![1; 64]));
+        let (s, _) = core.select_and_reserve(&r, now).unwrap();
+        *per_rank.entry(s.primary.key).or_default() += 1;
+    }
+    assert!(per_rank.values().all(|&n| n == 2), "{per_rank:?}");
+    // Just over: the fifth finds both ranks at the cap.
+    let r = api_request("r4", PromptInput::Tokens(vec![1; 64]));
+    let err = core.select_and_reserve(&r, now).unwrap_err();
+    assert!(
+        matches!(&err, SelectError::Overloaded(m) if m.contains("API bookings")),
+        "{err:?}"
+    );
+    // Stream requests are not capped by it.
+    let stream = SelectionRequest {
+        holder: Holder::Stream,
+        on_duplicate: DuplicateId::Suffix,
+        ..r.clone()
+    };
+    assert!(core.select_and_reserve(&stream, now).is_ok());
+    // A freed API booking makes room again.
+    assert!(core.free("r0", Claim::HeldBy(Holder::Api), now).0);
+    let again = api_request("r5", PromptInput::Tokens(vec![1; 64]));
+    assert!(core.select_and_reserve(&again, now).is_ok());
+}
+
+#[test]
+fn api_bookings_stop_at_saturation_while_flow_control_is_on() {
+    let core = core_with(CoreConfig {
+        flow: crate::FlowConfig {
+            saturation: SaturationLimits {
+                max_wait_seconds: None,
+                max_active_requests: Some(1),
+                engine_waiting: None,
+                engine_kv_usage: None,
+            },
+            ..Default::default()
+        },
+        ..CoreConfig::default()
+    });
+    let now = Instant::now();
+    for i in 0..2 {
+        let r = api_request(&format!("r{i}"), PromptInput::Tokens(vec![1; 64]));
+        assert!(core.select_and_reserve(&r, now).is_ok());
+    }
+    let r = api_request("r2", PromptInput::Tokens(vec![1; 64]));
+    let err = core.select_and_reserve(&r, now).unwrap_err();
+    assert!(
+        matches!(&err, SelectError::Overloaded(m) if m.contains("saturated")),
+        "{err:?}"
+    );
+    // A stream request arriving now waits for capacity rather than finding it taken.
+    let stream = SelectionRequest {
+        holder: Holder::Stream,
+        on_duplicate: DuplicateId::Suffix,
+        ..r
+    };
+    assert!(matches!(
+        core.admit(&stream, now).0,
+        Ok(Admission::Queued { .. })
+    ));
+}
