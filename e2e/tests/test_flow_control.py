@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+import harness
 from harness import Gate, chat_body, wait_until, worker
 
 E2E_DIR = Path(__file__).resolve().parent.parent
@@ -31,10 +32,19 @@ def metric(kv, name: str, **labels: str) -> float:
     return kv.metric(name, **labels) or 0.0
 
 
+def bands_config() -> str:
+    """A --flow-config defining the bands these tests use: client priorities are clamped to the
+    bands objectives define (0 and -1 always exist)."""
+    path = harness.new_workdir("flow-bands") / "flow.yaml"
+    path.write_text("objectives:\n  - {name: high, priority: 7}\n  - {name: urgent, priority: 5}\n")
+    return str(path)
+
+
 def one_slot_stack(make_stack, up, timeout: float = 30.0):
     return make_stack([worker("w", ports=[up.port])], secure=False, name="flow",
                       extra_args=["--saturation-max-requests", "1",
-                                  "--queue-timeout", str(timeout)])
+                                  "--queue-timeout", str(timeout),
+                                  "--flow-config", bands_config()])
 
 
 def hold_the_rank(stack, client, gate):
@@ -118,7 +128,8 @@ def test_the_queue_timeout_answers_503_and_429_for_sheddable(make_stack, make_up
     assert shed.status_code == 429, shed.text
     assert "sheddable" in shed.text, shed.text
     assert metric(kv, "kvpick_queue_rejected_total", priority="0", reason="timeout") == 1
-    assert metric(kv, "kvpick_queue_rejected_total", priority="-2", reason="timeout") == 1
+    # -2 names no band: it is queued in the sheddable band -1.
+    assert metric(kv, "kvpick_queue_rejected_total", priority="-1", reason="timeout") == 1
     assert up.count() == 1
     gate.release.set()
     holder.join(30)
@@ -154,7 +165,8 @@ def test_an_overloaded_sim_fleet_serves_the_high_band_first(make_stack, client):
     sim = online.Sim(workers=2, speedup=1.0).start()
     try:
         stack = make_stack(sim.catalog(), secure=False, name="flow-sim",
-                           extra_args=["--saturation-max-requests", "2"])
+                           extra_args=["--saturation-max-requests", "2",
+                                       "--flow-config", bands_config()])
         kv = stack.kvpick
         results: dict = {}
         threads = []

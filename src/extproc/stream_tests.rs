@@ -1538,8 +1538,10 @@ mod queue {
         core
     }
 
+    /// Client priorities are clamped to the policy's bands: these tests queue in 9, 0 and -1.
     fn machine(core: &Arc<SelectionCore>) -> StreamMachine {
-        StreamMachine::new(Arc::clone(core), Arc::new(ExtProcSettings::default()))
+        let settings = rewrite_settings("objectives:\n  - {name: high, priority: 9}\n");
+        StreamMachine::new(Arc::clone(core), Arc::new(settings))
     }
 
     fn request(id: &str, priority: &str) -> ProcessingRequest {

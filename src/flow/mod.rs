@@ -190,7 +190,14 @@ pub struct FlowPolicy {
     exact: HashMap<String, usize>,
     /// Index of the first rule with empty `matches`.
     wildcard: Option<usize>,
+    /// The priority bands a request may be queued in, ascending: 0, [`SHEDDABLE_BAND`] and every
+    /// objective's priority ([`FlowPolicy::band_for`]).
+    bands: Vec<i32>,
 }
+
+/// The band of sheddable client priorities no objective names: a client asking to be shed first
+/// stays sheddable.
+pub const SHEDDABLE_BAND: i32 = -1;
 
 impl FlowPolicy {
     /// A policy from objectives (later entries with the same name replace earlier ones) and rules
@@ -208,8 +215,13 @@ impl FlowPolicy {
             }
             by_name.insert(o.name.clone(), o);
         }
+        let mut bands: Vec<i32> = by_name.values().map(|o| o.priority).collect();
+        bands.extend([0, SHEDDABLE_BAND]);
+        bands.sort_unstable();
+        bands.dedup();
         let mut policy = FlowPolicy {
             objectives: by_name,
+            bands,
             ..FlowPolicy::default()
         };
         for rule in rules {
@@ -231,6 +243,19 @@ impl FlowPolicy {
             policy.rules.push(rule);
         }
         policy
+    }
+
+    /// The band a client-chosen priority is queued in: the highest band at or below it (the
+    /// lowest band when it is below all). So a client cannot open bands of its own — the queue's
+    /// bands are the operator's — nor jump above every objective with `i32::MAX`, and a sheddable
+    /// request stays sheddable.
+    pub fn band_for(&self, requested: i32) -> i32 {
+        let at_or_below = self.bands.partition_point(|&b| b <= requested);
+        let index = at_or_below.saturating_sub(1);
+        self.bands
+            .get(index)
+            .copied()
+            .unwrap_or(if requested < 0 { SHEDDABLE_BAND } else { 0 })
     }
 
     /// The objective of this name, if any.
@@ -313,8 +338,9 @@ pub enum ClassifyError {
 ///   `objective: None` (it is not an error: clients may name objectives before they are
 ///   created, and a client-chosen unknown name must not become a metric label).
 /// - **Priority**: with [`FlowSettings::client_priority`] (default), `x-dynamo-request-priority`
-///   *overrides* the objective's priority (the per-request header is the more specific); without
-///   it the header is ignored and the objective alone decides (0 without one).
+///   *overrides* the objective's priority (the per-request header is the more specific), clamped
+///   to the bands the policy defines ([`FlowPolicy::band_for`]); without it the header is ignored
+///   and the objective alone decides (0 without one).
 /// - **Fairness key**: `x-llm-d-fairness-id`, else `x-gateway-inference-fairness-id`; absent, the
 ///   known objective's name, else [`DEFAULT_FAIRNESS_KEY`]. At most [`MAX_FAIRNESS_ID_LEN`] bytes of
 ///   printable ASCII. The value is client-controlled: whoever counts per key must bound them.
@@ -359,12 +385,13 @@ pub fn classify<'a>(
     let mut out_priority = known.map_or(0, |o| o.priority);
     if settings.client_priority {
         if let Some(raw) = priority {
-            out_priority = std::str::from_utf8(raw)
+            let requested = std::str::from_utf8(raw)
                 .ok()
                 .and_then(|s| s.trim().parse::<i32>().ok())
                 .ok_or(ClassifyError::Priority {
                     header: PRIORITY_HEADER,
                 })?;
+            out_priority = policy.band_for(requested);
         }
     }
     let fairness_key = match (fairness_id, known) {

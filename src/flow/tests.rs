@@ -116,6 +116,34 @@ fn fairness_ids_by_preference() {
     assert_eq!(c.fairness_key, "first");
 }
 
+/// Clients choose among the bands the operator defined: nothing opens a band of its own or jumps
+/// above every objective, and sheddable stays sheddable.
+#[test]
+fn client_priorities_are_clamped_to_the_policy_bands() {
+    let p = policy(); // bands -10, -1, 0, 100
+    for (requested, band) in [
+        (i32::MAX, 100),
+        (101, 100),
+        (100, 100),
+        (99, 0),
+        (1, 0),
+        (0, 0),
+        (-1, -1),
+        (-2, -10),
+        (-10, -10),
+        (-11, -10),
+        (i32::MIN, -10),
+    ] {
+        assert_eq!(p.band_for(requested), band, "{requested}");
+    }
+    let empty = FlowPolicy::default();
+    assert_eq!(empty.band_for(7), 0);
+    assert_eq!(empty.band_for(-7), -1);
+    let no_objectives = FlowPolicy::new([], []);
+    assert_eq!(no_objectives.band_for(i32::MAX), 0);
+    assert_eq!(no_objectives.band_for(-3), -1);
+}
+
 #[test]
 fn client_priority_overrides_the_objective_unless_turned_off() {
     let headers = [
@@ -124,10 +152,11 @@ fn client_priority_overrides_the_objective_unless_turned_off() {
     ];
     assert_eq!(
         ok(&headers).priority,
-        -5,
-        "the per-request header is more specific"
+        -10,
+        "the per-request header is more specific, in the band at or below it"
     );
-    assert_eq!(ok(&[("x-dynamo-request-priority", " 7 ")]).priority, 7);
+    assert_eq!(ok(&[("x-dynamo-request-priority", " 100 ")]).priority, 100);
+    assert_eq!(ok(&[("x-dynamo-request-priority", " 7 ")]).priority, 0);
     let off = FlowSettings {
         client_priority: false,
     };
