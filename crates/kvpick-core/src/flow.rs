@@ -17,7 +17,7 @@
 //!   when it has one, else the end of its queue timeout: FCFS among requests without an SLO.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -128,9 +128,29 @@ struct KeyQueue<T> {
     finish: u128,
 }
 
+impl<T> KeyQueue<T> {
+    fn head(&self) -> Option<OrderKey> {
+        self.entries.keys().next().copied()
+    }
+}
+
+/// Most finish tags of emptied keys one band keeps (a flood of one-off fairness keys would
+/// otherwise keep one each until the virtual time passes them).
+pub const MAX_IDLE_TAGS: usize = 1_024;
+
+/// One priority band. Only keys with waiting requests are in `keys`; each is also in exactly one
+/// of two ordered indexes, so the next keys to serve are found without visiting every key:
+/// `behind` (finish tag at or below the virtual time: they start at the virtual time, so their
+/// head request orders them) and `ahead` (by finish tag, then head). An emptied key whose finish
+/// tag is still ahead of the virtual time keeps only that tag (`idle`), until the virtual time
+/// passes it: then it carries no debt and is forgotten.
 #[derive(Debug)]
 struct Band<T> {
     keys: HashMap<Arc<str>, KeyQueue<T>>,
+    behind: BTreeSet<(OrderKey, Arc<str>)>,
+    ahead: BTreeSet<(u128, OrderKey, Arc<str>)>,
+    idle: HashMap<Arc<str>, u128>,
+    idle_by_finish: BTreeSet<(u128, Arc<str>)>,
     len: usize,
     /// Virtual start tag of the last request served from this band.
     virtual_time: u128,
@@ -140,9 +160,93 @@ impl<T> Default for Band<T> {
     fn default() -> Self {
         Band {
             keys: HashMap::new(),
+            behind: BTreeSet::new(),
+            ahead: BTreeSet::new(),
+            idle: HashMap::new(),
+            idle_by_finish: BTreeSet::new(),
             len: 0,
             virtual_time: 0,
         }
+    }
+}
+
+impl<T> Band<T> {
+    /// Takes `key` out of the order indexes (before its head or finish tag changes).
+    fn unindex(&mut self, key: &Arc<str>) {
+        let Some(queue) = self.keys.get(key) else {
+            return;
+        };
+        let Some(head) = queue.head() else {
+            return;
+        };
+        if queue.finish <= self.virtual_time {
+            self.behind.remove(&(head, Arc::clone(key)));
+        } else {
+            self.ahead.remove(&(queue.finish, head, Arc::clone(key)));
+        }
+    }
+
+    /// Puts `key` back into the order indexes, or forgets it when it has nothing waiting.
+    fn index(&mut self, key: &Arc<str>) {
+        let Some(queue) = self.keys.get(key) else {
+            return;
+        };
+        let finish = queue.finish;
+        let Some(head) = queue.head() else {
+            self.keys.remove(key);
+            if finish > self.virtual_time {
+                self.idle.insert(Arc::clone(key), finish);
+                self.idle_by_finish.insert((finish, Arc::clone(key)));
+                // Bounded: past the cap the tag nearest the virtual time goes (the least debt; a
+                // key that returns without it gains at most that much).
+                if self.idle.len() > MAX_IDLE_TAGS {
+                    if let Some((_, k)) = self.idle_by_finish.pop_first() {
+                        self.idle.remove(&k);
+                    }
+                }
+            }
+            return;
+        };
+        if finish <= self.virtual_time {
+            self.behind.insert((head, Arc::clone(key)));
+        } else {
+            self.ahead.insert((finish, head, Arc::clone(key)));
+        }
+    }
+
+    /// The virtual time moved to `to`: keys it passed start at it now; idle tags it passed
+    /// carry no debt.
+    fn advance(&mut self, to: u128) {
+        self.virtual_time = to;
+        while let Some((finish, head, key)) = self.ahead.first().cloned() {
+            if finish > to {
+                break;
+            }
+            self.ahead.pop_first();
+            self.behind.insert((head, key));
+        }
+        while let Some((finish, key)) = self.idle_by_finish.first().cloned() {
+            if finish > to {
+                break;
+            }
+            self.idle_by_finish.pop_first();
+            self.idle.remove(&key);
+        }
+    }
+
+    /// The keys that can be served within the next `limit` services, with their start tags: at
+    /// most `limit` from each index (any key past them has `limit` keys before it).
+    fn first_keys(&self, limit: usize) -> Vec<(u128, &KeyQueue<T>)> {
+        let behind = self
+            .behind
+            .iter()
+            .take(limit)
+            .map(|(_, k)| (self.virtual_time, k));
+        let ahead = self.ahead.iter().take(limit).map(|(f, _, k)| (*f, k));
+        behind
+            .chain(ahead)
+            .filter_map(|(start, k)| self.keys.get(k).map(|q| (start, q)))
+            .collect()
     }
 }
 
@@ -158,6 +262,8 @@ pub struct FlowQueue<T> {
     bands: BTreeMap<Reverse<i32>, Band<T>>,
     /// ticket -> (priority, key, position)
     located: HashMap<u64, (i32, Arc<str>, OrderKey)>,
+    /// Every waiting request by deadline: expiry visits only the expired.
+    deadlines: BTreeSet<(Instant, u64)>,
     sequence: u64,
 }
 
@@ -166,6 +272,7 @@ impl<T> Default for FlowQueue<T> {
         FlowQueue {
             bands: BTreeMap::new(),
             located: HashMap::new(),
+            deadlines: BTreeSet::new(),
             sequence: 0,
         }
     }
@@ -184,10 +291,25 @@ impl<T> FlowQueue<T> {
         self.bands.get(&Reverse(priority)).map_or(0, |b| b.len)
     }
 
+    /// Bands with waiting requests.
+    pub fn bands(&self) -> usize {
+        self.bands.len()
+    }
+
+    /// Fairness keys a band keeps state for (waiting requests, or a finish tag still ahead).
+    pub fn keys_kept(&self, priority: i32) -> usize {
+        self.bands
+            .get(&Reverse(priority))
+            .map_or(0, |b| b.keys.len() + b.idle.len())
+    }
+
     /// Adds a request; refused when its band already holds `capacity`.
     pub fn push(&mut self, waiting: Waiting<T>, capacity: usize) -> Result<(), (QueueFull, T)> {
         let band = self.bands.entry(Reverse(waiting.priority)).or_default();
         if band.len >= capacity {
+            if band.len == 0 {
+                self.bands.remove(&Reverse(waiting.priority));
+            }
             return Err((QueueFull::Band, waiting.payload));
         }
         self.sequence = self.sequence.wrapping_add(1);
@@ -197,11 +319,24 @@ impl<T> FlowQueue<T> {
             waiting.ticket,
             (waiting.priority, Arc::clone(&key), position),
         );
-        let queue = band.keys.entry(key).or_insert_with(|| KeyQueue {
-            entries: BTreeMap::new(),
-            finish: 0,
-        });
-        queue.entries.insert(position, waiting);
+        self.deadlines.insert((waiting.deadline, waiting.ticket));
+        band.unindex(&key);
+        if !band.keys.contains_key(&key) {
+            // A key returning while its old finish tag is still ahead keeps that debt.
+            let finish = band.idle.remove(&key).unwrap_or(0);
+            band.idle_by_finish.remove(&(finish, Arc::clone(&key)));
+            band.keys.insert(
+                Arc::clone(&key),
+                KeyQueue {
+                    entries: BTreeMap::new(),
+                    finish,
+                },
+            );
+        }
+        if let Some(queue) = band.keys.get_mut(&key) {
+            queue.entries.insert(position, waiting);
+        }
+        band.index(&key);
         band.len = band.len.saturating_add(1);
         Ok(())
     }
@@ -221,29 +356,32 @@ impl<T> FlowQueue<T> {
     pub fn take(&mut self, ticket: u64, served: bool) -> Option<Waiting<T>> {
         let (priority, key, position) = self.located.remove(&ticket)?;
         let band = self.bands.get_mut(&Reverse(priority))?;
+        band.unindex(&key);
         let queue = band.keys.get_mut(&key)?;
         let waiting = queue.entries.remove(&position)?;
+        self.deadlines.remove(&(waiting.deadline, ticket));
+        let mut advanced = None;
         if served {
             let start = band.virtual_time.max(queue.finish);
             queue.finish = start.saturating_add(u128::from(waiting.cost.max(1)));
-            band.virtual_time = start;
+            advanced = Some(start);
         }
-        // A key's finish tag below the band's virtual time carries no credit, so an emptied key
-        // can go (it would restart at the virtual time anyway) unless it is ahead of it.
-        if queue.entries.is_empty() && queue.finish <= band.virtual_time {
-            band.keys.remove(&key);
+        band.index(&key);
+        if let Some(start) = advanced {
+            band.advance(start);
         }
         band.len = band.len.saturating_sub(1);
-        if band.len == 0 && band.keys.values().all(|q| q.entries.is_empty()) {
-            // Keys ahead of the virtual time keep their tags only while the band is busy: an
-            // idle band starts afresh.
+        if band.len == 0 {
+            // Tags ahead of the virtual time matter only while the band is busy: an idle band
+            // starts afresh.
             self.bands.remove(&Reverse(priority));
         }
         Some(waiting)
     }
 
     /// The order in which up to `limit` requests would be served if each were dispatched in
-    /// turn: bands by priority, keys by start tag, entries by deadline.
+    /// turn: bands by priority, keys by start tag, entries by deadline. Visits at most `2 ×
+    /// limit` keys per band, whatever the number of keys.
     pub fn release_order(&self, limit: usize) -> Vec<u64> {
         let mut order = Vec::with_capacity(limit.min(self.len()));
         for band in self.bands.values() {
@@ -251,78 +389,57 @@ impl<T> FlowQueue<T> {
                 break;
             }
             let mut virtual_time = band.virtual_time;
+            let keys = band.first_keys(limit.saturating_sub(order.len()));
             // (start tag, head position, key); one heap entry per key with waiting requests.
             let mut heads: BinaryHeap<Reverse<(u128, OrderKey, usize)>> = BinaryHeap::new();
-            let keys: Vec<&KeyQueue<T>> = band
-                .keys
-                .values()
-                .filter(|q| !q.entries.is_empty())
-                .collect();
-            let mut cursors: Vec<std::collections::btree_map::Values<'_, OrderKey, Waiting<T>>> =
-                keys.iter().map(|q| q.entries.values()).collect();
-            let mut finishes: Vec<u128> = keys.iter().map(|q| q.finish).collect();
-            let mut pending: Vec<Option<&Waiting<T>>> =
+            let mut cursors: Vec<std::collections::btree_map::Iter<'_, OrderKey, Waiting<T>>> =
+                keys.iter().map(|(_, q)| q.entries.iter()).collect();
+            let mut pending: Vec<Option<(&OrderKey, &Waiting<T>)>> =
                 cursors.iter_mut().map(|c| c.next()).collect();
-            for (i, head) in pending.iter().enumerate() {
-                if let (Some(w), Some(f)) = (head, finishes.get(i)) {
-                    heads.push(Reverse((
-                        virtual_time.max(*f),
-                        (w.deadline, self.position_of(w.ticket)),
-                        i,
-                    )));
+            for (i, ((start, _), head)) in keys.iter().zip(&pending).enumerate() {
+                if let Some((position, _)) = head {
+                    heads.push(Reverse((*start, **position, i)));
                 }
             }
             while order.len() < limit {
                 let Some(Reverse((start, _, i))) = heads.pop() else {
                     break;
                 };
-                let Some(Some(w)) = pending.get(i).copied() else {
+                let Some(Some((_, w))) = pending.get(i).copied() else {
                     continue;
                 };
                 order.push(w.ticket);
                 virtual_time = virtual_time.max(start);
                 let finish = start.saturating_add(u128::from(w.cost.max(1)));
-                if let Some(f) = finishes.get_mut(i) {
-                    *f = finish;
-                }
                 let next = cursors.get_mut(i).and_then(|c| c.next());
                 if let Some(slot) = pending.get_mut(i) {
                     *slot = next;
                 }
-                if let Some(n) = next {
-                    heads.push(Reverse((
-                        virtual_time.max(finish),
-                        (n.deadline, self.position_of(n.ticket)),
-                        i,
-                    )));
+                if let Some((position, _)) = next {
+                    heads.push(Reverse((virtual_time.max(finish), *position, i)));
                 }
             }
         }
         order
     }
 
-    fn position_of(&self, ticket: u64) -> u64 {
-        self.located.get(&ticket).map_or(u64::MAX, |(_, _, p)| p.1)
+    #[cfg(test)]
+    fn position(&self, w: &Waiting<T>) -> OrderKey {
+        self.located.get(&w.ticket).map_or((w.deadline, 0), |l| l.2)
     }
 
     /// Tickets whose deadline is at or before `now`.
     pub fn expired(&self, now: Instant) -> Vec<u64> {
-        self.bands
-            .values()
-            .flat_map(|b| b.keys.values())
-            .flat_map(|q| q.entries.values())
-            .filter(|w| w.deadline <= now)
-            .map(|w| w.ticket)
+        self.deadlines
+            .iter()
+            .take_while(|(deadline, _)| *deadline <= now)
+            .map(|(_, ticket)| *ticket)
             .collect()
     }
 
     /// The earliest deadline of any waiting request.
     pub fn next_deadline(&self) -> Option<Instant> {
-        self.bands
-            .values()
-            .flat_map(|b| b.keys.values())
-            .filter_map(|q| q.entries.values().map(|w| w.deadline).min())
-            .min()
+        self.deadlines.first().map(|(deadline, _)| *deadline)
     }
 }
 
@@ -476,6 +593,125 @@ mod tests {
         assert_eq!(queue.push(waiting(2, 0), 1), Err((QueueFull::Band, 7)));
         assert!(queue.push(waiting(3, 1), 1).is_ok());
         assert_eq!(queue.len(), 2);
+    }
+
+    /// The release order visits only the first keys of each index; a reference that visits
+    /// every key (the rule itself: start = max(virtual time, finish), then head) must agree on
+    /// random queues with many keys, served, cancelled and refilled in random order.
+    #[test]
+    fn release_order_matches_the_every_key_reference() {
+        use rand::{Rng, SeedableRng};
+        fn reference<T>(q: &FlowQueue<T>, limit: usize) -> Vec<u64> {
+            let mut order = Vec::new();
+            for band in q.bands.values() {
+                let mut v = band.virtual_time;
+                let mut state: Vec<(u128, Vec<&Waiting<T>>)> = band
+                    .keys
+                    .values()
+                    .map(|k| (k.finish, k.entries.values().collect()))
+                    .collect();
+                let mut starts: Vec<Option<(u128, OrderKey)>> = state
+                    .iter()
+                    .map(|(f, e)| e.first().map(|w| (v.max(*f), q.position(w))))
+                    .collect();
+                while order.len() < limit {
+                    let Some(i) = (0..state.len())
+                        .filter(|&i| starts[i].is_some())
+                        .min_by_key(|&i| starts[i])
+                    else {
+                        break;
+                    };
+                    let (start, _) = starts[i].unwrap();
+                    let w = state[i].1.remove(0);
+                    order.push(w.ticket);
+                    v = v.max(start);
+                    let finish = start + u128::from(w.cost.max(1));
+                    state[i].0 = finish;
+                    starts[i] = state[i].1.first().map(|n| (v.max(finish), q.position(n)));
+                }
+            }
+            order
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let mut f = Fixture::new();
+        let mut live: Vec<u64> = Vec::new();
+        for step in 0..3_000 {
+            match rng.random_range(0..10) {
+                0..=4 => {
+                    let key = format!("k{}", rng.random_range(0..40));
+                    let band = rng.random_range(-1..2);
+                    let t = f.push(
+                        band,
+                        &key,
+                        rng.random_range(1..500),
+                        rng.random_range(1..60),
+                    );
+                    live.push(t);
+                }
+                5..=7 => {
+                    if let Some(&t) = f.queue.release_order(1).first() {
+                        f.queue.take(t, true).unwrap();
+                        live.retain(|&x| x != t);
+                    }
+                }
+                _ => {
+                    if !live.is_empty() {
+                        let t = live.swap_remove(rng.random_range(0..live.len()));
+                        f.queue.take(t, false).unwrap();
+                    }
+                }
+            }
+            let limit = rng.random_range(1..40);
+            assert_eq!(
+                f.queue.release_order(limit),
+                reference(&f.queue, limit),
+                "step {step}"
+            );
+        }
+    }
+
+    /// A flood of one-off fairness keys (each served once) keeps at most [`MAX_IDLE_TAGS`] tags,
+    /// none once the band's virtual time passes them, and no band once it drains.
+    #[test]
+    fn emptied_keys_are_pruned_and_deadlines_are_indexed() {
+        let mut f = Fixture::new();
+        f.push(0, "steady", 10, 30);
+        for i in 0..MAX_IDLE_TAGS + 10 {
+            f.push(0, &format!("one-off-{i}"), 10, 30);
+            let t = *f.queue.release_order(2).last().unwrap();
+            f.queue.take(t, true).unwrap();
+        }
+        assert_eq!(
+            f.queue.keys_kept(0),
+            MAX_IDLE_TAGS + 1,
+            "capped, plus steady"
+        );
+        // A key served twice in a row starts its second request past every one-off tag: they
+        // carry no debt now and go.
+        f.push(0, "x", 10, 30);
+        f.push(0, "x", 10, 30);
+        for _ in 0..2 {
+            let t = *f.queue.release_order(2).last().unwrap();
+            f.queue.take(t, true).unwrap();
+        }
+        assert_eq!(f.queue.keys_kept(0), 2, "steady waiting, x's tag");
+        f.drain(1);
+        assert_eq!(f.queue.bands(), 0);
+        assert_eq!(f.queue.next_deadline(), None);
+        // Expiry sees exactly the expired, in deadline order.
+        let late = f.push(0, "a", 1, 30);
+        let soon = f.push(1, "b", 1, 3);
+        let sooner = f.push(0, "c", 1, 2);
+        assert_eq!(
+            f.queue.expired(f.t0 + Duration::from_secs(3)),
+            vec![sooner, soon]
+        );
+        assert_eq!(f.queue.next_deadline(), Some(f.t0 + Duration::from_secs(2)));
+        f.queue.take(sooner, false);
+        assert_eq!(
+            f.queue.expired(f.t0 + Duration::from_secs(30)),
+            vec![soon, late]
+        );
     }
 
     #[test]
