@@ -349,6 +349,17 @@ pub struct ServeArgs {
     )]
     pub queue_band_capacity: usize,
 
+    /// Most requests waiting in all of kvpick's queues together (every band and model); an
+    /// arrival that would wait past it is refused at once (503, 429 sheddable). Each waiting
+    /// request holds its body (within --body-budget-bytes) and its prompt's block hashes.
+    #[arg(
+        long,
+        default_value_t = 10_000,
+        value_name = "N",
+        help_heading = "Flow control"
+    )]
+    pub queue_capacity: usize,
+
     /// A rank is saturated when the prefill already booked on it would take this long at the
     /// calibrated TTFT line (its queue wait); `inf` = never on this ground. It bounds the engine
     /// queue a released request sits behind (lower = priorities enforced more tightly) while
@@ -822,10 +833,14 @@ pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> 
     if args.queue_band_capacity == 0 {
         anyhow::bail!("--queue-band-capacity must be at least 1");
     }
+    if args.queue_capacity == 0 {
+        anyhow::bail!("--queue-capacity must be at least 1");
+    }
     Ok(kvpick_core::FlowConfig {
         enabled: args.flow_control,
         queue_timeout: Duration::from_secs_f64(timeout),
         band_capacity: args.queue_band_capacity,
+        capacity: args.queue_capacity,
         saturation: kvpick_core::SaturationLimits {
             max_wait_seconds: wait.is_finite().then_some(wait),
             max_active_requests: args.saturation_max_requests,

@@ -57,6 +57,8 @@ pub struct Core {
     tickets: AtomicU64,
     /// Waiting requests -> the partition whose queue holds them.
     waiting: DashMap<u64, Arc<Partition>>,
+    /// Release passes run over a non-empty queue (tests: nothing runs one without a change).
+    release_passes: AtomicU64,
 }
 
 impl Claims for Core {
@@ -70,6 +72,10 @@ impl Claims for Core {
 
     fn unclaim(&self, id: &str, generation: u64) {
         self.unregister(id, Claim::Generation(generation));
+    }
+
+    fn waiting_total(&self) -> usize {
+        self.waiting.len()
     }
 }
 
@@ -97,7 +103,13 @@ impl Core {
             trace: Mutex::new(VecDeque::new()),
             tickets: AtomicU64::new(0),
             waiting: DashMap::new(),
+            release_passes: AtomicU64::new(0),
         }
+    }
+
+    /// Release passes run so far over a non-empty queue.
+    pub fn release_passes(&self) -> u64 {
+        self.release_passes.load(Ordering::Relaxed)
     }
 
     pub fn config(&self) -> &CoreConfig {
@@ -343,6 +355,7 @@ impl Core {
             return;
         }
         let start = facts.0.len();
+        self.release_passes.fetch_add(1, Ordering::Relaxed);
         partition.pump(self, &self.config, now, facts);
         self.forget_dequeued(facts, start);
     }
@@ -516,9 +529,12 @@ impl Core {
         let Some((generation, p)) = self.booked(booking_id, claim) else {
             return (false, facts);
         };
-        let done = p.prefill_complete(&(booking_id.to_string(), generation), now, &mut facts);
-        self.pump_partition(&p, now, &mut facts);
-        (done, facts)
+        let marked = p.prefill_complete(&(booking_id.to_string(), generation), now, &mut facts);
+        // Nothing freed (a repeated first byte): no release pass.
+        if marked == Some(true) {
+            self.pump_partition(&p, now, &mut facts);
+        }
+        (marked.is_some(), facts)
     }
 
     /// The booking's response ended after `output_tokens` tokens (call before freeing it): its
@@ -553,7 +569,9 @@ impl Core {
             return (false, facts);
         };
         let freed = partition.free(&(booking_id.to_string(), generation), now, &mut facts);
-        self.pump_partition(&partition, now, &mut facts);
+        if freed {
+            self.pump_partition(&partition, now, &mut facts);
+        }
         (freed, facts)
     }
 
@@ -585,11 +603,16 @@ impl Core {
                 self.config.sessions.ttl,
                 &mut facts,
             );
+            let freed_any = !ids.is_empty();
             for (id, generation) in ids {
                 self.unregister(&id, Claim::Generation(generation));
                 reaped = reaped.saturating_add(1);
             }
-            self.pump_partition(&p, now, &mut facts);
+            // Only reaped bookings free capacity here; time-driven changes (expiry, engine
+            // readings going stale) are the host's timer pass ([`Core::pump`]).
+            if freed_any {
+                self.pump_partition(&p, now, &mut facts);
+            }
         }
         facts.push(Fact::BookingsExpired(reaped as u64));
         (reaped, facts)

@@ -134,3 +134,151 @@ fn api_bookings_stop_at_saturation_while_flow_control_is_on() {
         Ok(Admission::Queued { .. })
     ));
 }
+
+fn flow_core(flow: crate::FlowConfig) -> Core {
+    core_with(CoreConfig {
+        flow: crate::FlowConfig {
+            saturation: SaturationLimits {
+                max_wait_seconds: None,
+                max_active_requests: Some(1),
+                engine_waiting: None,
+                engine_kv_usage: None,
+            },
+            ..flow
+        },
+        ..CoreConfig::default()
+    })
+}
+
+fn stream_request(id: &str, priority: i32) -> SelectionRequest {
+    SelectionRequest {
+        request_id: id.into(),
+        model: Some("m".into()),
+        prompt: PromptInput::Tokens(vec![1; 64]),
+        priority,
+        ..Default::default()
+    }
+}
+
+/// `--queue-capacity` bounds every band together: with room left in each band, the arrival
+/// just over the whole-queue cap is refused at once (503; 429 sheddable).
+#[test]
+fn the_whole_queue_is_capped_across_bands() {
+    let core = flow_core(crate::FlowConfig {
+        capacity: 3,
+        ..Default::default()
+    });
+    let now = Instant::now();
+    let mut held = Vec::new();
+    for i in 0..2 {
+        let (r, _) = core.admit(&stream_request(&format!("busy{i}"), 0), now);
+        assert!(matches!(r, Ok(Admission::Dispatched(_))));
+        held.push(r);
+    }
+    for (i, priority) in [5, 0, -1].into_iter().enumerate() {
+        let (r, _) = core.admit(&stream_request(&format!("w{i}"), priority), now);
+        assert!(matches!(r, Ok(Admission::Queued { .. })), "{r:?}");
+    }
+    assert_eq!(core.waiting_requests(), 3);
+    let (r, facts) = core.admit(&stream_request("over", 7), now);
+    let err = r.unwrap_err();
+    assert!(
+        matches!(&err, SelectError::Unavailable(m) if m.contains("the queue is full (3")),
+        "{err:?}"
+    );
+    assert!(facts.iter().any(|f| matches!(
+        f,
+        Fact::Queue {
+            event: crate::facts::QueueEvent::Left {
+                exit: crate::facts::QueueExit::Full,
+                ..
+            },
+            ..
+        }
+    )));
+    let (r, _) = core.admit(&stream_request("shed", -3), now);
+    assert_eq!(r.unwrap_err().label(), "overloaded");
+    assert_eq!(
+        core.waiting_requests(),
+        3,
+        "the refused left nothing queued"
+    );
+    assert_eq!(core.live_bookings(), 2, "nor any booking or claim");
+}
+
+/// A queued request keeps its block hashes, not its prompt, and is still bound to its session
+/// when released (the request had a prompt).
+#[test]
+fn a_queued_request_keeps_no_prompt_and_still_binds_its_session() {
+    let core = flow_core(crate::FlowConfig::default());
+    let now = Instant::now();
+    let (busy_a, _) = core.admit(&stream_request("busy-a", 0), now);
+    let (busy_b, _) = core.admit(&stream_request("busy-b", 0), now);
+    let busy_id = |r: &Result<Admission, SelectError>| match r {
+        Ok(Admission::Dispatched(s)) => (s.booking_id.clone(), s.generation),
+        other => panic!("{other:?}"),
+    };
+    let waiting = SelectionRequest {
+        session_id: Some("s".into()),
+        prompt: PromptInput::Text(vec![b'x'; 1 << 20]),
+        ..stream_request("w", 0)
+    };
+    let (r, _) = core.admit(&waiting, now);
+    let Ok(Admission::Queued { ticket, .. }) = r else {
+        panic!("{r:?}");
+    };
+    let held = core
+        .waiting
+        .get(&ticket)
+        .map(|p| Arc::clone(p.value()))
+        .unwrap();
+    let queued = held.queued(ticket).unwrap();
+    assert_eq!(queued.request.prompt, PromptInput::None);
+    assert!(queued.prompt.present);
+    assert!(!queued.prompt.seq_hashes.is_empty());
+    let (id, generation) = busy_id(&busy_a);
+    let (_, facts) = core.free(&id, Claim::Generation(generation), now);
+    let released = facts.iter().find_map(|f| match f {
+        Fact::Dequeued { ticket: t, result } if *t == ticket => Some(result.clone()),
+        _ => None,
+    });
+    let selection = released.unwrap().unwrap();
+    assert_eq!(
+        selection.session,
+        Some(crate::session::SessionOutcome::Created)
+    );
+    drop(busy_b);
+}
+
+/// Operations that free nothing run no release pass over a waiting queue.
+#[test]
+fn nothing_freed_runs_no_release_pass() {
+    let core = flow_core(crate::FlowConfig::default());
+    let now = Instant::now();
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        if let (Ok(Admission::Dispatched(s)), _) =
+            core.admit(&stream_request(&format!("busy{i}"), 0), now)
+        {
+            ids.push((s.booking_id.clone(), s.generation));
+        }
+    }
+    assert!(matches!(
+        core.admit(&stream_request("w", 0), now).0,
+        Ok(Admission::Queued { .. })
+    ));
+    let (id, generation) = ids[0].clone();
+    let claim = Claim::Generation(generation);
+    assert!(core.mark_prefill_complete(&id, claim, now).0);
+    let passes = core.release_passes();
+    assert!(passes >= 1, "a first token frees prefill load: a pass");
+    assert!(
+        core.mark_prefill_complete(&id, claim, now).0,
+        "found, again"
+    );
+    assert!(!core.free("nobody", Claim::Any, now).0);
+    assert_eq!(core.reap_expired(now).0, 0);
+    assert_eq!(core.release_passes(), passes, "nothing changed: no pass");
+    assert!(core.free(&id, claim, now).0);
+    assert!(core.release_passes() > passes);
+}

@@ -61,6 +61,9 @@ pub struct FlowConfig {
     pub queue_timeout: Duration,
     /// Most requests waiting per band; an arrival to a full band is refused at once.
     pub band_capacity: usize,
+    /// Most requests waiting in all queues of the process together (every band and partition);
+    /// an arrival that would wait past it is refused at once.
+    pub capacity: usize,
     /// Most queued requests one release pass tries (a pass runs under the partition's lock).
     pub max_scan: usize,
     pub saturation: SaturationLimits,
@@ -72,6 +75,7 @@ impl Default for FlowConfig {
             enabled: true,
             queue_timeout: Duration::from_secs(30),
             band_capacity: 10_000,
+            capacity: 10_000,
             max_scan: 32,
             saturation: SaturationLimits::default(),
         }

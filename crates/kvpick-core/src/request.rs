@@ -180,6 +180,29 @@ pub fn check_session_id_len(len: usize, what: &str) -> Result<(), SelectError> {
 }
 
 impl SelectionRequest {
+    /// A copy without the prompt (which may be megabytes of text): what a queued request keeps
+    /// once its block hashes are computed.
+    pub fn without_prompt(&self) -> SelectionRequest {
+        SelectionRequest {
+            request_id: self.request_id.clone(),
+            model: self.model.clone(),
+            routing_group: self.routing_group.clone(),
+            prompt: PromptInput::None,
+            cache_salt: self.cache_salt.clone(),
+            subset: self.subset.clone(),
+            pin: self.pin,
+            fallbacks: self.fallbacks,
+            temperature: self.temperature,
+            priority: self.priority,
+            fairness_key: self.fairness_key.clone(),
+            slo_ttft_ms: self.slo_ttft_ms,
+            slo_tpot_ms: self.slo_tpot_ms,
+            session_id: self.session_id.clone(),
+            on_duplicate: self.on_duplicate,
+            holder: self.holder,
+        }
+    }
+
     /// Checks every field that comes from a client. The core calls it before any pick, so both
     /// hosts refuse the same requests with the same messages.
     pub fn validate(&self) -> Result<(), SelectError> {

@@ -22,9 +22,11 @@ use crate::request::SelectionRequest;
 use super::pipeline::PromptBlocks;
 use super::{Partition, SelectOutcome, State};
 
-/// A waiting request: what the pipeline needs to try it again.
+/// A waiting request: what the pipeline needs to try it again. Its prompt is kept only as block
+/// hashes (bounded by `max_prompt_blocks`): the text or token ids stay with the host's body.
 #[derive(Debug)]
 pub(crate) struct Queued {
+    /// The request without its prompt ([`SelectionRequest::without_prompt`]).
     pub request: SelectionRequest,
     pub prompt: PromptBlocks,
 }
@@ -67,6 +69,8 @@ pub(crate) trait Claims {
     ) -> Result<(String, u64), SelectError>;
     /// Gives back a claim whose pick booked nothing.
     fn unclaim(&self, id: &str, generation: u64);
+    /// Requests waiting in every queue of the process, counting the one being admitted.
+    fn waiting_total(&self) -> usize;
 }
 
 /// What admission did with an arriving request.
@@ -171,27 +175,28 @@ impl Check {
     }
 }
 
-/// Whether a release pass can place anything: some schedulable rank is below its saturation
+/// Whether a release pass can place anything: some schedulable rank that decodes (every
+/// request needs one; a prefill-only rank with room places nothing) is below its saturation
 /// limits, or none is schedulable at all (then every waiting request fails at once, 503).
 fn has_room(state: &State, config: &CoreConfig, now: Instant) -> bool {
-    let limits = &config.flow.saturation;
-    let max_age = config.engine_metrics_max_age;
-    let mut schedulable = state
+    let mut decoding = state
         .ranks
         .slots
         .iter()
-        .filter(|(_, s)| s.schedulable)
+        .filter(|(_, s)| s.schedulable && s.role.decodes())
         .peekable();
-    if schedulable.peek().is_none() {
+    if decoding.peek().is_none() {
         return true;
     }
-    schedulable.any(|(key, slot)| {
-        let load = slot.total_load();
-        let wait = state
-            .estimator
-            .predict_wait(key, load.active_prefill_tokens as f64);
-        let engine = slot.engine.as_ref().filter(|e| e.is_fresh(now, max_age));
-        !crate::flow::is_saturated(limits, &load, wait, engine)
+    decoding.any(|(key, slot)| {
+        !super::pipeline::rank_saturated(
+            key,
+            slot,
+            &state.estimator,
+            &config.flow.saturation,
+            now,
+            config.engine_metrics_max_age,
+        )
     })
 }
 
@@ -250,15 +255,13 @@ fn expired(
     expiry_error(w, config.flow.queue_timeout)
 }
 
-fn full_error(priority: i32, capacity: usize) -> SelectError {
+fn full_error(priority: i32, which: &str, capacity: usize) -> SelectError {
     if priority < 0 {
         SelectError::Overloaded(format!(
-            "sheddable request shed: the queue of priority {priority} is full ({capacity} requests)"
+            "sheddable request shed: {which} is full ({capacity} requests)"
         ))
     } else {
-        SelectError::Unavailable(format!(
-            "the queue of priority {priority} is full ({capacity} requests)"
-        ))
+        SelectError::Unavailable(format!("{which} is full ({capacity} requests)"))
     }
 }
 
@@ -336,12 +339,20 @@ impl Partition {
             deadline,
             slo_bound,
             payload: Arc::new(Queued {
-                request: request.clone(),
+                request: request.without_prompt(),
                 prompt,
             }),
         };
         let key = Arc::clone(&waiting.fairness_key);
-        if state.queue.push(waiting, flow.band_capacity).is_err() {
+        let refused = if claims.waiting_total() > flow.capacity {
+            Some(full_error(request.priority, "the queue", flow.capacity))
+        } else if state.queue.push(waiting, flow.band_capacity).is_err() {
+            let band = format!("the queue of priority {}", request.priority);
+            Some(full_error(request.priority, &band, flow.band_capacity))
+        } else {
+            None
+        };
+        if let Some(error) = refused {
             facts.push(Fact::Queue {
                 priority: request.priority,
                 fairness_key: key,
@@ -350,7 +361,7 @@ impl Partition {
                     waited_seconds: 0.0,
                 },
             });
-            return Err(full_error(request.priority, flow.band_capacity));
+            return Err(error);
         }
         facts.push(Fact::Queue {
             priority: request.priority,
@@ -522,6 +533,13 @@ impl Partition {
         let error = expired(&w, config, now, facts);
         self.queued.store(state.queue.len(), Ordering::Release);
         Some(error)
+    }
+
+    /// What the queue keeps of a waiting request.
+    #[cfg(test)]
+    pub(crate) fn queued(&self, ticket: u64) -> Option<Arc<Queued>> {
+        let state = self.state.lock();
+        state.queue.get(ticket).map(|w| Arc::clone(&w.payload))
     }
 
     /// Requests waiting in this partition's queue.

@@ -40,7 +40,7 @@ use crate::estimate::TtftEstimator;
 use crate::facts::{Fact, Facts};
 use crate::hash;
 use crate::index::{PrefixIndex, Tier, TierDepths};
-use crate::request::{Holder, PromptInput, SelectionRequest};
+use crate::request::{Holder, SelectionRequest};
 use crate::session::{Bound, Invalidation, SessionOutcome, SessionTable};
 use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
 use crate::{PickedRank, Selection};
@@ -732,8 +732,16 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> Option<SessionOutcome> {
-        let (outcome, leased_session) =
-            Self::bind_session(state, request, pick.rank, affinity, config, now, facts);
+        let (outcome, leased_session) = Self::bind_session(
+            state,
+            request,
+            pick.prompt.present,
+            pick.rank,
+            affinity,
+            config,
+            now,
+            facts,
+        );
         let block_size = u64::from(pick.block_size.max(1));
         let tokens = pick.prompt.tokens;
         let cached_tokens = u64::from(pick.overlap.gpu)
@@ -796,9 +804,11 @@ impl Partition {
     /// The session part of booking: reuse, bind (evicting the longest-idle binding when full) or
     /// route unpinned when the table is full of leased sessions; returns the outcome and the
     /// session whose lease the booking holds.
+    #[allow(clippy::too_many_arguments)]
     fn bind_session(
         state: &mut State,
         request: &SelectionRequest,
+        has_prompt: bool,
         rank: RankKey,
         affinity: Affinity,
         config: &CoreConfig,
@@ -807,7 +817,7 @@ impl Partition {
     ) -> (Option<SessionOutcome>, Option<String>) {
         // A request without a prompt (`GET /v1/models`, header-only) holds no KV cache: it may
         // follow a binding but never creates one, so it cannot fill the table.
-        let may_bind = affinity == Affinity::Kept || request.prompt != PromptInput::None;
+        let may_bind = affinity == Affinity::Kept || has_prompt;
         let Some(sid) = request.session_id.as_deref().filter(|_| may_bind) else {
             return (None, None);
         };
@@ -877,19 +887,23 @@ impl Partition {
     }
 
     /// The booking's first token arrived at `now`: its prefill leaves the rank's queue, and the
-    /// time since its pick is an observation for the TTFT estimator.
-    pub fn prefill_complete(&self, booking: &BookingRef, now: Instant, facts: &mut Facts) -> bool {
+    /// time since its pick is an observation for the TTFT estimator. `None` when the booking is
+    /// not here; `Some(first)`: whether this was its first token (a repeat changes nothing).
+    pub fn prefill_complete(
+        &self,
+        booking: &BookingRef,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Option<bool> {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         let id = &booking.0;
-        let Some(booking) = state
+        let booking = state
             .bookings
             .get_mut(&booking.0)
-            .filter(|b| b.generation == booking.1)
-        else {
-            return false;
-        };
-        if !booking.prefill_complete {
+            .filter(|b| b.generation == booking.1)?;
+        let first = !booking.prefill_complete;
+        if first {
             booking.prefill_complete = true;
             let (created, slo_ttft, priority, rank) = (
                 booking.created,
@@ -936,7 +950,7 @@ impl Partition {
                 b.first_token = Some((now, batch));
             }
         }
-        true
+        Some(first)
     }
 
     /// The booking's response ended after `output_tokens` tokens: its decode speed (first token

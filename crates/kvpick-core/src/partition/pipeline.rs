@@ -37,6 +37,9 @@ use super::ranks::Slot;
 pub(crate) struct PromptBlocks {
     pub tokens: u64,
     pub seq_hashes: Vec<u64>,
+    /// The request had a prompt (even an empty one): only such requests create session
+    /// bindings. The queue keeps this, not the prompt.
+    pub present: bool,
 }
 
 /// The prompt's token count and the chained hashes of at most `max_blocks` leading blocks: a
@@ -55,6 +58,7 @@ pub(crate) fn prompt_blocks(
         PromptInput::None => PromptBlocks {
             tokens: 0,
             seq_hashes: Vec::new(),
+            present: false,
         },
         PromptInput::Tokens(tokens) => PromptBlocks {
             tokens: tokens.len() as u64,
@@ -64,6 +68,7 @@ pub(crate) fn prompt_blocks(
                 seed,
                 cache_salt,
             ),
+            present: true,
         },
         PromptInput::BlockHashes {
             seq_hashes,
@@ -71,6 +76,7 @@ pub(crate) fn prompt_blocks(
         } => PromptBlocks {
             tokens: *prompt_tokens,
             seq_hashes: seq_hashes[..seq_hashes.len().min(max_blocks)].to_vec(),
+            present: true,
         },
         PromptInput::Text(all) => {
             let bytes = &all[..all.len().min(max_tokens.saturating_mul(4))];
@@ -86,6 +92,7 @@ pub(crate) fn prompt_blocks(
             PromptBlocks {
                 tokens: (all.len() as u64).div_ceil(4),
                 seq_hashes: hash::salted_prompt_hashes(&pseudo, bs, seed, cache_salt),
+                present: true,
             }
         }
     }
@@ -296,6 +303,23 @@ pub(crate) struct SaturationView<'a> {
     pub max_age: Duration,
 }
 
+/// The one saturation rule of a rank as the partition sees it: its booked load (this replica's
+/// and the others'), the predicted wait for its booked prefill, and a fresh engine reading.
+/// Both the decision's flow gate and the release pass's room check use it.
+pub(crate) fn rank_saturated(
+    key: &RankKey,
+    slot: &Slot,
+    estimator: &crate::estimate::TtftEstimator,
+    limits: &crate::flow::SaturationLimits,
+    now: Instant,
+    max_age: Duration,
+) -> bool {
+    let load = slot.total_load();
+    let wait = estimator.predict_wait(key, load.active_prefill_tokens as f64);
+    let engine = slot.engine.as_ref().filter(|e| e.is_fresh(now, max_age));
+    crate::flow::is_saturated(limits, &load, wait, engine)
+}
+
 impl SaturationView<'_> {
     fn saturated(&self, candidate: usize) -> bool {
         let Some((key, s)) = self
@@ -305,15 +329,7 @@ impl SaturationView<'_> {
         else {
             return true;
         };
-        let load = s.total_load();
-        let wait = self
-            .estimator
-            .predict_wait(key, load.active_prefill_tokens as f64);
-        let engine = s
-            .engine
-            .as_ref()
-            .filter(|e| e.is_fresh(self.now, self.max_age));
-        crate::flow::is_saturated(self.limits, &load, wait, engine)
+        rank_saturated(key, s, self.estimator, self.limits, self.now, self.max_age)
     }
 }
 
