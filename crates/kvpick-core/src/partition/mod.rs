@@ -82,6 +82,9 @@ struct Booking {
     /// Prefill/decode disaggregation: the prefill rank's part of the booking, until the first
     /// token arrives ([`pair::PrefillLeg`]); `rank` is then the decode rank.
     prefill: Option<pair::PrefillLeg>,
+    /// The prefill rank left before the first token: the first token still settles the SLO and
+    /// starts the TPOT clock, but is no TTFT observation (no known rank prefilled it).
+    prefill_rank_gone: bool,
 }
 
 struct State {
@@ -401,10 +404,10 @@ impl Partition {
         let mut legs = Vec::new();
         state.bookings.retain(|id, b| {
             if b.prefill.as_ref().is_some_and(|leg| leg.rank == key) {
-                // The prefill rank left: its load went with it; the decode side lives on (no
-                // TTFT observation: the first token, if any, did not come from a known prefill).
+                // The prefill rank left: its load went with it; the decode side lives on, its
+                // first token still settles the SLO and TPOT (but is no TTFT observation).
                 b.prefill = None;
-                b.prefill_complete = true;
+                b.prefill_rank_gone = true;
             }
             if b.rank == key {
                 dropped.push((id.clone(), b.generation));
@@ -570,26 +573,27 @@ impl Partition {
             (decision, None)
         };
         let affinity = pipeline::apply_affinity(&mut decision, &candidates, bound, sessions);
-        if admission.is_some() {
+        let saturation = admission.map(|_| pipeline::SaturationView {
+            slots,
+            eligible: &eligible,
+            estimator: &state.estimator,
+            limits: &config.flow.saturation,
+            now,
+            max_age: config.engine_metrics_max_age,
+        });
+        if let Some(view) = &saturation {
             pipeline::dispatch_or_wait(
                 &mut decision,
                 &candidates,
-                &pipeline::SaturationView {
-                    slots,
-                    eligible: &eligible,
-                    estimator: &state.estimator,
-                    limits: &config.flow.saturation,
-                    now,
-                    max_age: config.engine_metrics_max_age,
-                },
+                view,
                 affinity == Affinity::Kept && sessions.mode == crate::session::AffinityMode::Hard,
                 prompt.tokens,
                 block_size,
                 &config.cost,
             )?;
         }
-        let prefill = roles.as_deref().and_then(|roles| {
-            pair::prefill_for(
+        let prefill = match roles.as_deref() {
+            Some(roles) => pair::prefill_for(
                 &candidates,
                 roles,
                 &decision,
@@ -597,8 +601,10 @@ impl Partition {
                 block_size,
                 config,
                 &mut state.rng,
-            )
-        });
+                saturation.as_ref(),
+            )?,
+            None => None,
+        };
         let (primary, fallbacks) =
             pipeline::picked_ranks(slots, &eligible, &decision.ranking, request.fallbacks)
                 .ok_or_else(|| {
@@ -771,6 +777,7 @@ impl Partition {
             slo_tpot: request.slo_tpot_ms.map(|ms| ms as f64 / 1000.0),
             first_token: None,
             prefill: leg,
+            prefill_rank_gone: false,
         };
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
             pair::unbook_leg(state, booking.prefill.as_ref(), facts);
@@ -926,14 +933,16 @@ impl Partition {
                     .active_prefill_tokens
                     .saturating_sub(booking.prefill_tokens);
                 facts.push(load_fact(slot, booking.rank));
-                let observed = now.saturating_duration_since(booking.created).as_secs_f64();
-                state
-                    .estimator
-                    .observe(booking.rank, booking.ttft_tokens, observed);
-                facts.push(Fact::TtftObserved {
-                    predicted_seconds: booking.predicted_ttft,
-                    observed_seconds: observed,
-                });
+                if !booking.prefill_rank_gone {
+                    let observed = now.saturating_duration_since(booking.created).as_secs_f64();
+                    state
+                        .estimator
+                        .observe(booking.rank, booking.ttft_tokens, observed);
+                    facts.push(Fact::TtftObserved {
+                        predicted_seconds: booking.predicted_ttft,
+                        observed_seconds: observed,
+                    });
+                }
             }
             let observed = now.saturating_duration_since(created).as_secs_f64();
             if let Some(slo) = slo_ttft {

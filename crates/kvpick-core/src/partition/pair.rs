@@ -18,8 +18,9 @@ use crate::facts::Facts;
 use crate::index::{Tier, TierDepths};
 use crate::types::{RankKey, Role};
 
-use super::pipeline::PromptBlocks;
+use super::pipeline::{PromptBlocks, SaturationView};
 use super::ranks::Slot;
+use super::Refusal;
 use super::{load_fact, Pick, State};
 
 /// The prefill rank's load held by a split booking until its first token.
@@ -74,6 +75,11 @@ pub(crate) fn decide_pair(
 }
 
 /// The prefill side for the decode rank the pipeline settled on (`decision.ranking[0]`).
+/// With flow control (`saturation`) a saturated prefill rank is not chosen: when the cost's
+/// choice is saturated, the best unsaturated prefill rank takes it if it still beats a local
+/// prefill; otherwise the request waits ([`Refusal::Saturated`]), since the cost says a split —
+/// even behind the saturated rank's queue — beats prefilling on the decode rank.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn prefill_for(
     candidates: &[Candidate],
     roles: &[Role],
@@ -82,18 +88,42 @@ pub(crate) fn prefill_for(
     block_size: u32,
     config: &CoreConfig,
     rng: &mut StdRng,
-) -> Option<PrefillChoice> {
-    let decode = *decision.ranking.first()?;
-    disagg::choose_prefill(
-        candidates,
-        roles,
-        decode,
-        prompt.tokens,
-        block_size,
-        &config.cost,
-        &config.pd,
-        rng,
-    )
+    saturation: Option<&SaturationView>,
+) -> Result<Option<PrefillChoice>, Refusal> {
+    let Some(&decode) = decision.ranking.first() else {
+        return Ok(None);
+    };
+    let mut choose = |roles: &[Role]| {
+        disagg::choose_prefill(
+            candidates,
+            roles,
+            decode,
+            prompt.tokens,
+            block_size,
+            &config.cost,
+            &config.pd,
+            rng,
+        )
+    };
+    let Some(choice) = choose(roles) else {
+        return Ok(None);
+    };
+    let Some(view) = saturation.filter(|v| v.saturated(choice.position)) else {
+        return Ok(Some(choice));
+    };
+    // Saturated prefill ranks take no prefill: hide them from the choice.
+    let open: Vec<Role> = roles
+        .iter()
+        .enumerate()
+        .map(|(i, &role)| {
+            if i != decode && role.prefills() && view.saturated(i) {
+                Role::Decode
+            } else {
+                role
+            }
+        })
+        .collect();
+    choose(&open).map(Some).ok_or(Refusal::Saturated)
 }
 
 /// Books the prefill rank's part of a split pick: the prompt's uncached tokens there, the KV it
@@ -120,6 +150,9 @@ pub(crate) fn book_leg(
     };
     let slot = state.ranks.get_mut(&rank)?;
     slot.add_load(leg.prefill_tokens, leg.blocks);
+    // The leg is one request on its rank: in the in-flight gauge until it is unbooked (or its
+    // rank leaves, which takes every request on the rank off the gauge).
+    facts.push(crate::facts::Fact::Inflight(1));
     let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
         config.predicted_ttl
     } else {
@@ -143,6 +176,7 @@ pub(crate) fn unbook_leg(state: &mut State, leg: Option<&PrefillLeg>, facts: &mu
     if let Some(slot) = state.ranks.get_mut(&leg.rank) {
         slot.remove_load(leg.prefill_tokens, leg.blocks);
         facts.push(load_fact(slot, leg.rank));
+        facts.push(crate::facts::Fact::Inflight(-1));
     }
 }
 

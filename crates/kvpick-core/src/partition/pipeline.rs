@@ -321,7 +321,8 @@ pub(crate) fn rank_saturated(
 }
 
 impl SaturationView<'_> {
-    fn saturated(&self, candidate: usize) -> bool {
+    /// Whether the rank of candidate `candidate` is saturated (a candidate out of range is).
+    pub(crate) fn saturated(&self, candidate: usize) -> bool {
         let Some((key, s)) = self
             .eligible
             .get(candidate)

@@ -309,3 +309,155 @@ fn a_dp_worker_declares_one_role_per_rank() {
     let err = core.select_and_reserve(&request("r", 16, Holder::Stream), Instant::now());
     assert!(err.is_err());
 }
+
+fn inflight(facts: &crate::Facts) -> i64 {
+    facts
+        .iter()
+        .map(|f| match f {
+            crate::Fact::Inflight(n) => *n,
+            _ => 0,
+        })
+        .sum()
+}
+
+/// The in-flight gauge counts a split pick as its two requests (decode booking and prefill leg)
+/// and takes each off exactly once: the prefill rank leaving never drives it negative.
+#[test]
+fn the_inflight_gauge_counts_prefill_legs_in_and_out() {
+    let core = fleet();
+    let now = Instant::now();
+    let mut gauge = 0;
+    let (s, facts) = core
+        .select_and_reserve(&request("r", 2048, Holder::Stream), now)
+        .unwrap();
+    assert!(s.prefill.is_some());
+    gauge += inflight(&facts);
+    assert_eq!(gauge, 2, "decode booking + prefill leg");
+    let (_, _, facts) = core.delete_source_worker("catalog", "p", now).unwrap();
+    gauge += inflight(&facts);
+    assert_eq!(gauge, 1, "the leg left with its rank");
+    let claim = Claim::Generation(s.generation);
+    let (_, facts) = core.free("r", claim, now);
+    gauge += inflight(&facts);
+    assert_eq!(gauge, 0);
+    // And a leg freed at the first token.
+    let fresh = fleet();
+    let (s, facts) = fresh
+        .select_and_reserve(&request("r", 2048, Holder::Stream), now)
+        .unwrap();
+    let mut gauge = inflight(&facts);
+    let claim = Claim::Generation(s.generation);
+    gauge += inflight(&fresh.mark_prefill_complete("r", claim, now).1);
+    assert_eq!(gauge, 1);
+    gauge += inflight(&fresh.free("r", claim, now).1);
+    assert_eq!(gauge, 0);
+}
+
+/// The decode booking that survives its prefill rank keeps its SLO and TPOT record: its first
+/// token settles the TTFT SLO and its end the TPOT SLO (but is no TTFT observation).
+#[test]
+fn a_decode_booking_whose_prefill_rank_left_still_settles_its_slos() {
+    let core = fleet();
+    let now = Instant::now();
+    let r = SelectionRequest {
+        slo_ttft_ms: Some(60_000),
+        slo_tpot_ms: Some(60_000),
+        ..request("r", 2048, Holder::Stream)
+    };
+    let (s, _) = core.select_and_reserve(&r, now).unwrap();
+    assert!(s.prefill.is_some());
+    core.delete_source_worker("catalog", "p", now).unwrap();
+    let claim = Claim::Generation(s.generation);
+    let later = now + Duration::from_millis(200);
+    let (_, facts) = core.mark_prefill_complete("r", claim, later);
+    assert!(facts
+        .iter()
+        .any(|f| matches!(f, crate::Fact::SloTtft { met: true, .. })));
+    assert!(!facts
+        .iter()
+        .any(|f| matches!(f, crate::Fact::TtftObserved { .. })));
+    let (_, facts) = core.decode_complete("r", claim, 100, later + Duration::from_secs(1));
+    assert!(facts
+        .iter()
+        .any(|f| matches!(f, crate::Fact::SloTpot { met: true, .. })));
+}
+
+/// With flow control, a saturated prefill rank is not chosen even when it caches the prompt:
+/// another prefill rank takes the split, and with every prefill rank saturated (the cost still
+/// preferring a split to a local prefill) the request waits.
+#[test]
+fn a_saturated_prefill_rank_is_not_chosen() {
+    use std::collections::HashMap;
+    let core = Core::new(CoreConfig {
+        flow: crate::FlowConfig {
+            saturation: crate::SaturationLimits {
+                max_wait_seconds: None,
+                max_active_requests: Some(1),
+                engine_waiting: None,
+                engine_kv_usage: None,
+            },
+            ..crate::FlowConfig::default()
+        },
+        ..config()
+    });
+    core.apply_source_snapshot(
+        "catalog",
+        vec![
+            worker("p1", 1, Role::Prefill),
+            worker("p2", 2, Role::Prefill),
+            worker("d", 3, Role::Decode),
+        ],
+        Instant::now(),
+    )
+    .unwrap();
+    let now = Instant::now();
+    let key_of = |name: &str| {
+        let r = core
+            .records()
+            .into_iter()
+            .find(|r| r.spec.name == name)
+            .unwrap();
+        crate::RankKey {
+            worker_id: r.id,
+            dp_rank: 0,
+        }
+    };
+    let (p1, p2) = (key_of("p1"), key_of("p2"));
+    let tokens: Vec<u32> = (0..2048).collect();
+    let hashes = crate::hash::prompt_hashes(&tokens, 16, crate::hash::BASE_SEED);
+    let partition = crate::PartitionKey {
+        model: "m".into(),
+        routing_group: String::new(),
+    };
+    core.insert_blocks(&partition, p1, &hashes, crate::index::Tier::Gpu, None, now);
+    // p1 caches the whole prompt: the cost splits onto it while it has room.
+    let (s, _) = core
+        .select(&request("probe", 2048, Holder::Stream), now)
+        .unwrap();
+    assert_eq!(s.prefill.map(|p| p.key), Some(p1));
+    let busy = RankLoad {
+        active_requests: 1,
+        ..RankLoad::default()
+    };
+    core.set_remote_loads(&HashMap::from([(p1, busy)]));
+    let (result, _) = core.admit(&request("r1", 2048, Holder::Stream), now);
+    let Ok(crate::core::Admission::Dispatched(s)) = result else {
+        panic!("{result:?}");
+    };
+    assert_eq!(s.prefill.map(|p| p.key), Some(p2), "not the saturated p1");
+    core.free("r1", Claim::Generation(s.generation), now);
+    core.set_remote_loads(&HashMap::from([(p1, busy), (p2, busy)]));
+    // A prompt only p1 caches (r1's is on d now).
+    let other: Vec<u32> = (5_000..7_048).collect();
+    let hashes = crate::hash::prompt_hashes(&other, 16, crate::hash::BASE_SEED);
+    core.insert_blocks(&partition, p1, &hashes, crate::index::Tier::Gpu, None, now);
+    let r2 = SelectionRequest {
+        prompt: PromptInput::Tokens(other),
+        ..request("r2", 0, Holder::Stream)
+    };
+    let (result, _) = core.admit(&r2, now);
+    assert!(
+        matches!(result, Ok(crate::core::Admission::Queued { .. })),
+        "{result:?}"
+    );
+}
