@@ -461,3 +461,56 @@ fn a_saturated_prefill_rank_is_not_chosen() {
         "{result:?}"
     );
 }
+
+/// A release pass over a P/D partition whose decode ranks are all saturated tries nothing: an
+/// idle prefill-only rank is no room (every request needs a decode rank). Each attempt claims a
+/// booking generation, so the next booking's generation counts the attempts made.
+#[test]
+fn an_idle_prefill_rank_is_no_room_for_a_release_pass() {
+    let core = Core::new(CoreConfig {
+        flow: crate::FlowConfig {
+            saturation: crate::SaturationLimits {
+                max_wait_seconds: None,
+                max_active_requests: Some(1),
+                engine_waiting: None,
+                engine_kv_usage: None,
+            },
+            ..crate::FlowConfig::default()
+        },
+        ..config()
+    });
+    core.apply_source_snapshot(
+        "catalog",
+        vec![worker("p", 1, Role::Prefill), worker("d", 2, Role::Decode)],
+        Instant::now(),
+    )
+    .unwrap();
+    let now = Instant::now();
+    // A short prompt prefills on d: d is saturated, p idle.
+    let (result, _) = core.admit(&request("busy", 16, Holder::Stream), now);
+    let Ok(crate::core::Admission::Dispatched(busy)) = result else {
+        panic!("{result:?}");
+    };
+    assert!(busy.prefill.is_none());
+    for i in 0..3 {
+        let (result, _) = core.admit(&request(&format!("w{i}"), 16, Holder::Stream), now);
+        assert!(matches!(result, Ok(crate::core::Admission::Queued { .. })));
+    }
+    for _ in 0..5 {
+        core.pump(now);
+    }
+    let (_, facts) = core.free("busy", Claim::Generation(busy.generation), now);
+    let released = facts.iter().find_map(|f| match f {
+        crate::Fact::Dequeued {
+            result: Ok(selection),
+            ..
+        } => Some(selection.generation),
+        _ => None,
+    });
+    // w0's one attempt on arrival (an empty queue is tried at once), then its dispatch.
+    assert_eq!(
+        released,
+        Some(busy.generation + 2),
+        "no attempt while d was saturated"
+    );
+}
