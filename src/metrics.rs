@@ -22,6 +22,55 @@ pub struct Metrics {
     pub catalog: CatalogMetrics,
     pub engine: EngineScrapeMetrics,
     pub flow: FlowMetrics,
+    pub outlier: OutlierMetrics,
+}
+
+/// How picked ranks answer, and outlier detection (ARCHITECTURE.md §3b).
+#[derive(Clone)]
+pub struct OutlierMetrics {
+    /// Responses per worker and status class (2xx, 4xx, 5xx, reset).
+    pub responses: IntCounterVec,
+    /// Ejections per worker (a probe's failure counts again).
+    pub ejections: IntCounterVec,
+    /// Ranks out of picks now (ejected, or with their half-open probe in flight).
+    pub ejected_ranks: IntGauge,
+}
+
+impl OutlierMetrics {
+    fn register(registry: &Registry) -> Self {
+        OutlierMetrics {
+            responses: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_upstream_responses_total",
+                        "Responses of picked ranks by worker and status class (2xx, 4xx, 5xx, reset)",
+                    ),
+                    &["worker", "class"],
+                )
+                .unwrap(),
+            ),
+            ejections: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_outlier_ejections_total",
+                        "Ranks ejected from picks after consecutive 5xx / connect failures, by worker",
+                    ),
+                    &["worker"],
+                )
+                .unwrap(),
+            ),
+            ejected_ranks: register(
+                registry,
+                IntGauge::new(
+                    "kvpick_outlier_ejected_ranks",
+                    "Ranks out of picks now (ejected, or probing)",
+                )
+                .unwrap(),
+            ),
+        }
+    }
 }
 
 /// Distinct values a client-controlled label may take before the rest share `other`.
@@ -681,6 +730,22 @@ impl Metrics {
                         .remove_label_values(&labels);
                 }
                 Fact::Inflight(delta) => self.selection.inflight_total.add(*delta),
+                Fact::UpstreamResponse { worker, class } => self
+                    .outlier
+                    .responses
+                    .with_label_values(&[&**worker, class.as_str()])
+                    .inc(),
+                Fact::Outlier {
+                    worker,
+                    dp_rank,
+                    event,
+                } => {
+                    tracing::warn!(worker = %worker, dp_rank, ?event, "outlier detection");
+                    if *event != kvpick_core::outlier::HealthEvent::Returned {
+                        self.outlier.ejections.with_label_values(&[&**worker]).inc();
+                    }
+                }
+                Fact::EjectedRanks(delta) => self.outlier.ejected_ranks.add(*delta),
                 Fact::Session(outcome) => self
                     .selection
                     .session_events
@@ -803,6 +868,7 @@ impl Metrics {
             catalog: CatalogMetrics::register(&registry),
             engine: EngineScrapeMetrics::register(&registry),
             flow: FlowMetrics::register(&registry),
+            outlier: OutlierMetrics::register(&registry),
             registry,
         }
     }

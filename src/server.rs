@@ -406,6 +406,46 @@ pub struct ServeArgs {
     #[arg(long)]
     pub worker_api: bool,
 
+    /// Outlier detection: this many consecutive 5xx responses (or connect failures / timeouts,
+    /// which Envoy answers 503/504) eject a rank from picks; 0 = off. kvpick's picks bypass
+    /// Envoy's own outlier detection, so it does Envoy's job for them.
+    #[arg(
+        long,
+        default_value_t = 5,
+        value_name = "N",
+        help_heading = "Outlier detection"
+    )]
+    pub outlier_consecutive_5xx: u32,
+
+    /// The first ejection's length; the n-th lasts n times as long (shorter again after as long
+    /// healthy). After it, one request probes the rank: success returns it, failure ejects again.
+    #[arg(
+        long,
+        default_value_t = 30.0,
+        value_name = "SECONDS",
+        help_heading = "Outlier detection"
+    )]
+    pub outlier_base_ejection_secs: f64,
+
+    /// Longest ejection.
+    #[arg(
+        long,
+        default_value_t = 300.0,
+        value_name = "SECONDS",
+        help_heading = "Outlier detection"
+    )]
+    pub outlier_max_ejection_secs: f64,
+
+    /// Most ranks of one model ejected at once, in percent (rounded down): past it failing ranks
+    /// keep serving (a failing rank may answer; no rank never does).
+    #[arg(
+        long,
+        default_value_t = 50,
+        value_name = "PERCENT",
+        help_heading = "Outlier detection"
+    )]
+    pub outlier_max_ejected_percent: u32,
+
     /// Accept `SelectAndReserve`, `Free` and `PrefillComplete` on the gRPC selection API (callers
     /// that route themselves and book load). Off by default: a booking is load, so whoever can
     /// reach the gRPC port could otherwise saturate every rank. Read-only RPCs (`Select`,
@@ -812,7 +852,41 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             transfer_block_cost: args.pd_transfer_block_cost,
             decode_request_weight: args.pd_decode_request_weight,
         },
+        outlier: outlier_config(args)?,
         ..CoreConfig::default()
+    })
+}
+
+/// `--outlier-*`.
+pub fn outlier_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::outlier::OutlierConfig> {
+    let secs = |name: &str, value: f64| {
+        if !(value.is_finite() && value > 0.0 && value <= 86_400.0) {
+            anyhow::bail!("{name} must be > 0 and at most 86400 seconds, got {value}");
+        }
+        Ok(Duration::from_secs_f64(value))
+    };
+    let base = secs(
+        "--outlier-base-ejection-secs",
+        args.outlier_base_ejection_secs,
+    )?;
+    let max = secs(
+        "--outlier-max-ejection-secs",
+        args.outlier_max_ejection_secs,
+    )?;
+    if max < base {
+        anyhow::bail!("--outlier-max-ejection-secs must be at least --outlier-base-ejection-secs");
+    }
+    if args.outlier_max_ejected_percent > 100 {
+        anyhow::bail!(
+            "--outlier-max-ejected-percent must be 0..=100, got {}",
+            args.outlier_max_ejected_percent
+        );
+    }
+    Ok(kvpick_core::outlier::OutlierConfig {
+        consecutive_failures: args.outlier_consecutive_5xx,
+        base_ejection: base,
+        max_ejection: max,
+        max_ejected_percent: args.outlier_max_ejected_percent,
     })
 }
 

@@ -140,6 +140,8 @@ pub struct StreamMachine {
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
     first_byte_seen: bool,
+    /// The routed request's response headers arrived (its rank answered).
+    response_seen: bool,
     usage: Option<UsageTracker>,
     served_endpoint: Option<String>,
     pin: Option<Pin>,
@@ -176,6 +178,7 @@ impl StreamMachine {
             reservation: None,
             picked_at: None,
             first_byte_seen: false,
+            response_seen: false,
             usage: None,
             served_endpoint: None,
             pin: None,
@@ -852,6 +855,18 @@ impl StreamMachine {
     }
 
     fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
+        self.response_seen = true;
+        // The rank's answer: a 5xx (Envoy's own 503/504 for connect failures and timeouts too)
+        // counts against it, and only a 2xx makes its first byte a first token.
+        let status = headers
+            .headers
+            .iter()
+            .flat_map(|m| m.headers.iter())
+            .find(|h| h.key == ":status")
+            .and_then(|h| header_value(h).trim().parse::<u16>().ok());
+        if let (Some(status), Some(r)) = (status, &self.reservation) {
+            r.response_status(status);
+        }
         let sse = headers
             .headers
             .iter()
@@ -983,6 +998,16 @@ impl StreamMachine {
             responses: vec![immediate(status, message)],
             finished: true,
             ..Step::default()
+        }
+    }
+}
+
+impl Drop for StreamMachine {
+    /// A routed request whose stream ends before its response (the client went away, or Envoy
+    /// reset the stream): the rank is not blamed, but the index entries predicted for it go.
+    fn drop(&mut self) {
+        if let (Some(r), false) = (&self.reservation, self.response_seen) {
+            r.response_reset();
         }
     }
 }

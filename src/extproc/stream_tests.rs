@@ -1967,3 +1967,64 @@ fn a_tpot_slo_is_settled_from_the_response_usage() {
         "{text}"
     );
 }
+
+fn response_status(status: &str) -> ProcessingRequest {
+    let mut h = headers(
+        &[(":status", status), ("content-type", "application/json")],
+        false,
+    );
+    if let Some(processing_request::Request::RequestHeaders(inner)) = h.request.take() {
+        h.request = Some(processing_request::Request::ResponseHeaders(inner));
+    }
+    h
+}
+
+/// The response `:status` is read: a 503's first byte is no first token (no TTFT sample), the
+/// answer is counted per worker and class, and five 503s in a row eject the rank; a stream
+/// that ends before any response is a `reset`.
+#[test]
+fn response_status_feeds_outlier_detection_not_the_estimator() {
+    let (core, _) = setup(
+        vec![worker("a", "m", RankLayout::PerPort(vec![8000]))],
+        ExtProcSettings::default(),
+    );
+    let settings = Arc::new(ExtProcSettings::default());
+    let observed = || {
+        core.metrics()
+            .selection
+            .ttft_prediction_ratio
+            .get_sample_count()
+    };
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(post_headers()).unwrap();
+    m.handle(body(CHAT, true)).unwrap();
+    m.handle(response_status("503")).unwrap();
+    m.handle(response_body(b"{\"error\":\"down\"}", true))
+        .unwrap();
+    let responses = &core.metrics().outlier.responses;
+    assert_eq!(observed(), 0, "a 503 is no TTFT sample");
+    assert_eq!(responses.with_label_values(&["a", "5xx"]).get(), 1);
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(post_headers()).unwrap();
+    m.handle(body(CHAT, true)).unwrap();
+    m.handle(response_status("200")).unwrap();
+    m.handle(response_body(b"{}", true)).unwrap();
+    assert_eq!(observed(), 1, "a 200 is");
+    assert_eq!(responses.with_label_values(&["a", "2xx"]).get(), 1);
+    // Routed, then gone before any response.
+    let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+    m.handle(post_headers()).unwrap();
+    m.handle(body(CHAT, true)).unwrap();
+    drop(m);
+    assert_eq!(responses.with_label_values(&["a", "reset"]).get(), 1);
+    assert_eq!(core.live_bookings(), 0);
+    // One rank alone is never ejected (the 50% cap rounds down): it keeps serving.
+    for _ in 0..6 {
+        let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
+        m.handle(post_headers()).unwrap();
+        m.handle(body(CHAT, true)).unwrap();
+        m.handle(response_status("502")).unwrap();
+        m.handle(response_body(b"", true)).unwrap();
+    }
+    assert_eq!(core.metrics().outlier.ejected_ranks.get(), 0);
+}

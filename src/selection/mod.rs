@@ -408,6 +408,26 @@ impl Reservation {
             .mark_prefill_complete_claimed(&self.selection.booking_id, self.own());
     }
 
+    /// The picked rank answered with HTTP `status` (a 5xx counts against it; only 2xx make its
+    /// first byte a TTFT sample).
+    pub fn response_status(&self, status: u16) {
+        self.record_response(kvpick_core::ResponseClass::of_status(status));
+    }
+
+    /// The stream ended before any response (client gone, or Envoy reset it): the index
+    /// entries the pick predicted go, and the rank is not blamed.
+    pub fn response_reset(&self) {
+        self.record_response(kvpick_core::ResponseClass::Reset);
+    }
+
+    fn record_response(&self, class: kvpick_core::ResponseClass) {
+        let (_, facts) =
+            self.core
+                .core
+                .record_response(&self.selection.booking_id, self.own(), class, now());
+        self.core.record(facts);
+    }
+
     /// The response ended after `output_tokens` tokens (before the booking is freed).
     pub fn decode_complete(&self, output_tokens: u64) {
         let (_, facts) = self.core.core.decode_complete(

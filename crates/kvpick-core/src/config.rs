@@ -69,6 +69,8 @@ pub struct CoreConfig {
     /// The prefill/decode pair decision ([`crate::disagg`]); only partitions with role-split
     /// ranks use it.
     pub pd: PdConfig,
+    /// Per-rank outlier detection ([`crate::outlier`]).
+    pub outlier: crate::outlier::OutlierConfig,
 }
 
 impl Default for CoreConfig {
@@ -92,6 +94,7 @@ impl Default for CoreConfig {
             engine_metrics_max_age: Duration::from_secs(1),
             flow: FlowConfig::default(),
             pd: PdConfig::default(),
+            outlier: crate::outlier::OutlierConfig::default(),
         }
     }
 }

@@ -537,6 +537,31 @@ impl Core {
         (marked.is_some(), facts)
     }
 
+    /// How the picked rank answered the booking's request (its response status, or a reset
+    /// before any response): outlier detection, and whether its first byte is a TTFT sample
+    /// (only 2xx). Only the first answer counts; unknown ids are ignored.
+    pub fn record_response(
+        &self,
+        booking_id: &str,
+        claim: Claim,
+        class: crate::facts::ResponseClass,
+        now: Instant,
+    ) -> (bool, Facts) {
+        let mut facts = Facts::default();
+        let recorded = self
+            .booked(booking_id, claim)
+            .is_some_and(|(generation, p)| {
+                p.record_response(
+                    &(booking_id.to_string(), generation),
+                    class,
+                    &self.config,
+                    now,
+                    &mut facts,
+                )
+            });
+        (recorded, facts)
+    }
+
     /// The booking's response ended after `output_tokens` tokens (call before freeing it): its
     /// decode speed calibrates the TPOT estimator and settles its TPOT SLO. Unknown ids are
     /// ignored.
@@ -2040,3 +2065,7 @@ mod flow_tests {
 #[cfg(test)]
 #[path = "core_api_tests.rs"]
 mod api_tests;
+
+#[cfg(test)]
+#[path = "core_outlier_tests.rs"]
+mod outlier_tests;

@@ -7,6 +7,38 @@ use std::sync::Arc;
 use crate::session::{Invalidation, SessionOutcome};
 use crate::types::{Lifecycle, PartitionKey, RankLoad};
 
+/// How a picked rank answered a request, as outlier detection and the estimators see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseClass {
+    /// 1xx/2xx/3xx: the engine served it.
+    Success,
+    /// 4xx: the client's fault; no engine failure, but no TTFT sample either.
+    ClientError,
+    /// 5xx, including Envoy's own 503 (connect failure) and 504 (upstream timeout).
+    ServerError,
+    /// The stream ended before any response (the client or Envoy reset it).
+    Reset,
+}
+
+impl ResponseClass {
+    pub fn of_status(status: u16) -> ResponseClass {
+        match status {
+            400..=499 => ResponseClass::ClientError,
+            500..=599 => ResponseClass::ServerError,
+            _ => ResponseClass::Success,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResponseClass::Success => "2xx",
+            ResponseClass::ClientError => "4xx",
+            ResponseClass::ServerError => "5xx",
+            ResponseClass::Reset => "reset",
+        }
+    }
+}
+
 /// One observable change.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Fact {
@@ -20,6 +52,19 @@ pub enum Fact {
     RankGone { worker: Arc<str>, dp_rank: u32 },
     /// Live bookings over all ranks changed by this much.
     Inflight(i64),
+    /// A picked rank answered (the response's status class; `reset` = no response).
+    UpstreamResponse {
+        worker: Arc<str>,
+        class: ResponseClass,
+    },
+    /// Outlier detection changed a rank's standing.
+    Outlier {
+        worker: Arc<str>,
+        dp_rank: u32,
+        event: crate::outlier::HealthEvent,
+    },
+    /// Ranks out of picks (ejected or probing) changed by this much.
+    EjectedRanks(i64),
     /// What session affinity did for one request.
     Session(SessionOutcome),
     /// A binding was dropped.

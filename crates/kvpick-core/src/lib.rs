@@ -37,6 +37,7 @@ pub mod facts;
 pub mod flow;
 pub mod hash;
 pub mod index;
+pub mod outlier;
 mod partition;
 pub mod request;
 pub mod session;
@@ -54,7 +55,7 @@ pub use crate::disagg::PdConfig;
 pub use crate::engine::{AdapterFit, EngineLoad, EngineMetrics};
 pub use crate::error::{CatalogError, SelectError};
 pub use crate::estimate::{Coefficients, EstimatorConfig, TpotEstimator, TtftEstimator};
-pub use crate::facts::{Fact, Facts, QueueEvent, QueueExit};
+pub use crate::facts::{Fact, Facts, QueueEvent, QueueExit, ResponseClass};
 pub use crate::flow::{FlowConfig, SaturationLimits};
 pub use crate::partition::EventStats;
 pub use crate::request::{

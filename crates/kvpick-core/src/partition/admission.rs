@@ -183,7 +183,7 @@ fn has_room(state: &State, config: &CoreConfig, now: Instant) -> bool {
         .ranks
         .slots
         .iter()
-        .filter(|(_, s)| s.schedulable && s.role.decodes())
+        .filter(|(_, s)| s.schedulable && s.role.decodes() && s.health.available(now))
         .peekable();
     if decoding.peek().is_none() {
         return true;

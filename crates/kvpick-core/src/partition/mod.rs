@@ -13,6 +13,7 @@
 
 mod admission;
 mod events;
+mod health;
 mod pair;
 mod pipeline;
 mod ranks;
@@ -85,6 +86,15 @@ struct Booking {
     /// The prefill rank left before the first token: the first token still settles the SLO and
     /// starts the TPOT clock, but is no TTFT observation (no known rank prefilled it).
     prefill_rank_gone: bool,
+    /// The rank answered other than 2xx: its first byte is no TTFT sample, SLO or TPOT start.
+    failed: bool,
+    /// The rank's answer (or the stream's reset) was recorded.
+    answered: bool,
+    /// This booking is the half-open probe of an ejected rank ([`crate::outlier`]).
+    probe: bool,
+    /// Approximate mode: the blocks the pick predicted the rank would newly cache, dropped from
+    /// the index if the rank fails the request (it never computed them).
+    new_blocks: Option<Arc<[u64]>>,
 }
 
 struct State {
@@ -341,6 +351,7 @@ impl Partition {
                 remote_load: RankLoad::default(),
                 engine: None,
                 api_bookings: 0,
+                health: Default::default(),
             });
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now.
@@ -425,6 +436,9 @@ impl Partition {
             pair::unbook_leg(state, Some(&leg), facts);
         }
         facts.push(Fact::Inflight(negative(slot.load.active_requests)));
+        if slot.health.is_ejected() {
+            facts.push(Fact::EjectedRanks(-1));
+        }
         facts.push(Fact::RankGone {
             worker: slot.worker_name,
             dp_rank: key.dp_rank,
@@ -511,7 +525,8 @@ impl Partition {
             )
         });
         let slots = &state.ranks.slots;
-        let eligible = match self.eligible_ranks(slots, request, &allowed, &mut bound, config) {
+        let eligible = match self.eligible_ranks(slots, request, &allowed, &mut bound, config, now)
+        {
             Ok(e) => e,
             // Over a busy threshold is saturation: with flow control the request waits.
             Err(SelectError::Overloaded(_)) if admission.is_some() => {
@@ -702,6 +717,7 @@ impl Partition {
         allowed: &Allowed,
         bound: &mut Option<RankKey>,
         config: &CoreConfig,
+        now: Instant,
     ) -> Result<Vec<usize>, SelectError> {
         let mode = config.sessions.mode;
         let mut eligible = pipeline::allowed_ranks(slots, allowed, &self.key.model)?;
@@ -710,6 +726,7 @@ impl Partition {
             pipeline::apply_pin(slots, &mut eligible, pin, bound, mode)?;
         }
         pipeline::narrow_adapter(slots, &mut eligible, allowed)?;
+        pipeline::drop_ejected(slots, &mut eligible, bound, now);
         let hard_bound = bound.filter(|_| mode == crate::session::AffinityMode::Hard);
         pipeline::drop_busy(
             slots,
@@ -756,7 +773,7 @@ impl Partition {
         let leg = pick.prefill.and_then(|(rank, overlap)| {
             pair::book_leg(state, rank, overlap, pick, config, now, facts)
         });
-        let booking = Booking {
+        let mut booking = Booking {
             generation: pick.generation,
             holder: request.holder,
             rank: pick.rank,
@@ -778,6 +795,10 @@ impl Partition {
             first_token: None,
             prefill: leg,
             prefill_rank_gone: false,
+            failed: false,
+            answered: false,
+            probe: false,
+            new_blocks: None,
         };
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
             pair::unbook_leg(state, booking.prefill.as_ref(), facts);
@@ -794,8 +815,13 @@ impl Partition {
         };
         facts.push(load_fact(slot, pick.rank));
         facts.push(Fact::Inflight(1));
-        state.bookings.insert(pick.booking_id.to_string(), booking);
+        booking.probe = slot.health.on_booked(now);
         let hashes = &pick.prompt.seq_hashes;
+        let cached = (pick.overlap.gpu as usize).min(hashes.len());
+        if ttl == config.approx_ttl && cached < hashes.len() {
+            booking.new_blocks = hashes.get(cached..).map(Arc::from);
+        }
+        state.bookings.insert(pick.booking_id.to_string(), booking);
         if !hashes.is_empty() {
             state
                 .index
@@ -877,6 +903,11 @@ impl Partition {
         if let Some(sid) = &booking.session {
             state.sessions.release(sid, now);
         }
+        if booking.probe && !booking.answered {
+            if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+                slot.health.probe_abandoned(now);
+            }
+        }
         Self::unload(state, booking, facts);
         pair::unbook_leg(state, booking.prefill.as_ref(), facts);
     }
@@ -910,6 +941,8 @@ impl Partition {
             .get_mut(&booking.0)
             .filter(|b| b.generation == booking.1)?;
         let first = !booking.prefill_complete;
+        // A failed response's first byte is no first token: no TTFT sample, SLO or TPOT start.
+        let sample = !booking.failed;
         if first {
             booking.prefill_complete = true;
             let (created, slo_ttft, priority, rank) = (
@@ -922,18 +955,20 @@ impl Partition {
                 let observed = now.saturating_duration_since(booking.created).as_secs_f64();
                 let (ttft_tokens, predicted) = (booking.ttft_tokens, booking.predicted_ttft);
                 pair::unbook_leg(state, Some(&leg), facts);
-                state.estimator.observe(leg.rank, ttft_tokens, observed);
-                facts.push(Fact::TtftObserved {
-                    predicted_seconds: predicted,
-                    observed_seconds: observed,
-                });
+                if sample {
+                    state.estimator.observe(leg.rank, ttft_tokens, observed);
+                    facts.push(Fact::TtftObserved {
+                        predicted_seconds: predicted,
+                        observed_seconds: observed,
+                    });
+                }
             } else if let Some(slot) = state.ranks.get_mut(&booking.rank) {
                 slot.load.active_prefill_tokens = slot
                     .load
                     .active_prefill_tokens
                     .saturating_sub(booking.prefill_tokens);
                 facts.push(load_fact(slot, booking.rank));
-                if !booking.prefill_rank_gone {
+                if sample && !booking.prefill_rank_gone {
                     let observed = now.saturating_duration_since(booking.created).as_secs_f64();
                     state
                         .estimator
@@ -943,6 +978,9 @@ impl Partition {
                         observed_seconds: observed,
                     });
                 }
+            }
+            if !sample {
+                return Some(first);
             }
             let observed = now.saturating_duration_since(created).as_secs_f64();
             if let Some(slo) = slo_ttft {

@@ -276,6 +276,30 @@ pub(crate) fn drop_busy(
     Ok(())
 }
 
+/// Outlier detection: ranks ejected for failing their requests take no picks (a session bound
+/// to one moves). When every eligible rank is ejected they all stay (as Envoy's panic mode: a
+/// failing rank may still serve, no rank never does); the 50% cap keeps that rare.
+pub(crate) fn drop_ejected(
+    slots: &[(RankKey, Slot)],
+    eligible: &mut Vec<usize>,
+    bound: &mut Option<RankKey>,
+    now: Instant,
+) {
+    let available = |i: &usize| slots.get(*i).is_some_and(|(_, s)| s.health.available(now));
+    if !eligible.iter().any(available) {
+        return;
+    }
+    eligible.retain(available);
+    if let Some(b) = *bound {
+        if !eligible
+            .iter()
+            .any(|&i| slots.get(i).is_some_and(|(k, _)| *k == b))
+        {
+            *bound = None;
+        }
+    }
+}
+
 /// API bookings: a rank already holding `cap` of them takes no more, so whoever reaches the
 /// selection API cannot book one rank full (stream requests are bounded by their streams).
 pub(crate) fn cap_api_bookings(

@@ -33,6 +33,8 @@ pub(crate) struct Slot {
     /// Live bookings the gRPC API holds on this rank (bounded per rank,
     /// [`crate::CoreConfig::max_api_bookings_per_rank`]).
     pub api_bookings: u32,
+    /// Outlier detection: ejected ranks take no picks ([`crate::outlier`]).
+    pub health: crate::outlier::RankHealth,
 }
 
 impl Slot {

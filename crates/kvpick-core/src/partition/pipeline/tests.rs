@@ -25,6 +25,7 @@ fn slot(port: u16) -> Slot {
         remote_load: RankLoad::default(),
         engine: None,
         api_bookings: 0,
+        health: Default::default(),
     }
 }
 
