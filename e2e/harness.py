@@ -829,7 +829,7 @@ def patch_envoy_config(cfg: dict[str, Any], *, kvpick_port: int, secure: bool,
 
 
 def replicas_config(kvpick_ports: list[int], secure: bool = False) -> dict[str, Any]:
-    """Envoy in front of several kvpick replicas (README "Replicas"): the ``kvpick`` cluster
+    """Envoy in front of several kvpick replicas (docs/replicas.md): the ``kvpick`` cluster
     balances ext_proc streams round-robin over all of them, with gRPC health checks so a dead
     replica is taken out; and, for tests that must place a request on one replica, a listener
     ``via_replica_<i>`` per replica whose ext_proc calls only that one (cluster ``kvpick_<i>``)."""
@@ -936,7 +936,7 @@ FALLBACK_CLUSTER = "inference_pool_fallback"
 
 def failopen_config(pool_endpoints: list[str],
                     cfg: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The FailOpen wiring (README "Failure modes"): ``failure_mode_allow: true`` on ext_proc, and
+    """The FailOpen wiring (docs/failure-modes.md): ``failure_mode_allow: true`` on ext_proc, and
     two routes instead of one. The first matches only when kvpick has set its pick in the
     dynamic metadata ``envoy.lb`` (which clients cannot forge) and goes to the ORIGINAL_DST
     cluster; kvpick's ``clear_route_cache`` makes Envoy re-match after the pick. The second,

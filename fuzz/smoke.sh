@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# A short fuzz smoke for CI: every cargo-fuzz target for SECONDS (default 20) over its committed
-# corpus; fails on any crash. The long runs (10 minutes each) are `bash fuzz/run.sh 600 TARGET`.
+# A short fuzz smoke for CI: every cargo-fuzz target (`bash fuzz/run.sh --list`, i.e. the [[bin]]
+# entries of fuzz/Cargo.toml) for SECONDS (default 20), starting from its committed seeds
+# (fuzz/seeds/TARGET) and whatever an earlier run grew in fuzz/corpus/TARGET (ignored by git);
+# fails on any crash. The long runs (10 minutes each) are `bash fuzz/run.sh 600 TARGET`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs="${1:-20}"
 log="$(mktemp)"
-for target in kv_event_decoder request_body extproc_stream conversation_body; do
+targets="$(bash fuzz/run.sh --list)"
+[ -n "$targets" ] || { echo "fuzz smoke: no targets in fuzz/Cargo.toml" >&2; exit 1; }
+for target in $targets; do
   echo "--- fuzz smoke: $target (${secs}s)"
   if ! bash fuzz/run.sh "$secs" "$target" >"$log" 2>&1; then
     tail -60 "$log"

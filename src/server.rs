@@ -33,7 +33,7 @@ pub enum LogFormat {
 /// Flags of `kvpick serve` (names follow the GIE endpoint picker where they overlap).
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// Static catalog: YAML file with a `workers:` list (see README). Re-read when it changes.
+    /// Static catalog: YAML file with a `workers:` list (docs/configuration.md). Re-read when it changes.
     #[arg(
         long,
         visible_alias = "config-file",
@@ -44,7 +44,7 @@ pub struct ServeArgs {
 
     /// Tokenization of text and chat prompts: YAML file with a `tokenizers:` list (per model:
     /// tokenizer_json, chat_template[_file], bos/eos_token, add_special_tokens, render_url).
-    /// Without it, text prompts are hashed as pseudo tokens (see README "Tokenization").
+    /// Without it, text prompts are hashed as pseudo tokens (docs/tokenization.md).
     #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
     pub tokenizer_config: Option<PathBuf>,
 
@@ -80,7 +80,7 @@ pub struct ServeArgs {
     )]
     pub target_ports: Vec<u16>,
 
-    /// Model served by every selected pod; default: each pod's `kvpick.io/model` label.
+    /// Model served by every selected pod; default: each pod's `kvpick.io/model` annotation (or label).
     #[arg(long, value_name = "NAME", help_heading = "Kubernetes")]
     pub model: Option<String>,
 
@@ -90,7 +90,7 @@ pub struct ServeArgs {
     pub kube_api_url: Option<String>,
 
     /// Flow control: YAML file of objectives (`name`, `priority`) and model rewrite rules
-    /// (`matches` -> weighted `targets`), see README "Flow control". Validated at start-up (an
+    /// (`matches` -> weighted `targets`), see docs/flow-control.md. Validated at start-up (an
     /// invalid file fails it); re-read every --catalog-poll-ms, a bad edit is logged and the last
     /// good policy kept.
     #[arg(
@@ -117,7 +117,7 @@ pub struct ServeArgs {
 
     /// Honour the client-supplied `x-dynamo-request-priority` header (negative = sheddable); it
     /// overrides the priority of the objective the request names. `false`: the header is ignored
-    /// and only objectives (operator-defined) set a priority. See README "Security".
+    /// and only objectives (operator-defined) set a priority. See docs/security.md.
     #[arg(
         long,
         default_value_t = true,
@@ -483,7 +483,8 @@ pub struct ServeArgs {
     )]
     pub session_ttl: u64,
 
-    /// Most session bindings kept; past it new sessions are routed without affinity (and counted).
+    /// Most session bindings kept; past it the binding idle longest makes room, and only a table
+    /// full of sessions with requests in flight routes new sessions without affinity (counted).
     #[arg(
         long,
         default_value_t = 65_536,

@@ -400,7 +400,6 @@ async fn merged_receiver_combines_the_file_and_the_cluster() {
     let fake = Fake::start().await;
     fake.set_missing(res(LLMD, OBJECTIVES), true);
     fake.set_missing(res(LLMD, REWRITES), true);
-    fake.put(GIE, OBJECTIVES, objective(GIE, "interactive", 100, POOL));
     let dir = std::env::temp_dir().join(format!("kvpick-flowkube-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("flow.yaml");
@@ -421,8 +420,11 @@ async fn merged_receiver_combines_the_file_and_the_cluster() {
         )),
     })
     .unwrap();
-    // The file's policy is there at once; the cluster's objective then overrides it.
+    // The file's policy is there at once. The cluster has no objective yet, so nothing the
+    // source tasks do (list, watch, merge) can change it: the sources are ordered by the test,
+    // not by which task runs first. Only then does the cluster's objective arrive and override it.
     assert_eq!(rx.borrow().objective("interactive").unwrap().priority, 1);
+    fake.put(GIE, OBJECTIVES, objective(GIE, "interactive", 100, POOL));
     let ok = tokio::time::timeout(
         WAIT,
         rx.wait_for(|p| {

@@ -102,31 +102,35 @@ async fn draining_answers_not_serving_on_both_ports_until_exit() {
         .unwrap();
     assert!(killed.success());
 
-    // Readiness turns NOT_SERVING on both ports while the stream is open (bounded poll: the
-    // signal is handled by another process).
+    // Every readiness service turns NOT_SERVING on both ports while the stream is open (bounded
+    // poll: the signal is handled by another process, and kvpick sets the services one after
+    // the other, so the test waits for all of them instead of asserting the rest as soon as
+    // `readiness` has turned).
     let deadline = Instant::now() + Duration::from_secs(10);
+    let services = [
+        "readiness",
+        "inference-extension",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+        "",
+    ];
     loop {
-        let health = check(serve.health, "readiness").await;
-        let grpc = check(serve.grpc, "readiness").await;
-        if health == Ok(ServingStatus::NotServing) && grpc == Ok(ServingStatus::NotServing) {
+        let mut statuses = Vec::new();
+        for port in [serve.health, serve.grpc] {
+            for service in services {
+                statuses.push((port, service, check(port, service).await));
+            }
+        }
+        if statuses
+            .iter()
+            .all(|(_, _, s)| *s == Ok(ServingStatus::NotServing))
+        {
             break;
         }
         assert!(
             Instant::now() < deadline,
-            "draining readiness: health port {health:?}, ext_proc port {grpc:?}"
+            "draining readiness (port, service, status): {statuses:?}"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    for service in [
-        "inference-extension",
-        "envoy.service.ext_proc.v3.ExternalProcessor",
-        "",
-    ] {
-        assert_eq!(
-            check(serve.health, service).await,
-            Ok(ServingStatus::NotServing),
-            "{service:?}"
-        );
     }
     assert_eq!(
         check(serve.health, "liveness").await,

@@ -5,7 +5,7 @@ Each fixture is one msgpack ``EventBatch`` payload (the third ZeroMQ frame) buil
 engines' own ``msgspec.Struct`` definitions (see ``wire.py``) and encoded with
 ``msgspec.msgpack.Encoder()``, so the bytes are what a vLLM / SGLang publisher puts on the wire.
 The Rust decoder's unit tests (src/events/decode.rs) pin the exact decoded contents; the fuzz
-seed corpus (fuzz/corpus/kv_event_decoder) starts from the same files.
+seeds (fuzz/seeds/kv_event_decoder/seed_*) are the same files.
 
     .venv/bin/python e2e/kv_events/make_fixtures.py           # (re)write the fixtures + README
     .venv/bin/python e2e/kv_events/make_fixtures.py --check   # exit 1 if any file would change
@@ -29,7 +29,7 @@ from kv_events import wire  # noqa: E402
 
 REPO = HERE.parent.parent
 OUT = REPO / "tests" / "fixtures" / "kv_events"
-FUZZ_SEEDS = REPO / "fuzz" / "corpus" / "kv_event_decoder"
+FUZZ_SEEDS = REPO / "fuzz" / "seeds" / "kv_event_decoder"
 
 
 def _tokens(start: int, n: int) -> list[int]:
@@ -481,7 +481,7 @@ def render_readme() -> str:
         "    .venv/bin/python e2e/kv_events/make_fixtures.py",
         "",
         "(`--check` verifies the files are current). `src/events/decode.rs` asserts the exact",
-        "decoded contents of each; `fuzz/corpus/kv_event_decoder/` seeds from them.",
+        "decoded contents of each; `fuzz/seeds/kv_event_decoder/seed_*` are the same payloads.",
         "",
         "| file | contents |",
         "| --- | --- |",

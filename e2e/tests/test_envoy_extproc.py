@@ -164,29 +164,35 @@ def test_unknown_model_is_503(stack, upstreams, client):
 # catalog, health, reload
 
 
+def ready_services(kv, want: str) -> bool:
+    """Every readiness service reports ``want``. kvpick sets them one after the other, so a
+    test waits for all of them rather than asserting the rest right after the first."""
+    return all(kv.health(svc) == want for svc in READY_SERVICES)
+
+
 def test_health_serving_with_workers(stack):
     kv = stack.kvpick
-    assert kv.health("liveness") == "SERVING"
-    for svc in READY_SERVICES:
-        assert kv.health(svc) == "SERVING", svc
+    wait_until(lambda: kv.health("liveness") == "SERVING", 20, desc="liveness SERVING")
+    # The catalog is applied and the statuses published by tasks of their own: wait for the
+    # state, never assert one they may not have reached yet.
+    wait_until(lambda: ready_services(kv, "SERVING"), 20,
+               desc="every readiness service SERVING with a worker in the catalog")
 
 
 def test_empty_catalog_503_not_ready_then_ready_after_reload(make_stack, make_upstream, client):
     s = make_stack([], name="empty")
     kv = s.kvpick
-    assert kv.health("liveness") == "SERVING"
-    for svc in READY_SERVICES:
-        assert kv.health(svc) == "NOT_SERVING", svc
+    wait_until(lambda: kv.health("liveness") == "SERVING", 20, desc="liveness SERVING")
+    wait_until(lambda: ready_services(kv, "NOT_SERVING"), 20,
+               desc="every readiness service NOT_SERVING with an empty catalog")
     assert_kvpick_error(post_chat(client, s.url()), 503)
     wait_until(lambda: metric_or_zero(kv, "kvpick_requests_total", status="503") >= 1, 10,
                desc='kvpick_requests_total{status="503"}')
 
     up = make_upstream()
     kv.write_catalog([worker("w0", ports=[up.port])])
-    wait_until(lambda: kv.health("readiness") == "SERVING", 20,
-               desc="readiness SERVING after the catalog gained a worker")
-    for svc in READY_SERVICES:
-        assert kv.health(svc) == "SERVING", svc
+    wait_until(lambda: ready_services(kv, "SERVING"), 20,
+               desc="every readiness service SERVING after the catalog gained a worker")
     assert_routed(post_chat(client, s.url()), {up.port})
 
 
@@ -316,8 +322,10 @@ def test_transport_modes_route(make_stack, make_upstream, client, secure):
         with pytest.raises((ssl.SSLError, OSError)):
             harness.tls_alpn(s.kvpick.grpc_port)
         # the same health services are on the ext_proc port (for Envoy's cluster health check)
-        assert s.kvpick.health("readiness", port=s.kvpick.grpc_port) == "SERVING"
-        assert s.kvpick.health("liveness", port=s.kvpick.grpc_port) == "SERVING"
+        grpc_port = s.kvpick.grpc_port
+        wait_until(lambda: s.kvpick.health("readiness", port=grpc_port) == "SERVING"
+                   and s.kvpick.health("liveness", port=grpc_port) == "SERVING", 20,
+                   desc="readiness and liveness SERVING on the ext_proc port")
 
 
 # Istio's gateway names the EPP's cluster `outbound|PORT||SERVICE` and sends that name as the TLS

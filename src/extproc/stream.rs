@@ -1020,7 +1020,7 @@ fn check_protocol(
     if config.request_body_mode != full_duplex || config.response_body_mode != full_duplex {
         return Err(Status::failed_precondition(format!(
             "kvpick needs request_body_mode and response_body_mode FULL_DUPLEX_STREAMED \
-             (got request {}, response {}); see the README's Envoy wiring",
+             (got request {}, response {}); see docs/deployment.md, \"Wiring Envoy\"",
             mode_name(config.request_body_mode),
             mode_name(config.response_body_mode)
         )));
