@@ -470,6 +470,57 @@ class Upstream:
 # kvpick
 
 
+class FailingEngine:
+    """An engine whose HTTP path is broken while `failing` is set: every request gets an instant
+    503 (else a 200 JSON answer). Counts what it answered, split by the `x-soak-bad` marker
+    hostile clients put on theirs."""
+
+    def __init__(self) -> None:
+        owner = self
+        self.failing = True
+        self.answers: list[tuple[int, bool]] = []  # (status, from a hostile client)
+        self.lock = threading.Lock()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                if length:
+                    self.rfile.read(length)
+                status = 503 if owner.failing else 200
+                with owner.lock:
+                    owner.answers.append((status, bool(self.headers.get("x-soak-bad"))))
+                payload = b'{"error":"engine broken"}' if status == 503 else b'{"choices":[]}'
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = _handle
+
+        self.server = _ThreadingServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def count(self, status: int | None = None, hostile: bool | None = None) -> int:
+        with self.lock:
+            return sum(1 for s, h in self.answers
+                       if (status is None or s == status) and (hostile is None or h == hostile))
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class _ThreadingServer(socketserver.ThreadingMixIn, http.server.HTTPServer):
+    daemon_threads = True
+
+
 def worker(name: str, ports: Iterable[int] | None = None, *, port: int | None = None,
            dp_size: int | None = None, model: str = "m1",
            address: str = "127.0.0.1") -> dict[str, Any]:
