@@ -4,6 +4,7 @@ and kvpick's RSS must stay flat: the last sample within 10% of the sample taken 
 the first tenth of the run).
 
     bash e2e/soak [--minutes 10] [--rate 40] [--abort-fraction 0.1]
+    bash e2e/soak --adversarial [--minutes 5] [--rate 40]   # e2e/soak_adversarial.py
 
 Load: examples/loadgen.rs (`run --rate`, open-loop pacing, `--abort-fraction` drops the
 connection after the response head). Writes target/soak.json.
@@ -85,8 +86,21 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--rate", type=float, default=40.0, help="requests per second (total)")
     ap.add_argument("--abort-fraction", type=float, default=0.1)
-    ap.add_argument("--out", default=str(REPO / "target" / "soak.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--adversarial", action="store_true",
+                    help="hostile clients and a broken engine beside the good traffic, compared "
+                         "with a clean run (e2e/soak_adversarial.py)")
     args = ap.parse_args()
+    if args.adversarial:
+        import soak_adversarial
+        out = Path(args.out or REPO / "target" / "soak-adversarial.json")
+        r = soak_adversarial.compare(args.minutes * 60, args.rate)
+        out.write_text(json.dumps(r, indent=2))
+        ok = soak_adversarial.report(r)
+        print("PASS" if ok else "FAIL")
+        print(f"written to {out}")
+        sys.exit(0 if ok else 1)
+    args.out = args.out or str(REPO / "target" / "soak.json")
     r = soak(args.minutes * 60, args.rate, args.abort_fraction)
     Path(args.out).write_text(json.dumps(r, indent=2))
     load = r["load"]

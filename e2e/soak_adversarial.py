@@ -21,11 +21,9 @@ run's, and the bookings left. Writes target/soak-adversarial.json.
 """
 from __future__ import annotations
 
-import http.server
 import json
 import random
 import socket
-import socketserver
 import ssl
 import struct
 import subprocess
@@ -45,51 +43,6 @@ from bench_overhead import LOADGEN, proc_status_kb  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 BAD = {"x-soak-bad": "1"}
 CHAT = "/v1/chat/completions"
-
-
-class BrokenEngine:
-    """An engine whose HTTP path is broken: every request gets an instant 503. Counts the good
-    traffic's requests it answered (bad clients mark theirs with x-soak-bad)."""
-
-    def __init__(self) -> None:
-        owner = self
-        self.good = 0
-        self.bad = 0
-        self.lock = threading.Lock()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def _handle(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                if length:
-                    self.rfile.read(length)
-                with owner.lock:
-                    if self.headers.get("x-soak-bad"):
-                        owner.bad += 1
-                    else:
-                        owner.good += 1
-                payload = b'{"error":"engine broken"}'
-                self.send_response(503)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            do_GET = do_POST = _handle
-
-        class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-            daemon_threads = True
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
 
 
 class Attacks:
@@ -214,6 +167,13 @@ def _field(number: int, value: bytes) -> bytes:
     return bytes(out) + value
 
 
+def verdict(outcome) -> str:
+    """A hostile connection's end, as a count key: the GOAWAY code, or how it closed."""
+    if outcome.goaway_code is not None:
+        return f"goaway_{outcome.goaway_code:#x}"
+    return "closed" if outcome.closed else "left_open"
+
+
 def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
     attacks = Attacks()
     url = stack.url()
@@ -221,12 +181,12 @@ def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
     client = httpx.Client(trust_env=False, timeout=httpx.Timeout(30.0))
     rng = random.Random(7)
     blob = b'{"model":"m1","prompt":"' + b"x" * (32 << 20) + b'"}'
-    attacks.run("header_bomb_64k", lambda: hostile_h2.header_bomb(
-        "127.0.0.1", grpc_port, block_bytes=64 << 10, tls=stack.secure), 1.0)
-    attacks.run("header_bomb_256k", lambda: hostile_h2.header_bomb(
-        "127.0.0.1", grpc_port, block_bytes=256 << 10, tls=stack.secure), 2.0)
-    attacks.run("continuation_flood", lambda: hostile_h2.continuation_flood(
-        "127.0.0.1", grpc_port, tls=stack.secure), 1.0)
+    attacks.run("header_bomb_64k", lambda: verdict(hostile_h2.header_bomb(
+        "127.0.0.1", grpc_port, block_bytes=64 << 10, tls=stack.secure)), 1.0)
+    attacks.run("header_bomb_256k", lambda: verdict(hostile_h2.header_bomb(
+        "127.0.0.1", grpc_port, block_bytes=256 << 10, tls=stack.secure)), 2.0)
+    attacks.run("continuation_flood", lambda: verdict(hostile_h2.continuation_flood(
+        "127.0.0.1", grpc_port, tls=stack.secure)), 1.0)
     for i in range(4):
         attacks.run(f"slow_tls_{i}", lambda: slow_tls_handshake(grpc_port, seconds), 0.5)
     attacks.run("reset_mid_body", lambda: reset_mid_body(url), 0.2)
@@ -251,7 +211,7 @@ def run(seconds: float, rate: float, adversarial: bool, sample_every: float = 2.
                      {"role": "user", "content": "question REQ"}],
     }, separators=(",", ":")).replace("REQ", "{n}"))
     workers = [harness.worker("w0", ports=ports[:2]), harness.worker("w1", ports=ports[2:])]
-    broken = BrokenEngine() if adversarial else None
+    broken = harness.FailingEngine() if adversarial else None
     if broken is not None:
         workers.append(harness.worker("broken", ports=[broken.port]))
     args = ["--outlier-base-ejection-secs", "30"] + (extra_args or [])
@@ -292,7 +252,7 @@ def run(seconds: float, rate: float, adversarial: bool, sample_every: float = 2.
             broken.stop()
     statuses = load["statuses"]
     not_ok = sum(v for k, v in statuses.items() if k != "200")
-    engine_503 = broken.good if broken is not None else 0
+    engine_503 = broken.count(status=503, hostile=False) if broken is not None else 0
     return {
         "seconds": seconds, "rate": rate, "adversarial": adversarial,
         "load": load, "good_non_200": not_ok,
@@ -302,7 +262,7 @@ def run(seconds: float, rate: float, adversarial: bool, sample_every: float = 2.
         "peak_rss_kb": peak_kb, "rss_samples": rss,
         "bookings_left": inflight, "kvpick_alive": alive,
         "attacks": attacks.counts if attacks is not None else {},
-        "broken_engine_bad_requests": broken.bad if broken is not None else 0,
+        "broken_engine_hostile_requests": broken.count(hostile=True) if broken is not None else 0,
     }
 
 
