@@ -28,7 +28,7 @@ pub struct Metrics {
 /// How picked ranks answer, and outlier detection (ARCHITECTURE.md §3b).
 #[derive(Clone)]
 pub struct OutlierMetrics {
-    /// Responses per worker and status class (2xx, 4xx, 5xx, reset).
+    /// Responses per worker rank and status class (2xx, 4xx, 5xx, reset).
     pub responses: IntCounterVec,
     /// Ejections per worker (a probe's failure counts again).
     pub ejections: IntCounterVec,
@@ -44,9 +44,9 @@ impl OutlierMetrics {
                 IntCounterVec::new(
                     Opts::new(
                         "kvpick_upstream_responses_total",
-                        "Responses of picked ranks by worker and status class (2xx, 4xx, 5xx, reset)",
+                        "Responses of picked ranks by worker, rank and status class (2xx, 4xx, 5xx, reset)",
                     ),
-                    &["worker", "class"],
+                    &["worker", "rank", "class"],
                 )
                 .unwrap(),
             ),
@@ -730,10 +730,14 @@ impl Metrics {
                         .remove_label_values(&labels);
                 }
                 Fact::Inflight(delta) => self.selection.inflight_total.add(*delta),
-                Fact::UpstreamResponse { worker, class } => self
+                Fact::UpstreamResponse {
+                    worker,
+                    dp_rank,
+                    class,
+                } => self
                     .outlier
                     .responses
-                    .with_label_values(&[&**worker, class.as_str()])
+                    .with_label_values(&[&**worker, &dp_rank.to_string(), class.as_str()])
                     .inc(),
                 Fact::Outlier {
                     worker,

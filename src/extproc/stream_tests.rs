@@ -2003,20 +2003,20 @@ fn response_status_feeds_outlier_detection_not_the_estimator() {
         .unwrap();
     let responses = &core.metrics().outlier.responses;
     assert_eq!(observed(), 0, "a 503 is no TTFT sample");
-    assert_eq!(responses.with_label_values(&["a", "5xx"]).get(), 1);
+    assert_eq!(responses.with_label_values(&["a", "0", "5xx"]).get(), 1);
     let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
     m.handle(post_headers()).unwrap();
     m.handle(body(CHAT, true)).unwrap();
     m.handle(response_status("200")).unwrap();
     m.handle(response_body(b"{}", true)).unwrap();
     assert_eq!(observed(), 1, "a 200 is");
-    assert_eq!(responses.with_label_values(&["a", "2xx"]).get(), 1);
+    assert_eq!(responses.with_label_values(&["a", "0", "2xx"]).get(), 1);
     // Routed, then gone before any response.
     let mut m = StreamMachine::new(Arc::clone(&core), Arc::clone(&settings));
     m.handle(post_headers()).unwrap();
     m.handle(body(CHAT, true)).unwrap();
     drop(m);
-    assert_eq!(responses.with_label_values(&["a", "reset"]).get(), 1);
+    assert_eq!(responses.with_label_values(&["a", "0", "reset"]).get(), 1);
     assert_eq!(core.live_bookings(), 0);
     // One rank alone is never ejected (the 50% cap rounds down): it keeps serving.
     for _ in 0..6 {

@@ -55,6 +55,7 @@ pub enum Fact {
     /// A picked rank answered (the response's status class; `reset` = no response).
     UpstreamResponse {
         worker: Arc<str>,
+        dp_rank: u32,
         class: ResponseClass,
     },
     /// Outlier detection changed a rank's standing.

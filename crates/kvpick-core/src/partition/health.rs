@@ -64,6 +64,7 @@ impl Partition {
         };
         facts.push(Fact::UpstreamResponse {
             worker: slot.worker_name.clone(),
+            dp_rank: rank.dp_rank,
             class,
         });
         let outlier = &config.outlier;
