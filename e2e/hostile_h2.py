@@ -293,7 +293,7 @@ class HeldOutcome:
     still_open: int = 0
     elapsed: float = 0.0
     close_times: list[float] = field(default_factory=list)
-    """Seconds from open to the server's close, per closed connection."""
+    """Seconds from the start of connecting to the server's close, per closed connection."""
 
 
 def _hold(socks: list[socket.socket], opened_at: list[float], hold: float,
@@ -347,9 +347,10 @@ def many_idle_connections(host: str, port: int, *, connections: int = 100, tls: 
     out = HeldOutcome()
     socks, opened_at = [], []
     for _ in range(connections):
+        began = time.monotonic()  # before connecting: the server's clocks start after this
         try:
             socks.append(connect(host, port, tls=tls, timeout=timeout))
-            opened_at.append(time.monotonic())
+            opened_at.append(began)
             out.opened += 1
         except OSError:
             out.refused += 1
@@ -368,11 +369,12 @@ def slow_tls_handshake(host: str, port: int, *, connections: int = 10, hold: flo
     out = HeldOutcome()
     socks, opened_at = [], []
     for _ in range(connections):
+        began = time.monotonic()
         try:
             s = socket.create_connection((host, port), timeout=timeout)
             s.sendall(b"\x16\x03\x01")
             socks.append(s)
-            opened_at.append(time.monotonic())
+            opened_at.append(began)
             out.opened += 1
         except OSError:
             out.refused += 1

@@ -159,3 +159,17 @@ def test_idle_connections_and_slow_handshakes_are_closed_at_their_timeouts(kvpic
         assert hostile.health_check(HOST, kv.grpc_port, tls=True)
     finally:
         kv.stop()
+
+
+def test_a_peer_that_never_answers_pings_is_closed_by_keepalive(kvpick_bin):
+    kv = start(False, "--http2-idle-timeout", "0", "--http2-keepalive-interval", "0.3",
+               "--http2-keepalive-timeout", "0.3")
+    try:
+        # many_idle_connections never answers a PING: each is closed after interval + timeout.
+        held = hostile.many_idle_connections(HOST, kv.grpc_port, connections=5, hold=10.0)
+        assert held.closed == 5 and held.still_open == 0, held
+        assert min(held.close_times) >= 0.6
+        # hyper says GOAWAY(NO_ERROR) too; the idle timeout (off) closed none of them.
+        assert not kv.metric("kvpick_connections_idle_closed_total", listener="grpc")
+    finally:
+        kv.stop()

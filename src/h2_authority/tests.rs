@@ -457,3 +457,26 @@ async fn an_open_stream_keeps_the_connection_and_idleness_counts_from_its_end() 
     assert!(ended.elapsed() >= Duration::from_secs(60));
     assert!(g.flags == 0);
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_short_request_restarts_the_idle_timer() {
+    let mut enc = loona_hpack::Encoder::new();
+    let mut client = idle_connection(Duration::from_secs(60));
+    client.writer.write_all(&wire(&[])).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(50)).await;
+    client.no_goaway_yet();
+    // A whole request and its answer, 50 s into the idle period.
+    let asked = tokio::time::Instant::now();
+    client
+        .writer
+        .write_all(&small_request(1, &mut enc))
+        .await
+        .unwrap();
+    let g = client.until_goaway().await;
+    assert_eq!(goaway(&g), (1, code::NO_ERROR, "idle".into()));
+    assert!(
+        asked.elapsed() >= Duration::from_secs(60),
+        "{:?}",
+        asked.elapsed()
+    );
+}
