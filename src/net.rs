@@ -1,7 +1,11 @@
-//! Listener plumbing shared by the gRPC ports: an accept loop that sets TCP_NODELAY, optionally
-//! terminates TLS (OpenSSL, handshakes off the accept path), puts the `:authority` fix
-//! (`h2_authority`) in front of h2, and stops accepting at shutdown so a
-//! draining process refuses new connections instead of leaving them hanging.
+//! Listener plumbing shared by the gRPC ports: an accept loop that bounds open connections
+//! (`--max-connections`, a connection past it is closed at once), sets TCP_NODELAY, optionally
+//! terminates TLS (OpenSSL, handshakes off the accept path, at most
+//! `--max-concurrent-tls-handshakes` at once, each within `--tls-handshake-timeout`), puts the
+//! HTTP/2 front layer (`h2_authority`: h2's bounds, the `:authority` fix, the idle timeout) in
+//! front of h2, and stops accepting at shutdown so a draining process refuses new connections
+//! instead of leaving them hanging. Also the flags of these bounds (`ConnArgs`) and the HTTP/2
+//! settings they give the tonic servers, so the layer and h2 agree.
 
 use std::io;
 use std::pin::Pin;
@@ -9,15 +13,169 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use anyhow::bail;
+use prometheus::IntGauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_openssl::SslStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
-use crate::h2_authority::AuthorityFix;
+use crate::h2_authority::limits::{
+    DEFAULT_MAX_HEADER_LIST_BYTES, MAX_FRAME_SIZE, MAX_MAX_HEADER_LIST_BYTES,
+    MIN_MAX_HEADER_LIST_BYTES,
+};
+use crate::h2_authority::{AuthorityFix, CloseReason, FrontConfig, FrontLimits};
+use crate::metrics::ConnMetrics;
 use crate::tls::TlsServer;
+
+/// Bounds on the connections of the gRPC ports (flags of `kvpick serve`).
+#[derive(Debug, Clone, clap::Args)]
+#[command(next_help_heading = "Connections")]
+pub struct ConnArgs {
+    /// Most open connections per gRPC port (ext_proc, health), TLS handshakes included. A
+    /// connection accepted past it is closed at once
+    /// (`kvpick_connections_refused_total{reason="connection_limit"}`). Envoy keeps a handful of
+    /// long-lived connections per gateway pod, so this only stops connection floods.
+    #[arg(long, default_value_t = 1024, value_name = "N")]
+    pub max_connections: usize,
+
+    /// Most TLS handshakes in progress at once on the ext_proc port. Connections past it wait for
+    /// a slot (within --tls-handshake-timeout) instead of being refused: a burst of gateway
+    /// reconnects is served a little later, not turned away.
+    #[arg(long, default_value_t = 64, value_name = "N")]
+    pub max_concurrent_tls_handshakes: usize,
+
+    /// Seconds from accept within which a TLS handshake must finish, waiting for a slot
+    /// included; then the connection is closed (`kvpick_tls_handshakes_total{result="timeout"}`).
+    #[arg(long, default_value_t = 10.0, value_name = "SECONDS")]
+    pub tls_handshake_timeout: f64,
+
+    /// Seconds between the HTTP/2 PINGs kvpick sends on each connection; 0 = none.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS")]
+    pub http2_keepalive_interval: f64,
+
+    /// Seconds a PING may go unanswered before its connection is closed (a peer that vanished).
+    #[arg(long, default_value_t = 20.0, value_name = "SECONDS")]
+    pub http2_keepalive_timeout: f64,
+
+    /// Seconds a connection may go without an open stream (or never open one) before it gets
+    /// GOAWAY (NO_ERROR) and is closed; a stream waiting on a slow upstream keeps it open. A
+    /// gateway simply reconnects for its next request. 0 = never.
+    #[arg(long, default_value_t = 300.0, value_name = "SECONDS")]
+    pub http2_idle_timeout: f64,
+
+    /// Largest decoded request header list (SETTINGS_MAX_HEADER_LIST_SIZE: name + value + 32
+    /// bytes per header), counted while decoding; a client sending more gets GOAWAY
+    /// (ENHANCE_YOUR_CALM) and its connection is closed. Header blocks are bounded at
+    /// max(64 KiB, this), CONTINUATION frames at 8 per block (more for larger values), frames
+    /// at 16,384 bytes (SETTINGS_MAX_FRAME_SIZE). 1024..=1048576.
+    #[arg(long, default_value_t = DEFAULT_MAX_HEADER_LIST_BYTES, value_name = "BYTES")]
+    pub max_header_list_bytes: usize,
+}
+
+/// The checked values of [`ConnArgs`].
+#[derive(Debug, Clone)]
+pub struct ConnLimits {
+    pub max_connections: usize,
+    pub max_concurrent_tls_handshakes: usize,
+    pub tls_handshake_timeout: Duration,
+    pub http2_keepalive_interval: Option<Duration>,
+    pub http2_keepalive_timeout: Duration,
+    pub http2_idle_timeout: Option<Duration>,
+    pub front: FrontLimits,
+}
+
+impl Default for ConnLimits {
+    fn default() -> Self {
+        ConnLimits {
+            max_connections: 1024,
+            max_concurrent_tls_handshakes: 64,
+            tls_handshake_timeout: Duration::from_secs(10),
+            http2_keepalive_interval: Some(Duration::from_secs(30)),
+            http2_keepalive_timeout: Duration::from_secs(20),
+            http2_idle_timeout: Some(Duration::from_secs(300)),
+            front: FrontLimits::default(),
+        }
+    }
+}
+
+/// `value` seconds as a duration: finite, >= 0, at most a day; 0 is `None` where allowed.
+fn seconds(flag: &str, value: f64, zero_means_off: bool) -> anyhow::Result<Option<Duration>> {
+    if !value.is_finite() || !(0.0..=86_400.0).contains(&value) {
+        bail!("{flag} must be 0..=86400 seconds, got {value}");
+    }
+    if value == 0.0 {
+        if zero_means_off {
+            return Ok(None);
+        }
+        bail!("{flag} must be more than 0 seconds");
+    }
+    Ok(Some(Duration::from_secs_f64(value)))
+}
+
+impl ConnArgs {
+    pub fn limits(&self) -> anyhow::Result<ConnLimits> {
+        if self.max_connections == 0 {
+            bail!("--max-connections must be at least 1");
+        }
+        if self.max_concurrent_tls_handshakes == 0 {
+            bail!("--max-concurrent-tls-handshakes must be at least 1");
+        }
+        let list = self.max_header_list_bytes;
+        if !(MIN_MAX_HEADER_LIST_BYTES..=MAX_MAX_HEADER_LIST_BYTES).contains(&list) {
+            bail!(
+                "--max-header-list-bytes must be {MIN_MAX_HEADER_LIST_BYTES}..={MAX_MAX_HEADER_LIST_BYTES}, got {list}"
+            );
+        }
+        let handshake = seconds("--tls-handshake-timeout", self.tls_handshake_timeout, false)?;
+        let keepalive = seconds(
+            "--http2-keepalive-timeout",
+            self.http2_keepalive_timeout,
+            false,
+        )?;
+        Ok(ConnLimits {
+            max_connections: self.max_connections,
+            max_concurrent_tls_handshakes: self.max_concurrent_tls_handshakes,
+            tls_handshake_timeout: handshake.unwrap_or_default(),
+            http2_keepalive_interval: seconds(
+                "--http2-keepalive-interval",
+                self.http2_keepalive_interval,
+                true,
+            )?,
+            http2_keepalive_timeout: keepalive.unwrap_or_default(),
+            http2_idle_timeout: seconds("--http2-idle-timeout", self.http2_idle_timeout, true)?,
+            front: FrontLimits::new(list),
+        })
+    }
+}
+
+impl ConnLimits {
+    /// The HTTP/2 settings of a tonic server whose connections come from [`incoming`] with these
+    /// limits: the frame size and header-list size h2 advertises are the ones the front layer
+    /// enforces, and the keepalive PINGs.
+    pub fn http2_settings<L>(
+        &self,
+        server: tonic::transport::Server<L>,
+    ) -> tonic::transport::Server<L> {
+        server
+            .http2_keepalive_interval(self.http2_keepalive_interval)
+            .http2_keepalive_timeout(Some(self.http2_keepalive_timeout))
+            .http2_max_header_list_size(self.front.max_header_list_bytes as u32)
+            .max_frame_size(MAX_FRAME_SIZE)
+    }
+}
+
+/// One listener's settings for [`incoming`].
+#[derive(Clone)]
+pub struct Listening {
+    /// The `listener` label of the connection metrics (`grpc`, `health`).
+    pub name: &'static str,
+    pub tls: Option<Arc<TlsServer>>,
+    pub limits: ConnLimits,
+    pub metrics: ConnMetrics,
+}
 
 /// The byte stream under HTTP/2: plain (h2c) or TLS.
 pub enum Transport {
@@ -30,14 +188,55 @@ pub enum Transport {
 pub struct Conn {
     io: AuthorityFix<Transport>,
     info: TcpConnectInfo,
+    _slot: ConnSlot,
 }
 
 impl Conn {
-    fn new(transport: Transport, info: TcpConnectInfo) -> Self {
+    fn new(transport: Transport, info: TcpConnectInfo, slot: ConnSlot, front: FrontConfig) -> Self {
         Conn {
-            io: AuthorityFix::new(transport),
+            io: AuthorityFix::with_config(transport, front),
             info,
+            _slot: slot,
         }
+    }
+}
+
+/// One of `--max-connections`, held from accept until the connection is dropped.
+struct ConnSlot {
+    _permit: OwnedSemaphorePermit,
+    open: IntGauge,
+}
+
+impl ConnSlot {
+    fn new(permit: OwnedSemaphorePermit, open: IntGauge) -> Self {
+        open.inc();
+        ConnSlot {
+            _permit: permit,
+            open,
+        }
+    }
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
+
+/// Counts a connection in a gauge for as long as it lives (waiting for a handshake slot, or
+/// holding one).
+struct Counted(IntGauge);
+
+impl Counted {
+    fn new(gauge: &IntGauge) -> Self {
+        gauge.inc();
+        Counted(gauge.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
@@ -145,13 +344,79 @@ async fn tls_handshake(tls: &TlsServer, stream: TcpStream) -> anyhow::Result<Ssl
     Ok(stream)
 }
 
-/// Accepts on `listener` until `shutdown` turns true, yielding ready connections.
+/// The front layer's settings for a listener's connections, counting what it closes.
+fn front_config(listening: &Listening) -> FrontConfig {
+    let name = listening.name;
+    let refused = listening.metrics.refused.clone();
+    let idle = listening.metrics.idle_closed.clone();
+    FrontConfig {
+        limits: listening.limits.front,
+        idle_timeout: listening.limits.http2_idle_timeout,
+        on_close: Some(Arc::new(move |reason| match reason {
+            CloseReason::Violation(v) => refused.with_label_values(&[name, v.reason()]).inc(),
+            CloseReason::Idle => idle.with_label_values(&[name]).inc(),
+        })),
+    }
+}
+
+/// Handshakes on one accepted connection (waiting for a slot first) and hands it on, all within
+/// the handshake timeout counted from accept.
+async fn handshake_and_send(
+    tls: Arc<TlsServer>,
+    stream: TcpStream,
+    info: TcpConnectInfo,
+    slot: ConnSlot,
+    handshakes: Arc<Semaphore>,
+    listening: Listening,
+    tx: mpsc::Sender<io::Result<Conn>>,
+) {
+    let metrics = &listening.metrics;
+    let peer = info.remote_addr();
+    let handshake = async {
+        let waiting = Counted::new(&metrics.tls_handshakes_waiting);
+        let _permit = handshakes.acquire_owned().await?;
+        drop(waiting);
+        let _in_progress = Counted::new(&metrics.tls_handshakes_in_progress);
+        tls_handshake(&tls, stream).await
+    };
+    let result = match tokio::time::timeout(listening.limits.tls_handshake_timeout, handshake).await
+    {
+        Ok(Ok(tls)) => Ok(tls),
+        Ok(Err(err)) => {
+            tracing::debug!(?peer, err = format!("{err:#}"), "TLS handshake failed");
+            Err("failed")
+        }
+        Err(_) => {
+            tracing::debug!(?peer, "TLS handshake timed out");
+            Err("timeout")
+        }
+    };
+    let label = result.as_ref().map_or_else(|r| *r, |_| "ok");
+    metrics.tls_handshakes.with_label_values(&[label]).inc();
+    if let Ok(tls) = result {
+        let conn = Conn::new(
+            Transport::Tls(Box::new(tls)),
+            info,
+            slot,
+            front_config(&listening),
+        );
+        let _ = tx.send(Ok(conn)).await;
+    }
+}
+
+/// Accepts on `listener` until `shutdown` turns true, yielding ready connections within the
+/// bounds of `listening`.
 pub fn incoming(
     listener: TcpListener,
-    tls: Option<Arc<TlsServer>>,
+    listening: Listening,
     mut shutdown: watch::Receiver<bool>,
 ) -> ReceiverStream<io::Result<Conn>> {
     let (tx, rx) = mpsc::channel(128);
+    let slots = Arc::new(Semaphore::new(listening.limits.max_connections));
+    let handshakes = Arc::new(Semaphore::new(
+        listening.limits.max_concurrent_tls_handshakes,
+    ));
+    let open = listening.metrics.open.with_label_values(&[listening.name]);
     tokio::spawn(async move {
         loop {
             let accepted = tokio::select! {
@@ -168,37 +433,48 @@ pub fn incoming(
                     continue;
                 }
             };
+            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+                // Over --max-connections: closed at once (dropping the socket).
+                tracing::debug!(%peer, listener = listening.name, "connection limit reached");
+                listening
+                    .metrics
+                    .refused
+                    .with_label_values(&[listening.name, "connection_limit"])
+                    .inc();
+                continue;
+            };
+            let slot = ConnSlot::new(permit, open.clone());
             let _ = stream.set_nodelay(true);
             let info = stream.connect_info();
-            match &tls {
+            match &listening.tls {
                 None => {
-                    if tx
-                        .send(Ok(Conn::new(Transport::Plain(stream), info)))
-                        .await
-                        .is_err()
-                    {
+                    let conn = Conn::new(
+                        Transport::Plain(stream),
+                        info,
+                        slot,
+                        front_config(&listening),
+                    );
+                    if tx.send(Ok(conn)).await.is_err() {
                         return;
                     }
                 }
                 Some(tls) => {
-                    let tls = Arc::clone(tls);
-                    let tx = tx.clone();
-                    tokio::spawn(async move {
-                        let handshake = tls_handshake(&tls, stream);
-                        match tokio::time::timeout(Duration::from_secs(10), handshake).await {
-                            Ok(Ok(tls)) => {
-                                let conn = Conn::new(Transport::Tls(Box::new(tls)), info);
-                                let _ = tx.send(Ok(conn)).await;
-                            }
-                            Ok(Err(err)) => {
-                                tracing::debug!(%peer, err = format!("{err:#}"), "TLS handshake failed")
-                            }
-                            Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                        }
-                    });
+                    tokio::spawn(handshake_and_send(
+                        Arc::clone(tls),
+                        stream,
+                        info,
+                        slot,
+                        Arc::clone(&handshakes),
+                        listening.clone(),
+                        tx.clone(),
+                    ));
                 }
             }
         }
     });
     ReceiverStream::new(rx)
 }
+
+#[cfg(test)]
+#[path = "net_tests.rs"]
+mod tests;

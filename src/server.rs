@@ -165,6 +165,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub max_concurrent_streams: u32,
 
+    /// Bounds on connections and on what a client may make the HTTP/2 layer decode.
+    #[command(flatten)]
+    pub conn: crate::net::ConnArgs,
+
     /// Extra fallback endpoints appended to x-gateway-destination-endpoint, in preference order.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fallbacks: usize,
@@ -928,6 +932,7 @@ pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> 
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::new();
+    let conn_limits = args.conn.limits()?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
     let tokenizers = match &args.tokenizer_config {
@@ -1109,8 +1114,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             let _ = rx.wait_for(|s| *s).await;
         }
     };
-    let grpc_server = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+    let listening = |name, tls| crate::net::Listening {
+        name,
+        tls,
+        limits: conn_limits.clone(),
+        metrics: metrics.conn.clone(),
+    };
+    let grpc_server = conn_limits
+        .http2_settings(tonic::transport::Server::builder())
         .max_concurrent_streams(Some(args.max_concurrent_streams))
         .add_service(health_service.clone())
         .add_service(extproc.into_server())
@@ -1121,13 +1132,14 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
                 .into_server(),
         )
         .serve_with_incoming_shutdown(
-            crate::net::incoming(grpc_listener, tls, exit_rx.clone()),
+            crate::net::incoming(grpc_listener, listening("grpc", tls), exit_rx.clone()),
             drained(),
         );
-    let health_server = tonic::transport::Server::builder()
+    let health_server = conn_limits
+        .http2_settings(tonic::transport::Server::builder())
         .add_service(health_service)
         .serve_with_incoming_shutdown(
-            crate::net::incoming(health_listener, None, exit_rx.clone()),
+            crate::net::incoming(health_listener, listening("health", None), exit_rx.clone()),
             drained(),
         );
     let metrics_for_http = metrics.clone();

@@ -1,0 +1,400 @@
+"""Hostile HTTP/2 and TLS clients against a kvpick gRPC port, for the e2e tests
+(e2e/tests/test_hostile_h2.py) and the adversarial soak.
+
+Every attack opens its own connection(s), crafts the frames itself (HPACK from PyPI ``hpack`` for
+the well-formed parts, the server's frames parsed with ``hyperframe``; the hostile parts are built
+byte by byte) and reports what the server did. ``health_check`` is the well-behaved client beside
+them (PyPI ``h2``). Each function's running time is bounded by its
+``timeout`` / ``hold`` argument (plus the connect time, itself bounded by ``timeout``); none
+retries.
+
+    from hostile_h2 import header_bomb
+    out = header_bomb("127.0.0.1", port, block_bytes=64 * 1024)
+    assert out.goaway_code == ENHANCE_YOUR_CALM and out.closed
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import ssl
+import struct
+import time
+from dataclasses import dataclass, field
+
+import h2.config
+import h2.connection
+import h2.events
+import hpack
+from hyperframe.frame import Frame, GoAwayFrame
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+MAX_FRAME_SIZE = 16_384  # what kvpick advertises (SETTINGS_MAX_FRAME_SIZE)
+
+# Frame types and flags.
+DATA, HEADERS, SETTINGS, CONTINUATION = 0x0, 0x1, 0x4, 0x9
+END_STREAM, END_HEADERS = 0x1, 0x4
+
+# HTTP/2 error codes (RFC 9113 §7).
+NO_ERROR = 0x0
+PROTOCOL_ERROR = 0x1
+FRAME_SIZE_ERROR = 0x6
+COMPRESSION_ERROR = 0x9
+ENHANCE_YOUR_CALM = 0xB
+
+
+@dataclass
+class Outcome:
+    """What the server did with one hostile connection."""
+
+    goaway_code: int | None = None
+    """Error code of the server's GOAWAY, if one arrived."""
+    last_stream_id: int | None = None
+    debug: bytes = b""
+    closed: bool = False
+    """The server closed the connection (EOF or reset) within the bound."""
+    sent_all: bool = True
+    """Every attack byte was written before the server stopped reading."""
+    elapsed: float = 0.0
+    frames: list[str] = field(default_factory=list)
+    """Types of the server's frames, in order."""
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes, length: int | None = None) -> bytes:
+    """One raw frame; ``length`` overrides the declared payload length (for lying headers)."""
+    n = len(payload) if length is None else length
+    return struct.pack(">I", n)[1:] + bytes([kind, flags]) + struct.pack(">I", stream_id) + payload
+
+
+def hpack_int(value: int, prefix: int, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 §5.1) with ``first``'s high bits above a ``prefix``-bit prefix."""
+    limit = (1 << prefix) - 1
+    if value < limit:
+        return bytes([first | value])
+    out = [first | limit]
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def hpack_string(raw: bytes) -> bytes:
+    """A string literal without Huffman coding."""
+    return hpack_int(len(raw), 7) + raw
+
+
+def request_block(path: str = "/grpc.health.v1.Health/Check", extra=()) -> bytes:
+    """A well-formed gRPC request header block from a fresh HPACK encoder."""
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", path),
+               (":authority", "kvpick"), ("content-type", "application/grpc"),
+               ("te", "trailers"), *extra]
+    return hpack.Encoder().encode(headers)
+
+
+def block_frames(block: bytes, stream_id: int = 1, frame_bytes: int = MAX_FRAME_SIZE,
+                 end_stream: bool = True) -> bytes:
+    """``block`` as HEADERS + CONTINUATION frames of at most ``frame_bytes`` each."""
+    chunks = [block[i:i + frame_bytes] for i in range(0, len(block), frame_bytes)] or [b""]
+    out = b""
+    for i, chunk in enumerate(chunks):
+        flags = END_HEADERS if i + 1 == len(chunks) else 0
+        if i == 0:
+            out += frame(HEADERS, flags | (END_STREAM if end_stream else 0), stream_id, chunk)
+        else:
+            out += frame(CONTINUATION, flags, stream_id, chunk)
+    return out
+
+
+def tls_context() -> ssl.SSLContext:
+    """A client context for kvpick's self-signed certificate, offering h2."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    return ctx
+
+
+def open_socket(host: str, port: int, tls: bool = False, timeout: float = 5.0) -> socket.socket:
+    """A TCP connection, or a TLS one with its handshake done (ALPN h2)."""
+    sock = socket.create_connection((host, port), timeout=timeout)
+    if tls:
+        sock = tls_context().wrap_socket(sock, server_hostname="kvpick")
+    return sock
+
+
+def connect(host: str, port: int, tls: bool = False, timeout: float = 5.0) -> socket.socket:
+    """``open_socket`` that has also sent the client preface and an empty SETTINGS."""
+    sock = open_socket(host, port, tls=tls, timeout=timeout)
+    sock.sendall(PREFACE + frame(SETTINGS, 0, 0, b""))
+    return sock
+
+
+def _server_frames(data: bytes):
+    """Parses the server's bytes into hyperframe frames (a trailing partial frame is ignored)."""
+    out = []
+    while len(data) >= 9:
+        f, length = Frame.parse_frame_header(memoryview(data[:9]))
+        if len(data) < 9 + length:
+            break
+        f.parse_body(memoryview(data[9:9 + length]))
+        out.append(f)
+        data = data[9 + length:]
+    return out
+
+
+def run_attack(host: str, port: int, attack: bytes, *, tls: bool = False,
+               timeout: float = 10.0) -> Outcome:
+    """Sends ``attack`` after the preface on a new connection and reads what the server answers
+    until it closes the connection or ``timeout`` seconds pass (the bound of this function)."""
+    start = time.monotonic()
+    deadline = start + timeout
+    out = Outcome()
+    sock = connect(host, port, tls=tls, timeout=timeout)
+    try:
+        try:
+            sock.sendall(attack)
+        except OSError:
+            out.sent_all = False
+        received = b""
+        while time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = sock.recv(65536)
+            except (socket.timeout, TimeoutError):
+                break
+            except OSError:  # reset: closed, whatever arrived before counts
+                out.closed = True
+                break
+            if not chunk:
+                out.closed = True
+                break
+            received += chunk
+        for f in _server_frames(received):
+            out.frames.append(type(f).__name__)
+            if isinstance(f, GoAwayFrame) and out.goaway_code is None:
+                out.goaway_code = f.error_code
+                out.last_stream_id = f.last_stream_id
+                out.debug = bytes(f.additional_data)
+    finally:
+        sock.close()
+    out.elapsed = time.monotonic() - start
+    return out
+
+
+def bomb_block(block_bytes: int, entry_bytes: int = 4000) -> bytes:
+    """Issue 24's header bomb: a request that inserts one ``entry_bytes`` entry into the HPACK
+    dynamic table, then references it (one byte each, index 62) until the block is
+    ``block_bytes`` long. 64 KiB decodes to ~250 MB, 1 MiB to ~4 GiB."""
+    block = request_block() + b"\x40" + hpack_string(b"x-bomb") + hpack_string(b"b" * entry_bytes)
+    return block + bytes([0x80 | 62]) * max(0, block_bytes - len(block))
+
+
+def header_bomb(host: str, port: int, *, block_bytes: int = 64 * 1024, entry_bytes: int = 4000,
+                frame_bytes: int = MAX_FRAME_SIZE, tls: bool = False,
+                timeout: float = 10.0) -> Outcome:
+    """Sends the header bomb (``bomb_block``) as HEADERS + CONTINUATION frames of
+    ``frame_bytes``. kvpick answers GOAWAY(ENHANCE_YOUR_CALM) and closes. Bounded by
+    ``timeout`` seconds."""
+    attack = block_frames(bomb_block(block_bytes, entry_bytes), frame_bytes=frame_bytes)
+    return run_attack(host, port, attack, tls=tls, timeout=timeout)
+
+
+def continuation_flood(host: str, port: int, *, frames: int = 10_000, tls: bool = False,
+                       timeout: float = 10.0) -> Outcome:
+    """A HEADERS frame followed by ``frames`` empty CONTINUATION frames that never end the block
+    (CVE-2024-27316's shape). kvpick answers GOAWAY(ENHANCE_YOUR_CALM) after 8. Bounded by
+    ``timeout`` seconds."""
+    attack = frame(HEADERS, END_STREAM, 1, request_block())
+    attack += frame(CONTINUATION, 0, 1, b"") * frames
+    return run_attack(host, port, attack, tls=tls, timeout=timeout)
+
+
+def oversized_frame(host: str, port: int, *, length: int = MAX_FRAME_SIZE + 1,
+                    kind: int = DATA, tls: bool = False, timeout: float = 10.0) -> Outcome:
+    """A frame of ``length`` payload bytes (default one over the advertised maximum) on stream 1,
+    after a request opened it. kvpick answers GOAWAY(FRAME_SIZE_ERROR). Bounded by ``timeout``
+    seconds."""
+    attack = block_frames(request_block(), end_stream=False)
+    attack += frame(kind, 0, 1, b"\0" * length)
+    return run_attack(host, port, attack, tls=tls, timeout=timeout)
+
+
+def bad_table_size_update(host: str, port: int, *, where: str = "above",
+                          tls: bool = False, timeout: float = 10.0) -> Outcome:
+    """A request whose block carries a dynamic table size update kvpick must refuse:
+    ``where="above"`` = 4097 at the start (over SETTINGS_HEADER_TABLE_SIZE), ``"middle"`` = a
+    valid size after the first field (RFC 7541 §4.2: only at the start). kvpick answers
+    GOAWAY(COMPRESSION_ERROR). Bounded by ``timeout`` seconds."""
+    block = request_block()
+    if where == "above":
+        block = hpack_int(4097, 5, 0x20) + block
+    elif where == "middle":
+        block = block[:1] + hpack_int(0, 5, 0x20) + block[1:]
+    else:
+        raise ValueError(f"where must be 'above' or 'middle', not {where!r}")
+    return run_attack(host, port, block_frames(block), tls=tls, timeout=timeout)
+
+
+def health_check(host: str, port: int, *, service: str = "liveness", tls: bool = False,
+                 timeout: float = 5.0) -> bool:
+    """A well-behaved client (PyPI ``h2``, a complete HTTP/2 implementation): one gRPC
+    ``grpc.health.v1.Health/Check`` on a new connection. True when the server answers it with
+    ``grpc-status: 0``. Bounded by ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    message = b"\x0a" + hpack_int(len(service), 7) + service.encode()  # field 1, < 128 bytes
+    body = b"\x00" + struct.pack(">I", len(message)) + message
+    conn = h2.connection.H2Connection(
+        h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    sock = open_socket(host, port, tls=tls, timeout=timeout)
+    try:
+        conn.initiate_connection()
+        stream = conn.get_next_available_stream_id()
+        conn.send_headers(stream, [
+            (":method", "POST"), (":scheme", "https" if tls else "http"),
+            (":path", "/grpc.health.v1.Health/Check"), (":authority", "kvpick"),
+            ("content-type", "application/grpc"), ("te", "trailers")])
+        conn.send_data(stream, body, end_stream=True)
+        sock.sendall(conn.data_to_send())
+        status = None
+        while time.monotonic() < deadline:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = sock.recv(65536)
+            except OSError:
+                return False
+            if not chunk:
+                return False
+            for event in conn.receive_data(chunk):
+                if isinstance(event, (h2.events.ResponseReceived, h2.events.TrailersReceived)):
+                    status = dict(event.headers).get("grpc-status", status)
+                elif isinstance(event, h2.events.StreamEnded):
+                    return status == "0"
+                elif isinstance(event, (h2.events.StreamReset, h2.events.ConnectionTerminated)):
+                    return False
+            sock.sendall(conn.data_to_send())
+        return False
+    finally:
+        sock.close()
+
+
+@dataclass
+class HeldOutcome:
+    """What the server did with connections a client holds open."""
+
+    opened: int = 0
+    refused: int = 0
+    """Closed by the server before it sent anything (accept-and-close over a limit)."""
+    closed: int = 0
+    """Closed by the server after answering (GOAWAY or a timeout), within the hold."""
+    goaways: dict[int, int] = field(default_factory=dict)
+    """GOAWAY error code -> connections that got one."""
+    still_open: int = 0
+    elapsed: float = 0.0
+    close_times: list[float] = field(default_factory=list)
+    """Seconds from the start of connecting to the server's close, per closed connection."""
+
+
+def _hold(socks: list[socket.socket], opened_at: list[float], hold: float,
+          out: HeldOutcome) -> None:
+    """Reads every socket until the server closes it or ``hold`` seconds pass."""
+    sel = selectors.DefaultSelector()
+    received: dict[int, bytes] = {}
+    for i, s in enumerate(socks):
+        s.setblocking(False)
+        sel.register(s, selectors.EVENT_READ, i)
+        received[i] = b""
+    deadline = time.monotonic() + hold
+    live = len(socks)
+    while live and time.monotonic() < deadline:
+        for key, _ in sel.select(timeout=max(0.0, deadline - time.monotonic())):
+            i, s = key.data, key.fileobj
+            try:
+                chunk = s.recv(65536)
+            except ssl.SSLWantReadError:
+                continue
+            except OSError:
+                chunk = b""
+            if chunk:
+                received[i] += chunk
+                continue
+            sel.unregister(s)
+            live -= 1
+            out.close_times.append(time.monotonic() - opened_at[i])
+            if received[i]:
+                out.closed += 1
+            else:
+                out.refused += 1
+            for f in _server_frames(received[i]):
+                if isinstance(f, GoAwayFrame):
+                    out.goaways[f.error_code] = out.goaways.get(f.error_code, 0) + 1
+                    break
+    out.still_open = live
+    sel.close()
+    for s in socks:
+        s.close()
+
+
+def many_idle_connections(host: str, port: int, *, connections: int = 100, tls: bool = False,
+                          hold: float = 10.0, timeout: float = 5.0) -> HeldOutcome:
+    """Opens ``connections`` connections (h2c or TLS), sends each the preface and SETTINGS, never
+    opens a stream, and holds them for up to ``hold`` seconds, counting how the server ends
+    them: refused (over ``--max-connections``), GOAWAY(NO_ERROR) + close (after
+    ``--http2-idle-timeout``), or still open. Bounded by about ``hold`` + ``timeout`` seconds
+    per connection that fails to connect."""
+    start = time.monotonic()
+    out = HeldOutcome()
+    socks, opened_at = [], []
+    for _ in range(connections):
+        began = time.monotonic()  # before connecting: the server's clocks start after this
+        try:
+            socks.append(connect(host, port, tls=tls, timeout=timeout))
+            opened_at.append(began)
+            out.opened += 1
+        except OSError:
+            out.refused += 1
+    _hold(socks, opened_at, hold, out)
+    out.elapsed = time.monotonic() - start
+    return out
+
+
+def slow_tls_handshake(host: str, port: int, *, connections: int = 10, hold: float = 15.0,
+                       timeout: float = 5.0) -> HeldOutcome:
+    """Opens ``connections`` TCP connections, sends each the first 3 bytes of a TLS record
+    header and then nothing (a handshake that never finishes), and holds them for up to
+    ``hold`` seconds: kvpick closes each at ``--tls-handshake-timeout`` (they count as
+    ``refused`` here: the server never sends a byte). Bounded by about ``hold`` seconds."""
+    start = time.monotonic()
+    out = HeldOutcome()
+    socks, opened_at = [], []
+    for _ in range(connections):
+        began = time.monotonic()
+        try:
+            s = socket.create_connection((host, port), timeout=timeout)
+            s.sendall(b"\x16\x03\x01")
+            socks.append(s)
+            opened_at.append(began)
+            out.opened += 1
+        except OSError:
+            out.refused += 1
+    _hold(socks, opened_at, hold, out)
+    out.elapsed = time.monotonic() - start
+    return out
+
+
+def process_memory(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM (peak) of a process, in bytes, from /proc/PID/status."""
+    values = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0]) * 1024
+    return values
+
+
+def reset_peak_memory(pid: int) -> None:
+    """Resets the process's VmHWM to its current RSS (Linux: ``5`` into /proc/PID/clear_refs)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
