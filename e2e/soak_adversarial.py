@@ -137,7 +137,7 @@ def api_flood(port: int) -> Callable[[], str]:
 
     def once() -> str:
         n[0] += 1
-        request = _field(1, f"flood-{n[0]}".encode()) + _field(2, b"m1") + _varint(7, 1 << 32)
+        request = _field(1, f"flood-{n[0]}".encode()) + _field(2, b"m1")
         try:
             reserve(request, timeout=5)
             return "booked"
@@ -145,16 +145,6 @@ def api_flood(port: int) -> Callable[[], str]:
             return e.code().name
 
     return once
-
-
-def _varint(number: int, value: int) -> bytes:
-    out = bytearray()
-    for n in ((number << 3), value):
-        while n >= 0x80:
-            out.append((n & 0x7F) | 0x80)
-            n >>= 7
-        out.append(n)
-    return bytes(out)
 
 
 def _field(number: int, value: bytes) -> bytes:
