@@ -323,11 +323,13 @@ impl StreamMachine {
         }
         let (mut worker_pin, mut rank_pin) = (None, None);
         let mut session: Option<(usize, String)> = None;
+        let mut declared_len: Option<u64> = None;
         for h in headers.headers.iter().flat_map(|m| m.headers.iter()) {
             let name = h.key.to_ascii_lowercase();
             let value = header_value(h);
             match name.as_str() {
                 "content-type" => self.content_type = Some(value.to_string()),
+                "content-length" => declared_len = value.trim().parse().ok(),
                 ":path" => self.path = value.chars().take(1024).collect(),
                 "x-request-id" if !value.is_empty() => {
                     self.request_id = Some(value.chars().take(256).collect())
@@ -358,6 +360,10 @@ impl StreamMachine {
             }
             self.header_names.push(name);
         }
+        // A body declared over the limit is refused before a byte of it is buffered.
+        if declared_len.is_some_and(|n| n > self.settings.max_body_bytes as u64) {
+            return Ok(self.reject_too_large());
+        }
         self.session_id = session.map(|(_, id)| id);
         self.classify(&headers);
         if self.core.config().allow_pins {
@@ -380,13 +386,7 @@ impl StreamMachine {
         }
         self.body_started.get_or_insert_with(Instant::now);
         if self.body.len + body.body.len() > self.settings.max_body_bytes {
-            return Ok(self.reject(
-                413,
-                &format!(
-                    "request body exceeds max_body_bytes ({} bytes)",
-                    self.settings.max_body_bytes
-                ),
-            ));
+            return Ok(self.reject_too_large());
         }
         if !self.body.lease.try_grow(body.body.len()) {
             return Ok(self.reject_budget());
@@ -966,6 +966,14 @@ impl StreamMachine {
         if let Some(r) = self.reservation.take() {
             r.free();
         }
+    }
+
+    fn reject_too_large(&mut self) -> Step {
+        let message = format!(
+            "request body exceeds max_body_bytes ({} bytes)",
+            self.settings.max_body_bytes
+        );
+        self.reject(413, &message)
     }
 
     fn reject_select(&mut self, err: &SelectError) -> Step {

@@ -310,6 +310,32 @@ fn body_over_limit_is_413_as_soon_as_it_is_exceeded() {
     assert_eq!(code, 413);
 }
 
+/// A body whose `content-length` is over the limit is refused at the headers, before a byte
+/// of it is buffered; one declared at the limit goes on.
+#[test]
+fn a_declared_length_over_the_limit_is_413_at_the_headers() {
+    let settings = || ExtProcSettings {
+        max_body_bytes: 100,
+        ..Default::default()
+    };
+    let post = |len: &str| {
+        headers(
+            &[
+                (":method", "POST"),
+                (":path", "/v1/chat/completions"),
+                ("content-type", "application/json"),
+                ("content-length", len),
+            ],
+            false,
+        )
+    };
+    let (_core, mut m) = setup(default_pool(), settings());
+    let (code, _) = immediate_status(&m.handle(post("101")).unwrap());
+    assert_eq!(code, 413);
+    let (_core, mut m) = setup(default_pool(), settings());
+    assert!(m.handle(post("100")).unwrap().responses.is_empty());
+}
+
 #[test]
 fn empty_catalog_is_503() {
     let (_core, mut m) = setup(vec![], ExtProcSettings::default());
