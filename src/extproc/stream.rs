@@ -140,7 +140,6 @@ pub struct StreamMachine {
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
     first_byte_seen: bool,
-
     usage: Option<UsageTracker>,
     served_endpoint: Option<String>,
     pin: Option<Pin>,
