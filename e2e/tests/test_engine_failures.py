@@ -64,3 +64,31 @@ def test_a_failing_engine_is_ejected_and_returns_after_it_recovers(make_stack, m
         wait_until(lambda: kv.metric("kvpick_inflight_total") == 0, 10, desc="no booking left")
     finally:
         broken.stop()
+
+
+def test_envoys_own_connect_failure_reply_counts_against_the_picked_rank(make_stack, make_upstream,
+                                                                          client):
+    """A worker nothing listens on: Envoy answers 503 "upstream connect error" itself, and that
+    local reply reaches kvpick's response path of the routed request (Envoy 1.40), so the rank
+    is ejected like an engine answering 503."""
+    from harness import free_port
+
+    healthy = [make_upstream(f"ok{i}") for i in range(3)]
+    workers = [worker(f"ok{i}", ports=[u.port]) for i, u in enumerate(healthy)]
+    workers.append(worker("dead", ports=[free_port()]))
+    stack = make_stack(workers, secure=False, name="connect-failure",
+                       extra_args=["--outlier-base-ejection-secs", str(BASE_EJECTION)])
+    kv = stack.kvpick
+    answers = []
+    for _ in range(110):
+        r = client.post(stack.url() + CHAT, content=json.dumps(chat_body()), headers=JSON_CT)
+        answers.append((r.status_code, r.text))
+    refused = [i for i, (status, text) in enumerate(answers)
+               if status == 503 and "upstream connect error" in text]
+    assert len(refused) >= 5, f"the dead port was picked only {len(refused)} times"
+    assert all(s == 200 for i, (s, _) in enumerate(answers) if i not in refused), answers
+    assert kv.metric("kvpick_outlier_ejected_ranks") == 1, "the dead rank is ejected"
+    assert kv.metric("kvpick_upstream_responses_total", worker="dead",
+                     **{"class": "5xx"}) == len(refused)
+    late = [i for i in refused if i >= 10]
+    assert len(late) <= 5, f"after the first 10, {len(late)} of 100 requests went to it: {refused}"

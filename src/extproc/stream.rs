@@ -140,8 +140,6 @@ pub struct StreamMachine {
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
     first_byte_seen: bool,
-    /// The routed request's response headers arrived (its rank answered).
-    response_seen: bool,
     usage: Option<UsageTracker>,
     served_endpoint: Option<String>,
     pin: Option<Pin>,
@@ -178,7 +176,6 @@ impl StreamMachine {
             reservation: None,
             picked_at: None,
             first_byte_seen: false,
-            response_seen: false,
             usage: None,
             served_endpoint: None,
             pin: None,
@@ -855,7 +852,6 @@ impl StreamMachine {
     }
 
     fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
-        self.response_seen = true;
         // The rank's answer: a 5xx (Envoy's own 503/504 for connect failures and timeouts too)
         // counts against it, and only a 2xx makes its first byte a first token.
         let status = headers
@@ -1011,10 +1007,11 @@ impl StreamMachine {
 }
 
 impl Drop for StreamMachine {
-    /// A routed request whose stream ends before its response (the client went away, or Envoy
-    /// reset the stream): the rank is not blamed, but the index entries predicted for it go.
+    /// A routed request whose stream ends before its first response byte (the client went away,
+    /// or Envoy reset the stream; after a 2xx's headers too: the engine may have aborted the
+    /// prefill): the rank is not blamed, but the index entries predicted for it go.
     fn drop(&mut self) {
-        if let (Some(r), false) = (&self.reservation, self.response_seen) {
+        if let (Some(r), false) = (&self.reservation, self.first_byte_seen) {
             r.response_reset();
         }
     }

@@ -2054,3 +2054,7 @@ fn response_status_feeds_outlier_detection_not_the_estimator() {
     }
     assert_eq!(core.metrics().outlier.ejected_ranks.get(), 0);
 }
+
+/// The response's answer and a stream's reset, per booking ([`super::super::StreamMachine`]).
+#[path = "stream_reset_tests.rs"]
+mod reset;

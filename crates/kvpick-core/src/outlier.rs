@@ -91,6 +91,11 @@ impl RankHealth {
         self.standing != Standing::Healthy
     }
 
+    /// In normal service (not ejected, not half-open).
+    pub fn in_service(&self) -> bool {
+        self.standing == Standing::Healthy
+    }
+
     /// A request was booked on the rank; returns whether it is the half-open probe.
     pub fn on_booked(&mut self, now: Instant) -> bool {
         match self.standing {
@@ -109,8 +114,18 @@ impl RankHealth {
         }
     }
 
-    /// A response that was not a server failure.
-    pub fn on_success(&mut self, now: Instant, config: &OutlierConfig) -> Option<HealthEvent> {
+    /// A response that was not a server failure; `probe`: the answer of the half-open probe.
+    /// While a probe is out only its own answer counts: a late answer of a request booked before
+    /// the ejection says nothing about the engine now.
+    pub fn on_success(
+        &mut self,
+        now: Instant,
+        config: &OutlierConfig,
+        probe: bool,
+    ) -> Option<HealthEvent> {
+        if self.standing == Standing::Probing && !probe {
+            return None;
+        }
         self.consecutive = 0;
         match self.standing {
             Standing::Probing => {
@@ -133,17 +148,19 @@ impl RankHealth {
     }
 
     /// A 5xx or connect failure. `may_eject`: the partition's cap leaves room for one more
-    /// ejection.
+    /// ejection; `probe`: as for [`RankHealth::on_success`].
     pub fn on_failure(
         &mut self,
         now: Instant,
         config: &OutlierConfig,
         may_eject: bool,
+        probe: bool,
     ) -> Option<HealthEvent> {
         if config.consecutive_failures == 0 {
             return None;
         }
         match self.standing {
+            Standing::Probing if !probe => None,
             Standing::Probing => {
                 self.eject(now, config);
                 Some(HealthEvent::Reejected)
@@ -193,14 +210,17 @@ mod tests {
         let (c, t0) = (cfg(), Instant::now());
         let mut h = RankHealth::default();
         for _ in 0..4 {
-            assert_eq!(h.on_failure(t0, &c, true), None);
+            assert_eq!(h.on_failure(t0, &c, true, false), None);
         }
-        assert_eq!(h.on_success(t0, &c), None, "the run is broken");
+        assert_eq!(h.on_success(t0, &c, false), None, "the run is broken");
         for _ in 0..4 {
-            assert_eq!(h.on_failure(t0, &c, true), None);
+            assert_eq!(h.on_failure(t0, &c, true, false), None);
         }
         assert!(h.available(t0));
-        assert_eq!(h.on_failure(t0, &c, true), Some(HealthEvent::Ejected));
+        assert_eq!(
+            h.on_failure(t0, &c, true, false),
+            Some(HealthEvent::Ejected)
+        );
         assert!(!h.available(t0));
         assert!(h.is_ejected());
     }
@@ -210,11 +230,14 @@ mod tests {
         let (c, t0) = (cfg(), Instant::now());
         let mut h = RankHealth::default();
         for _ in 0..10 {
-            assert_eq!(h.on_failure(t0, &c, false), None);
+            assert_eq!(h.on_failure(t0, &c, false, false), None);
         }
         assert!(h.available(t0));
         // Room again: the next failure of the run ejects.
-        assert_eq!(h.on_failure(t0, &c, true), Some(HealthEvent::Ejected));
+        assert_eq!(
+            h.on_failure(t0, &c, true, false),
+            Some(HealthEvent::Ejected)
+        );
         assert_eq!(c.max_ejected(4), 2);
         assert_eq!(c.max_ejected(3), 1);
         assert_eq!(c.max_ejected(1), 0);
@@ -225,7 +248,7 @@ mod tests {
         let (c, t0) = (cfg(), Instant::now());
         let mut h = RankHealth::default();
         for _ in 0..5 {
-            h.on_failure(t0, &c, true);
+            h.on_failure(t0, &c, true, false);
         }
         let s = Duration::from_secs;
         assert!(!h.available(t0 + s(9)));
@@ -234,7 +257,10 @@ mod tests {
         assert!(!h.available(t0 + s(10)), "one probe at a time");
         assert!(!h.on_booked(t0 + s(10)));
         let t1 = t0 + s(11);
-        assert_eq!(h.on_failure(t1, &c, true), Some(HealthEvent::Reejected));
+        assert_eq!(
+            h.on_failure(t1, &c, true, true),
+            Some(HealthEvent::Reejected)
+        );
         assert!(!h.available(t1 + s(19)), "second ejection: 2 x base");
         assert!(h.available(t1 + s(20)));
         assert!(h.on_booked(t1 + s(20)));
@@ -243,7 +269,7 @@ mod tests {
         assert!(h.available(t1 + s(20)));
         assert!(h.on_booked(t1 + s(20)));
         assert_eq!(
-            h.on_failure(t1 + s(21), &c, true),
+            h.on_failure(t1 + s(21), &c, true, true),
             Some(HealthEvent::Reejected)
         );
         assert!(
@@ -252,7 +278,10 @@ mod tests {
         );
         assert!(h.available(t1 + s(21) + s(25)));
         assert!(h.on_booked(t1 + s(46)));
-        assert_eq!(h.on_success(t1 + s(47), &c), Some(HealthEvent::Returned));
+        assert_eq!(
+            h.on_success(t1 + s(47), &c, true),
+            Some(HealthEvent::Returned)
+        );
         assert!(!h.is_ejected());
         assert!(h.available(t1 + s(47)));
     }
@@ -263,14 +292,14 @@ mod tests {
         let s = Duration::from_secs;
         let mut h = RankHealth::default();
         for _ in 0..5 {
-            h.on_failure(t0, &c, true);
+            h.on_failure(t0, &c, true, false);
         }
         h.on_booked(t0 + s(10));
-        h.on_success(t0 + s(10), &c);
+        h.on_success(t0 + s(10), &c, true);
         // Healthy for one base time: the next ejection is base x 1 again.
-        h.on_success(t0 + s(20), &c);
+        h.on_success(t0 + s(20), &c, false);
         for _ in 0..5 {
-            h.on_failure(t0 + s(21), &c, true);
+            h.on_failure(t0 + s(21), &c, true, false);
         }
         assert!(h.available(t0 + s(31)));
         let off = OutlierConfig {
@@ -279,8 +308,27 @@ mod tests {
         };
         let mut h = RankHealth::default();
         for _ in 0..100 {
-            assert_eq!(h.on_failure(t0, &off, true), None);
+            assert_eq!(h.on_failure(t0, &off, true, false), None);
         }
         assert!(h.available(t0));
+    }
+
+    #[test]
+    fn while_a_probe_is_out_only_its_answer_counts() {
+        let (c, t0) = (cfg(), Instant::now());
+        let s = Duration::from_secs;
+        let mut h = RankHealth::default();
+        for _ in 0..5 {
+            h.on_failure(t0, &c, true, false);
+        }
+        assert!(h.on_booked(t0 + s(10)));
+        // Late answers of requests booked before the ejection, either way: no verdict.
+        assert_eq!(h.on_success(t0 + s(10), &c, false), None);
+        assert_eq!(h.on_failure(t0 + s(10), &c, true, false), None);
+        assert!(h.is_ejected() && !h.available(t0 + s(10)));
+        assert_eq!(
+            h.on_failure(t0 + s(10), &c, true, true),
+            Some(HealthEvent::Reejected)
+        );
     }
 }

@@ -465,6 +465,22 @@ impl PrefixIndex {
         self.retain_in(seq_hash, |h| h.who != who);
     }
 
+    /// Forgets an expiring (predicted or approximate) entry of `rank` for `seq_hash` in `tier`;
+    /// one from the engine's KV events (permanent) stays. True when one went.
+    pub fn drop_expiring(&mut self, rank: RankKey, seq_hash: u64, tier: Tier) -> bool {
+        let Some(&id) = self.rank_ids.get(&rank) else {
+            return false;
+        };
+        let who = (id << 2) | tier as u32;
+        let mut dropped = false;
+        self.retain_in(seq_hash, |h| {
+            let goes = h.who == who && !h.is_permanent();
+            dropped |= goes;
+            !goes
+        });
+        dropped
+    }
+
     fn retain_in(&mut self, seq_hash: u64, keep: impl FnMut(&Holder) -> bool) {
         if let Some(entry) = self.blocks.get_mut(&BlockKey::new(seq_hash)) {
             if !retain_holders(entry, &mut self.slab, &mut self.free_slab, keep) {
@@ -963,6 +979,26 @@ mod tests {
             matches(&idx, &[1, 2], now + Duration::from_secs(9))[&rank(1)].gpu,
             1
         );
+    }
+
+    #[test]
+    fn dropping_an_expiring_entry_keeps_permanent_ones_and_other_holders() {
+        let now = Instant::now();
+        let later = Some(now + Duration::from_secs(60));
+        let mut idx = PrefixIndex::new(1000, now);
+        idx.insert(rank(1), &[1, 2, 3], Tier::Gpu, later);
+        idx.insert(rank(2), &[1, 2, 3], Tier::Gpu, later);
+        idx.insert(rank(3), &[1], Tier::Gpu, None);
+        assert!(idx.drop_expiring(rank(1), 2, Tier::Gpu));
+        assert!(!idx.drop_expiring(rank(1), 2, Tier::Gpu), "once");
+        // Rank 1's chain now stops at block 1; rank 2's is whole.
+        let m = matches(&idx, &[1, 2, 3], now);
+        assert_eq!(m[&rank(1)].gpu, 1);
+        assert_eq!(m[&rank(2)].gpu, 3);
+        // An entry the engine's events made permanent stays.
+        assert!(!idx.drop_expiring(rank(3), 1, Tier::Gpu));
+        assert_eq!(matches(&idx, &[1], now)[&rank(3)].gpu, 1);
+        assert!(!idx.drop_expiring(rank(9), 1, Tier::Gpu), "unknown rank");
     }
 
     #[test]

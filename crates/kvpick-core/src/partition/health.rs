@@ -1,7 +1,9 @@
 //! How a picked rank answered, on the partition (ARCHITECTURE.md §3b): the response's class
 //! feeds the rank's outlier detection ([`crate::outlier`]), marks a failed booking so its first
-//! byte is no TTFT sample, SLO or TPOT start, and drops the index entries the pick predicted on a
-//! rank that never computed them.
+//! byte is no TTFT sample, SLO or TPOT start, and takes back the index entries the pick predicted
+//! on ranks that never computed them: after any answer but a 2xx, and after a stream that ended
+//! before its first response byte (a 2xx's headers included: the engine may have aborted the
+//! prefill).
 //!
 //! It owns no state of its own: the health is each rank's [`super::ranks::Slot`], the marks are
 //! the booking's. It must not free bookings or touch the queue: the core does, as for any
@@ -13,12 +15,51 @@ use crate::config::CoreConfig;
 use crate::facts::{Fact, Facts, ResponseClass};
 use crate::index::Tier;
 use crate::outlier::HealthEvent;
+use crate::request::Holder;
+use crate::types::RankKey;
 
-use super::{BookingRef, Partition};
+use super::{BookingRef, Partition, Pick, State};
+
+/// Per booked rank (the decode rank, then a split pick's prefill rank), the first prompt block
+/// its pick inserted as a new predicted entry; `None` when the rank already cached the whole
+/// prompt. Taking that one entry back cuts the rank's predicted chain for every later match
+/// (a match is the longest consecutive prefix of chained hashes); the unreachable blocks after
+/// it expire with their TTL. So a booking keeps two hashes, never its prompt's.
+pub(crate) type Predicted = [Option<(RankKey, u64)>; 2];
+
+/// What `pick` newly predicted, per booked rank.
+pub(crate) fn predicted(pick: &Pick) -> Predicted {
+    let first_new = |rank: RankKey, cached: u32| {
+        let at = usize::try_from(cached).ok()?;
+        pick.prompt.seq_hashes.get(at).map(|&h| (rank, h))
+    };
+    [
+        first_new(pick.rank, pick.overlap.gpu),
+        pick.prefill
+            .and_then(|(rank, overlap)| first_new(rank, overlap.gpu)),
+    ]
+}
+
+/// Only a stream's booking may probe a half-open rank: its host reports the answer. The API
+/// reports none, and a probe that never answers would hold the rank out until it expires.
+pub(crate) fn may_probe(holder: Holder) -> bool {
+    holder == Holder::Stream
+}
+
+/// Takes back a failed request's predicted entries; entries its engine's KV events confirmed
+/// (permanent) stay.
+fn withdraw(state: &mut State, predicted: &mut Predicted) -> bool {
+    let mut dropped = false;
+    for (rank, hash) in predicted.iter_mut().filter_map(Option::take) {
+        dropped |= state.index.drop_expiring(rank, hash, Tier::Gpu);
+    }
+    dropped
+}
 
 impl Partition {
     /// Records the first answer for a booking; false when the booking is not here or was
-    /// answered already (only the first answer counts).
+    /// answered already (only the first answer counts; a reset after a 2xx's headers and before
+    /// its first byte still takes back the prediction).
     pub(crate) fn record_response(
         &self,
         booking: &BookingRef,
@@ -32,18 +73,29 @@ impl Partition {
         let Some(b) = state
             .bookings
             .get_mut(&booking.0)
-            .filter(|b| b.generation == booking.1 && !b.answered)
+            .filter(|b| b.generation == booking.1)
         else {
             return false;
         };
-        b.answered = true;
-        b.failed = class != ResponseClass::Success;
-        let (rank, probe) = (b.rank, b.probe);
-        let failed_engine = matches!(class, ResponseClass::ServerError | ResponseClass::Reset);
-        if let Some(blocks) = b.new_blocks.take().filter(|_| failed_engine) {
-            for hash in blocks.iter() {
-                state.index.remove(rank, *hash, Tier::Gpu);
+        let withdraws = class != ResponseClass::Success;
+        if b.answered {
+            if withdraws && !b.failed && b.first_token.is_none() {
+                let mut predicted = std::mem::take(&mut b.predicted);
+                if withdraw(state, &mut predicted) {
+                    facts.push(self.index_fact(state, None));
+                }
             }
+            return false;
+        }
+        b.answered = true;
+        b.failed = withdraws;
+        let (rank, probe) = (b.rank, b.probe);
+        let mut predicted = if withdraws {
+            std::mem::take(&mut b.predicted)
+        } else {
+            Predicted::default()
+        };
+        if withdraw(state, &mut predicted) {
             facts.push(self.index_fact(state, None));
         }
         let ejected = state
@@ -70,9 +122,9 @@ impl Partition {
         let outlier = &config.outlier;
         let event = match class {
             ResponseClass::Success | ResponseClass::ClientError => {
-                slot.health.on_success(now, outlier)
+                slot.health.on_success(now, outlier, probe)
             }
-            ResponseClass::ServerError => slot.health.on_failure(now, outlier, may_eject),
+            ResponseClass::ServerError => slot.health.on_failure(now, outlier, may_eject, probe),
             ResponseClass::Reset => {
                 // No answer is no verdict on the engine (the client may have gone), but a probe
                 // without one must not hold the rank out forever.

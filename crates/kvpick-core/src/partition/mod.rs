@@ -92,9 +92,9 @@ struct Booking {
     answered: bool,
     /// This booking is the half-open probe of an ejected rank ([`crate::outlier`]).
     probe: bool,
-    /// Approximate mode: the blocks the pick predicted the rank would newly cache, dropped from
-    /// the index if the rank fails the request (it never computed them).
-    new_blocks: Option<Arc<[u64]>>,
+    /// The first block the pick newly predicted on each rank it booked (the decode rank, then
+    /// the prefill leg's), taken back from the index if the request fails ([`health`]).
+    predicted: health::Predicted,
 }
 
 struct State {
@@ -726,7 +726,8 @@ impl Partition {
             pipeline::apply_pin(slots, &mut eligible, pin, bound, mode)?;
         }
         pipeline::narrow_adapter(slots, &mut eligible, allowed)?;
-        pipeline::drop_ejected(slots, &mut eligible, bound, now);
+        let may_probe = health::may_probe(request.holder);
+        pipeline::drop_ejected(slots, &mut eligible, bound, now, may_probe);
         let hard_bound = bound.filter(|_| mode == crate::session::AffinityMode::Hard);
         pipeline::drop_busy(
             slots,
@@ -798,7 +799,7 @@ impl Partition {
             failed: false,
             answered: false,
             probe: false,
-            new_blocks: None,
+            predicted: health::predicted(pick),
         };
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
             pair::unbook_leg(state, booking.prefill.as_ref(), facts);
@@ -815,12 +816,9 @@ impl Partition {
         };
         facts.push(load_fact(slot, pick.rank));
         facts.push(Fact::Inflight(1));
-        booking.probe = slot.health.on_booked(now);
+        // Only a stream reports its answer: an API booking never takes a half-open rank's probe.
+        booking.probe = health::may_probe(request.holder) && slot.health.on_booked(now);
         let hashes = &pick.prompt.seq_hashes;
-        let cached = (pick.overlap.gpu as usize).min(hashes.len());
-        if ttl == config.approx_ttl && cached < hashes.len() {
-            booking.new_blocks = hashes.get(cached..).map(Arc::from);
-        }
         state.bookings.insert(pick.booking_id.to_string(), booking);
         if !hashes.is_empty() {
             state

@@ -278,14 +278,25 @@ pub(crate) fn drop_busy(
 
 /// Outlier detection: ranks ejected for failing their requests take no picks (a session bound
 /// to one moves). When every eligible rank is ejected they all stay (as Envoy's panic mode: a
-/// failing rank may still serve, no rank never does); the 50% cap keeps that rare.
+/// failing rank may still serve, no rank never does); the 50% cap keeps that rare. A half-open
+/// rank is available only to a request that may be its probe (`may_probe`: a stream's, whose
+/// answer is reported).
 pub(crate) fn drop_ejected(
     slots: &[(RankKey, Slot)],
     eligible: &mut Vec<usize>,
     bound: &mut Option<RankKey>,
     now: Instant,
+    may_probe: bool,
 ) {
-    let available = |i: &usize| slots.get(*i).is_some_and(|(_, s)| s.health.available(now));
+    let available = |i: &usize| {
+        slots.get(*i).is_some_and(|(_, s)| {
+            if may_probe {
+                s.health.available(now)
+            } else {
+                s.health.in_service()
+            }
+        })
+    };
     if !eligible.iter().any(available) {
         return;
     }
