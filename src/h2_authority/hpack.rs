@@ -6,10 +6,13 @@
 //! `loona_hpack`'s decoder decodes a whole buffer and its callback cannot stop it. So this module
 //! finds each field representation's length itself (the HPACK wire structure: integers and string
 //! lengths, no Huffman decoding needed) and hands the decoder one representation at a time; the
-//! decoder keeps the dynamic table. Dynamic table size updates are handled here, not by the
+//! decoder keeps the dynamic table. Huffman-coded strings are decoded here (`huffman`, linear
+//! time) and handed on as raw literals, because `loona_hpack`'s own Huffman decoder costs
+//! milliseconds per short string. Dynamic table size updates are handled here, not by the
 //! decoder: only at the start of a block (RFC 7541 §4.2, as h2 enforces) and never above the
 //! advertised table size. It knows nothing of frames or `:authority`.
 
+use super::huffman;
 use super::limits::{FrontLimits, Violation};
 
 /// A decoded header list: (name, value) in block order.
@@ -34,15 +37,17 @@ pub fn decode_block(
     }
     let mut list = HeaderList::new();
     let mut size = 0usize;
+    let mut raw = Vec::new();
     while pos < block.len() {
         if is_size_update(block[pos]) {
             return Err(Violation::TableSizeUpdate);
         }
         let len = field_len(&block[pos..]).ok_or(Violation::Compression)?;
+        let representation = without_huffman(&block[pos..pos + len], &mut raw)?;
         let mut fields = 0;
         let mut over = false;
         decoder
-            .decode_with_cb(&block[pos..pos + len], |name, value| {
+            .decode_with_cb(representation, |name, value| {
                 fields += 1;
                 size = size.saturating_add(name.len() + value.len() + 32);
                 if size > limits.max_header_list_bytes {
@@ -62,6 +67,65 @@ pub fn decode_block(
         pos += len;
     }
     Ok(list)
+}
+
+/// `representation` (one whole field, as `field_len` measured it) with every Huffman-coded
+/// string replaced by its raw octets, written into `scratch`; or `representation` itself when it
+/// has none.
+fn without_huffman<'a>(
+    representation: &'a [u8],
+    scratch: &'a mut Vec<u8>,
+) -> Result<&'a [u8], Violation> {
+    let first = representation[0];
+    if first & 0x80 != 0 {
+        return Ok(representation);
+    }
+    let prefix = if first & 0x40 != 0 { 6 } else { 4 };
+    let (index, mut pos) = integer(representation, prefix).ok_or(Violation::Compression)?;
+    let strings = if index == 0 { 2 } else { 1 };
+    let mut starts = [pos; 2];
+    for start in starts.iter_mut().take(strings) {
+        *start = pos;
+        pos += string_len(&representation[pos..]).ok_or(Violation::Compression)?;
+    }
+    if !starts[..strings]
+        .iter()
+        .any(|&s| representation[s] & 0x80 != 0)
+    {
+        return Ok(representation);
+    }
+    scratch.clear();
+    scratch.extend_from_slice(&representation[..starts[0]]);
+    let mut decoded = Vec::new();
+    for &start in &starts[..strings] {
+        let (len, used) = integer(&representation[start..], 7).ok_or(Violation::Compression)?;
+        let octets = &representation[start + used..start + used + len];
+        if representation[start] & 0x80 == 0 {
+            push_string(scratch, octets);
+        } else {
+            decoded.clear();
+            huffman::decode(octets, &mut decoded).map_err(|_| Violation::Compression)?;
+            push_string(scratch, &decoded);
+        }
+    }
+    Ok(scratch)
+}
+
+/// A raw (non-Huffman) string literal: 7-bit-prefix length, then the octets.
+fn push_string(out: &mut Vec<u8>, octets: &[u8]) {
+    let mut len = octets.len();
+    if len < 0x7f {
+        out.push(len as u8);
+    } else {
+        out.push(0x7f);
+        len -= 0x7f;
+        while len >= 0x80 {
+            out.push((len as u8 & 0x7f) | 0x80);
+            len >>= 7;
+        }
+        out.push(len as u8);
+    }
+    out.extend_from_slice(octets);
 }
 
 /// `001xxxxx`: a dynamic table size update (RFC 7541 §6.3).
@@ -212,6 +276,69 @@ mod tests {
         assert!(decode_block(&mut decoder(), &[0x20], &l)
             .unwrap()
             .is_empty());
+    }
+
+    /// A Huffman-coded string literal.
+    fn huffman_string(s: &[u8]) -> Vec<u8> {
+        let octets = super::huffman::encode(s);
+        let mut out = loona_hpack::encoder::encode_integer(octets.len(), 7);
+        out[0] |= 0x80;
+        out.extend(octets);
+        out
+    }
+
+    #[test]
+    fn huffman_strings_decode_like_raw_ones() {
+        let l = FrontLimits::default();
+        // "custom-key" = 25 a8 49 e9 5b a9 7d 7f (RFC 7541 C.4.3), then a raw value.
+        let mut huffman = vec![0x00, 0x88, 0x25, 0xa8, 0x49, 0xe9, 0x5b, 0xa9, 0x7d, 0x7f];
+        huffman.extend(string(b"v"));
+        let list = decode_block(&mut decoder(), &huffman, &l).unwrap();
+        assert_eq!(list, vec![(b"custom-key".to_vec(), b"v".to_vec())]);
+        // An indexed name with a Huffman value (:authority = www.example.com, C.4.1).
+        let indexed = [
+            0x41, 0x8c, 0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff,
+        ];
+        let list = decode_block(&mut decoder(), &indexed, &l).unwrap();
+        assert_eq!(
+            list,
+            vec![(b":authority".to_vec(), b"www.example.com".to_vec())]
+        );
+        // A long value (its length past the 7-bit prefix) added to the dynamic table, then
+        // referenced from it.
+        let long = vec![b'q'; 300];
+        let mut d = decoder();
+        let mut block = vec![0x40];
+        block.extend(huffman_string(b"x-long"));
+        block.extend(huffman_string(&long));
+        block.push(0x80 | 62);
+        let list = decode_block(&mut d, &block, &l).unwrap();
+        let entry = (b"x-long".to_vec(), long);
+        assert_eq!(list, vec![entry.clone(), entry]);
+    }
+
+    #[test]
+    fn many_one_byte_huffman_strings_decode_and_bad_huffman_is_a_compression_error() {
+        let l = FrontLimits::default();
+        // The CPU flood: 400 one-byte (34 bytes each in the list, 13,600 in all) Huffman values ('0' = 00000 + padding = 0x07).
+        let mut flood = Vec::new();
+        for _ in 0..400 {
+            flood.extend([0x00, 0x81, 0x07, 0x81, 0x07]);
+        }
+        let list = decode_block(&mut decoder(), &flood, &l).unwrap();
+        assert_eq!(list.len(), 400);
+        assert!(list.iter().all(|(n, v)| n == b"0" && v == b"0"));
+        // Padding with a zero bit; EOS inside a string.
+        for bad in [
+            &[0x00, 0x81, 0x06, 0x00][..],
+            &[0x00, 0x01, b'a', 0x84, 0xff, 0xff, 0xff, 0xfc],
+        ] {
+            assert_eq!(
+                decode_block(&mut decoder(), bad, &l),
+                Err(Violation::Compression),
+                "{bad:?}"
+            );
+        }
     }
 
     #[test]

@@ -28,6 +28,7 @@
 
 pub mod frames;
 pub mod hpack;
+pub mod huffman;
 pub mod limits;
 pub mod streams;
 
