@@ -197,6 +197,18 @@ def test_render_client_against_a_vllm_like_server(kvpick_bin, tmp_path, render_s
         assert all("fallback" in a for a in answers), answers
 
 
+def test_anthropic_bodies_render_remotely_as_their_converted_chat(kvpick_bin, tmp_path,
+                                                                   render_server):
+    _Render.mode = "ok"
+    url = f"http://127.0.0.1:{render_server.server_address[1]}"
+    config = ref.write_config(tmp_path, render_url=url, local=False)
+    bodies = ref.anthropic_corpus(seed=8, n=12)
+    answers = kvpick_tokenize(kvpick_bin, config, bodies, path="/v1/messages")
+    for body, answer in zip(bodies, answers):
+        assert answer == {"ids": ref.reference_ids_at("/v1/messages", body), "source": "render"}
+    assert set(_Render.paths) == {"/v1/chat/completions/render"}
+
+
 def test_render_is_asked_only_when_local_tokenization_fails(kvpick_bin, tmp_path, render_server):
     _Render.mode = "ok"
     url = f"http://127.0.0.1:{render_server.server_address[1]}"
