@@ -1,14 +1,46 @@
-//! Parsing of OpenAI-style request bodies into what routing needs (model, stream flag, salt).
+//! Parsing of request bodies (OpenAI chat, completions, responses, embeddings; Anthropic
+//! messages; SGLang `/generate`) into what routing needs (model, stream flag, salt, prompt).
 //! Shared by every host; it never mutates the body (the echoed body stays byte-identical).
 
 #![warn(clippy::arithmetic_side_effects)]
 
 use serde::Deserialize;
 
+/// Which API a body was sent to, as far as reading its prompt cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Endpoint {
+    /// Chat, completions or responses: told apart by the body's fields.
+    #[default]
+    Generate,
+    /// `/v1/embeddings`: `input` is text to tokenize, not a responses conversation.
+    Embeddings,
+    /// Anthropic `/v1/messages` (and `/v1/messages/count_tokens`), converted as vLLM does.
+    Messages,
+    /// SGLang's native `/generate`: `text` or `input_ids`.
+    SglangGenerate,
+}
+
+impl Endpoint {
+    /// From the request `:path`.
+    pub fn from_path(path: &str) -> Self {
+        let path = path.split('?').next().unwrap_or_default();
+        if path.ends_with("/embeddings") {
+            Endpoint::Embeddings
+        } else if path.ends_with("/v1/messages") || path.ends_with("/v1/messages/count_tokens") {
+            Endpoint::Messages
+        } else if path == "/generate" {
+            Endpoint::SglangGenerate
+        } else {
+            Endpoint::Generate
+        }
+    }
+}
+
 /// What a request body tells the router.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ParsedBody {
-    pub model: String,
+    /// `None` only for SGLang's `/generate`, whose bodies name no model: any partition.
+    pub model: Option<String>,
     pub stream: bool,
     pub cache_salt: Option<String>,
     pub prompt: Prompt,
@@ -57,9 +89,65 @@ struct Envelope<'a> {
     instructions: Option<&'a serde_json::value::RawValue>,
     #[serde(default, borrow)]
     input: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    system: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    text: Option<&'a serde_json::value::RawValue>,
+    #[serde(default, borrow)]
+    input_ids: Option<&'a serde_json::value::RawValue>,
+}
+
+/// Token ids as sent, or the first list of a batch of them.
+fn token_ids_or_first(raw: &str) -> Option<Vec<u32>> {
+    token_ids(raw).or_else(|| {
+        serde_json::from_str::<Vec<Vec<u32>>>(raw)
+            .ok()
+            .and_then(|batch| batch.into_iter().next())
+    })
+}
+
+/// A prompt field that is text to tokenize (or token ids): ids, the string, or the raw JSON.
+fn text_or_ids(raw: &serde_json::value::RawValue) -> Prompt {
+    if let Some(ids) = token_ids_or_first(raw.get()) {
+        return Prompt::TokenIds(ids);
+    }
+    match serde_json::from_str::<String>(raw.get()) {
+        Ok(text) => Prompt::Text(text.into_bytes()),
+        Err(_) => Prompt::Text(raw.get().as_bytes().to_vec()),
+    }
+}
+
+/// The prompt-bearing fields in the order they render, each ended by NUL.
+fn joined(parts: &[Option<&serde_json::value::RawValue>]) -> Prompt {
+    let mut text = Vec::new();
+    for raw in parts.iter().flatten() {
+        text.extend_from_slice(raw.get().as_bytes());
+        text.push(0);
+    }
+    if text.is_empty() {
+        Prompt::Absent
+    } else {
+        Prompt::Text(text)
+    }
 }
 
 impl Envelope<'_> {
+    fn prompt_for(&self, endpoint: Endpoint) -> Prompt {
+        match endpoint {
+            Endpoint::Generate => self.prompt(),
+            // Anthropic: tools and system render before the conversation.
+            Endpoint::Messages => joined(&[self.tools, self.system, self.messages]),
+            Endpoint::Embeddings => self.input.map_or(Prompt::Absent, text_or_ids),
+            Endpoint::SglangGenerate => {
+                let ids = self.input_ids.filter(|raw| raw.get() != "null");
+                match ids.or(self.text) {
+                    Some(raw) => text_or_ids(raw),
+                    None => Prompt::Absent,
+                }
+            }
+        }
+    }
+
     fn prompt(&self) -> Prompt {
         if let Some(raw) = self.prompt {
             if let Some(ids) = token_ids(raw.get()) {
@@ -71,17 +159,7 @@ impl Envelope<'_> {
             return Prompt::Text(raw.get().as_bytes().to_vec());
         }
         // Tools render before the conversation in chat templates, so they lead the prefix too.
-        let parts = [self.tools, self.instructions, self.messages, self.input];
-        let mut text = Vec::new();
-        for raw in parts.into_iter().flatten() {
-            text.extend_from_slice(raw.get().as_bytes());
-            text.push(0);
-        }
-        if text.is_empty() {
-            Prompt::Absent
-        } else {
-            Prompt::Text(text)
-        }
+        joined(&[self.tools, self.instructions, self.messages, self.input])
     }
 }
 
@@ -141,6 +219,15 @@ pub fn parse_request_body(
     content_type: Option<&str>,
     body: &[u8],
 ) -> Result<Option<ParsedBody>, BodyError> {
+    parse_request_body_for(Endpoint::Generate, content_type, body)
+}
+
+/// [`parse_request_body`] for a body sent to `endpoint` (from the request `:path`).
+pub fn parse_request_body_for(
+    endpoint: Endpoint,
+    content_type: Option<&str>,
+    body: &[u8],
+) -> Result<Option<ParsedBody>, BodyError> {
     if body.is_empty() {
         return Ok(None);
     }
@@ -159,10 +246,12 @@ pub fn parse_request_body(
     }
     let envelope: Envelope<'_> =
         serde_json::from_slice(body).map_err(|e| BodyError::Malformed(short_json_error(&e)))?;
-    let prompt = envelope.prompt();
+    let prompt = envelope.prompt_for(endpoint);
     let model = match envelope.model {
+        // SGLang's native API names no model: the request goes to any partition.
+        None | Some(serde_json::Value::Null) if endpoint == Endpoint::SglangGenerate => None,
         None | Some(serde_json::Value::Null) => return Err(BodyError::MissingModel),
-        Some(serde_json::Value::String(s)) if !s.is_empty() => s,
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Some(s),
         Some(_) => return Err(BodyError::InvalidModel),
     };
     let stream = matches!(envelope.stream, Some(serde_json::Value::Bool(true)));
@@ -247,7 +336,7 @@ mod tests {
         let parsed = parse_request_body(Some("application/json"), body)
             .unwrap()
             .unwrap();
-        assert_eq!(parsed.model, "m");
+        assert_eq!(parsed.model.as_deref(), Some("m"));
         assert!(parsed.stream);
         assert_eq!(parsed.cache_salt.as_deref(), Some("s"));
         assert_eq!(
@@ -309,6 +398,87 @@ mod tests {
             parse_request_body(None, &body).unwrap_err(),
             BodyError::Malformed(_)
         ));
+    }
+
+    #[test]
+    fn anthropic_sglang_and_embeddings_prompts() {
+        let p = |path: &str, body: &[u8]| {
+            parse_request_body_for(Endpoint::from_path(path), None, body)
+                .unwrap()
+                .unwrap()
+        };
+        // Anthropic: tools, then system, then messages lead the pseudo-token prefix.
+        let m = p(
+            "/v1/messages",
+            br#"{"model":"m","max_tokens":8,"messages":[{"role":"user","content":"q"}],"system":"S","tools":[]}"#,
+        );
+        assert_eq!(
+            m.prompt,
+            Prompt::Text(b"[]\0\"S\"\0[{\"role\":\"user\",\"content\":\"q\"}]\0".to_vec())
+        );
+        assert_eq!(m.model.as_deref(), Some("m"));
+        // The same system prompt is a shared prefix across different questions.
+        let a = p(
+            "/v1/messages",
+            br#"{"model":"m","system":"long shared","messages":[{"role":"user","content":"a"}]}"#,
+        );
+        let b = p(
+            "/v1/messages",
+            br#"{"model":"m","system":"long shared","messages":[{"role":"user","content":"b"}]}"#,
+        );
+        let (Prompt::Text(a), Prompt::Text(b)) = (a.prompt, b.prompt) else {
+            panic!()
+        };
+        assert!(a.starts_with(b"\"long shared\"\0") && b.starts_with(b"\"long shared\"\0"));
+        // SGLang /generate: no model needed; ids win; a batch routes on its first prompt.
+        let g = p("/generate", br#"{"input_ids":[1,2,3],"text":"ignored","rid":"r","stream":true,"sampling_params":{"max_new_tokens":4}}"#);
+        assert_eq!(g.model, None);
+        assert!(g.stream);
+        assert_eq!(g.prompt, Prompt::TokenIds(vec![1, 2, 3]));
+        assert_eq!(
+            p("/generate", br#"{"input_ids":[[4,5],[6]]}"#).prompt,
+            Prompt::TokenIds(vec![4, 5])
+        );
+        assert_eq!(
+            p("/generate?x=1", br#"{"text":"hello","input_ids":null}"#).prompt,
+            Prompt::Text(b"hello".to_vec())
+        );
+        assert_eq!(
+            p("/generate", br#"{"model":"m","text":["a","b"]}"#),
+            ParsedBody {
+                model: Some("m".into()),
+                stream: false,
+                cache_salt: None,
+                prompt: Prompt::Text(br#"["a","b"]"#.to_vec())
+            }
+        );
+        assert_eq!(p("/generate", br#"{"rid":"r"}"#).prompt, Prompt::Absent);
+        assert_eq!(
+            parse_request_body_for(Endpoint::SglangGenerate, None, br#"{"model":5}"#).unwrap_err(),
+            BodyError::InvalidModel
+        );
+        // Only /generate may omit the model.
+        assert_eq!(
+            parse_request_body_for(Endpoint::Messages, None, br#"{"messages":[]}"#).unwrap_err(),
+            BodyError::MissingModel
+        );
+        // Embeddings: token ids route exactly, text by its bytes.
+        assert_eq!(
+            p("/v1/embeddings", br#"{"model":"m","input":[7,8]}"#).prompt,
+            Prompt::TokenIds(vec![7, 8])
+        );
+        assert_eq!(
+            p("/v1/embeddings", br#"{"model":"m","input":[[9],[10]]}"#).prompt,
+            Prompt::TokenIds(vec![9])
+        );
+        assert_eq!(
+            p("/v1/embeddings", br#"{"model":"m","input":"some text"}"#).prompt,
+            Prompt::Text(b"some text".to_vec())
+        );
+        assert_eq!(
+            p("/v1/embeddings", br#"{"model":"m"}"#).prompt,
+            Prompt::Absent
+        );
     }
 
     #[test]

@@ -16,10 +16,12 @@ import pytest
 from tokenize_ref import reference as ref
 
 
-def kvpick_tokenize(kvpick_bin, config, bodies: list[dict]) -> list[dict]:
+def kvpick_tokenize(kvpick_bin, config, bodies: list[dict], path: str | None = None) -> list[dict]:
     stdin = "".join(json.dumps(b, ensure_ascii=False) + "\n" for b in bodies)
-    done = subprocess.run([str(kvpick_bin), "tokenize", "--tokenizer-config", str(config)],
-                          input=stdin.encode(), capture_output=True, timeout=600)
+    args = [str(kvpick_bin), "tokenize", "--tokenizer-config", str(config)]
+    if path:
+        args += ["--path", path]
+    done = subprocess.run(args, input=stdin.encode(), capture_output=True, timeout=600)
     assert done.returncode == 0, done.stderr.decode()
     answers = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert len(answers) == len(bodies), done.stderr.decode()
@@ -55,6 +57,59 @@ def test_growing_conversations_through_the_prefix_cache_equal_cold_reference(kvp
         assert answer["ids"] == expected, first_difference(answer["ids"], expected)
     assert [x["source"] for x in answers[2:]] == ["cached"] * (len(bodies) - 2), \
         "every turn after the first of each agent resumes from the prefix cache"
+
+
+def test_anthropic_messages_ids_equal_vllms_conversion_rendered_by_the_reference(kvpick_bin,
+                                                                                 tmp_path):
+    config = ref.write_config(tmp_path)
+    bodies = ref.anthropic_corpus()
+    answers = kvpick_tokenize(kvpick_bin, config, bodies, path="/v1/messages")
+    for body, answer in zip(bodies, answers):
+        expected = ref.reference_ids_at("/v1/messages", body)
+        assert "ids" in answer, (answer, body)
+        assert answer["ids"] == expected, (first_difference(answer["ids"], expected), body)
+    # The corpus reaches every conversion the test claims to cover.
+    flat = json.dumps(bodies)
+    for needle in ('"tool_use"', '"tool_result"', '"thinking"', '"redacted_thinking"',
+                   ref.BILLING, '"role": "system"', '"input_schema": {"properties"'):
+        assert needle in flat, needle
+    # A growing Claude Code-like session resumes from the prefix cache every turn.
+    session = ref.anthropic_conversation(__import__("random").Random(3), 1)
+    session["system"] = "You are a coding agent.\n" + "Follow the repository rules.\n" * 300
+    turns = []
+    for t in range(4):
+        turns.append(json.loads(json.dumps(session)))
+        session["messages"].append({"role": "assistant", "content": [
+            {"type": "text", "text": f"Step {t} done."},
+            {"type": "tool_use", "id": f"toolu_g{t}", "name": "read_file", "input": {"path": f"f{t}.rs"}}]})
+        session["messages"].append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": f"toolu_g{t}", "content": "fn main() {}\n" * 50}]})
+    answers = kvpick_tokenize(kvpick_bin, config, turns, path="/v1/messages")
+    for body, answer in zip(turns, answers):
+        assert answer["ids"] == ref.reference_ids_at("/v1/messages", body)
+    assert [a["source"] for a in answers[1:]] == ["cached"] * 3
+
+
+def test_sglang_generate_ids_equal_the_reference(kvpick_bin, tmp_path):
+    config = ref.write_config(tmp_path)
+    bodies = ref.generate_corpus()
+    answers = kvpick_tokenize(kvpick_bin, config, bodies, path="/generate")
+    for body, answer in zip(bodies, answers):
+        assert answer.get("ids") == ref.reference_ids_at("/generate", body), (answer, body)
+    assert [a["source"] for a in answers] == ["ok", "ok", "body", "body"]
+
+
+def test_anthropic_bodies_vllm_cannot_render_exactly_fall_back(kvpick_bin, tmp_path):
+    config = ref.write_config(tmp_path)
+    bodies = [
+        {"model": ref.MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA"}},
+            {"type": "text", "text": "what is this?"}]}]},
+        {"model": ref.MODEL, "max_tokens": 8, "messages": "not a list"},
+        {"model": ref.MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "audio"}]}]},
+    ]
+    answers = kvpick_tokenize(kvpick_bin, config, bodies, path="/v1/messages")
+    assert all("fallback" in a for a in answers), answers
 
 
 def test_template_errors_and_bad_bodies_fall_back(kvpick_bin, tmp_path):
@@ -140,6 +195,18 @@ def test_render_client_against_a_vllm_like_server(kvpick_bin, tmp_path, render_s
         assert "/v1/chat/completions/render" in _Render.paths
     else:
         assert all("fallback" in a for a in answers), answers
+
+
+def test_anthropic_bodies_render_remotely_as_their_converted_chat(kvpick_bin, tmp_path,
+                                                                   render_server):
+    _Render.mode = "ok"
+    url = f"http://127.0.0.1:{render_server.server_address[1]}"
+    config = ref.write_config(tmp_path, render_url=url, local=False)
+    bodies = ref.anthropic_corpus(seed=8, n=12)
+    answers = kvpick_tokenize(kvpick_bin, config, bodies, path="/v1/messages")
+    for body, answer in zip(bodies, answers):
+        assert answer == {"ids": ref.reference_ids_at("/v1/messages", body), "source": "render"}
+    assert set(_Render.paths) == {"/v1/chat/completions/render"}
 
 
 def test_render_is_asked_only_when_local_tokenization_fails(kvpick_bin, tmp_path, render_server):

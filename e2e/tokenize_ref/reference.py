@@ -164,6 +164,100 @@ def render(body: dict) -> str:
     return text
 
 
+# --- vLLM's Anthropic Messages endpoint: the body as the chat request it converts it to -----------
+
+BILLING = "x-anthropic-billing-header"
+
+
+def _anthropic_text(blocks) -> str:
+    return "".join(b["text"] for b in blocks
+                   if b.get("type") == "text" and b.get("text") and not b["text"].startswith(BILLING))
+
+
+def anthropic_to_chat(body: dict) -> tuple[list[dict], list[dict] | None]:
+    """(messages, tools) of the OpenAI chat request vLLM builds from an Anthropic body, before
+    its chat preprocessing (`_message`)."""
+    system = body.get("system")
+    parts = [] if not system else [system if isinstance(system, str) else _anthropic_text(system)]
+    for m in body["messages"]:
+        if m["role"] == "system":
+            c = m["content"]
+            parts.append(c if isinstance(c, str) else _anthropic_text(c))
+    out = [{"role": "system", "content": "".join(parts)}] if "".join(parts) else []
+    for m in body["messages"]:
+        role = {"ctx": "user", "msg": "user"}.get(m["role"], m["role"])
+        if role == "system":
+            continue
+        msg = {"role": role}
+        if isinstance(m["content"], str):
+            msg["content"] = m["content"]
+            out.append(msg)
+            continue
+        texts, calls, thinking = [], [], []
+        for b in m["content"]:
+            kind = b["type"]
+            if kind == "text" and b.get("text"):
+                texts.append(b["text"])
+            elif kind == "image" and b.get("source"):
+                raise ValueError("images are multimodal")
+            elif kind == "thinking" and b.get("thinking") is not None:
+                thinking.append(b["thinking"])
+            elif kind == "tool_use":
+                calls.append({"id": b["id"], "type": "function",
+                              "function": {"name": b.get("name") or "",
+                                           "arguments": json.dumps(b.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                content = b.get("content")
+                if isinstance(content, list):
+                    content = "\n".join(i.get("text", "") for i in content if i.get("type") == "text")
+                out.append({"role": "tool", "tool_call_id": b.get("tool_use_id") or "",
+                            "content": content or ""})
+            elif kind == "tool_result":
+                texts.append(f"Tool result: {b.get('content') or ''}")
+        if thinking and role == "assistant":
+            msg["reasoning"] = msg["reasoning_content"] = "".join(thinking)
+        if calls and role == "assistant":
+            msg["tool_calls"] = calls
+        if texts:
+            msg["content"] = texts[0] if len(texts) == 1 else [{"type": "text", "text": t} for t in texts]
+        if role == "assistant" or "content" in msg:
+            out.append(msg)
+    tools = None
+    if body.get("tools"):
+        tools = []
+        for t in body["tools"]:
+            schema = dict(t["input_schema"])
+            schema.setdefault("type", "object")
+            fn = {"name": t["name"], "description": t.get("description"), "parameters": schema}
+            if t.get("defer_loading") is not None:
+                fn["defer_loading"] = t["defer_loading"]
+            tools.append({"type": "function", "function": fn})
+    return out, tools
+
+
+def render_anthropic(body: dict) -> str:
+    messages, tools = anthropic_to_chat(body)
+    ctx = {"messages": [_message(m) for m in messages], "tools": tools or None,
+           "add_generation_prompt": True, "bos_token": BOS, "eos_token": EOS}
+    for k, v in (body.get("chat_template_kwargs") or {}).items():
+        if k not in ("messages", "tools"):
+            ctx[k] = v
+    return _TEMPLATE.render(**ctx)
+
+
+def reference_ids_at(path: str, body: dict) -> list[int]:
+    """The token ids the engine behind `path` computes for `body`."""
+    if path == "/v1/messages":
+        return tokenizer().encode(render_anthropic(body), add_special_tokens=False).ids
+    if path == "/generate":          # SGLang: input_ids as sent, else its tokenizer's encode(text)
+        if body.get("input_ids"):
+            ids = body["input_ids"]
+            return ids[0] if isinstance(ids[0], list) else ids
+        text = body["text"][0] if isinstance(body["text"], list) else body["text"]
+        return tokenizer().encode(text, add_special_tokens=True).ids
+    return reference_ids(body)
+
+
 def reference_ids(body: dict) -> list[int]:
     """The token ids an engine computes for `body` (HF semantics)."""
     if "prompt" in body:
@@ -256,6 +350,85 @@ def corpus(seed: int = 1234, n: int = 120) -> list[dict]:
         "tools": [{"type": "function", "name": "search", "description": "Search",
                    "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]})
     return out
+
+
+ANTHROPIC_TOOLS = [
+    {"name": "get_weather", "description": "Weather for a city — in °C",
+     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}},
+                      "required": ["city"]}},
+    {"name": "read_file", "input_schema": {"properties": {"path": {"type": "string"}}}},
+]
+
+
+def _anthropic_blocks(rng: random.Random) -> list[dict]:
+    blocks = [{"type": "text", "text": _text(rng)} for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.2:
+        blocks.insert(0, {"type": "text", "text": ""})
+    return blocks
+
+
+def anthropic_conversation(rng: random.Random, turns: int) -> dict:
+    """An Anthropic Messages body: system as a string or blocks (with Claude Code's billing
+    header), text and block content, thinking, tool_use / tool_result rounds, tools."""
+    body: dict = {"model": MODEL, "max_tokens": 16, "messages": []}
+    r = rng.random()
+    if r < 0.4:
+        body["system"] = _text(rng, 2)
+    elif r < 0.8:
+        body["system"] = [{"type": "text", "text": f"{BILLING}: cc_version=2.0; cch={rng.randint(0, 99999)};"},
+                          {"type": "text", "text": "You are Claude Code. "},
+                          {"type": "text", "text": _text(rng, 2), "cache_control": {"type": "ephemeral"}}]
+    with_tools = rng.random() < 0.5
+    if with_tools:
+        body["tools"] = ANTHROPIC_TOOLS
+    messages = body["messages"]
+    for t in range(turns):
+        content = _text(rng) if rng.random() < 0.5 else _anthropic_blocks(rng)
+        if messages and messages[-1]["role"] == "assistant" and isinstance(messages[-1]["content"], list) \
+                and any(b["type"] == "tool_use" for b in messages[-1]["content"]):
+            results = [{"type": "tool_result", "tool_use_id": b["id"],
+                        "content": (json.dumps({"temp": 20}, ensure_ascii=False) if rng.random() < 0.5
+                                    else [{"type": "text", "text": _text(rng)},
+                                          {"type": "text", "text": "done"}])}
+                       for b in messages[-1]["content"] if b["type"] == "tool_use"]
+            content = results + (content if isinstance(content, list) else
+                                 [{"type": "text", "text": content}]) if rng.random() < 0.6 else results
+        messages.append({"role": "user", "content": content})
+        if t == turns - 1:
+            break
+        blocks: list[dict] = []
+        if rng.random() < 0.4:
+            blocks.append({"type": "thinking", "thinking": _text(rng), "signature": "sig"})
+            if rng.random() < 0.3:
+                blocks.append({"type": "redacted_thinking", "data": "b64"})
+        blocks.append({"type": "text", "text": "  " + _text(rng) + " "})
+        if with_tools and rng.random() < 0.6:
+            blocks.append({"type": "tool_use", "id": f"toolu_{t}", "name": "get_weather",
+                           "input": {"city": rng.choice(["Zürich", "東京", "Paris"]), "days": t + 1}})
+        messages.append({"role": "assistant",
+                         "content": blocks if len(blocks) > 1 or rng.random() < 0.5
+                         else blocks[0]["text"]})
+    if rng.random() < 0.1:
+        messages.append({"role": "system", "content": "Inline note: " + _text(rng)})
+    if rng.random() < 0.1:
+        body["chat_template_kwargs"] = {"enable_thinking": False}
+    return body
+
+
+def anthropic_corpus(seed: int = 4321, n: int = 80) -> list[dict]:
+    rng = random.Random(seed)
+    return [anthropic_conversation(rng, rng.randint(1, 6)) for _ in range(n)]
+
+
+def generate_corpus(seed: int = 77) -> list[dict]:
+    """SGLang `/generate` bodies: text, a text batch, token ids, a batch of token ids."""
+    rng = random.Random(seed)
+    return [
+        {"text": _text(rng, 5), "sampling_params": {"max_new_tokens": 8}, "rid": "r1"},
+        {"text": [_text(rng), _text(rng)], "stream": False},
+        {"input_ids": [rng.randrange(100, 90_000) for _ in range(40)], "rid": "r3"},
+        {"input_ids": [[5, 6, 7], [8]]},
+    ]
 
 
 def growing_conversation(seed: int, turns: int, words_per_turn: int = 400) -> list[dict]:

@@ -35,7 +35,12 @@ fuzz_target!(|data: &[u8]| {
     let cache = ConversationCache::with_stride(1 << 16, 8);
     for body in [a, &b[..], &b[..]] {
         let body = Bytes::copy_from_slice(body);
-        let endpoint = if cut & 1 == 0 { Endpoint::Generate } else { Endpoint::Embeddings };
+        let endpoint = match cut & 3 {
+            0 => Endpoint::Generate,
+            1 => Endpoint::Embeddings,
+            2 => Endpoint::Messages,
+            _ => Endpoint::SglangGenerate,
+        };
         assert_eq!(cached(&cache, &body, endpoint), plain(&body, endpoint));
     }
 });

@@ -18,7 +18,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
-use crate::request::{parse_request_body, BodyError, ParsedBody, Prompt};
+use crate::request::{parse_request_body_for, BodyError, ParsedBody, Prompt};
 use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::session::SessionOutcome;
 use crate::selection::ToHttpStatus;
@@ -427,26 +427,31 @@ impl StreamMachine {
             return Ok(step);
         }
         let whole = self.body.contiguous();
-        let mut parsed = match parse_request_body(self.content_type.as_deref(), &whole) {
-            Ok(parsed) => parsed,
-            Err(err) => {
-                drop(whole);
-                return Ok(self.reject(400, &body_error_message(&err)));
-            }
-        };
+        let endpoint = crate::tokenize::prompt::Endpoint::from_path(&self.path);
+        let mut parsed =
+            match parse_request_body_for(endpoint, self.content_type.as_deref(), &whole) {
+                Ok(parsed) => parsed,
+                Err(err) => {
+                    drop(whole);
+                    return Ok(self.reject(400, &body_error_message(&err)));
+                }
+            };
         if let Some(p) = &mut parsed {
-            let wants_tokens = matches!(p.prompt, Prompt::Text(_))
-                && self
-                    .settings
-                    .tokenizers
-                    .as_ref()
-                    .is_some_and(|t| t.has(&p.model));
+            // A body without a model (SGLang `/generate`) uses the tokenizer when only one is
+            // configured: the pool then serves that model.
+            let tokenizer_model = match (&p.model, self.settings.tokenizers.as_ref()) {
+                (Some(m), Some(t)) => t.has(m).then(|| m.clone()),
+                (None, Some(t)) => t.sole_model().map(str::to_string),
+                (_, None) => None,
+            };
+            let wants_tokens = matches!(p.prompt, Prompt::Text(_)) && tokenizer_model.is_some();
+            let model = tokenizer_model.unwrap_or_default();
             if wants_tokens
                 && !self
                     .settings
                     .tokenizers
                     .as_ref()
-                    .is_some_and(|t| t.admits_body(&p.model, whole.len()))
+                    .is_some_and(|t| t.admits_body(&model, whole.len()))
             {
                 // Too big to tokenize: load-only, as for a failed tokenization, and no copy.
                 p.prompt = Prompt::Absent;
@@ -459,7 +464,7 @@ impl StreamMachine {
                 }
                 let (chunks, lease) = self.body.take();
                 let job = TokenizeJob {
-                    model: p.model.clone(),
+                    model,
                     path: self.path.clone(),
                     body: job_body,
                 };
@@ -575,7 +580,7 @@ impl StreamMachine {
     /// `--shared-state`: the Redis lookup this request's session needs before its pick.
     fn session_lookup_for(&self, parsed: &ParsedBody) -> Option<crate::shared::SessionLookupJob> {
         self.core
-            .session_lookup(Some(&parsed.model), "", self.session_id.as_deref())
+            .session_lookup(parsed.model.as_deref(), "", self.session_id.as_deref())
     }
 
     /// Routes a pending request, unless its session must be looked up first: then it stays
@@ -663,7 +668,7 @@ impl StreamMachine {
             .unwrap_or_else(|| uuid::Uuid::new_v4().to_string());
         let (model, prompt, cache_salt) = match body {
             Some(b) => (
-                Some(b.model),
+                b.model,
                 match b.prompt {
                     Prompt::TokenIds(ids) => PromptInput::Tokens(ids),
                     Prompt::Text(text) => PromptInput::Text(text),

@@ -1149,6 +1149,62 @@ fn text_prompt_of_a_tokenized_model_waits_for_ids_then_routes_and_echoes_the_bod
     }
 }
 
+fn post_to(path: &str) -> ProcessingRequest {
+    headers(
+        &[
+            (":method", "POST"),
+            (":path", path),
+            ("content-type", "application/json"),
+        ],
+        false,
+    )
+}
+
+#[test]
+fn anthropic_messages_and_sglang_generate_are_tokenized_with_their_path() {
+    // /v1/messages: a text prompt of the named model, tokenized as an Anthropic body.
+    let (_core, mut m) = setup(default_pool(), tokenizer_settings());
+    m.handle(post_to("/v1/messages")).unwrap();
+    let anthropic =
+        br#"{"model":"m","max_tokens":8,"system":"S","messages":[{"role":"user","content":"hi"}]}"#;
+    let job = m
+        .handle(body(anthropic, true))
+        .unwrap()
+        .tokenize
+        .expect("a job");
+    assert_eq!(
+        (job.model.as_str(), job.path.as_str()),
+        ("m", "/v1/messages")
+    );
+    // /generate names no model: the only configured tokenizer is used, any partition routes.
+    let (_core, mut m) = setup(default_pool(), tokenizer_settings());
+    m.handle(post_to("/generate")).unwrap();
+    let job = m
+        .handle(body(br#"{"text":"hello","rid":"r1"}"#, true))
+        .unwrap()
+        .tokenize
+        .expect("a job");
+    assert_eq!((job.model.as_str(), job.path.as_str()), ("m", "/generate"));
+    let step = m.resume(crate::tokenize::TokenizeOutcome::Tokens {
+        ids: (0..64).collect(),
+        source: crate::tokenize::Source::Local,
+    });
+    assert!(set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).is_some());
+    // /generate with `input_ids`: routed at once on the ids, no model, no tokenizer.
+    let (_core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    m.handle(post_to("/generate")).unwrap();
+    let step = m
+        .handle(body(br#"{"input_ids":[1,2,3],"stream":true}"#, true))
+        .unwrap();
+    assert!(step.tokenize.is_none());
+    assert!(set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).is_some());
+    // Elsewhere a body without a model is still a 400.
+    let (_core, mut m) = setup(default_pool(), ExtProcSettings::default());
+    m.handle(post_to("/v1/messages")).unwrap();
+    let step = m.handle(body(br#"{"messages":[]}"#, true)).unwrap();
+    assert!(step.finished);
+}
+
 #[test]
 fn tokenization_with_trailers_answers_trailers_after_routing() {
     let (_core, mut m) = setup(default_pool(), tokenizer_settings());

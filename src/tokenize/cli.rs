@@ -7,6 +7,7 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 
+use super::prompt::Endpoint;
 use super::{TokenizeOutcome, Tokenizers};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -14,6 +15,10 @@ pub struct TokenizeArgs {
     /// The tokenizer config (same file as `serve --tokenizer-config`).
     #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
     pub tokenizer_config: PathBuf,
+    /// The request path the bodies were sent to (`/v1/messages`, `/generate`, `/v1/embeddings`);
+    /// by default chat, completions and responses bodies, told apart by their fields.
+    #[arg(long, value_name = "PATH", default_value = "/v1/chat/completions")]
+    pub path: String,
 }
 
 pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
@@ -28,6 +33,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
         .worker_threads(1)
         .enable_all()
         .build()?;
+    let endpoint = Endpoint::from_path(&args.path);
     let stdin = std::io::stdin();
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     for line in stdin.lock().lines() {
@@ -35,11 +41,14 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
         if line.trim().is_empty() {
             continue;
         }
+        // A body naming no model (SGLang `/generate`) uses the only configured model, if one.
         let model = serde_json::from_str::<serde_json::Value>(&line)
             .ok()
             .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(String::from))
+            .or_else(|| tokenizers.sole_model().map(String::from))
             .unwrap_or_default();
-        let outcome = runtime.block_on(tokenizers.tokenize(&model, Bytes::from(line)));
+        let outcome =
+            runtime.block_on(tokenizers.tokenize_request(endpoint, &model, Bytes::from(line)));
         let answer = match outcome {
             TokenizeOutcome::Tokens { ids, source } => {
                 serde_json::json!({"ids": ids, "source": source.label()})

@@ -5,6 +5,7 @@
 //! the tokenization metrics. It never selects workers and never fails a request: any failure is
 //! an outcome the host turns into load-only routing.
 
+pub mod anthropic;
 pub mod cli;
 pub mod conversation;
 pub mod fast;
@@ -579,6 +580,15 @@ impl Tokenizers {
             .inc();
     }
 
+    /// The one configured model, if exactly one is (for bodies that name no model).
+    pub fn sole_model(&self) -> Option<&str> {
+        let mut models = self.models.keys();
+        match (models.next(), models.next()) {
+            (Some(m), None) => Some(m),
+            _ => None,
+        }
+    }
+
     pub fn has(&self, model: &str) -> bool {
         self.models.contains_key(model)
     }
@@ -698,8 +708,10 @@ impl Tokenizers {
             };
         };
         let rendered = match endpoint {
-            Endpoint::Embeddings => None,
+            // vLLM has no embeddings render endpoint, and SGLang none at all.
+            Endpoint::Embeddings | Endpoint::SglangGenerate => None,
             Endpoint::Generate => render_request(spec.as_ref(), &body),
+            Endpoint::Messages => chat_render_body(spec.as_ref(), &body),
         };
         let (kind, payload) = match rendered {
             Some(r) => r,
@@ -785,6 +797,17 @@ fn render_request(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind
     if json.get("prompt").is_some() {
         return Some((RenderKind::Completions, body.clone()));
     }
+    chat_body(spec, &json)
+}
+
+/// A body converted to chat messages (`/v1/messages`) as a chat render request.
+fn chat_render_body(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind, Bytes)> {
+    let json: Json = serde_json::from_slice(body).ok()?;
+    chat_body(spec, &json)
+}
+
+/// The chat render request for a converted prompt (the converted messages, tools and kwargs).
+fn chat_body(spec: Option<&PromptSpec>, json: &Json) -> Option<(RenderKind, Bytes)> {
     let Some(PromptSpec::Chat(chat)) = spec else {
         return None;
     };
@@ -801,6 +824,9 @@ fn render_request(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind
     ];
     if let Some(tools) = &chat.tools {
         entries.push(("tools", tools.clone()));
+    }
+    if !chat.kwargs.is_empty() {
+        entries.push(("chat_template_kwargs", Json::Object(chat.kwargs.clone())));
     }
     let out = serde_json::to_vec(&Json::object(entries)).ok()?;
     Some((RenderKind::Chat, Bytes::from(out)))
@@ -866,6 +892,60 @@ mod limit_tests {
         );
         assert!(!t.admits_body("m", 101));
         assert_eq!(skipped(&t, SKIP_BODY_TOO_LARGE), 2);
+    }
+
+    #[tokio::test]
+    async fn anthropic_bodies_tokenize_as_their_chat_equivalent_within_the_same_limits() {
+        let t = tokenizers(TokenizeLimits {
+            max_body_bytes: 300,
+            ..TokenizeLimits::default()
+        });
+        let anthropic = Bytes::from(
+            serde_json::json!({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "sys"}],
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
+            .to_string(),
+        );
+        let chat = Bytes::from(
+            serde_json::json!({"model": "m", "messages": [{"role": "system", "content": "sys"},
+                {"role": "user", "content": "hello"}]})
+            .to_string(),
+        );
+        let a = t
+            .tokenize_request(Endpoint::Messages, "m", anthropic.clone())
+            .await;
+        assert!(matches!(a, TokenizeOutcome::Tokens { .. }), "{a:?}");
+        assert_eq!(a, t.tokenize("m", chat).await);
+        // Read as an OpenAI chat body it would be a different prompt (no system message).
+        assert_ne!(t.tokenize("m", anthropic).await, a);
+        // The body cap applies unchanged: one byte over it is not tokenized.
+        let mut big =
+            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": ""}]});
+        let len = big.to_string().len();
+        big["messages"][0]["content"] = serde_json::Value::String("x".repeat(301 - len));
+        let big = Bytes::from(big.to_string());
+        assert_eq!(big.len(), 301);
+        assert_eq!(
+            t.tokenize_request(Endpoint::Messages, "m", big).await,
+            TokenizeOutcome::Skipped {
+                reason: SKIP_BODY_TOO_LARGE
+            }
+        );
+        // A malformed Anthropic body falls back (counted), it does not fail.
+        let bad = Bytes::from_static(
+            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"audio"}]}]}"#,
+        );
+        assert!(matches!(
+            t.tokenize_request(Endpoint::Messages, "m", bad).await,
+            TokenizeOutcome::Fallback { .. }
+        ));
+        // SGLang /generate text tokenizes like a completions prompt.
+        let generate = Bytes::from_static(br#"{"text":"hello world","rid":"r"}"#);
+        let completion = Bytes::from_static(br#"{"model":"m","prompt":"hello world"}"#);
+        assert_eq!(
+            t.tokenize_request(Endpoint::SglangGenerate, "m", generate)
+                .await,
+            t.tokenize("m", completion).await
+        );
     }
 
     /// Paused clock: the permit deadline passes as soon as the runtime is idle, so this takes

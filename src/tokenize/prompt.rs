@@ -1,5 +1,6 @@
 //! What a request body asks the engine to tokenize (ARCHITECTURE.md §2, §8): chat messages (from
-//! `/v1/chat/completions` or converted from `/v1/responses`), completion text, or token ids.
+//! `/v1/chat/completions`, or converted from `/v1/responses` and, in [`super::anthropic`], from
+//! Anthropic `/v1/messages`), completion text (also SGLang's `/generate` `text`), or token ids.
 //! Mirrors vLLM's preprocessing before the chat template (content parts joined, tool-call
 //! arguments parsed). It reads bodies only; rendering and tokenization are elsewhere.
 
@@ -66,8 +67,10 @@ impl ConversationField {
 
     /// Which field carries the conversation, by the precedence [`prompt_spec_for`] applies:
     /// `has` tells whether the body has a key, `input_is_list` whether `input` is a list.
+    /// Only OpenAI-shaped bodies have one: an Anthropic message can become several chat
+    /// messages (and its system text moves to the front), so `/v1/messages` is parsed whole.
     pub fn of(endpoint: Endpoint, has: impl Fn(&str) -> bool, input_is_list: bool) -> Option<Self> {
-        if endpoint == Endpoint::Embeddings {
+        if endpoint != Endpoint::Generate {
             return None;
         }
         if has("messages") {
@@ -132,27 +135,8 @@ pub struct ChatPrompt {
 #[error("{0}")]
 pub struct Unsupported(pub &'static str);
 
-/// Which API a body was sent to, as far as tokenization cares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Endpoint {
-    /// Chat, completions or responses: told apart by the body's fields.
-    #[default]
-    Generate,
-    /// `/v1/embeddings`: `input` is text to tokenize, not a responses conversation.
-    Embeddings,
-}
-
-impl Endpoint {
-    /// From the request `:path`.
-    pub fn from_path(path: &str) -> Self {
-        let path = path.split('?').next().unwrap_or_default();
-        if path.ends_with("/embeddings") {
-            Endpoint::Embeddings
-        } else {
-            Endpoint::Generate
-        }
-    }
-}
+/// Which API a body was sent to (from the request `:path`); defined with the body reader.
+pub use crate::request::Endpoint;
 
 /// Reads the prompt of a body (already known to be a JSON object).
 pub fn prompt_spec(body: &Json, format: ContentFormat) -> Result<PromptSpec, Unsupported> {
@@ -176,6 +160,11 @@ pub fn prompt_spec_parsed(
     items: Option<Vec<Arc<Message>>>,
     format: ContentFormat,
 ) -> Result<PromptSpec, Unsupported> {
+    match endpoint {
+        Endpoint::Messages => return super::anthropic::prompt_spec(body, format),
+        Endpoint::SglangGenerate => return sglang_generate(body),
+        Endpoint::Embeddings | Endpoint::Generate => {}
+    }
     if endpoint == Endpoint::Embeddings {
         let add_special_tokens = body.get("add_special_tokens").and_then(Json::as_bool);
         return Ok(match body.get("input") {
@@ -252,6 +241,43 @@ pub fn prompt_spec_parsed(
     Ok(PromptSpec::None)
 }
 
+/// SGLang's `/generate`: `input_ids` (one list, or a batch: the first routes) win over `text`
+/// (a string, or a batch list); SGLang tokenizes text with the tokenizer's special tokens, which is
+/// the model entry's `add_special_tokens` default. `rid`, `stream`, `sampling_params` do not
+/// matter here; `input_embeds` alone leaves nothing to tokenize.
+fn sglang_generate(body: &Json) -> Result<PromptSpec, Unsupported> {
+    if let Some(ids) = body.get("input_ids").filter(|v| !matches!(v, Json::Null)) {
+        let ids = match ids.as_token_ids() {
+            Some(ids) => ids,
+            None => match ids.as_array().and_then(|batch| batch.first()) {
+                Some(first) => first
+                    .as_token_ids()
+                    .ok_or(Unsupported("`input_ids` must be a list of token ids"))?,
+                None => Vec::new(),
+            },
+        };
+        return Ok(if ids.is_empty() {
+            PromptSpec::None
+        } else {
+            PromptSpec::Ids(ids)
+        });
+    }
+    let text = match body.get("text") {
+        Some(Json::String(text)) => text,
+        Some(Json::Array(batch)) => match batch.first() {
+            Some(Json::String(text)) => text,
+            None => return Ok(PromptSpec::None),
+            Some(_) => return Err(Unsupported("`text` list items must be strings")),
+        },
+        Some(Json::Null) | None => return Ok(PromptSpec::None),
+        Some(_) => return Err(Unsupported("`text` must be a string or a list")),
+    };
+    Ok(PromptSpec::Text {
+        text: text.clone(),
+        add_special_tokens: None,
+    })
+}
+
 fn chat_prompt(
     body: &Json,
     messages: Vec<Arc<Message>>,
@@ -324,7 +350,7 @@ fn normalize_content(content: &Json, format: ContentFormat) -> Result<Json, Unsu
     }
 }
 
-fn chat_message(message: &Json, format: ContentFormat) -> Result<Json, Unsupported> {
+pub(super) fn chat_message(message: &Json, format: ContentFormat) -> Result<Json, Unsupported> {
     let Json::Object(_) = message else {
         return Err(Unsupported("a message is not an object"));
     };
@@ -561,6 +587,66 @@ mod tests {
             ),
             Ok(PromptSpec::Chat(_))
         ));
+    }
+
+    #[test]
+    fn paths_name_their_endpoints() {
+        for (path, e) in [
+            ("/v1/chat/completions", Endpoint::Generate),
+            ("/v1/responses", Endpoint::Generate),
+            ("/v1/embeddings", Endpoint::Embeddings),
+            ("/v1/messages", Endpoint::Messages),
+            ("/v1/messages?beta=true", Endpoint::Messages),
+            ("/v1/messages/count_tokens", Endpoint::Messages),
+            ("/generate", Endpoint::SglangGenerate),
+            ("/generate?x=1", Endpoint::SglangGenerate),
+            ("/v1/generate", Endpoint::Generate),
+        ] {
+            assert_eq!(Endpoint::from_path(path), e, "{path}");
+        }
+    }
+
+    #[test]
+    fn sglang_generate_text_and_ids() {
+        let g = |body: &str| {
+            prompt_spec_for(
+                Endpoint::SglangGenerate,
+                &serde_json::from_str(body).unwrap(),
+                ContentFormat::String,
+            )
+        };
+        assert_eq!(
+            g(r#"{"text":"hi","rid":"r","stream":true,"sampling_params":{"temperature":0}}"#),
+            Ok(PromptSpec::Text {
+                text: "hi".into(),
+                add_special_tokens: None
+            })
+        );
+        assert_eq!(
+            g(r#"{"text":["a","b"]}"#),
+            Ok(PromptSpec::Text {
+                text: "a".into(),
+                add_special_tokens: None
+            })
+        );
+        assert_eq!(
+            g(r#"{"input_ids":[1,2],"text":"x"}"#),
+            Ok(PromptSpec::Ids(vec![1, 2]))
+        );
+        assert_eq!(
+            g(r#"{"input_ids":[[3],[4]]}"#),
+            Ok(PromptSpec::Ids(vec![3]))
+        );
+        assert_eq!(g(r#"{"input_ids":[]}"#), Ok(PromptSpec::None));
+        assert_eq!(g(r#"{"input_embeds":[[0.1]]}"#), Ok(PromptSpec::None));
+        assert!(g(r#"{"input_ids":["a"]}"#).is_err());
+        assert!(g(r#"{"text":5}"#).is_err());
+        assert!(g(r#"{"text":[5]}"#).is_err());
+        // A /generate body is never read as a chat conversation.
+        assert_eq!(
+            g(r#"{"messages":[{"role":"user","content":"x"}]}"#),
+            Ok(PromptSpec::None)
+        );
     }
 
     #[test]
