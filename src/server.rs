@@ -941,12 +941,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     metrics
         .epp
         .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));
-    metrics
-        .pool
-        .configure(crate::epp_metrics::pool::PoolConfig {
-            limits: core.config().flow.saturation,
-            stale_after: Duration::from_millis(args.engine_metrics_stale_ms),
-        });
+
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
     let tokenizers = match &args.tokenizer_config {
         Some(path) => Some(Arc::new(

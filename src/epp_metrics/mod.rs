@@ -366,7 +366,8 @@ impl EppRequest {
         if self.queued.is_some() || self.metrics.series.is_empty() {
             return;
         }
-        let l = self.labels(false);
+        // Queued means the core found ranks for its model: it is served, as for a routed one.
+        let l = self.labels(true);
         let pool = self.metrics.pool_name();
         let values = vec![l.fairness, l.priority, pool, l.model, l.target];
         for s in self.metrics.series.iter() {
@@ -374,8 +375,6 @@ impl EppRequest {
             s.pool.queue_size.with_label_values(&v).inc();
         }
         self.queued = Some(values);
-        // Labels are fixed again when the request is routed (its model is then known served).
-        self.labels = None;
     }
 
     fn dequeued(&mut self) {
