@@ -11,6 +11,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -50,6 +51,9 @@ struct State {
 pub struct PoolTracker {
     state: Arc<Mutex<State>>,
     config: Arc<Mutex<PoolConfig>>,
+    /// `--saturation-max-requests` is set: rank loads are kept (else they count for nothing, and
+    /// the booking path takes no lock here).
+    track_active: Arc<AtomicBool>,
     pub saturation: Gauge,
     pub saturated_ratio: Gauge,
     pub queue_length: IntGauge,
@@ -107,6 +111,7 @@ impl PoolTracker {
         PoolTracker {
             state: Arc::default(),
             config: Arc::default(),
+            track_active: Arc::default(),
             saturation,
             saturated_ratio,
             queue_length,
@@ -119,6 +124,10 @@ impl PoolTracker {
     }
 
     pub fn configure(&self, config: PoolConfig) {
+        self.track_active.store(
+            config.limits.max_active_requests.is_some(),
+            Ordering::Relaxed,
+        );
         *self.config.lock().unwrap_or_else(|e| e.into_inner()) = config;
     }
 
@@ -128,6 +137,9 @@ impl PoolTracker {
 
     /// A rank's booked load (from [`kvpick_core::Fact::Load`]).
     pub fn load(&self, worker: &Arc<str>, dp_rank: u32, load: &RankLoad) {
+        if !self.track_active.load(Ordering::Relaxed) {
+            return;
+        }
         self.lock()
             .active
             .insert((Arc::clone(worker), dp_rank), load.active_requests);

@@ -250,6 +250,28 @@ fn fairness_ids_are_bounded() {
 }
 
 #[test]
+fn priorities_are_bounded() {
+    let m = Metrics::new();
+    let s = llm_d(&m);
+    for p in 0..=MAX_PRIORITIES as i32 {
+        let mut r = m.epp.request();
+        r.classified(p, "");
+        r.body(Some("m"), 1);
+        r.routed();
+    }
+    let last = (MAX_PRIORITIES - 1).to_string();
+    let labels = ["m", "m", "default", last.as_str()];
+    assert_eq!(s.req.request_total.with_label_values(&labels).get(), 1);
+    assert_eq!(
+        s.req
+            .request_total
+            .with_label_values(&["m", "m", "default", "other"])
+            .get(),
+        1
+    );
+}
+
+#[test]
 fn a_rewrite_labels_the_source_model_and_its_target() {
     let m = Metrics::new();
     let mut r = m.epp.request();
