@@ -280,42 +280,10 @@ async fn wait_for(port: u16, what: &str, cond: impl Fn(&str) -> bool) {
     }
 }
 
-#[tokio::test]
-async fn every_metric_the_dashboard_alerts_and_keda_example_use_is_exported() {
-    let (e1, e2) = (fake_engine(), fake_engine());
-    let catalog =
-        format!("workers:\n  - {{name: a, model: m, address: 127.0.0.1, ports: [{e1}, {e2}]}}\n");
-    let serve = common::start_static(
-        &catalog,
-        &[
-            "--metrics-families",
-            "kvpick,epp,igw",
-            "--engine-metrics",
-            "vllm",
-            "--engine-metrics-interval-ms",
-            "50",
-            "--engine-metrics-stale-ms",
-            "60000",
-            "--saturation-max-requests",
-            "1",
-            "--saturation-wait",
-            "inf",
-            "--queue-timeout",
-            "0.3",
-            "--outlier-consecutive-5xx",
-            "1",
-            "--outlier-max-ejected-percent",
-            "100",
-            // Nothing listens on port 1: the shared state is down (kvpick routes on local state).
-            "--shared-state",
-            "redis://127.0.0.1:1",
-        ],
-    );
-    common::wait_readiness(serve.health, ServingStatus::Serving).await;
-    wait_for(serve.metrics, "fresh engine readings", |t| {
-        t.contains("llm_d_epp_average_kv_cache_utilization{")
-    })
-    .await;
+/// Requests through the ext_proc port until every series the queries use exists: routed ones
+/// with SLOs and usage, a queue timeout, a request released from the queue, a rank's 5xx (and
+/// its ejection).
+async fn drive_every_series(serve: &common::Serve) {
     let mut client = Client::connect(format!("http://127.0.0.1:{}", serve.grpc))
         .await
         .unwrap();
@@ -352,6 +320,45 @@ async fn every_metric_the_dashboard_alerts_and_keda_example_use_is_exported() {
         t.contains("kvpick_outlier_ejections_total{")
     })
     .await;
+}
+
+#[tokio::test]
+async fn every_metric_the_dashboard_alerts_and_keda_example_use_is_exported() {
+    let (e1, e2) = (fake_engine(), fake_engine());
+    let catalog =
+        format!("workers:\n  - {{name: a, model: m, address: 127.0.0.1, ports: [{e1}, {e2}]}}\n");
+    let serve = common::start_static(
+        &catalog,
+        &[
+            "--metrics-families",
+            "kvpick,epp,igw",
+            "--engine-metrics",
+            "vllm",
+            "--engine-metrics-interval-ms",
+            "50",
+            "--engine-metrics-stale-ms",
+            "60000",
+            "--saturation-max-requests",
+            "1",
+            "--saturation-wait",
+            "inf",
+            "--queue-timeout",
+            "0.3",
+            "--outlier-consecutive-5xx",
+            "1",
+            "--outlier-max-ejected-percent",
+            "100",
+            // Nothing listens on port 1: the shared state is down (kvpick routes on local state).
+            "--shared-state",
+            "redis://127.0.0.1:1",
+        ],
+    );
+    common::wait_readiness(serve.health, ServingStatus::Serving).await;
+    wait_for(serve.metrics, "fresh engine readings", |t| {
+        t.contains("llm_d_epp_average_kv_cache_utilization{")
+    })
+    .await;
+    drive_every_series(&serve).await;
 
     let text = scrape(serve.metrics);
     let families = exported(&text);

@@ -488,27 +488,18 @@ impl EppRequest {
                 .with_label_values(&v)
                 .observe(self.response_bytes as f64);
             let Some(u) = usage else { continue };
-            if u.prompt_tokens > 0 {
-                s.req
-                    .input_tokens
-                    .with_label_values(&v)
-                    .observe(u.prompt_tokens as f64);
-            }
-            if u.cached_tokens > 0 {
-                s.req
-                    .cached_tokens
-                    .with_label_values(&v)
-                    .observe(u.cached_tokens as f64);
-            }
+            let t = &s.req.tokens;
+            let observe = |h: &prometheus::HistogramVec, n: u64| {
+                if n > 0 {
+                    h.with_label_values(&v).observe(n as f64);
+                }
+            };
+            observe(&t.input, u.prompt_tokens);
+            observe(&t.cached, u.cached_tokens);
+            observe(&t.output, u.completion_tokens);
             if u.completion_tokens > 0 {
-                s.req
-                    .output_tokens
-                    .with_label_values(&v)
-                    .observe(u.completion_tokens as f64);
-                s.req
-                    .ntpot
-                    .with_label_values(&v)
-                    .observe(seconds / u.completion_tokens as f64);
+                let per_token = seconds / u.completion_tokens as f64;
+                t.ntpot.with_label_values(&v).observe(per_token);
             }
         }
         self.stop_running();

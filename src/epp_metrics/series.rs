@@ -84,13 +84,20 @@ pub struct RequestSeries {
     pub duration: HistogramVec,
     pub request_size: HistogramVec,
     pub response_size: HistogramVec,
-    pub input_tokens: HistogramVec,
-    pub output_tokens: HistogramVec,
-    pub cached_tokens: HistogramVec,
     pub running: IntGaugeVec,
-    pub ntpot: HistogramVec,
     /// `llm_d_epp_request_ttft_seconds` (no deprecated alias upstream).
     pub ttft: Option<HistogramVec>,
+    pub tokens: TokenSeries,
+}
+
+/// One generation's series from the response usage.
+#[derive(Clone)]
+pub struct TokenSeries {
+    pub input: HistogramVec,
+    pub output: HistogramVec,
+    pub cached: HistogramVec,
+    /// Normalized time per output token.
+    pub ntpot: HistogramVec,
 }
 
 /// One generation's pool, scheduler and flow-control series.
@@ -122,65 +129,133 @@ fn reg<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c:
     c
 }
 
-fn opts(name: &str, help: &str) -> Opts {
-    Opts::new(name, help)
+// Constructors of one registered metric each (`tests/docs/metrics.rs` reads their calls).
+fn epp_counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    reg(
+        r,
+        IntCounterVec::new(Opts::new(name, help), labels).unwrap(),
+    )
 }
 
-fn hopts(name: &str, help: &str, buckets: &[f64]) -> HistogramOpts {
-    HistogramOpts::new(name, help).buckets(buckets.to_vec())
+fn epp_gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    reg(r, IntGaugeVec::new(Opts::new(name, help), labels).unwrap())
+}
+
+fn epp_fgauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
+    reg(r, GaugeVec::new(Opts::new(name, help), labels).unwrap())
+}
+
+fn epp_histogram_vec(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    buckets: &[f64],
+    labels: &[&str],
+) -> HistogramVec {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    reg(r, HistogramVec::new(opts, labels).unwrap())
+}
+
+fn epp_histogram(r: &Registry, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    let opts = HistogramOpts::new(name, help).buckets(buckets.to_vec());
+    reg(r, Histogram::with_opts(opts).unwrap())
 }
 
 impl Series {
     /// Registers `generation`'s series on `registry`.
     pub fn register(registry: &Registry, generation: Generation) -> Self {
-        match generation {
-            Generation::LlmD => Series {
-                generation,
-                req: llm_d_requests(registry),
-                pool: llm_d_pool(registry),
-            },
-            Generation::Igw => Series {
-                generation,
-                req: igw_requests(registry),
-                pool: igw_pool(registry),
-            },
+        let (req, pool) = match generation {
+            Generation::LlmD => (llm_d_requests(registry), llm_d_pool(registry)),
+            Generation::Igw => (igw_requests(registry), igw_pool(registry)),
+        };
+        Series {
+            generation,
+            req,
+            pool,
         }
     }
 }
 
+/// llm-d's pool, scheduler and flow-control series.
 fn llm_d_pool(r: &Registry) -> PoolSeries {
     PoolSeries {
-        ready_endpoints: reg(r, IntGaugeVec::new(opts("llm_d_epp_ready_endpoints", "The number of ready endpoints in the inference server pool (kvpick: schedulable workers)"), &["name"]).unwrap()),
-        average_kv: reg(r, GaugeVec::new(opts("llm_d_epp_average_kv_cache_utilization", "The average kv cache utilization (0..1) over the pool's ranks with a fresh engine reading"), &["name"]).unwrap()),
-        average_queue: reg(r, GaugeVec::new(opts("llm_d_epp_average_queue_size", "The average number of requests waiting in the model servers' queues (fresh engine readings)"), &["name"]).unwrap()),
-        average_running: reg(r, GaugeVec::new(opts("llm_d_epp_average_running_requests", "The average number of requests running on the model servers (fresh engine readings)"), &["name"]).unwrap()),
-        scheduler_e2e: reg(r, Histogram::with_opts(hopts("llm_d_epp_scheduler_e2e_duration_seconds", "End-to-end scheduling latency in seconds (kvpick: parse and pick, as kvpick_pick_latency_seconds)", SCHEDULER_BUCKETS)).unwrap()),
-        plugin_duration: reg(r, HistogramVec::new(hopts("llm_d_epp_plugin_duration_seconds", "Latency in seconds of each stage of kvpick's pick (extension_point, plugin_type, plugin_name)", SCHEDULER_BUCKETS), &["extension_point", "plugin_type", "plugin_name"]).unwrap()),
-        info: reg(r, IntGaugeVec::new(opts("llm_d_epp_info", "Build information: 1, labelled with the commit and build ref"), &["commit", "build_ref"]).unwrap()),
-        queue_size: reg(r, IntGaugeVec::new(opts("llm_d_epp_flow_control_queue_size", "Requests held in kvpick's flow-control queue"), &["fairness_id", "priority", "inference_pool", "model_name", "target_model_name"]).unwrap()),
-        pool_saturation: reg(r, GaugeVec::new(opts("llm_d_epp_flow_control_pool_saturation", "Saturation of the pool (0 = idle, 1 = at the --saturation-* limits; as kvpick_pool_saturation)"), &["inference_pool"]).unwrap()),
+        ready_endpoints: epp_gauge(
+            r,
+            "llm_d_epp_ready_endpoints",
+            "Ready endpoints in the pool (kvpick: schedulable workers)",
+            &["name"],
+        ),
+        average_kv: epp_fgauge(
+            r,
+            "llm_d_epp_average_kv_cache_utilization",
+            "Mean KV-cache use (0..1) over ranks with a fresh engine reading",
+            &["name"],
+        ),
+        average_queue: epp_fgauge(
+            r,
+            "llm_d_epp_average_queue_size",
+            "Mean requests waiting in the engines' queues (fresh readings)",
+            &["name"],
+        ),
+        average_running: epp_fgauge(
+            r,
+            "llm_d_epp_average_running_requests",
+            "Mean requests running on the engines (fresh readings)",
+            &["name"],
+        ),
+        scheduler_e2e: epp_histogram(
+            r,
+            "llm_d_epp_scheduler_e2e_duration_seconds",
+            "Scheduling latency in seconds: parse and pick (kvpick_pick_latency_seconds)",
+            SCHEDULER_BUCKETS,
+        ),
+        plugin_duration: epp_histogram_vec(
+            r,
+            "llm_d_epp_plugin_duration_seconds",
+            "Latency in seconds of each stage of kvpick's pick",
+            SCHEDULER_BUCKETS,
+            &["extension_point", "plugin_type", "plugin_name"],
+        ),
+        info: epp_gauge(
+            r,
+            "llm_d_epp_info",
+            "Build information: 1, labelled with the commit and build ref",
+            &["commit", "build_ref"],
+        ),
+        queue_size: epp_gauge(
+            r,
+            "llm_d_epp_flow_control_queue_size",
+            "Requests held in kvpick's flow-control queue",
+            &[
+                "fairness_id",
+                "priority",
+                "inference_pool",
+                "model_name",
+                "target_model_name",
+            ],
+        ),
+        pool_saturation: epp_fgauge(
+            r,
+            "llm_d_epp_flow_control_pool_saturation",
+            "Pool saturation: 0 idle, 1 at the limits (kvpick_pool_saturation)",
+            &["inference_pool"],
+        ),
     }
 }
 
+/// llm-d's request series, labelled `model_name`, `target_model_name`, `fairness_id`, `priority`.
 fn llm_d_requests(r: &Registry) -> RequestSeries {
-    let request_total = reg(
-        r,
-        IntCounterVec::new(
-            opts(
-                "llm_d_epp_request_total",
-                "Total number of requests kvpick answered (routed or refused)",
-            ),
+    RequestSeries {
+        request_total: epp_counter(
+            r,
+            "llm_d_epp_request_total",
+            "Total number of requests kvpick answered (routed or refused)",
             &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let request_errors = reg(
-        r,
-        IntCounterVec::new(
-            opts(
-                "llm_d_epp_request_error_total",
-                "Total number of request errors, by error_code",
-            ),
+        ),
+        request_errors: epp_counter(
+            r,
+            "llm_d_epp_request_error_total",
+            "Total number of request errors, by error_code",
             &[
                 "model_name",
                 "target_model_name",
@@ -188,101 +263,39 @@ fn llm_d_requests(r: &Registry) -> RequestSeries {
                 "priority",
                 "error_code",
             ],
-        )
-        .unwrap(),
-    );
-    let duration = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "llm_d_epp_request_duration_seconds",
-                "End-to-end request latency in seconds, request headers to response end",
-                LATENCY_BUCKETS,
-            ),
+        ),
+        duration: epp_histogram_vec(
+            r,
+            "llm_d_epp_request_duration_seconds",
+            "End-to-end request latency in seconds, request headers to response end",
+            LATENCY_BUCKETS,
             &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let request_size = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "llm_d_epp_request_size_bytes",
-                "Incoming request body size in bytes",
-                REQUEST_SIZE_BUCKETS,
-            ),
+        ),
+        request_size: epp_histogram_vec(
+            r,
+            "llm_d_epp_request_size_bytes",
+            "Incoming request body size in bytes",
+            REQUEST_SIZE_BUCKETS,
             &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let response_size = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "llm_d_epp_response_size_bytes",
-                "Outgoing response body size in bytes",
-                RESPONSE_SIZE_BUCKETS,
-            ),
+        ),
+        response_size: epp_histogram_vec(
+            r,
+            "llm_d_epp_response_size_bytes",
+            "Outgoing response body size in bytes",
+            RESPONSE_SIZE_BUCKETS,
             &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let input_tokens = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "llm_d_epp_request_input_tokens",
-                "Input (prompt) tokens per request, from the response usage",
-                INPUT_TOKEN_BUCKETS,
-            ),
+        ),
+        running: epp_gauge(
+            r,
+            "llm_d_epp_request_running",
+            "Requests routed and not yet complete",
             &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let output_tokens = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "llm_d_epp_request_output_tokens",
-                "Output (completion) tokens per request, from the response usage",
-                OUTPUT_TOKEN_BUCKETS,
-            ),
-            &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let cached_tokens = reg(r, HistogramVec::new(hopts("llm_d_epp_request_cached_tokens", "Prompt tokens read from cache per request, as the model server reports in the usage", INPUT_TOKEN_BUCKETS), &["model_name", "target_model_name", "fairness_id", "priority"]).unwrap());
-    let running = reg(
-        r,
-        IntGaugeVec::new(
-            opts(
-                "llm_d_epp_request_running",
-                "Requests routed and not yet complete",
-            ),
-            &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let ntpot = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "llm_d_epp_request_ntpot_seconds",
-                "Normalized time per output token in seconds: request latency over output tokens",
-                NTPOT_BUCKETS,
-            ),
-            &["model_name", "target_model_name", "fairness_id", "priority"],
-        )
-        .unwrap(),
-    );
-    let ttft = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "llm_d_epp_request_ttft_seconds",
-                "Time to first token in seconds: request received to first response body byte",
-                TTFT_BUCKETS,
-            ),
+        ),
+        ttft: Some(epp_histogram_vec(
+            r,
+            "llm_d_epp_request_ttft_seconds",
+            "Time to first token in seconds: request received to first response body byte",
+            TTFT_BUCKETS,
             &[
                 "model_name",
                 "target_model_name",
@@ -290,115 +303,189 @@ fn llm_d_requests(r: &Registry) -> RequestSeries {
                 "priority",
                 "streaming",
             ],
-        )
-        .unwrap(),
-    );
-    RequestSeries {
-        request_total,
-        request_errors,
-        duration,
-        request_size,
-        response_size,
-        input_tokens,
-        output_tokens,
-        cached_tokens,
-        running,
-        ntpot,
-        ttft: Some(ttft),
+        )),
+        tokens: llm_d_tokens(r),
     }
 }
 
+/// llm-d's usage series.
+fn llm_d_tokens(r: &Registry) -> TokenSeries {
+    TokenSeries {
+        input: epp_histogram_vec(
+            r,
+            "llm_d_epp_request_input_tokens",
+            "Input (prompt) tokens per request, from the response usage",
+            INPUT_TOKEN_BUCKETS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
+        ),
+        output: epp_histogram_vec(
+            r,
+            "llm_d_epp_request_output_tokens",
+            "Output (completion) tokens per request, from the response usage",
+            OUTPUT_TOKEN_BUCKETS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
+        ),
+        cached: epp_histogram_vec(
+            r,
+            "llm_d_epp_request_cached_tokens",
+            "Prompt tokens read from cache per request, as the model server reports in the usage",
+            INPUT_TOKEN_BUCKETS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
+        ),
+        ntpot: epp_histogram_vec(
+            r,
+            "llm_d_epp_request_ntpot_seconds",
+            "Normalized time per output token in seconds: request latency over output tokens",
+            NTPOT_BUCKETS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
+        ),
+    }
+}
+
+/// The deprecated pool, scheduler and flow-control names.
 fn igw_pool(r: &Registry) -> PoolSeries {
     PoolSeries {
-        ready_endpoints: reg(r, IntGaugeVec::new(opts("inference_pool_ready_pods", "[Deprecated: use llm_d_epp_ready_endpoints] The number of ready pods in the inference server pool"), &["name"]).unwrap()),
-        average_kv: reg(r, GaugeVec::new(opts("inference_pool_average_kv_cache_utilization", "[Deprecated: use llm_d_epp_average_kv_cache_utilization] The average kv cache utilization for an inference server pool"), &["name"]).unwrap()),
-        average_queue: reg(r, GaugeVec::new(opts("inference_pool_average_queue_size", "[Deprecated: use llm_d_epp_average_queue_size] The average number of requests pending in the model server queue"), &["name"]).unwrap()),
-        average_running: reg(r, GaugeVec::new(opts("inference_pool_average_running_requests", "[Deprecated: use llm_d_epp_average_running_requests] The average number of running requests across model servers in the pool"), &["name"]).unwrap()),
-        scheduler_e2e: reg(r, Histogram::with_opts(hopts("inference_extension_scheduler_e2e_duration_seconds", "[Deprecated: use llm_d_epp_scheduler_e2e_duration_seconds] End-to-end scheduling latency in seconds", SCHEDULER_BUCKETS)).unwrap()),
-        plugin_duration: reg(r, HistogramVec::new(hopts("inference_extension_plugin_duration_seconds", "[Deprecated: use llm_d_epp_plugin_duration_seconds] Plugin processing latency in seconds", SCHEDULER_BUCKETS), &["extension_point", "plugin_type", "plugin_name"]).unwrap()),
-        info: reg(r, IntGaugeVec::new(opts("inference_extension_info", "General information of the current build: 1, labelled with the commit and build ref"), &["commit", "build_ref"]).unwrap()),
-        queue_size: reg(r, IntGaugeVec::new(opts("inference_extension_flow_control_queue_size", "[Deprecated: use llm_d_epp_flow_control_queue_size] Requests held in the flow-control queue"), &["fairness_id", "priority", "inference_pool", "model_name", "target_model_name"]).unwrap()),
-        pool_saturation: reg(r, GaugeVec::new(opts("inference_extension_flow_control_pool_saturation", "[Deprecated: use llm_d_epp_flow_control_pool_saturation] Saturation of the pool"), &["inference_pool"]).unwrap()),
+        ready_endpoints: epp_gauge(
+            r,
+            "inference_pool_ready_pods",
+            "[Deprecated: use llm_d_epp_ready_endpoints]",
+            &["name"],
+        ),
+        average_kv: epp_fgauge(
+            r,
+            "inference_pool_average_kv_cache_utilization",
+            "[Deprecated: use llm_d_epp_average_kv_cache_utilization]",
+            &["name"],
+        ),
+        average_queue: epp_fgauge(
+            r,
+            "inference_pool_average_queue_size",
+            "[Deprecated: use llm_d_epp_average_queue_size]",
+            &["name"],
+        ),
+        average_running: epp_fgauge(
+            r,
+            "inference_pool_average_running_requests",
+            "[Deprecated: use llm_d_epp_average_running_requests]",
+            &["name"],
+        ),
+        scheduler_e2e: epp_histogram(
+            r,
+            "inference_extension_scheduler_e2e_duration_seconds",
+            "[Deprecated: use llm_d_epp_scheduler_e2e_duration_seconds]",
+            SCHEDULER_BUCKETS,
+        ),
+        plugin_duration: epp_histogram_vec(
+            r,
+            "inference_extension_plugin_duration_seconds",
+            "[Deprecated: use llm_d_epp_plugin_duration_seconds]",
+            SCHEDULER_BUCKETS,
+            &["extension_point", "plugin_type", "plugin_name"],
+        ),
+        info: epp_gauge(
+            r,
+            "inference_extension_info",
+            "Build information: 1, labelled with the commit and build ref",
+            &["commit", "build_ref"],
+        ),
+        queue_size: epp_gauge(
+            r,
+            "inference_extension_flow_control_queue_size",
+            "[Deprecated: use llm_d_epp_flow_control_queue_size]",
+            &[
+                "fairness_id",
+                "priority",
+                "inference_pool",
+                "model_name",
+                "target_model_name",
+            ],
+        ),
+        pool_saturation: epp_fgauge(
+            r,
+            "inference_extension_flow_control_pool_saturation",
+            "[Deprecated: use llm_d_epp_flow_control_pool_saturation]",
+            &["inference_pool"],
+        ),
     }
 }
 
+/// The deprecated request names, labelled `model_name`, `target_model_name`.
 fn igw_requests(r: &Registry) -> RequestSeries {
-    let request_total = reg(r, IntCounterVec::new(opts("inference_objective_request_total", "[Deprecated: use llm_d_epp_request_total] Counter of requests broken out for each model and target model"), &["model_name", "target_model_name", "priority"]).unwrap());
-    let request_errors = reg(r, IntCounterVec::new(opts("inference_objective_request_error_total", "[Deprecated: use llm_d_epp_request_error_total] Counter of request errors broken out for each model and target model"), &["model_name", "target_model_name", "error_code"]).unwrap());
-    let duration = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "inference_objective_request_duration_seconds",
-                "[Deprecated: use llm_d_epp_request_duration_seconds] Response latency in seconds",
-                LATENCY_BUCKETS,
-            ),
-            &["model_name", "target_model_name"],
-        )
-        .unwrap(),
-    );
-    let request_size = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "inference_objective_request_sizes",
-                "[Deprecated: use llm_d_epp_request_size_bytes] Request size in bytes",
-                REQUEST_SIZE_BUCKETS,
-            ),
-            &["model_name", "target_model_name"],
-        )
-        .unwrap(),
-    );
-    let response_size = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "inference_objective_response_sizes",
-                "[Deprecated: use llm_d_epp_response_size_bytes] Response size in bytes",
-                RESPONSE_SIZE_BUCKETS,
-            ),
-            &["model_name", "target_model_name"],
-        )
-        .unwrap(),
-    );
-    let input_tokens = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "inference_objective_input_tokens",
-                "[Deprecated: use llm_d_epp_request_input_tokens] Input token count per request",
-                INPUT_TOKEN_BUCKETS,
-            ),
-            &["model_name", "target_model_name"],
-        )
-        .unwrap(),
-    );
-    let output_tokens = reg(
-        r,
-        HistogramVec::new(
-            hopts(
-                "inference_objective_output_tokens",
-                "[Deprecated: use llm_d_epp_request_output_tokens] Output token count per request",
-                OUTPUT_TOKEN_BUCKETS,
-            ),
-            &["model_name", "target_model_name"],
-        )
-        .unwrap(),
-    );
-    let cached_tokens = reg(r, HistogramVec::new(hopts("inference_objective_prompt_cached_tokens", "[Deprecated: use llm_d_epp_request_cached_tokens] Prompt cached token count per request", INPUT_TOKEN_BUCKETS), &["model_name", "target_model_name"]).unwrap());
-    let running = reg(r, IntGaugeVec::new(opts("inference_objective_running_requests", "[Deprecated: use llm_d_epp_request_running] Number of running requests for each model"), &["model_name"]).unwrap());
-    let ntpot = reg(r, HistogramVec::new(hopts("inference_objective_normalized_time_per_output_token_seconds", "[Deprecated: use llm_d_epp_request_ntpot_seconds] Latency over output tokens in seconds", NTPOT_BUCKETS), &["model_name", "target_model_name"]).unwrap());
     RequestSeries {
-        request_total,
-        request_errors,
-        duration,
-        request_size,
-        response_size,
-        input_tokens,
-        output_tokens,
-        cached_tokens,
-        running,
-        ntpot,
+        request_total: epp_counter(
+            r,
+            "inference_objective_request_total",
+            "[Deprecated: use llm_d_epp_request_total]",
+            &["model_name", "target_model_name", "priority"],
+        ),
+        request_errors: epp_counter(
+            r,
+            "inference_objective_request_error_total",
+            "[Deprecated: use llm_d_epp_request_error_total]",
+            &["model_name", "target_model_name", "error_code"],
+        ),
+        duration: epp_histogram_vec(
+            r,
+            "inference_objective_request_duration_seconds",
+            "[Deprecated: use llm_d_epp_request_duration_seconds]",
+            LATENCY_BUCKETS,
+            &["model_name", "target_model_name"],
+        ),
+        request_size: epp_histogram_vec(
+            r,
+            "inference_objective_request_sizes",
+            "[Deprecated: use llm_d_epp_request_size_bytes]",
+            REQUEST_SIZE_BUCKETS,
+            &["model_name", "target_model_name"],
+        ),
+        response_size: epp_histogram_vec(
+            r,
+            "inference_objective_response_sizes",
+            "[Deprecated: use llm_d_epp_response_size_bytes]",
+            RESPONSE_SIZE_BUCKETS,
+            &["model_name", "target_model_name"],
+        ),
+        running: epp_gauge(
+            r,
+            "inference_objective_running_requests",
+            "[Deprecated: use llm_d_epp_request_running]",
+            &["model_name"],
+        ),
         ttft: None,
+        tokens: igw_tokens(r),
+    }
+}
+
+/// The deprecated usage names.
+fn igw_tokens(r: &Registry) -> TokenSeries {
+    TokenSeries {
+        input: epp_histogram_vec(
+            r,
+            "inference_objective_input_tokens",
+            "[Deprecated: use llm_d_epp_request_input_tokens]",
+            INPUT_TOKEN_BUCKETS,
+            &["model_name", "target_model_name"],
+        ),
+        output: epp_histogram_vec(
+            r,
+            "inference_objective_output_tokens",
+            "[Deprecated: use llm_d_epp_request_output_tokens]",
+            OUTPUT_TOKEN_BUCKETS,
+            &["model_name", "target_model_name"],
+        ),
+        cached: epp_histogram_vec(
+            r,
+            "inference_objective_prompt_cached_tokens",
+            "[Deprecated: use llm_d_epp_request_cached_tokens]",
+            INPUT_TOKEN_BUCKETS,
+            &["model_name", "target_model_name"],
+        ),
+        ntpot: epp_histogram_vec(
+            r,
+            "inference_objective_normalized_time_per_output_token_seconds",
+            "[Deprecated: use llm_d_epp_request_ntpot_seconds]",
+            NTPOT_BUCKETS,
+            &["model_name", "target_model_name"],
+        ),
     }
 }

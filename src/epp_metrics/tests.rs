@@ -114,14 +114,14 @@ fn a_routed_request_is_counted_runs_and_completes_in_both_generations() {
     let req = s.req.request_size.with_label_values(&L);
     assert_eq!(req.get_sample_sum(), 120.0);
     for (h, want) in [
-        (&s.req.input_tokens, 100.0),
-        (&s.req.output_tokens, 4.0),
-        (&s.req.cached_tokens, 64.0),
+        (&s.req.tokens.input, 100.0),
+        (&s.req.tokens.output, 4.0),
+        (&s.req.tokens.cached, 64.0),
     ] {
         assert_eq!(h.with_label_values(&L).get_sample_sum(), want);
     }
     let duration = s.req.duration.with_label_values(&L).get_sample_sum();
-    let ntpot = s.req.ntpot.with_label_values(&L).get_sample_sum();
+    let ntpot = s.req.tokens.ntpot.with_label_values(&L).get_sample_sum();
     assert!(
         (ntpot - duration / 4.0).abs() < 1e-9,
         "{ntpot} vs {duration}"
