@@ -17,6 +17,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -122,6 +123,9 @@ def main() -> None:
                     help="pace every cell at this many requests/s (open loop, at most "
                          "CONCURRENCY in flight) instead of closed-loop as fast as possible: "
                          "latency below saturation rather than throughput at saturation")
+    ap.add_argument("--kvpick-args", default="",
+                    help="extra `kvpick serve` flags, e.g. \"--metrics-families kvpick\" to compare "
+                         "the cost of the EPP series")
     args = ap.parse_args()
     os.environ.setdefault("E2E_ENVOY_COMPONENT_LOG", "ext_proc:warning")
 
@@ -130,7 +134,8 @@ def main() -> None:
     line = up.stdout.readline().split()
     ports = [int(p) for p in line[1].split(",")]
     kv = harness.Kvpick([harness.worker("w0", ports=ports)],
-                        extra_args=["--max-body-bytes", str(4 << 20)]).start()
+                        extra_args=["--max-body-bytes", str(4 << 20),
+                                    *shlex.split(args.kvpick_args)]).start()
     on = harness.Envoy(kvpick_port=kv.grpc_port, log_level="warning",
                        concurrency=args.envoy_concurrency).start()
     off = harness.Envoy(kvpick_port=kv.grpc_port, config=plain_envoy_config(ports),

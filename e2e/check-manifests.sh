@@ -4,7 +4,8 @@
 #     values (InferencePool mode), data-parallel ranks (four targetPorts), no-CRD selector mode,
 #     static-catalog mode, certSecretName, h2c, pool.create=false, a pool in another namespace
 #     (pool.namespace), shared state on Redis (sharedState.*, hard anti-affinity), one replica and
-#     flow control without the CRD watch (flowControl.*);
+#     flow control without the CRD watch (flowControl.*), the monitoring objects (observability.*:
+#     dashboard ConfigMap, PrometheusRule, ServiceMonitor) and the KEDA example in manifests/observability/;
 #     the chart's guards fail;
 #   - kubectl parses every rendered document (`kubectl label --local`: `kubectl apply|create
 #     --dry-run=client` need a reachable API server for discovery even with --validate=false);
@@ -189,6 +190,88 @@ pool_render() { # pool_render NAME HELM-ARGS...
 }
 pool_render default
 pool_render dp "${DP_ARGS[@]}"
+
+# Monitoring objects (observability.*, all off by default): the dashboard ConfigMap, the
+# PrometheusRule and the ServiceMonitor (CRDs of the Prometheus Operator: checked in Python below,
+# outside the core-object checks), and --metrics-families.
+OBS_ARGS=(--set observability.grafanaDashboard.enabled=true --set observability.prometheusRule.enabled=true
+  --set observability.serviceMonitor.enabled=true --set-json 'observability.serviceMonitor.labels={"release":"kps"}'
+  --set-json 'observability.grafanaDashboard.annotations={"grafana_folder":"LLM"}'
+  --set observability.grafanaDashboard.namespace=monitoring --set-json 'metricsFamilies="kvpick,epp,igw"')
+run "$HELM" lint --strict "$chart" "${OBS_ARGS[@]}"
+render observability "${OBS_ARGS[@]}"
+must_fail "metricsFamilies=prom" --set metricsFamilies=prom
+must_fail "serviceMonitor.interval=soon" --set observability.serviceMonitor.interval=soon
+run -m "monitoring objects (dashboard ConfigMap, PrometheusRule, ServiceMonitor, KEDA example)" \
+  "$PY" - "$rendered/helm-observability.yaml" "$rendered/helm-default.yaml" <<'PY'
+import json, sys
+import yaml
+import kubernetes_validate
+obs_path, default_path = sys.argv[1:3]
+errors = []
+def check(cond, msg):
+    if not cond:
+        errors.append(msg)
+    return cond
+docs = [d for d in yaml.safe_load_all(open(obs_path)) if d]
+by = {}
+for d in docs:
+    by.setdefault(d["kind"], []).append(d)
+default_kinds = {d["kind"] for d in yaml.safe_load_all(open(default_path)) if d}
+check(not default_kinds & {"PrometheusRule", "ServiceMonitor"}, f"default render has monitoring objects: {default_kinds}")
+cms = [c for c in by.get("ConfigMap", []) if c["metadata"]["name"].endswith("-dashboard")]
+check(len(cms) == 1, f"want one dashboard ConfigMap, got {[c['metadata']['name'] for c in by.get('ConfigMap', [])]}")
+dep = by["Deployment"][0]
+pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+check(args[args.index("--metrics-families") + 1] == "kvpick,epp,igw", f"--metrics-families not passed: {args}")
+if cms:
+    cm = cms[0]
+    md = cm["metadata"]
+    check(md["labels"].get("grafana_dashboard") == "1", f"dashboard ConfigMap lacks grafana_dashboard: \"1\": {md['labels']}")
+    check(md["namespace"] == "monitoring", "dashboard ConfigMap namespace")
+    check(md.get("annotations") == {"grafana_folder": "LLM"}, f"dashboard annotations {md.get('annotations')}")
+    dash = json.loads(cm["data"]["kvpick.json"])
+    check(dash == json.load(open("charts/kvpick/observability/dashboard.json")), "the ConfigMap's dashboard is not observability/dashboard.json")
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    check(len(exprs) >= 20 and all(exprs), f"dashboard has {len(exprs)} queries")
+    kubernetes_validate.validate(cm, "1.35.0", strict=True)
+rules = by.get("PrometheusRule", [])
+if check(len(rules) == 1, "want one PrometheusRule"):
+    r = rules[0]
+    check(r["apiVersion"] == "monitoring.coreos.com/v1", "PrometheusRule apiVersion")
+    want = yaml.safe_load(open("charts/kvpick/observability/alerts.yaml"))
+    check(r["spec"] == want, "the PrometheusRule's spec is not observability/alerts.yaml")
+    alerts = [x for g in r["spec"]["groups"] for x in g["rules"]]
+    names = {a["alert"] for a in alerts}
+    for need in ("KvpickNoReadyRanks", "KvpickQueueTimeouts", "KvpickTtftSloMisses", "KvpickKvEventsStale", "KvpickSharedStateDown"):
+        check(need in names, f"alert {need} missing")
+    for a in alerts:
+        check(set(a) <= {"alert", "expr", "for", "labels", "annotations"} and a.get("expr") and a.get("labels", {}).get("severity") in ("warning", "critical"),
+              f"alert {a.get('alert')}: needs expr and labels.severity warning|critical")
+sms = by.get("ServiceMonitor", [])
+svc = by["Service"][0]
+if check(len(sms) == 1, "want one ServiceMonitor"):
+    sm = sms[0]
+    check(sm["apiVersion"] == "monitoring.coreos.com/v1", "ServiceMonitor apiVersion")
+    check(sm["metadata"]["labels"].get("release") == "kps", "ServiceMonitor labels")
+    sel = sm["spec"]["selector"]["matchLabels"]
+    check(sel.items() <= svc["metadata"]["labels"].items(), f"ServiceMonitor selector {sel} does not match the Service labels")
+    ports = {p["name"] for p in svc["spec"]["ports"]}
+    check([e["port"] for e in sm["spec"]["endpoints"]] == ["metrics"] and "metrics" in ports, "ServiceMonitor must scrape the Service's metrics port")
+    check(sm["spec"]["endpoints"][0]["interval"] == "30s", "ServiceMonitor interval")
+# The KEDA example scales the model servers on kvpick's autoscaling signals.
+keda = [d for d in yaml.safe_load_all(open("manifests/observability/keda-scaledobject.yaml")) if d]
+so = [d for d in keda if d.get("kind") == "ScaledObject"]
+if check(len(so) == 1 and so[0]["apiVersion"] == "keda.sh/v1alpha1", "manifests/observability/keda-scaledobject.yaml: want one keda.sh/v1alpha1 ScaledObject"):
+    trig = so[0]["spec"]["triggers"]
+    check(trig and all(t["type"] == "prometheus" and t["metadata"]["query"] and t["metadata"]["threshold"] for t in trig),
+          "KEDA triggers must be prometheus queries with thresholds")
+    check(so[0]["spec"]["scaleTargetRef"]["name"] == "vllm-llama3-8b", "the ScaledObject scales the example model servers")
+if errors:
+    print("\n".join(errors))
+    sys.exit(1)
+PY
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
 files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single,noflow,pd}.yaml)

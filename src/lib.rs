@@ -14,13 +14,15 @@
 //!   model rewrites) from `--flow-config` and InferenceObjective / InferenceModelRewrite.
 //! - [`shared`]: sessions and load shared by replicas on Redis (`--shared-state`).
 //! - Process: [`server`] (flags, ports, wiring, shutdown), [`tls`], [`health`], [`net`],
-//!   [`metrics`] (one registry, per-area metric sets).
+//!   [`metrics`] (one registry, per-area metric sets), [`epp_metrics`] (the llm-d EPP metric
+//!   contract and the pool / queue gauges for autoscaling).
 
 #![forbid(unsafe_code)]
 
 pub mod api;
 pub mod catalog;
 pub mod engine_metrics;
+pub mod epp_metrics;
 pub mod events;
 pub mod extproc;
 pub mod flow;

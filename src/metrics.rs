@@ -24,6 +24,11 @@ pub struct Metrics {
     pub flow: FlowMetrics,
     pub outlier: OutlierMetrics,
     pub conn: ConnMetrics,
+    /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
+    pub epp: crate::epp_metrics::EppMetrics,
+    /// Pool and queue gauges computed at each scrape (autoscaling signals).
+    pub pool: crate::epp_metrics::pool::PoolTracker,
+    families: crate::epp_metrics::Families,
 }
 
 /// How picked ranks answer, and outlier detection (ARCHITECTURE.md §3b).
@@ -775,6 +780,7 @@ impl Metrics {
                     dp_rank,
                     load,
                 } => {
+                    self.pool.load(worker, *dp_rank, load);
                     let labels = [&**worker, &dp_rank.to_string()];
                     self.selection
                         .inflight
@@ -799,6 +805,7 @@ impl Metrics {
                     .with_label_values(&[&**worker, &dp_rank.to_string()])
                     .set(i64::from(*precise)),
                 Fact::RankGone { worker, dp_rank } => {
+                    self.pool.rank_gone(worker, *dp_rank);
                     let labels = [&**worker, &dp_rank.to_string()];
                     let _ = self.events.rank_precise.remove_label_values(&labels);
                     let _ = self
@@ -889,6 +896,9 @@ impl Metrics {
                 }
                 Fact::CatalogWorkers(counts) => {
                     for (lifecycle, n) in Lifecycle::ALL.iter().zip(counts) {
+                        if *lifecycle == Lifecycle::Schedulable {
+                            self.pool.schedulable(*n as i64);
+                        }
                         self.catalog
                             .catalog_workers
                             .with_label_values(&[lifecycle.as_str()])
@@ -949,9 +959,18 @@ impl Metrics {
         }
     }
 
+    /// Every family exported (`kvpick` and `epp`, the default of `--metrics-families`).
     pub fn new() -> Self {
+        Self::with_families(crate::epp_metrics::Families::default())
+    }
+
+    /// The metrics, exporting `families` on `/metrics`.
+    pub fn with_families(families: crate::epp_metrics::Families) -> Self {
         let registry = Registry::new();
         Metrics {
+            epp: crate::epp_metrics::EppMetrics::register(&registry, families),
+            pool: crate::epp_metrics::pool::PoolTracker::register(&registry),
+            families,
             extproc: ExtProcMetrics::register(&registry),
             selection: SelectionMetrics::register(&registry),
             events: EventMetrics::register(&registry),
@@ -964,11 +983,19 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition of every metric.
+    /// The Prometheus text exposition of every metric of the exported families (the pool
+    /// gauges computed now).
     pub fn render(&self) -> String {
+        self.pool.refresh(&self.epp, crate::selection::now());
+        let families: Vec<_> = self
+            .registry
+            .gather()
+            .into_iter()
+            .filter(|f| self.families.exports(f.name()))
+            .collect();
         let mut buf = Vec::new();
         TextEncoder::new()
-            .encode(&self.registry.gather(), &mut buf)
+            .encode(&families, &mut buf)
             .expect("text encoding cannot fail");
         String::from_utf8(buf).expect("prometheus text is utf-8")
     }

@@ -143,6 +143,10 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 9090)]
     pub metrics_port: u16,
 
+    /// Metric families `/metrics` exports, comma-separated: `kvpick` (kvpick's own series), `epp` (llm-d's `llm_d_epp_*` EPP contract), `igw` (the deprecated Gateway API Inference Extension names `inference_objective_*`, `inference_pool_*`, `inference_extension_*`).
+    #[arg(long, default_value = "kvpick,epp", value_name = "LIST")]
+    pub metrics_families: crate::epp_metrics::Families,
+
     /// Serve the ext_proc port over TLS (self-signed unless --cert-path). `--secure-serving=false` serves h2c.
     #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
     pub secure_serving: bool,
@@ -931,9 +935,13 @@ pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> 
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let metrics = Metrics::new();
+    let metrics = Metrics::with_families(args.metrics_families);
     let conn_limits = args.conn.limits()?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
+    metrics
+        .epp
+        .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));
+
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
     let tokenizers = match &args.tokenizer_config {
         Some(path) => Some(Arc::new(

@@ -380,6 +380,8 @@ def test_thousand_requests_and_pick_latency(stack, upstreams, client):
     ports = {u.port for u in upstreams}
     before = kv.metrics()
     ok_before = harness.metric_sum(before, "kvpick_requests_total", status="200") or 0
+    epp_before = harness.metric_sum(before, "llm_d_epp_request_total") or 0
+    _, _, sched_before = harness.histogram(before, "llm_d_epp_scheduler_e2e_duration_seconds")
     b_before, _, c_before = harness.histogram(before, "kvpick_pick_latency_seconds")
 
     n, workers = 1000, 4
@@ -408,6 +410,10 @@ def test_thousand_requests_and_pick_latency(stack, upstreams, client):
     ok_after = harness.metric_sum(after, "kvpick_requests_total", status="200") or 0
     b_after, s_after, c_after = harness.histogram(after, "kvpick_pick_latency_seconds")
     assert ok_after - ok_before == n
+    # The EPP contract's series move with kvpick's (docs/observability.md, "Metric families").
+    assert (harness.metric_sum(after, "llm_d_epp_request_total") or 0) - epp_before == n
+    _, _, sched_after = harness.histogram(after, "llm_d_epp_scheduler_e2e_duration_seconds")
+    assert sched_after - sched_before == c_after - c_before
     assert c_after - c_before >= n
     before_map = dict(b_before)
     delta = [(le, cnt - before_map.get(le, 0.0)) for le, cnt in b_after]

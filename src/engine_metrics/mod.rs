@@ -425,6 +425,8 @@ impl Scraper {
             let mut any = false;
             for (key, reading) in target.ranks.iter().zip(readings) {
                 if let Some(reading) = reading {
+                    let pool = &self.core.metrics().pool;
+                    pool.engine_reading(*key, &reading);
                     any |= self.core.inner().record_engine_metrics(*key, reading);
                 }
             }

@@ -18,6 +18,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
+use crate::epp_metrics::Stage;
 use crate::request::{parse_request_body_for, BodyError, ParsedBody, Prompt};
 use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::session::SessionOutcome;
@@ -154,10 +155,15 @@ pub struct StreamMachine {
     slo_tpot_ms: Option<u64>,
     /// Routed once its [`Waiter`] is released.
     queued: Option<QueuedRoute>,
+    /// The request's EPP series (`crate::epp_metrics`).
+    epp: crate::epp_metrics::EppRequest,
+    /// When the tokenize job was handed to the host.
+    tokenize_started: Option<Instant>,
 }
 
 impl StreamMachine {
     pub fn new(core: Arc<SelectionCore>, settings: Arc<ExtProcSettings>) -> Self {
+        let epp = core.metrics().epp.request();
         StreamMachine {
             core,
             phase: Phase::RequestHeaders,
@@ -187,6 +193,8 @@ impl StreamMachine {
             slo_ttft_ms: None,
             slo_tpot_ms: None,
             queued: None,
+            epp,
+            tokenize_started: None,
             settings,
         }
     }
@@ -428,14 +436,23 @@ impl StreamMachine {
         }
         let whole = self.body.contiguous();
         let endpoint = crate::tokenize::prompt::Endpoint::from_path(&self.path);
-        let mut parsed =
-            match parse_request_body_for(endpoint, self.content_type.as_deref(), &whole) {
-                Ok(parsed) => parsed,
-                Err(err) => {
-                    drop(whole);
-                    return Ok(self.reject(400, &body_error_message(&err)));
-                }
-            };
+        let parse_started = Instant::now();
+        let parsed = parse_request_body_for(endpoint, self.content_type.as_deref(), &whole);
+        let metrics = self.core.metrics();
+        metrics
+            .epp
+            .stage(Stage::Parse, parse_started.elapsed().as_secs_f64());
+        if let Ok(p) = &parsed {
+            self.epp
+                .body(p.as_ref().and_then(|p| p.model.as_deref()), whole.len());
+        }
+        let mut parsed = match parsed {
+            Ok(parsed) => parsed,
+            Err(err) => {
+                drop(whole);
+                return Ok(self.reject(400, &body_error_message(&err)));
+            }
+        };
         if let Some(p) = &mut parsed {
             // A body without a model (SGLang `/generate`) uses the tokenizer when only one is
             // configured: the pool then serves that model.
@@ -477,6 +494,7 @@ impl StreamMachine {
                     trailers: false,
                 });
                 self.phase = Phase::Tokenizing;
+                self.tokenize_started = Some(Instant::now());
                 return Ok(Step {
                     tokenize: Some(job),
                     ..Step::default()
@@ -539,6 +557,7 @@ impl StreamMachine {
             });
         match crate::flow::classify(pairs, &policy, &self.settings.flow_settings) {
             Ok(class) => {
+                self.epp.classified(class.priority, &class.fairness_key);
                 self.priority = class.priority;
                 self.fairness_key = Some(class.fairness_key);
                 self.slo_ttft_ms = class.slo_ttft_ms;
@@ -568,6 +587,7 @@ impl StreamMachine {
         };
         let rewritten = crate::flow::rewrite_request_body(&policy, &self.body.contiguous(), pick)?;
         tracing::debug!(from = %rewritten.from, to = %rewritten.to, "model rewritten");
+        self.epp.rewritten(&rewritten.from, &rewritten.to);
         let grow = rewritten.body.len().saturating_sub(self.body.len);
         if !self.body.lease.try_grow(grow) {
             return Some(self.reject_budget());
@@ -611,6 +631,10 @@ impl StreamMachine {
         let Some(pending) = self.pending.take() else {
             return Step::default();
         };
+        if let Some(at) = self.tokenize_started.take() {
+            let seconds = at.elapsed().as_secs_f64();
+            self.core.metrics().epp.stage(Stage::Tokenize, seconds);
+        }
         let mut parsed = pending.parsed;
         match outcome {
             TokenizeOutcome::Tokens { ids, .. } => parsed.prompt = Prompt::TokenIds(ids),
@@ -696,12 +720,17 @@ impl StreamMachine {
             on_duplicate: DuplicateId::Suffix,
             holder: crate::selection::Holder::Stream,
         };
-        match self.core.admit(&request) {
+        let pick_started = Instant::now();
+        let admitted = self.core.admit(&request);
+        let seconds = pick_started.elapsed().as_secs_f64();
+        self.core.metrics().epp.stage(Stage::Pick, seconds);
+        match admitted {
             Ok(Admitted::Now(r)) => {
                 self.routed(*r, &request.request_id, started, header_only, false)
             }
             Ok(Admitted::Queued(waiter)) => {
                 tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
+                self.epp.queued();
                 self.queued = Some(QueuedRoute {
                     request_id: request.request_id,
                     started,
@@ -844,11 +873,11 @@ impl StreamMachine {
         self.picked_at = Some(Instant::now());
         let metrics = self.core.metrics();
         metrics.extproc.requests.with_label_values(&["200"]).inc();
+        self.epp.routed();
         if !waited {
-            metrics
-                .extproc
-                .pick_latency
-                .observe(started.elapsed().as_secs_f64());
+            let seconds = started.elapsed().as_secs_f64();
+            metrics.extproc.pick_latency.observe(seconds);
+            metrics.epp.scheduled(seconds);
         }
         Step {
             responses: vec![response],
@@ -867,6 +896,7 @@ impl StreamMachine {
             .and_then(|h| header_value(h).trim().parse::<u16>().ok());
         if let (Some(status), Some(r)) = (status, &self.reservation) {
             r.response_status(status);
+            self.epp.response_status(status);
         }
         let sse = headers
             .headers
@@ -879,6 +909,7 @@ impl StreamMachine {
                         .starts_with("text/event-stream")
             });
         self.usage = Some(UsageTracker::new(sse));
+        self.epp.streaming(sse);
         let mut set = Vec::new();
         if let (Some(served), Some(reservation)) = (&self.served_endpoint, &self.reservation) {
             if let Ok(addr) = served.parse() {
@@ -940,6 +971,7 @@ impl StreamMachine {
         if let Some(usage) = &mut self.usage {
             usage.feed(&body.body);
         }
+        self.epp.response_chunk(body.body.len());
         let end = body.end_of_stream;
         let step = one(processing_response::Response::ResponseBody(streamed_body(
             body.body, end,
@@ -952,7 +984,9 @@ impl StreamMachine {
 
     /// Frees the booking (response complete) and records usage.
     fn release(&mut self) {
-        if let Some(usage) = self.usage.as_mut().and_then(UsageTracker::finish) {
+        let usage = self.usage.as_mut().and_then(UsageTracker::finish);
+        self.epp.completed(usage);
+        if let Some(usage) = usage {
             let m = &self.core.metrics().extproc.usage_tokens;
             m.with_label_values(&["prompt"]).inc_by(usage.prompt_tokens);
             m.with_label_values(&["completion"])
@@ -993,6 +1027,7 @@ impl StreamMachine {
     }
 
     fn reject(&mut self, status: u16, message: &str) -> Step {
+        self.epp.rejected(status);
         self.phase = Phase::Finished;
         drop(self.body.take());
         self.pending = None;

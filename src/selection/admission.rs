@@ -181,6 +181,7 @@ impl Waiter {
 
 impl Drop for Waiter {
     fn drop(&mut self) {
+        self.core.metrics.pool.dequeued(self.ticket);
         if self.settled {
             return;
         }
@@ -212,14 +213,17 @@ impl SelectionCore {
                     self.after_pick(reservation.selection(), session.as_ref());
                     Ok(Admitted::Now(Box::new(reservation)))
                 }
-                Registered::Waiting(rx) => Ok(Admitted::Queued(Waiter {
-                    core: Arc::clone(self),
-                    ticket,
-                    deadline: tokio::time::Instant::from_std(deadline),
-                    rx: Some(rx),
-                    settled: false,
-                    session,
-                })),
+                Registered::Waiting(rx) => {
+                    self.metrics.pool.enqueued(ticket, now());
+                    Ok(Admitted::Queued(Waiter {
+                        core: Arc::clone(self),
+                        ticket,
+                        deadline: tokio::time::Instant::from_std(deadline),
+                        rx: Some(rx),
+                        settled: false,
+                        session,
+                    }))
+                }
             },
         }
     }

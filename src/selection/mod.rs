@@ -71,6 +71,13 @@ impl SelectionCore {
     pub fn new(config: CoreConfig, metrics: Metrics) -> Arc<Self> {
         let (ready_tx, _) = watch::channel(false);
         let (catalog_tx, _) = watch::channel(0);
+        // The pool gauges read load against the limits flow control applies.
+        metrics
+            .pool
+            .configure(crate::epp_metrics::pool::PoolConfig {
+                limits: config.flow.saturation,
+                stale_after: config.engine_metrics_max_age,
+            });
         Arc::new_cyclic(|this| SelectionCore {
             core: Core::new(config),
             metrics,

@@ -1,5 +1,6 @@
 //! The metric reference of `docs/observability.md`, generated from the metric definitions in
 //! `src/`: every `prometheus` constructor call whose first argument is a `"kvpick_..."` literal
+//! (or one of the EPP contract's prefixes, [`PREFIXES`])
 //! (`IntCounterVec::new(Opts::new(NAME, HELP), &[LABELS])`, `IntGauge::new(NAME, HELP)`,
 //! `HistogramVec::new(HistogramOpts::new(NAME, HELP)..., &[LABELS])`, ...) gives one row: name,
 //! type, labels and help. A gauge whose help is `"unexported"` is a stand-in nobody registers
@@ -11,10 +12,24 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 const PAGE: &str = "docs/observability.md";
+/// Names of the families kvpick exports (`--metrics-families`): its own and the EPP contract's.
+const PREFIXES: &[&str] = &[
+    "kvpick_",
+    "llm_d_epp_",
+    "inference_objective_",
+    "inference_pool_",
+    "inference_extension_",
+];
 const SECTION: &str = "metrics";
 
 /// Constructors, longest first so `IntCounterVec` is not read as `IntCounter`.
 const CONSTRUCTORS: &[(&str, &str)] = &[
+    // src/epp_metrics/series.rs's helpers (one registered metric each).
+    ("epp_histogram_vec(", "histogram"),
+    ("epp_histogram(", "histogram"),
+    ("epp_counter(", "counter"),
+    ("epp_fgauge(", "gauge"),
+    ("epp_gauge(", "gauge"),
     ("IntCounterVec::new", "counter"),
     ("IntGaugeVec::new", "gauge"),
     ("HistogramVec::new", "histogram"),
@@ -150,7 +165,16 @@ fn metrics() -> BTreeMap<String, Metric> {
             .unwrap()
             .display()
             .to_string();
-        for (at, _) in text.match_indices("\"kvpick_") {
+        let starts = PREFIXES
+            .iter()
+            .flat_map(|p| {
+                let quoted = format!("\"{p}");
+                text.match_indices(&quoted)
+                    .map(|(at, _)| at)
+                    .collect::<Vec<_>>()
+            })
+            .collect::<Vec<_>>();
+        for at in starts {
             let Some((call_at, call, kind)) = constructor_before(&text, at) else {
                 continue;
             };
@@ -164,8 +188,10 @@ fn metrics() -> BTreeMap<String, Metric> {
                 continue;
             }
             let labels = labels_of(&text[call_at..], &name);
+            let labelled =
+                call.contains("Vec") || (call.starts_with("epp_") && call != "epp_histogram(");
             assert!(
-                !(call.contains("Vec") && labels.is_empty()),
+                !(labelled && labels.is_empty()),
                 "{file}: cannot read the labels of {name}: write them as a literal `&[\"a\", \"b\"]`"
             );
             let previous = out.insert(
@@ -222,5 +248,10 @@ fn the_metric_reference_lists_every_metric_defined_in_src() {
         ["priority", "fairness"]
     );
     assert_eq!(all["kvpick_inflight_total"].kind, "gauge");
+    assert_eq!(
+        all["llm_d_epp_request_total"].labels,
+        ["model_name", "target_model_name", "fairness_id", "priority"]
+    );
+    assert_eq!(all["inference_pool_ready_pods"].labels, ["name"]);
     crate::generated::check(PAGE, SECTION, &render());
 }
