@@ -20,7 +20,7 @@ use crate::flow::Waiting;
 use crate::request::SelectionRequest;
 
 use super::pipeline::PromptBlocks;
-use super::{Partition, SelectOutcome, State};
+use super::{Ask, Partition, SelectOutcome, State};
 
 /// A waiting request: what the pipeline needs to try it again. Its prompt is kept only as block
 /// hashes (bounded by `max_prompt_blocks`): the text or token ids stay with the host's body.
@@ -287,17 +287,15 @@ impl Partition {
         let mut tried = false;
         if state.queue.is_empty() {
             let (id, generation) = claims.claim(request, self)?;
-            let booking = Some((id.as_str(), generation));
-            match self.select_in(
-                state,
-                &prompt,
+            let ask = Ask {
+                prompt: &prompt,
                 request,
-                booking,
+                booking: Some((id.as_str(), generation)),
                 config,
                 now,
-                Some(&check),
-                facts,
-            ) {
+                admission: Some(&check),
+            };
+            match self.select_in(state, &ask, facts) {
                 Ok(outcome) => return Ok(Admitted::Dispatched(Box::new(outcome))),
                 Err(Refusal::Saturated) => {
                     claims.unclaim(&id, generation);
@@ -445,17 +443,15 @@ impl Partition {
             let attempt = claims.claim(request, self).map_err(Refusal::Error);
             let result = match attempt {
                 Ok((id, generation)) => {
-                    let booking = Some((id.as_str(), generation));
-                    let result = self.select_in(
-                        state,
-                        &queued.prompt,
+                    let ask = Ask {
+                        prompt: &queued.prompt,
                         request,
-                        booking,
+                        booking: Some((id.as_str(), generation)),
                         config,
                         now,
-                        Some(&check),
-                        facts,
-                    );
+                        admission: Some(&check),
+                    };
+                    let result = self.select_in(state, &ask, facts);
                     if result.is_err() {
                         claims.unclaim(&id, generation);
                     }
