@@ -1380,4 +1380,5 @@ async fn kube_client(api_url: Option<&str>) -> anyhow::Result<kube::Client> {
 /// `--session-affinity-mode`: `hard` or `soft`.
 fn affinity_mode(s: &str) -> Result<AffinityMode, String> {
     s.parse()
+        .map_err(|e: kvpick_core::ConfigError| e.to_string())
 }

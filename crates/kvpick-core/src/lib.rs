@@ -53,7 +53,7 @@ pub use crate::decide::{
 };
 pub use crate::disagg::PdConfig;
 pub use crate::engine::{AdapterFit, EngineLoad, EngineMetrics};
-pub use crate::error::{CatalogError, SelectError};
+pub use crate::error::{CatalogError, ConfigError, SelectError};
 pub use crate::estimate::{Coefficients, EstimatorConfig, TpotEstimator, TtftEstimator};
 pub use crate::facts::{Fact, Facts, QueueEvent, QueueExit, ResponseClass};
 pub use crate::flow::{FlowConfig, SaturationLimits};

@@ -6,6 +6,7 @@
 #![warn(clippy::arithmetic_side_effects)]
 
 use super::*;
+use crate::error::ConfigError;
 
 impl Partition {
     /// Applies one batch of catalog changes under one lock (one publish).
@@ -32,7 +33,7 @@ impl Partition {
         }
         for record in upserts {
             if let Err(reason) = self.adopt_block_size(&mut state, record, now) {
-                result.failed.push((record.id, reason));
+                result.failed.push((record.id, reason.to_string()));
                 Self::drop_worker(
                     &mut state,
                     record.id,
@@ -58,16 +59,19 @@ impl Partition {
         state: &mut State,
         record: &WorkerRecord,
         now: Instant,
-    ) -> Result<(), String> {
+    ) -> Result<(), ConfigError> {
         let Some(declared) = record.spec.block_size else {
             return Ok(());
         };
         let others_declare = state.ranks.keys().any(|k| k.worker_id != record.id);
         match state.declared_block_size {
-            Some(current) if current != declared && others_declare => Err(format!(
-                "block_size {declared} conflicts with block size {current} of partition {}",
-                self.key.model
-            )),
+            Some(current) if current != declared && others_declare => {
+                Err(ConfigError::BlockSizeConflict {
+                    declared,
+                    current,
+                    model: self.key.model.clone(),
+                })
+            }
             Some(current) if current == declared => Ok(()),
             _ => {
                 if state.declared_block_size.is_some() || declared != DEFAULT_BLOCK_SIZE {
