@@ -32,6 +32,51 @@ impl Booking {
     }
 }
 
+impl Booking {
+    /// The booking of a pick: its load on the rank (uncached prefill tokens, unless a prefill
+    /// leg prefills them, and its decode blocks) and what its first token is checked against.
+    fn for_pick(
+        request: &SelectionRequest,
+        pick: &Pick,
+        leg: Option<pair::PrefillLeg>,
+        session: Option<String>,
+        now: Instant,
+    ) -> Booking {
+        let block_size = u64::from(pick.block_size.max(1));
+        let tokens = pick.prompt.tokens;
+        let cached_tokens = u64::from(pick.overlap.gpu)
+            .saturating_mul(block_size)
+            .min(tokens);
+        Booking {
+            generation: pick.generation,
+            holder: request.holder,
+            rank: pick.rank,
+            // A split request's decode rank pulls the KV instead of prefilling it.
+            prefill_tokens: if leg.is_some() {
+                0
+            } else {
+                tokens.saturating_sub(cached_tokens)
+            },
+            decode_blocks: tokens.div_ceil(block_size),
+            prefill_complete: false,
+            created: now,
+            ttft_tokens: pick.ttft_tokens,
+            predicted_ttft: pick.predicted_ttft,
+            session,
+            priority: request.priority,
+            slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
+            slo_tpot: request.slo_tpot_ms.map(|ms| ms as f64 / 1000.0),
+            first_token: None,
+            prefill: leg,
+            prefill_rank_gone: false,
+            failed: false,
+            answered: false,
+            probe: false,
+            predicted: health::predicted(pick),
+        }
+    }
+}
+
 impl Partition {
     /// The last stage: binds or reuses the session, installs the booking and its load, and
     /// inserts the prompt's blocks as predicted (or approximate) entries for the picked rank.
@@ -56,41 +101,10 @@ impl Partition {
             now,
             facts,
         );
-        let block_size = u64::from(pick.block_size.max(1));
-        let tokens = pick.prompt.tokens;
-        let cached_tokens = u64::from(pick.overlap.gpu)
-            .saturating_mul(block_size)
-            .min(tokens);
         let leg = pick.prefill.and_then(|(rank, overlap)| {
             pair::book_leg(state, rank, overlap, pick, config, now, facts)
         });
-        let mut booking = Booking {
-            generation: pick.generation,
-            holder: request.holder,
-            rank: pick.rank,
-            // A split request's decode rank pulls the KV instead of prefilling it.
-            prefill_tokens: if leg.is_some() {
-                0
-            } else {
-                tokens.saturating_sub(cached_tokens)
-            },
-            decode_blocks: tokens.div_ceil(block_size),
-            prefill_complete: false,
-            created: now,
-            ttft_tokens: pick.ttft_tokens,
-            predicted_ttft: pick.predicted_ttft,
-            session: leased_session,
-            priority: request.priority,
-            slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
-            slo_tpot: request.slo_tpot_ms.map(|ms| ms as f64 / 1000.0),
-            first_token: None,
-            prefill: leg,
-            prefill_rank_gone: false,
-            failed: false,
-            answered: false,
-            probe: false,
-            predicted: health::predicted(pick),
-        };
+        let mut booking = Booking::for_pick(request, pick, leg, leased_session, now);
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
             pair::unbook_leg(state, booking.prefill.as_ref(), facts);
             return outcome;
