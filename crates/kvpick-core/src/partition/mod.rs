@@ -677,6 +677,8 @@ impl Partition {
             prompt_tokens: prompt.tokens,
             cost,
             session,
+            candidates: candidates.len() as u32,
+            predicted_ttft_seconds: predicted_ttft,
         };
         Ok(SelectOutcome { selection, trace })
     }
