@@ -2058,3 +2058,6 @@ fn response_status_feeds_outlier_detection_not_the_estimator() {
 /// The response's answer and a stream's reset, per booking ([`super::super::StreamMachine`]).
 #[path = "stream_reset_tests.rs"]
 mod reset;
+
+#[path = "stream_trace_tests.rs"]
+mod trace;

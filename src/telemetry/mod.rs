@@ -8,6 +8,8 @@
 //! tracer exists, so the request path builds no span and adds no header.
 
 pub mod request;
+#[cfg(test)]
+pub mod testing;
 
 use std::time::Duration;
 
