@@ -10,6 +10,11 @@ indexes every prompt: its worst case.
 The load generator and the upstreams are `examples/loadgen.rs` (Rust, hyper, one keep-alive
 connection per client). Run through `bash e2e/bench-overhead` (builds everything in release).
 Writes target/bench-overhead.json and prints a Markdown table.
+
+`--trace-ratio R` measures what OpenTelemetry tracing costs instead: two kvpicks behind two Envoys
+(both with ext_proc), one with tracing off, one exporting to an OTLP receiver on loopback
+(e2e/otlp_receiver.py) with `--trace-sampling-ratio R`; each cell loads both, alternately.
+Writes target/bench-overhead-tracing.json.
 """
 from __future__ import annotations
 
@@ -122,8 +127,12 @@ def main() -> None:
                     help="pace every cell at this many requests/s (open loop, at most "
                          "CONCURRENCY in flight) instead of closed-loop as fast as possible: "
                          "latency below saturation rather than throughput at saturation")
+    ap.add_argument("--trace-ratio", type=float, default=None,
+                    help="compare kvpick with tracing off and on at this sampling ratio")
     args = ap.parse_args()
     os.environ.setdefault("E2E_ENVOY_COMPONENT_LOG", "ext_proc:warning")
+    if args.trace_ratio is not None:
+        return main_tracing(args)
 
     up = subprocess.Popen([str(LOADGEN), "upstream", "--count", "4"], stdout=subprocess.PIPE,
                           text=True, preexec_fn=harness._die_with_parent)
@@ -196,6 +205,87 @@ def main() -> None:
               f"{r['errors_off']}/{r['errors_on']} |")
     print(f"\nkvpick peak RSS: {peak_rss_mb:.1f} MiB; in-flight bookings after the run: {inflight:.0f}")
     print(f"written to {args.out}")
+
+
+def main_tracing(args) -> None:
+    """Tracing off vs on (``--trace-ratio``), same load, same upstreams, cells alternated."""
+    from otlp_receiver import OtlpReceiver
+
+    out = Path(args.out).with_name("bench-overhead-tracing.json") \
+        if args.out == str(REPO / "target" / "bench-overhead.json") else Path(args.out)
+    up = subprocess.Popen([str(LOADGEN), "upstream", "--count", "4"], stdout=subprocess.PIPE,
+                          text=True, preexec_fn=harness._die_with_parent)
+    ports = [int(p) for p in up.stdout.readline().split()[1].split(",")]
+    receiver = OtlpReceiver().start()
+    common = ["--max-body-bytes", str(4 << 20)]
+    plain = harness.Kvpick([harness.worker("w0", ports=ports)], extra_args=common)
+    traced = harness.Kvpick([harness.worker("w0", ports=ports)], extra_args=common + [
+        "--otlp-endpoint", receiver.endpoint, "--trace-sampling-ratio", str(args.trace_ratio)])
+    for k in (plain, traced):
+        for var in [v for v in k.process.env if v.startswith("OTEL_")]:
+            del k.process.env[var]
+        k.start()
+    envoys = {name: harness.Envoy(kvpick_port=k.grpc_port, log_level="warning",
+                                  concurrency=args.envoy_concurrency).start()
+              for name, k in (("off", plain), ("on", traced))}
+    workdir = harness.new_workdir("bench-overhead-tracing")
+    rows = []
+    try:
+        for size_name, size in SIZES.items():
+            if size_name not in args.sizes.split(","):
+                continue
+            for variant, make, path in (("token ids", token_body, "/v1/completions"),
+                                        ("chat text", chat_body, "/v1/chat/completions")):
+                body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
+                body_path.write_bytes(make(size))
+                for conc in CONCURRENCY:
+                    n = requests_for(size, conc, args.quick)
+                    if args.rate:
+                        n = min(n, int(args.rate * 10))
+                    row = {"size": size_name, "variant": variant, "concurrency": conc,
+                           "requests": n}
+                    for name, k in (("off", plain), ("on", traced)):
+                        cpu0 = proc_cpu_seconds(k.process.pid)
+                        r = load(envoys[name].url() + path, body_path, conc, n, args.rate)
+                        cpu = proc_cpu_seconds(k.process.pid) - cpu0
+                        total = r["completed"] + r["errors"] + min(n // 10 + conc, 200)
+                        row.update({f"rps_{name}": r["rps"],
+                                    f"p50_{name}_ms": r["latency_ms"]["p50"],
+                                    f"p99_{name}_ms": r["latency_ms"]["p99"],
+                                    f"cpu_s_per_1k_{name}": 1000 * cpu / max(total, 1),
+                                    f"errors_{name}": r["errors"] + sum(
+                                        v for s, v in r["statuses"].items() if s != "200")})
+                    row["added_p99_ms"] = row["p99_on_ms"] - row["p99_off_ms"]
+                    row["added_cpu_s_per_1k"] = row["cpu_s_per_1k_on"] - row["cpu_s_per_1k_off"]
+                    rows.append(row)
+                    print(f"  {size_name:>5} {variant:<9} c={conc:<3} p99 {row['p99_off_ms']:.2f}"
+                          f" -> {row['p99_on_ms']:.2f} ms   CPU-s/1k "
+                          f"{row['cpu_s_per_1k_off']:.3f} -> {row['cpu_s_per_1k_on']:.3f}",
+                          flush=True)
+        # Let the batch processor's last export arrive before counting.
+        exported = len(receiver.spans())
+    finally:
+        for e in envoys.values():
+            e.stop()
+        plain.stop()
+        traced.stop()
+        receiver.stop()
+        up.kill()
+    result = {"trace_ratio": args.trace_ratio, "rate": args.rate, "rows": rows,
+              "spans_received": exported, "machine_cpus": os.cpu_count(), "quick": args.quick}
+    out.write_text(json.dumps(result, indent=2))
+    print()
+    print(f"| prompt | variant | conc | req/s off | req/s on | p50 off | p50 on | p99 off | "
+          f"p99 on | added p99 | CPU-s/1k off | CPU-s/1k on | added CPU-s/1k | errors off/on |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} | {r['variant']} | {r['concurrency']} | {r['rps_off']:.0f} | "
+              f"{r['rps_on']:.0f} | {r['p50_off_ms']:.2f} | {r['p50_on_ms']:.2f} | "
+              f"{r['p99_off_ms']:.2f} | {r['p99_on_ms']:.2f} | {r['added_p99_ms']:+.2f} | "
+              f"{r['cpu_s_per_1k_off']:.3f} | {r['cpu_s_per_1k_on']:.3f} | "
+              f"{r['added_cpu_s_per_1k']:+.3f} | {r['errors_off']}/{r['errors_on']} |")
+    print(f"\nspans received at ratio {args.trace_ratio}: {exported}")
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":

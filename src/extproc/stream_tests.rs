@@ -1541,7 +1541,7 @@ mod queue {
     use kvpick_core::{FlowConfig, SaturationLimits};
     use std::time::Duration;
 
-    fn one_at_a_time(timeout: Duration) -> Arc<SelectionCore> {
+    pub(super) fn one_at_a_time(timeout: Duration) -> Arc<SelectionCore> {
         let core = SelectionCore::new(
             CoreConfig {
                 seed: Some(1),

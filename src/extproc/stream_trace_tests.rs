@@ -202,3 +202,37 @@ fn a_header_only_request_is_traced_too() {
         .unwrap()
         .contains(&pick.span_context.span_id().to_string()));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_has_its_wait_under_the_pick() {
+    let core = super::queue::one_at_a_time(std::time::Duration::from_secs(30));
+    let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
+    running.handle(post_with(&[])).unwrap();
+    running.handle(body(CHAT, true)).unwrap();
+    let (telemetry, finished) = in_memory(parent_based());
+    let settings = ExtProcSettings {
+        tracer: Some(telemetry.tracer()),
+        ..Default::default()
+    };
+    let mut waiting = StreamMachine::new(Arc::clone(&core), Arc::new(settings));
+    waiting.handle(post_with(&[])).unwrap();
+    let waiter = waiting
+        .handle(body(CHAT, true))
+        .unwrap()
+        .queue
+        .expect("queued");
+    drop(running); // frees the only slot: the waiting request is released
+    let step = waiting.resume_after_queue(waiter.wait().await);
+    let m = header_mutation(&step.responses[0]).clone();
+    waiting.end_trace("closed");
+    let pick = finished.named("kvpick.pick").unwrap();
+    let queue = finished.named("kvpick.queue").unwrap();
+    assert_eq!(queue.parent_span_id, pick.span_context.span_id());
+    assert!(queue.attributes.iter().any(
+        |kv| kv.key.as_str() == "kvpick.queue.outcome" && kv.value.to_string() == "dispatched"
+    ));
+    assert!(queue.end_time <= pick.end_time);
+    assert!(set_value(&m, "traceparent")
+        .unwrap()
+        .contains(&pick.span_context.span_id().to_string()));
+}
