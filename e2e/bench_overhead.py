@@ -262,13 +262,12 @@ def main_tracing(args) -> None:
                           f" -> {row['p99_on_ms']:.2f} ms   CPU-s/1k "
                           f"{row['cpu_s_per_1k_off']:.3f} -> {row['cpu_s_per_1k_on']:.3f}",
                           flush=True)
-        # Let the batch processor's last export arrive before counting.
-        exported = len(receiver.spans())
     finally:
         for e in envoys.values():
             e.stop()
         plain.stop()
-        traced.stop()
+        traced.stop()  # flushes its last batch to the receiver
+        exported = len(receiver.spans())
         receiver.stop()
         up.kill()
     result = {"trace_ratio": args.trace_ratio, "rate": args.rate, "rows": rows,

@@ -236,3 +236,40 @@ async fn a_queued_request_has_its_wait_under_the_pick() {
         .unwrap()
         .contains(&pick.span_context.span_id().to_string()));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_client_gone_while_queued_ends_its_spans_as_abandoned() {
+    let core = super::queue::one_at_a_time(std::time::Duration::from_secs(30));
+    let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
+    running.handle(post_with(&[])).unwrap();
+    running.handle(body(CHAT, true)).unwrap();
+    let (telemetry, finished) = in_memory(parent_based());
+    let settings = ExtProcSettings {
+        tracer: Some(telemetry.tracer()),
+        ..Default::default()
+    };
+    let mut waiting = StreamMachine::new(Arc::clone(&core), Arc::new(settings));
+    waiting.handle(post_with(&[])).unwrap();
+    let waiter = waiting.handle(body(CHAT, true)).unwrap().queue;
+    assert!(waiter.is_some(), "queued");
+    drop(waiter);
+    waiting.end_trace("gone_while_queued");
+    let attr = |span: &opentelemetry_sdk::trace::SpanData, key: &str| {
+        span.attributes
+            .iter()
+            .find(|kv| kv.key.as_str() == key)
+            .map(|kv| kv.value.to_string())
+    };
+    let queue = finished.named("kvpick.queue").unwrap();
+    assert_eq!(
+        attr(&queue, "kvpick.queue.outcome").as_deref(),
+        Some("abandoned")
+    );
+    let pick = finished.named("kvpick.pick").unwrap();
+    assert_eq!(attr(&pick, "kvpick.abandoned").as_deref(), Some("true"));
+    let stream = finished.named("kvpick.ext_proc").unwrap();
+    assert_eq!(
+        attr(&stream, "kvpick.stream.end").as_deref(),
+        Some("gone_while_queued")
+    );
+}

@@ -152,11 +152,6 @@ impl RequestTrace {
             .start_with_context(&self.tracer, parent)
     }
 
-    /// The trace and span id of the stream span (`None`: not sampled and so not exported).
-    pub fn stream_span_context(&self) -> opentelemetry::trace::SpanContext {
-        self.stream.span().span_context().clone()
-    }
-
     pub fn body_started(&mut self) {
         self.body = Some(self.child("kvpick.body", SpanKind::Internal, &self.stream));
     }
@@ -217,16 +212,20 @@ impl RequestTrace {
 
     /// The queue let the request go: `Ok` dispatched, `Err(status)` refused.
     pub fn queue_done(&mut self, outcome: Result<(), u16>) {
+        match outcome {
+            Ok(()) => self.close_queue("dispatched", None),
+            Err(status) => self.close_queue("refused", Some(status)),
+        }
+    }
+
+    fn close_queue(&mut self, outcome: &'static str, status: Option<u16>) {
         if let Some(mut span) = self.queue.take() {
-            match outcome {
-                Ok(()) => span.set_attribute(KeyValue::new("kvpick.queue.outcome", "dispatched")),
-                Err(status) => {
-                    span.set_attribute(KeyValue::new("kvpick.queue.outcome", "refused"));
-                    span.set_attribute(KeyValue::new(
-                        "http.response.status_code",
-                        i64::from(status),
-                    ));
-                }
+            span.set_attribute(KeyValue::new("kvpick.queue.outcome", outcome));
+            if let Some(status) = status {
+                span.set_attribute(KeyValue::new(
+                    "http.response.status_code",
+                    i64::from(status),
+                ));
             }
             span.end();
         }
@@ -283,16 +282,20 @@ impl RequestTrace {
         self.stream.span().add_event("first_byte", Vec::new());
     }
 
-    /// Ends every span still open; `end` is how the stream ended (`kvpick_extproc_streams_total`'s
-    /// label).
+    /// Ends every span still open (a stream that ended before its pick: the client went away,
+    /// or Envoy reset it); `end` is how the stream ended (`kvpick_extproc_streams_total`'s label).
     pub fn end(mut self, end: &'static str) {
-        self.body_done(0, 0);
-        if let Some(mut span) = self.tokenize.take() {
+        for mut span in [self.body.take(), self.tokenize.take(), self.lookup.take()]
+            .into_iter()
+            .flatten()
+        {
+            span.set_attribute(KeyValue::new("kvpick.abandoned", true));
             span.end();
         }
-        self.lookup_done();
-        self.queue_done(Err(499));
+        self.close_queue("abandoned", None);
         if let Some(pick) = self.pick.take() {
+            pick.span()
+                .set_attribute(KeyValue::new("kvpick.abandoned", true));
             pick.span().end();
         }
         let stream = self.stream.span();
