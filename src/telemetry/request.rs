@@ -123,17 +123,19 @@ impl RequestTrace {
             .context()
             .or_else(|| http.context())
             .unwrap_or_default();
-        let mut attributes = vec![KeyValue::new("url.path", path.to_string())];
-        if let Some(id) = request_id {
-            attributes.push(KeyValue::new("kvpick.request_id", id.to_string()));
-        }
-        let span = tracer
+        let mut span = tracer
             .tracer
             .span_builder("kvpick.ext_proc")
             .with_kind(SpanKind::Server)
             .with_start_time(opened)
-            .with_attributes(attributes)
             .start_with_context(&tracer.tracer, &parent);
+        // An unsampled span records nothing: its attributes are not even built.
+        if span.is_recording() {
+            span.set_attribute(KeyValue::new("url.path", path.to_string()));
+            if let Some(id) = request_id {
+                span.set_attribute(KeyValue::new("kvpick.request_id", id.to_string()));
+            }
+        }
         RequestTrace {
             tracer: tracer.tracer.clone(),
             stream: parent.with_span(span),
@@ -166,13 +168,15 @@ impl RequestTrace {
 
     pub fn tokenize_started(&mut self, model: &str) {
         let mut span = self.child("kvpick.tokenize", SpanKind::Internal, &self.stream);
-        span.set_attribute(KeyValue::new("gen_ai.request.model", model.to_string()));
+        if span.is_recording() {
+            span.set_attribute(KeyValue::new("gen_ai.request.model", model.to_string()));
+        }
         self.tokenize = Some(span);
     }
 
     /// `outcome`: `tokens` (with the count and where they came from), `fallback`, `skipped`.
     pub fn tokenize_done(&mut self, outcome: &'static str, detail: Cow<'_, str>, tokens: usize) {
-        if let Some(mut span) = self.tokenize.take() {
+        if let Some(mut span) = self.tokenize.take().filter(|s| s.is_recording()) {
             span.set_attribute(KeyValue::new("kvpick.tokenize.outcome", outcome));
             span.set_attribute(KeyValue::new("kvpick.tokenize.detail", detail.into_owned()));
             span.set_attribute(KeyValue::new("kvpick.prompt_tokens", tokens as i64));
@@ -204,7 +208,7 @@ impl RequestTrace {
         let Some(pick) = &self.pick else { return };
         let mut span = self.child("kvpick.queue", SpanKind::Internal, pick);
         span.set_attribute(KeyValue::new("kvpick.priority", i64::from(priority)));
-        if let Some(key) = fairness_key {
+        if let Some(key) = fairness_key.filter(|_| span.is_recording()) {
             span.set_attribute(KeyValue::new("kvpick.fairness_key", key.to_string()));
         }
         self.queue = Some(span);
