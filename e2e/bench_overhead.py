@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -129,6 +130,14 @@ def main() -> None:
                          "latency below saturation rather than throughput at saturation")
     ap.add_argument("--trace-ratio", type=float, default=None,
                     help="compare kvpick with tracing off and on at this sampling ratio")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --trace-ratio: load each cell this many times per kvpick, "
+                         "alternating which goes first; p50/p99 are the rounds' medians, CPU "
+                         "the rounds' total (drift on a shared machine cancels out)")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                    help="concurrencies to run (comma list)")
+    ap.add_argument("--variants", default="token ids,chat text",
+                    help="body variants to run (comma list: 'token ids', 'chat text')")
     args = ap.parse_args()
     os.environ.setdefault("E2E_ENVOY_COMPONENT_LOG", "ext_proc:warning")
     if args.trace_ratio is not None:
@@ -236,29 +245,41 @@ def main_tracing(args) -> None:
                 continue
             for variant, make, path in (("token ids", token_body, "/v1/completions"),
                                         ("chat text", chat_body, "/v1/chat/completions")):
+                if variant not in args.variants.split(","):
+                    continue
                 body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
                 body_path.write_bytes(make(size))
-                for conc in CONCURRENCY:
+                for conc in [int(c) for c in args.concurrency.split(",")]:
                     n = requests_for(size, conc, args.quick)
                     if args.rate:
                         n = min(n, int(args.rate * 10))
                     row = {"size": size_name, "variant": variant, "concurrency": conc,
-                           "requests": n}
-                    for name, k in (("off", plain), ("on", traced)):
-                        cpu0 = proc_cpu_seconds(k.process.pid)
-                        r = load(envoys[name].url() + path, body_path, conc, n, args.rate)
-                        cpu = proc_cpu_seconds(k.process.pid) - cpu0
-                        total = r["completed"] + r["errors"] + min(n // 10 + conc, 200)
-                        row.update({f"rps_{name}": r["rps"],
-                                    f"p50_{name}_ms": r["latency_ms"]["p50"],
-                                    f"p99_{name}_ms": r["latency_ms"]["p99"],
-                                    f"cpu_s_per_1k_{name}": 1000 * cpu / max(total, 1),
-                                    f"errors_{name}": r["errors"] + sum(
-                                        v for s, v in r["statuses"].items() if s != "200")})
+                           "requests": n, "rounds": args.rounds}
+                    runs = {"off": [], "on": []}
+                    cpu = {"off": 0.0, "on": 0.0}
+                    pair = [("off", plain), ("on", traced)]
+                    for rnd in range(args.rounds):
+                        for name, k in (pair if rnd % 2 == 0 else pair[::-1]):
+                            cpu0 = proc_cpu_seconds(k.process.pid)
+                            runs[name].append(load(envoys[name].url() + path, body_path, conc,
+                                                   n, args.rate))
+                            cpu[name] += proc_cpu_seconds(k.process.pid) - cpu0
+                    for name, rs in runs.items():
+                        total = sum(r["completed"] + r["errors"] + min(n // 10 + conc, 200)
+                                    for r in rs)
+                        row.update({f"rps_{name}": median([r["rps"] for r in rs]),
+                                    f"p50_{name}_ms": median([r["latency_ms"]["p50"] for r in rs]),
+                                    f"p99_{name}_ms": median([r["latency_ms"]["p99"] for r in rs]),
+                                    f"cpu_s_per_1k_{name}": 1000 * cpu[name] / max(total, 1),
+                                    f"errors_{name}": sum(r["errors"] + sum(
+                                        v for s, v in r["statuses"].items() if s != "200")
+                                        for r in rs)})
+                    row["added_p50_ms"] = row["p50_on_ms"] - row["p50_off_ms"]
                     row["added_p99_ms"] = row["p99_on_ms"] - row["p99_off_ms"]
                     row["added_cpu_s_per_1k"] = row["cpu_s_per_1k_on"] - row["cpu_s_per_1k_off"]
                     rows.append(row)
-                    print(f"  {size_name:>5} {variant:<9} c={conc:<3} p99 {row['p99_off_ms']:.2f}"
+                    print(f"  {size_name:>5} {variant:<9} c={conc:<3} p50 {row['p50_off_ms']:.2f}"
+                          f" -> {row['p50_on_ms']:.2f} ms   p99 {row['p99_off_ms']:.2f}"
                           f" -> {row['p99_on_ms']:.2f} ms   CPU-s/1k "
                           f"{row['cpu_s_per_1k_off']:.3f} -> {row['cpu_s_per_1k_on']:.3f}",
                           flush=True)
@@ -274,12 +295,14 @@ def main_tracing(args) -> None:
               "spans_received": exported, "machine_cpus": os.cpu_count(), "quick": args.quick}
     out.write_text(json.dumps(result, indent=2))
     print()
-    print(f"| prompt | variant | conc | req/s off | req/s on | p50 off | p50 on | p99 off | "
-          f"p99 on | added p99 | CPU-s/1k off | CPU-s/1k on | added CPU-s/1k | errors off/on |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| prompt | variant | conc | req/s off | req/s on | p50 off | p50 on | added p50 | "
+          f"p99 off | p99 on | added p99 | CPU-s/1k off | CPU-s/1k on | added CPU-s/1k | "
+          f"errors off/on |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['size']} | {r['variant']} | {r['concurrency']} | {r['rps_off']:.0f} | "
               f"{r['rps_on']:.0f} | {r['p50_off_ms']:.2f} | {r['p50_on_ms']:.2f} | "
+              f"{r['added_p50_ms']:+.2f} | "
               f"{r['p99_off_ms']:.2f} | {r['p99_on_ms']:.2f} | {r['added_p99_ms']:+.2f} | "
               f"{r['cpu_s_per_1k_off']:.3f} | {r['cpu_s_per_1k_on']:.3f} | "
               f"{r['added_cpu_s_per_1k']:+.3f} | {r['errors_off']}/{r['errors_on']} |")
