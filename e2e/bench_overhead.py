@@ -134,6 +134,12 @@ def main() -> None:
                     help="with --trace-ratio: load each cell this many times per kvpick, "
                          "alternating which goes first; p50/p99 are the rounds' medians, CPU "
                          "the rounds' total (drift on a shared machine cancels out)")
+    ap.add_argument("--off-bin", default=None,
+                    help="with --trace-ratio: the kvpick binary of the 'off' side (e.g. a build "
+                         "of main without tracing); default: the same binary")
+    ap.add_argument("--untraced", action="store_true",
+                    help="with --trace-ratio: the 'on' side runs without tracing flags too "
+                         "(with --off-bin: compare two builds, tracing off in both)")
     ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
                     help="concurrencies to run (comma list)")
     ap.add_argument("--variants", default="token ids,chat text",
@@ -228,8 +234,11 @@ def main_tracing(args) -> None:
     receiver = OtlpReceiver().start()
     common = ["--max-body-bytes", str(4 << 20)]
     plain = harness.Kvpick([harness.worker("w0", ports=ports)], extra_args=common)
-    traced = harness.Kvpick([harness.worker("w0", ports=ports)], extra_args=common + [
-        "--otlp-endpoint", receiver.endpoint, "--trace-sampling-ratio", str(args.trace_ratio)])
+    tracing = [] if args.untraced else [
+        "--otlp-endpoint", receiver.endpoint, "--trace-sampling-ratio", str(args.trace_ratio)]
+    traced = harness.Kvpick([harness.worker("w0", ports=ports)], extra_args=common + tracing)
+    if args.off_bin:
+        plain.process.argv[0] = args.off_bin
     for k in (plain, traced):
         for var in [v for v in k.process.env if v.startswith("OTEL_")]:
             del k.process.env[var]

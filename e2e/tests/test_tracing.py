@@ -127,7 +127,8 @@ def test_one_trace_from_envoy_through_kvpick_to_the_engine(kvpick_bin, receiver,
     assert pick.attributes["kvpick.reason"] in ("load", "cache")
     assert "kvpick.predicted_ttft_ms" in pick.attributes
     assert stream.attributes["http.response.status_code"] == 200
-    assert stream.attributes["kvpick.stream.end"] in ("closed", "reset")
+    # How Envoy ends a finished stream races (end of stream, reset, or gone first).
+    assert stream.attributes["kvpick.stream.end"] in ("closed", "reset", "envoy_gone")
     # Envoy's own spans: the request (root) and its ext_proc call, kvpick's parent.
     ingress = next(s for s in envoy_spans if s.parent_span_id == "")
     ext_proc_call = ids[stream.parent_span_id]
