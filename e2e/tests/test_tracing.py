@@ -9,7 +9,6 @@ export), never on sleeps."""
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
 
