@@ -173,6 +173,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub conn: crate::net::ConnArgs,
 
+    /// OpenTelemetry tracing of the request path (off by default).
+    #[command(flatten)]
+    pub tracing: crate::telemetry::TraceArgs,
+
     /// Extra fallback endpoints appended to x-gateway-destination-endpoint, in preference order.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fallbacks: usize,
@@ -937,6 +941,21 @@ pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::with_families(args.metrics_families);
     let conn_limits = args.conn.limits()?;
+    let trace_config =
+        crate::telemetry::TraceConfig::resolve(&args.tracing, |name| std::env::var(name).ok())?;
+    let telemetry = match &trace_config {
+        Some(config) => {
+            tracing::info!(
+                endpoint = %config.endpoint,
+                ratio = config.sampler.ratio,
+                parent_based = config.sampler.parent_based,
+                service = %config.service_name,
+                "tracing: exporting spans over OTLP/gRPC"
+            );
+            Some(crate::telemetry::Telemetry::start(config)?)
+        }
+        None => None,
+    };
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     metrics
         .epp
@@ -1110,6 +1129,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             flow_policy: Some(flow_policy.clone()),
             flow_settings,
             pd_protocol: args.pd_protocol,
+            tracer: telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
         },
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
@@ -1214,6 +1234,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let _ = metrics_task.await;
     })
     .await;
+    if let Some(telemetry) = telemetry {
+        // The exporter's channel runs on this runtime: flush from a blocking thread beside it.
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    }
     Ok(())
 }
 

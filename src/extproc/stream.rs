@@ -4,7 +4,7 @@
 //! frees the booking.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use envoy_types::pb::envoy::config::core::v3::{
     header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption, Metadata,
@@ -27,6 +27,7 @@ use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
 };
+use crate::telemetry::{RequestTrace, TraceHeaders};
 use crate::tokenize::TokenizeOutcome;
 use crate::usage::UsageTracker;
 use kvpick_core::request::check_session_id_len;
@@ -159,6 +160,18 @@ pub struct StreamMachine {
     epp: crate::epp_metrics::EppRequest,
     /// When the tokenize job was handed to the host.
     tokenize_started: Option<Instant>,
+    /// Tracing on: what the stream span starts from, until the request headers arrive.
+    trace_seed: Option<Box<TraceSeed>>,
+    /// Tracing on: the stream's open spans (`crate::telemetry::request`).
+    trace: Option<Box<RequestTrace>>,
+}
+
+/// What a stream's trace continues: the ext_proc call's trace context (gRPC metadata), the HTTP
+/// request's, and when Envoy opened the stream.
+struct TraceSeed {
+    grpc: TraceHeaders,
+    http: TraceHeaders,
+    opened: SystemTime,
 }
 
 impl StreamMachine {
@@ -195,8 +208,36 @@ impl StreamMachine {
             queued: None,
             epp,
             tokenize_started: None,
+            trace_seed: settings.tracer.as_ref().map(|_| {
+                Box::new(TraceSeed {
+                    grpc: TraceHeaders::default(),
+                    http: TraceHeaders::default(),
+                    opened: SystemTime::now(),
+                })
+            }),
+            trace: None,
             settings,
         }
+    }
+
+    /// Tracing on: the trace context of the ext_proc call itself (its gRPC metadata), which the
+    /// stream span prefers to the HTTP request's `traceparent`.
+    pub fn set_trace_context(&mut self, grpc: TraceHeaders) {
+        if let Some(seed) = &mut self.trace_seed {
+            seed.grpc = grpc;
+        }
+    }
+
+    /// The stream is over (`end`: how, as in `kvpick_extproc_streams_total`): ends its spans.
+    pub fn end_trace(&mut self, end: &'static str) {
+        if let Some(trace) = self.trace.take() {
+            trace.end(end);
+        }
+    }
+
+    /// Tracing on: the stream's spans once its request headers arrived.
+    pub fn trace(&self) -> Option<&RequestTrace> {
+        self.trace.as_deref()
     }
 
     /// The booking held by this stream, if any.
@@ -346,6 +387,9 @@ impl StreamMachine {
                 "x-dynamo-dp-rank" => rank_pin = Some(value.trim().to_string()),
                 _ => {}
             }
+            if let Some(seed) = &mut self.trace_seed {
+                seed.http.offer(&name, header_bytes(h));
+            }
             if let Some(preference) = self
                 .settings
                 .session_headers
@@ -365,6 +409,7 @@ impl StreamMachine {
             }
             self.header_names.push(name);
         }
+        self.start_trace();
         // A body declared over the limit is refused before a byte of it is buffered.
         if declared_len.is_some_and(|n| n > self.settings.max_body_bytes as u64) {
             return Ok(self.reject_too_large());
@@ -380,7 +425,24 @@ impl StreamMachine {
             return Ok(self.route(None, started, true));
         }
         self.phase = Phase::RequestBody;
+        if let Some(t) = &mut self.trace {
+            t.body_started();
+        }
         Ok(Step::default())
+    }
+
+    fn start_trace(&mut self) {
+        let (Some(seed), Some(tracer)) = (self.trace_seed.take(), &self.settings.tracer) else {
+            return;
+        };
+        self.trace = Some(Box::new(RequestTrace::start(
+            tracer,
+            &seed.grpc,
+            &seed.http,
+            seed.opened,
+            &self.path,
+            self.request_id.as_deref(),
+        )));
     }
 
     fn on_request_body(&mut self, body: HttpBody) -> Result<Step, Status> {
@@ -431,6 +493,9 @@ impl StreamMachine {
     #[allow(clippy::expect_used)]
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
+        if let Some(t) = &mut self.trace {
+            t.body_done(self.body.len, self.body.chunks.len());
+        }
         if let Some(step) = self.rewrite_model() {
             return Ok(step);
         }
@@ -495,6 +560,9 @@ impl StreamMachine {
                 });
                 self.phase = Phase::Tokenizing;
                 self.tokenize_started = Some(Instant::now());
+                if let Some(t) = &mut self.trace {
+                    t.tokenize_started(&job.model);
+                }
                 return Ok(Step {
                     tokenize: Some(job),
                     ..Step::default()
@@ -607,6 +675,9 @@ impl StreamMachine {
     /// pending and the step asks the host for the lookup.
     fn route_pending(&mut self, pending: PendingRoute) -> Step {
         if let Some(job) = self.session_lookup_for(&pending.parsed) {
+            if let Some(t) = &mut self.trace {
+                t.lookup_started();
+            }
             self.pending = Some(pending);
             self.phase = Phase::Tokenizing;
             return Step {
@@ -619,6 +690,9 @@ impl StreamMachine {
 
     /// Finishes a request whose session was looked up (the binding found, if any, is installed).
     pub fn resume_after_lookup(&mut self) -> Step {
+        if let Some(t) = &mut self.trace {
+            t.lookup_done();
+        }
         match self.pending.take() {
             Some(pending) => self.route_now(pending),
             None => Step::default(),
@@ -636,6 +710,9 @@ impl StreamMachine {
             self.core.metrics().epp.stage(Stage::Tokenize, seconds);
         }
         let mut parsed = pending.parsed;
+        if let Some(t) = &mut self.trace {
+            trace_tokenize(t, &outcome);
+        }
         match outcome {
             TokenizeOutcome::Tokens { ids, .. } => parsed.prompt = Prompt::TokenIds(ids),
             TokenizeOutcome::Fallback { .. } | TokenizeOutcome::Skipped { .. } => {
@@ -680,6 +757,9 @@ impl StreamMachine {
     fn route(&mut self, body: Option<ParsedBody>, started: Instant, header_only: bool) -> Step {
         if let Some(message) = self.header_error.take() {
             return self.reject(400, &message);
+        }
+        if let Some(t) = &mut self.trace {
+            t.pick_started();
         }
         let subset = match (&self.subset, &self.conformance_filter) {
             (Some(s), _) => Some(s.clone()),
@@ -731,6 +811,9 @@ impl StreamMachine {
             Ok(Admitted::Queued(waiter)) => {
                 tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
                 self.epp.queued();
+                if let Some(t) = &mut self.trace {
+                    t.queued(self.priority, self.fairness_key.as_deref());
+                }
                 self.queued = Some(QueuedRoute {
                     request_id: request.request_id,
                     started,
@@ -752,6 +835,9 @@ impl StreamMachine {
         let Some(queued) = self.queued.take() else {
             return Step::default();
         };
+        if let (Some(t), true) = (&mut self.trace, outcome.is_ok()) {
+            t.queue_done(Ok(()));
+        }
         let mut step = match outcome {
             Ok(r) => self.routed(
                 r,
@@ -831,6 +917,12 @@ impl StreamMachine {
         {
             remove.push("x-data-parallel-rank".into());
         }
+        // Tracing on: the upstream's trace context names the pick span.
+        if let Some(t) = &mut self.trace {
+            for (name, value) in t.picked(selection, self.pin.is_some()) {
+                set.push(set_header(name, &value));
+            }
+        }
         // The prefill/decode pair, in `--pd-protocol`'s headers; client-sent ones never pass.
         let pair = super::pd_headers::headers(selection, self.settings.pd_protocol);
         for (name, value) in &pair {
@@ -898,6 +990,9 @@ impl StreamMachine {
             r.response_status(status);
             self.epp.response_status(status);
         }
+        if let (Some(status), Some(t)) = (status, &self.trace) {
+            t.response_status(status);
+        }
         let sse = headers
             .headers
             .iter()
@@ -956,6 +1051,9 @@ impl StreamMachine {
     fn on_response_body(&mut self, body: HttpBody) -> Step {
         if !body.body.is_empty() && !self.first_byte_seen {
             self.first_byte_seen = true;
+            if let Some(t) = &self.trace {
+                t.first_byte();
+            }
             if let Some(r) = &self.reservation {
                 r.mark_prefill_complete();
                 if let Some(at) = self.picked_at {
@@ -1028,6 +1126,9 @@ impl StreamMachine {
 
     fn reject(&mut self, status: u16, message: &str) -> Step {
         self.epp.rejected(status);
+        if let Some(t) = &mut self.trace {
+            t.refused(status, message);
+        }
         self.phase = Phase::Finished;
         drop(self.body.take());
         self.pending = None;
@@ -1109,6 +1210,36 @@ fn session_key(h: &HeaderValue) -> String {
                 key.push_str(&format!("{b:02x}"));
             }
             key
+        }
+    }
+}
+
+/// The value's bytes as Envoy sent them.
+fn header_bytes(h: &HeaderValue) -> &[u8] {
+    if h.raw_value.is_empty() {
+        h.value.as_bytes()
+    } else {
+        &h.raw_value
+    }
+}
+
+/// The tokenize span's outcome.
+fn trace_tokenize(trace: &mut RequestTrace, outcome: &TokenizeOutcome) {
+    use std::borrow::Cow;
+    match outcome {
+        TokenizeOutcome::Tokens { ids, source } => trace.tokenize_done(
+            "tokens",
+            Cow::Owned(format!("{source:?}").to_ascii_lowercase()),
+            ids.len(),
+        ),
+        TokenizeOutcome::Fallback { reason } => {
+            trace.tokenize_done("fallback", Cow::Borrowed(reason), 0)
+        }
+        TokenizeOutcome::Skipped { reason } => {
+            trace.tokenize_done("skipped", Cow::Borrowed(reason), 0)
+        }
+        TokenizeOutcome::NotApplicable => {
+            trace.tokenize_done("not_applicable", Cow::Borrowed(""), 0)
         }
     }
 }

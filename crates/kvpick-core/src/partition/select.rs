@@ -130,7 +130,7 @@ impl Partition {
         };
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
         Ok(SelectOutcome {
-            selection: self.selection(ask, picked, session),
+            selection: self.selection(ask, &field, picked, session),
             trace,
         })
     }
@@ -371,7 +371,13 @@ impl Partition {
     }
 
     /// The answer: the picked ranks, the prompt's overlap and the session's outcome.
-    fn selection(&self, ask: &Ask, picked: Picked, session: Option<SessionOutcome>) -> Selection {
+    fn selection(
+        &self,
+        ask: &Ask,
+        field: &Field,
+        picked: Picked,
+        session: Option<SessionOutcome>,
+    ) -> Selection {
         Selection {
             booking_id: ask
                 .booking
@@ -388,6 +394,8 @@ impl Partition {
             prompt_tokens: ask.prompt.tokens,
             cost: picked.cost,
             session,
+            candidates: field.candidates.len() as u32,
+            predicted_ttft_seconds: picked.predicted_ttft,
         }
     }
 
