@@ -372,6 +372,14 @@ pub struct ServeArgs {
     )]
     pub queue_capacity: usize,
 
+    /// A model with no ready rank (a pool scaled to zero, every pod gone or not ready) queues
+    /// its requests for up to --queue-timeout, released when a rank becomes ready, instead of a
+    /// 503 at once: scale-from-zero with KEDA or an HPA on kvpick's queue metrics. At most 16
+    /// models without a ready rank hold requests (client-chosen names cannot grow it further).
+    /// Needs --flow-control.
+    #[arg(long, help_heading = "Flow control")]
+    pub hold_when_no_endpoints: bool,
+
     /// A rank is saturated when the prefill already booked on it would take this long at the
     /// calibrated TTFT line (its queue wait); `inf` = never on this ground. It bounds the engine
     /// queue a released request sits behind (lower = priorities enforced more tightly) while
@@ -923,11 +931,15 @@ pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> 
     if args.queue_capacity == 0 {
         anyhow::bail!("--queue-capacity must be at least 1");
     }
+    if args.hold_when_no_endpoints && !args.flow_control {
+        anyhow::bail!("--hold-when-no-endpoints needs --flow-control true (the queue holds them)");
+    }
     Ok(kvpick_core::FlowConfig {
         enabled: args.flow_control,
         queue_timeout: Duration::from_secs_f64(timeout),
         band_capacity: args.queue_band_capacity,
         capacity: args.queue_capacity,
+        hold_when_no_endpoints: args.hold_when_no_endpoints,
         saturation: kvpick_core::SaturationLimits {
             max_wait_seconds: wait.is_finite().then_some(wait),
             max_active_requests: args.saturation_max_requests,

@@ -5,6 +5,9 @@
 
 use super::*;
 
+/// Most partitions without a ready rank that `--hold-when-no-endpoints` keeps requests waiting in.
+pub const MAX_HELD_PARTITIONS: usize = 16;
+
 impl Core {
     /// Replaces one source's workers with `specs` and reconciles the union of all sources:
     /// duplicate ids are rejected before anything changes; unchanged workers are skipped; changed
@@ -162,6 +165,60 @@ impl Core {
             return Err(SelectError::Unavailable("catalog not synced yet".into()));
         }
         let partition = self.resolve_partition(request)?;
+        crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
+        Ok(partition)
+    }
+
+    /// With `--hold-when-no-endpoints`: the partition a request for a model with no ready rank
+    /// waits in, created for it when the model has none yet (a pool scaled to zero, or kvpick
+    /// started while it was). Client-chosen model names must not create partitions without
+    /// bound: at most [`MAX_HELD_PARTITIONS`] partitions without a ready rank exist; past that
+    /// the request is refused as before. A request without a model waits in the one partition
+    /// the pool has, if it has exactly one.
+    pub(super) fn held_partition(
+        &self,
+        request: &SelectionRequest,
+        now: Instant,
+    ) -> Result<Arc<Partition>, SelectError> {
+        if !self.synced.load(Ordering::Acquire) {
+            return Err(SelectError::Unavailable("catalog not synced yet".into()));
+        }
+        // The write lock: the bound is checked and the partition created in one step.
+        let mut partitions = self.partitions.write();
+        let model = match request.model.as_deref() {
+            Some(model) => model.to_string(),
+            None => match partitions.keys().collect::<Vec<_>>().as_slice() {
+                [only] => only.model.clone(),
+                _ => {
+                    return Err(SelectError::Unavailable(
+                        "no ready worker in the pool".into(),
+                    ))
+                }
+            },
+        };
+        let key = PartitionKey {
+            model,
+            routing_group: request.routing_group.clone(),
+        };
+        if !partitions.contains_key(&key) {
+            let empty = partitions
+                .values()
+                .filter(|p| p.schedulable_ranks() == 0)
+                .count();
+            if empty >= MAX_HELD_PARTITIONS {
+                return Err(SelectError::Unavailable(format!(
+                    "no ready worker serves model {} ({MAX_HELD_PARTITIONS} models already wait \
+                     for workers)",
+                    clip(&key.model)
+                )));
+            }
+        }
+        let partition = Arc::clone(
+            partitions
+                .entry(key.clone())
+                .or_insert_with(|| Arc::new(Partition::new(key, &self.config, now))),
+        );
+        drop(partitions);
         crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
         Ok(partition)
     }

@@ -22,6 +22,12 @@ impl Core {
         }
         let partition = match self.ensure_ready(request) {
             Ok(p) => p,
+            Err(SelectError::Unavailable(_)) if self.config.flow.hold_when_no_endpoints => {
+                match self.held_partition(request, now) {
+                    Ok(p) => p,
+                    Err(e) => return (Err(e), Facts::default()),
+                }
+            }
             Err(e) => return (Err(e), Facts::default()),
         };
         let ticket = self

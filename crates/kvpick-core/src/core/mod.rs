@@ -13,6 +13,7 @@ mod flow;
 mod registry;
 mod replicas;
 
+pub use catalog::MAX_HELD_PARTITIONS;
 use registry::Registered;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -238,6 +239,9 @@ mod calibration_tests;
 
 #[cfg(test)]
 mod flow_tests;
+
+#[cfg(test)]
+mod hold_tests;
 
 #[cfg(test)]
 mod api_tests;

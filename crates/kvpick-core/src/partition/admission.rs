@@ -178,6 +178,17 @@ impl Check {
 /// Whether a release pass can place anything: some schedulable rank that decodes (every
 /// request needs one; a prefill-only rank with room places nothing) is below its saturation
 /// limits, or none is schedulable at all (then every waiting request fails at once, 503).
+/// With `--hold-when-no-endpoints`, a partition with no schedulable rank that decodes keeps its
+/// requests waiting (for a rank to join, or their deadline) instead of failing them.
+fn holds(state: &State, config: &CoreConfig) -> bool {
+    config.flow.hold_when_no_endpoints
+        && !state
+            .ranks
+            .slots
+            .iter()
+            .any(|(_, s)| s.schedulable && s.role.decodes())
+}
+
 fn has_room(state: &State, config: &CoreConfig, now: Instant) -> bool {
     let mut decoding = state
         .ranks
@@ -319,9 +330,10 @@ impl Partition {
         let prompt = self.prompt_of(request, config);
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        // Tried just now against an empty queue (and found saturated): a release pass would
-        // only try it again.
-        let tried = state.queue.is_empty();
+        // Held (no rank to serve it yet), or tried just now against an empty queue and found
+        // saturated: a release pass would only try it again.
+        let holding = holds(state, config);
+        let tried = state.queue.is_empty() && !holding;
         if tried {
             let check = Check::new(request, now);
             let ask = Ask {
@@ -339,7 +351,7 @@ impl Partition {
         let waiting = self.waiting(request, ticket, prompt, &config.flow, now);
         let deadline = waiting.deadline;
         Self::enqueue(state, waiting, claims, &config.flow, facts)?;
-        if tried {
+        if tried || holding {
             self.queued.store(state.queue.len(), Ordering::Release);
             return Ok(Admitted::Queued { deadline });
         }
@@ -498,7 +510,12 @@ impl Partition {
         // The band of a request that waits although a rank has room (for the rank it prefers):
         // lower bands must not take that room first (strict priority), its own band may.
         let mut waiting_band: Option<i32> = None;
-        for ticket in state.queue.release_order(config.flow.max_scan) {
+        let release = if holds(state, config) {
+            Vec::new()
+        } else {
+            state.queue.release_order(config.flow.max_scan)
+        };
+        for ticket in release {
             // Nothing is placed on a saturated rank: with none left with room, stop.
             if !has_room(state, config, now) {
                 break;
