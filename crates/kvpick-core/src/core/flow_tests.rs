@@ -52,7 +52,7 @@ fn dispatched(core: &Core, r: &SelectionRequest, now: Instant) -> Selection {
     }
 }
 
-fn queued(core: &Core, r: &SelectionRequest, now: Instant) -> u64 {
+pub(super) fn queued(core: &Core, r: &SelectionRequest, now: Instant) -> u64 {
     match core.admit(r, now).0 {
         Ok(Admission::Queued { ticket, .. }) => ticket,
         other => panic!("expected to queue, got {other:?}"),
@@ -60,7 +60,7 @@ fn queued(core: &Core, r: &SelectionRequest, now: Instant) -> u64 {
 }
 
 /// The tickets released in `facts`, in order, with their outcomes.
-fn released(facts: &Facts) -> Vec<(u64, Result<Selection, SelectError>)> {
+pub(super) fn released(facts: &Facts) -> Vec<(u64, Result<Selection, SelectError>)> {
     facts
         .iter()
         .filter_map(|f| match f {

@@ -1,6 +1,7 @@
 //! `--hold-when-no-endpoints` through [`Core`]: requests for a model without a ready rank wait
 //! in the queue (scale from zero) instead of being refused, within a bound on how many models
 //! may wait; without the setting nothing changes.
+use super::flow_tests::{queued, released};
 use super::*;
 use crate::catalog::RankLayout;
 use crate::flow::FlowConfig;
@@ -38,23 +39,6 @@ fn request(id: &str, model: &str) -> SelectionRequest {
         prompt: PromptInput::Tokens(vec![7; 64]),
         ..Default::default()
     }
-}
-
-fn queued(core: &Core, r: &SelectionRequest, now: Instant) -> u64 {
-    match core.admit(r, now).0 {
-        Ok(Admission::Queued { ticket, .. }) => ticket,
-        other => panic!("expected to queue, got {other:?}"),
-    }
-}
-
-fn released(facts: &Facts) -> Vec<(u64, Result<Selection, SelectError>)> {
-    facts
-        .iter()
-        .filter_map(|f| match f {
-            Fact::Dequeued { ticket, result } => Some((*ticket, result.clone().map(|s| *s))),
-            _ => None,
-        })
-        .collect()
 }
 
 #[test]

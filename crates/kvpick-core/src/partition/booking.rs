@@ -167,12 +167,7 @@ impl Partition {
                 .bind(sid, rank, now, config.sessions.max_entries)
             {
                 Bound::Yes { created, evicted } => {
-                    if evicted {
-                        // One binding out, one in: the live count stays.
-                        facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
-                    } else if created {
-                        facts.push(Fact::SessionsLive(1));
-                    }
+                    binding_facts(created, evicted, facts);
                     SessionOutcome::Created
                 }
                 Bound::Full => SessionOutcome::TableFull,
@@ -243,6 +238,7 @@ impl Partition {
         let mut guard = self.state.lock();
         let state = &mut *guard;
         let id = &booking.0;
+        // The field, not `State::booking_mut`: the rank table and estimator are borrowed too.
         let booking = state
             .bookings
             .get_mut(&booking.0)
@@ -318,11 +314,7 @@ impl Partition {
     ) -> bool {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let Some(b) = state
-            .bookings
-            .get(&booking.0)
-            .filter(|b| b.generation == booking.1)
-        else {
+        let Some(b) = state.booking(booking) else {
             return false;
         };
         let Some((first, batch)) = b.first_token.filter(|_| output_tokens >= 2) else {

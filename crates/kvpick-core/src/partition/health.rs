@@ -70,11 +70,7 @@ impl Partition {
     ) -> bool {
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let Some(b) = state
-            .bookings
-            .get_mut(&booking.0)
-            .filter(|b| b.generation == booking.1)
-        else {
+        let Some(b) = state.booking_mut(booking) else {
             return false;
         };
         let withdraws = class != ResponseClass::Success;

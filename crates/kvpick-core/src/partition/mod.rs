@@ -112,6 +112,31 @@ struct State {
     queue: crate::flow::FlowQueue<Arc<admission::Queued>>,
 }
 
+impl State {
+    /// The live booking of this id and generation (a stale reference finds nothing).
+    fn booking(&self, (id, generation): &BookingRef) -> Option<&Booking> {
+        self.bookings
+            .get(id)
+            .filter(|b| b.generation == *generation)
+    }
+
+    fn booking_mut(&mut self, (id, generation): &BookingRef) -> Option<&mut Booking> {
+        self.bookings
+            .get_mut(id)
+            .filter(|b| b.generation == *generation)
+    }
+}
+
+/// The facts of a new session binding: an eviction made room (the live count stays), or one
+/// more binding is live.
+fn binding_facts(created: bool, evicted: bool, facts: &mut Facts) {
+    if evicted {
+        facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
+    } else if created {
+        facts.push(Fact::SessionsLive(1));
+    }
+}
+
 /// A booking's identity: its id and generation.
 pub(crate) type BookingRef = (String, u64);
 

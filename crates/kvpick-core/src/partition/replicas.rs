@@ -60,11 +60,7 @@ impl Partition {
         }
         match state.sessions.bind(sid, rank, now, max_entries) {
             Bound::Yes { created, evicted } => {
-                if evicted {
-                    facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
-                } else if created {
-                    facts.push(Fact::SessionsLive(1));
-                }
+                binding_facts(created, evicted, facts);
                 Installed::Yes
             }
             Bound::Full => Installed::TableFull,
