@@ -8,12 +8,14 @@
 //! Everything is deterministic for a seed: same inputs -> byte-identical JSON.
 //!
 //! This module owns the loop, the metrics and the report; policies live in [`policy`], the trace
-//! format in [`trace`], the prefill/decode mode (`--pd-prefill-ranks`, its own loop) in [`pd`].
+//! format in [`trace`], the prefill/decode mode (`--pd-prefill-ranks`, its own loop) in [`pd`],
+//! what the HTML report's charts record of the loop in [`series`].
 //! It must not reach into the selection core beyond its public API.
 
 mod flow_report;
 pub mod pd;
 pub mod policy;
+mod series;
 pub mod trace;
 
 use std::collections::HashSet;
@@ -22,7 +24,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
-use crate::charts::{self, ChartData, PolicyCharts, Section, StepRecorder};
+use crate::charts::{self, ChartData, PolicyCharts, Section};
 use crate::sim::engine::{Engine, EngineConfig, EngineRequest, EngineStats};
 use crate::sim::EngineArgs;
 use kvpick_core::hash;
@@ -418,9 +420,7 @@ async fn run_one(
     let mut clock = 0u64;
     let mut next_arrival = 0usize;
     // The report's time series (read-only observations of the loop's state, never inputs).
-    let mut in_flight = vec![0u32; workers];
-    let mut load = StepRecorder::default();
-    let mut queue = StepRecorder::default();
+    let mut observer = series::Observer::new(workers);
     loop {
         let arrival = requests.get(next_arrival).map(|r| r.arrival_ns);
         let step_end = ranks.iter().filter_map(|r| r.busy_until).min();
@@ -452,7 +452,7 @@ async fn run_one(
                     policy.on_first_token(o.id, r);
                 }
                 if o.finished {
-                    in_flight[r] = in_flight[r].saturating_sub(1);
+                    observer.finished(r);
                     out.done_ns = Some(now);
                     out.output = o.generated as u64;
                     policy.on_complete(o.id, r);
@@ -509,7 +509,7 @@ async fn run_one(
                 out.refused = true;
                 policy.on_complete(id, rank);
             } else {
-                in_flight[rank] += 1;
+                observer.dispatched(rank);
             }
         }
         // 3. Idle ranks start their next step.
@@ -525,10 +525,7 @@ async fn run_one(
                 rank.pending = Some(step);
             }
         }
-        load.record(now, &in_flight);
-        if let Some(q) = policy.queued() {
-            queue.record(now, &[u32::try_from(q).unwrap_or(u32::MAX)]);
-        }
+        observer.after_instant(now, policy);
     }
 
     let first_arrival = requests.first().map_or(0, |r| r.arrival_ns);
@@ -563,18 +560,14 @@ async fn run_one(
     }
     let span_s = makespan_ns as f64 / 1e9;
     let capacity = workers as f64 * makespan_ns as f64;
-    let end_ns = first_arrival + makespan_ns;
-    let chart = PolicyCharts {
-        name: policy.name().to_string(),
-        ttft_cdf: charts::cdf(&ttft, charts::CDF_POINTS),
-        e2e_cdf: charts::cdf(&e2e, charts::CDF_POINTS),
-        kv_hit_rate: ratio(cached, prompt),
-        requests_per_rank: per_rank.clone(),
-        load: Some(load.sample(workers, first_arrival, end_ns, charts::SERIES_SAMPLES)),
-        queue: policy
-            .queued()
-            .map(|_| queue.sample(1, first_arrival, end_ns, charts::SERIES_SAMPLES)),
-    };
+    let chart = observer.charts(
+        policy,
+        &ttft,
+        &e2e,
+        ratio(cached, prompt),
+        &per_rank,
+        (first_arrival, first_arrival + makespan_ns),
+    );
     PolicyReport {
         policy: policy.name().to_string(),
         kv_hit_rate: ratio(cached, prompt),
