@@ -11,7 +11,9 @@ cache, continuous batching, KV events over ZeroMQ):
 
 It prints the workload's statistics, progress, the side-by-side table built from client-side
 timings and the ``usage.prompt_tokens_details.cached_tokens`` the workers return, and the offline
-(virtual-clock) replay of the same requests through every policy kvpick compares itself with.
+(virtual-clock) replay of the same requests through every policy kvpick compares itself with, and
+ends with the path of an HTML report of both runs (``report.html`` in its work directory; e2e/report.py:
+CDFs, hit rates, per-worker counts, the replay's load and queue over time; opens offline).
 
 Flags: ``--family F`` (default agentic), ``--requests N`` (default 200), ``--load L`` (0.85),
 ``--workers N`` (4), ``--sim-speedup K`` (2), ``--policy`` (the online columns; add
@@ -34,10 +36,31 @@ sys.path.insert(0, str(E2E / "replay"))
 
 import harness  # noqa: E402
 import online  # noqa: E402
+import report as html_report  # noqa: E402
 
 
 def kvpick(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([str(harness.kvpick_binary()), *args], capture_output=True, text=True)
+
+
+def online_section(what: str, report: dict) -> dict:
+    """The online run's charts: client-side CDFs, cached tokens and the worker each answer named
+    (no time series: the client sees no engine state)."""
+    return {
+        "title": "Online, through Envoy (client-side timings)",
+        "note": f"{what}; {report['requests']} requests, {report['workers']} kvpick sim workers, "
+                f"sim speedup x{report['sim_speedup']} (latencies scaled back to engine time)",
+        "policies": [{"name": p["policy"], "ttft_cdf": p["ttft_cdf"], "e2e_cdf": p["e2e_cdf"],
+                      "kv_hit_rate": p["kv_hit_rate"], "requests_per_rank": p["per_worker_requests"]}
+                     for p in report["policies"]],
+    }
+
+
+def write_html(work: Path, what: str, report: dict, offline_charts: Path) -> Path:
+    offline = html_report.section_from_chart_data(
+        offline_charts, "Offline replay of the same requests (kvpick replay, virtual clock)")
+    return html_report.write_report(harness.kvpick_binary(), "kvpick demo",
+                                    [online_section(what, report), offline], work / "report.html")
 
 
 def main() -> int:
@@ -76,8 +99,9 @@ def main() -> int:
     pace = (["--arrival-speedup", str(args.arrival_speedup)] if args.arrival_speedup
             else ["--offered-load", str(args.load)])
     offline_report = work / "offline.json"
+    offline_charts = work / "offline.charts.json"
     offline = kvpick("replay", "--trace", str(trace), "--workers", str(args.workers), *limit, *pace,
-                     "--report", str(offline_report))
+                     "--report", str(offline_report), "--chart-data", str(offline_charts))
     if offline.returncode != 0:
         print(offline.stderr, file=sys.stderr)
         return 2
@@ -102,6 +126,8 @@ def main() -> int:
           "no sockets):")
     print()
     print(offline.stdout)
+    html = write_html(work, what, report, offline_charts)
+    print(f"HTML report (charts of both runs, opens offline): {html}")
     errors = sum(p["errors"] for p in report["policies"])
     return 0 if errors == 0 else 1
 

@@ -3,7 +3,8 @@
 # workload (`kvpick workload --family agentic`: tool loops on shared 4-16k-token prefixes, sub-agents)
 # and replays it at offered load 0.85 through a real Envoy to 4 simulated vLLM workers (`kvpick sim`)
 # twice - Envoy round-robin vs Envoy + kvpick - and prints the side-by-side table (about a minute),
-# then the offline replay of the same requests through every policy. e2e/demo.py --help for the
+# then the offline replay of the same requests through every policy, and the path of its HTML report
+# (.e2e-work/demo-*/report.html). e2e/demo.py --help for the
 # knobs (--family, --load, --policy ...,sglang-router, --trace FILE for a Mooncake trace).
 set -euo pipefail
 cd "$(dirname "$0")/.."

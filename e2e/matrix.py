@@ -6,7 +6,9 @@ the knobs (the standard library only: no venv needed). For every (family, seed) 
 with ``kvpick workload``; for every load it runs ``kvpick replay --offered-load L`` (all policies in
 one process, on a virtual clock), two processes at a time. It writes ``matrix.json`` (every seed's
 numbers and the medians) and ``matrix.md`` (per cell: medians of the seeds, the best policy per
-metric in bold, and whether kvpick meets issue 16's targets) into ``--out``.
+metric in bold, and whether kvpick meets issue 16's targets) into ``--out``, and ``matrix.html``
+(e2e/report.py: per family and load, the first seed's TTFT and E2E CDFs, KV hit rate, requests per
+rank, load per rank and kvpick's queue over time; inline SVG, opens offline).
 
 Offered load is the replay's definition (``crates/kvpick-sim/src/replay/mod.rs``,
 ``offered_load``): arrival rate x mean no-cache prefill time per request (the engine model's
@@ -24,6 +26,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import report as html_report  # noqa: E402
 
 # kvpick's tunables in `kvpick replay`: flag -> default. The sensitivity section replays kvpick alone
 # with each at 0.5x and 1.5x its default (an integer flag is rounded; a zero default is skipped,
@@ -312,10 +317,13 @@ def main() -> int:
     for (fam, seed), path in traces.items():
         for load in loads:
             report = work / f"{fam}-{seed}-{load}.json"
+            # The HTML report charts the first seed of each cell.
+            charts = (["--chart-data", str(work / f"{fam}-{seed}-{load}.charts.json")]
+                      if seed == seeds[0] else [])
             jobs.append((("cell", fam, load, seed), [
                 replay_bin, "replay", "--trace", str(path), "--workers", str(WORKERS), "--seed",
                 str(seed), "--offered-load", str(load), "--policy", ",".join(policies),
-                "--report", str(report)], report))
+                "--report", str(report), *charts], report))
         if not args.no_sensitivity and SENSITIVITY_LOAD in loads:
             for flag, value in sensitivity_values():
                 report = work / f"{fam}-{seed}-sens{flag}={value}.json"
@@ -372,7 +380,12 @@ def main() -> int:
     }
     (out / "matrix.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "matrix.md").write_text(markdown(result))
-    print(f"matrix: wrote {out / 'matrix.md'} and {out / 'matrix.json'} "
+    sections = [html_report.section_from_chart_data(
+        work / f"{fam}-{seeds[0]}-{load}.charts.json", f"{fam}, offered load {load}",
+        f"{sizes[fam]} requests, {WORKERS} ranks, seed {seeds[0]} (of {len(seeds)}; the tables "
+        "give the medians)") for fam in families for load in loads]
+    html = html_report.write_report(binary, "kvpick benchmark matrix", sections, out / "matrix.html")
+    print(f"matrix: wrote {out / 'matrix.md'}, {out / 'matrix.json'} and {html} "
           f"({result['wall_s']:.0f} s)")
     return 0
 

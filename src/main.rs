@@ -25,6 +25,9 @@ enum Command {
     /// Offline, virtual-clock replay of a Mooncake trace through each routing policy and a
     /// simulated fleet; prints a Markdown table, optionally writes a JSON report.
     Replay(kvpick_sim::replay::ReplayArgs),
+    /// Render chart data (`kvpick replay --chart-data`, e2e/report.py) into a self-contained HTML
+    /// report: inline SVG, no script, no network.
+    ReportHtml(kvpick_sim::charts::ReportHtmlArgs),
     /// Write a seeded Mooncake JSONL trace of one workload family (chat, agentic, shared-docs,
     /// small-families, no-reuse) and print its statistics.
     Workload(kvpick_sim::workload::WorkloadArgs),
@@ -64,6 +67,13 @@ fn main() -> std::process::ExitCode {
             }
         }
         Command::Replay(args) => match kvpick_sim::replay::run(args) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(err) => {
+                eprintln!("kvpick: error: {err:#}");
+                std::process::ExitCode::from(2)
+            }
+        },
+        Command::ReportHtml(args) => match kvpick_sim::charts::run(args) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(err) => {
                 eprintln!("kvpick: error: {err:#}");

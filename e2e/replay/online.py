@@ -37,6 +37,7 @@ if str(HERE.parent) not in sys.path:
     sys.path.insert(0, str(HERE.parent))
 
 import harness  # noqa: E402
+import report as html_report  # noqa: E402  (e2e/report.py: the CDFs of the HTML report)
 
 try:
     from . import mooncake  # type: ignore[no-redef]
@@ -170,6 +171,8 @@ def summarize(label: str, results: list[Result], workers: int, sim_speedup: floa
         "e2e_ms": {"mean": sum(e2e) / len(e2e) if e2e else 0.0, "p99": _pct(e2e, 0.99)},
         "per_worker_requests": per_worker,
         "output_tokens": sum(r.completion_tokens for r in ok),
+        "ttft_cdf": html_report.cdf(ttft),
+        "e2e_cdf": html_report.cdf(e2e),
     }
 
 

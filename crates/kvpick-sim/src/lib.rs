@@ -8,6 +8,8 @@
 //! - [`replay`]: `kvpick replay`, the virtual-clock replay of a trace through every routing
 //!   policy ([`replay::policy`]), the kvpick one being [`kvpick_core::Core`] itself; its
 //!   prefill/decode mode is [`replay::pd`].
+//! - [`charts`]: the HTML report of a run (inline-SVG CDFs, per-rank bars, load and queue over
+//!   time): `kvpick replay --report-html`, `kvpick report-html`.
 //! - [`workload`]: `kvpick workload`, seeded generators of Mooncake traces in five workload
 //!   families (chat, agentic, shared-docs, small-families, no-reuse) and their statistics.
 
@@ -16,6 +18,7 @@
 // should stop the run loudly rather than produce numbers.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub mod charts;
 pub mod replay;
 pub mod sim;
 pub mod workload;

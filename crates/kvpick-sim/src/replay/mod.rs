@@ -8,12 +8,14 @@
 //! Everything is deterministic for a seed: same inputs -> byte-identical JSON.
 //!
 //! This module owns the loop, the metrics and the report; policies live in [`policy`], the trace
-//! format in [`trace`], the prefill/decode mode (`--pd-prefill-ranks`, its own loop) in [`pd`].
+//! format in [`trace`], the prefill/decode mode (`--pd-prefill-ranks`, its own loop) in [`pd`],
+//! what the HTML report's charts record of the loop in [`series`].
 //! It must not reach into the selection core beyond its public API.
 
 mod flow_report;
 pub mod pd;
 pub mod policy;
+mod series;
 pub mod trace;
 
 use std::collections::HashSet;
@@ -22,6 +24,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::charts::{self, ChartData, PolicyCharts, Section};
 use crate::sim::engine::{Engine, EngineConfig, EngineRequest, EngineStats};
 use crate::sim::EngineArgs;
 use kvpick_core::hash;
@@ -57,6 +60,14 @@ pub struct ReplayArgs {
     /// Write the JSON report here.
     #[arg(long)]
     pub report: Option<PathBuf>,
+    /// Write an HTML report here: TTFT and E2E CDFs, KV hit rate and requests per rank per
+    /// policy, load per rank and kvpick's queue length over time (inline SVG, no network).
+    #[arg(long, value_name = "FILE")]
+    pub report_html: Option<PathBuf>,
+    /// Write the HTML report's data here (JSON; `kvpick report-html --input` renders it, and
+    /// several runs' sections can be merged into one page).
+    #[arg(long, value_name = "FILE")]
+    pub chart_data: Option<PathBuf>,
     #[command(flatten)]
     pub engine: EngineArgs,
     /// kvpick policy: credit per cached block (as `kvpick serve`).
@@ -178,6 +189,9 @@ pub struct PolicyReport {
     /// Per tenant (traces with a `tenant` column only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<flow_report::TenantReport>,
+    /// The HTML report's data for this policy (not in the JSON report).
+    #[serde(skip)]
+    pub charts: Option<Box<PolicyCharts>>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -405,6 +419,8 @@ async fn run_one(
         .collect();
     let mut clock = 0u64;
     let mut next_arrival = 0usize;
+    // The report's time series (read-only observations of the loop's state, never inputs).
+    let mut observer = series::Observer::new(workers);
     loop {
         let arrival = requests.get(next_arrival).map(|r| r.arrival_ns);
         let step_end = ranks.iter().filter_map(|r| r.busy_until).min();
@@ -436,6 +452,7 @@ async fn run_one(
                     policy.on_first_token(o.id, r);
                 }
                 if o.finished {
+                    observer.finished(r);
                     out.done_ns = Some(now);
                     out.output = o.generated as u64;
                     policy.on_complete(o.id, r);
@@ -491,6 +508,8 @@ async fn run_one(
             if added.is_err() {
                 out.refused = true;
                 policy.on_complete(id, rank);
+            } else {
+                observer.dispatched(rank);
             }
         }
         // 3. Idle ranks start their next step.
@@ -506,6 +525,7 @@ async fn run_one(
                 rank.pending = Some(step);
             }
         }
+        observer.after_instant(now, policy);
     }
 
     let first_arrival = requests.first().map_or(0, |r| r.arrival_ns);
@@ -540,6 +560,14 @@ async fn run_one(
     }
     let span_s = makespan_ns as f64 / 1e9;
     let capacity = workers as f64 * makespan_ns as f64;
+    let chart = observer.charts(
+        policy,
+        &ttft,
+        &e2e,
+        ratio(cached, prompt),
+        &per_rank,
+        (first_arrival, first_arrival + makespan_ns),
+    );
     PolicyReport {
         policy: policy.name().to_string(),
         kv_hit_rate: ratio(cached, prompt),
@@ -557,6 +585,7 @@ async fn run_one(
         ttft_prediction: policy.prediction_report(),
         bands: flow_report::bands(&outcomes, requests, makespan_ns),
         tenants: flow_report::tenants(&outcomes, requests, makespan_ns),
+        charts: Some(Box::new(chart)),
     }
 }
 
@@ -804,6 +833,11 @@ pub fn run(args: ReplayArgs) -> anyhow::Result<()> {
 
 /// `kvpick replay` with peer policies (`kvpick-peers replay`).
 pub fn run_with(args: ReplayArgs, peers: policy::PeerBuilder) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        args.pd_prefill_ranks.is_none()
+            || (args.report_html.is_none() && args.chart_data.is_none()),
+        "--report-html and --chart-data are not available with --pd-prefill-ranks"
+    );
     let report = build_report_with(&args, peers)?;
     print!("{}", markdown(&report));
     if let Some(path) = &args.report {
@@ -811,7 +845,60 @@ pub fn run_with(args: ReplayArgs, peers: policy::PeerBuilder) -> anyhow::Result<
         std::fs::write(path, json + "\n")
             .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
     }
+    if args.report_html.is_some() || args.chart_data.is_some() {
+        let data = chart_data(&report);
+        if let Some(path) = &args.chart_data {
+            let json = serde_json::to_string(&data)?;
+            std::fs::write(path, json + "\n")
+                .map_err(|e| anyhow::anyhow!("writing {}: {e}", path.display()))?;
+        }
+        if let Some(path) = &args.report_html {
+            charts::write_html(&data, path)?;
+        }
+    }
     Ok(())
+}
+
+/// The HTML report's data of a replay: one section, every policy in report order.
+pub fn chart_data(report: &Report) -> ChartData {
+    let trace = std::path::Path::new(&report.trace)
+        .file_name()
+        .map_or(report.trace.clone(), |n| n.to_string_lossy().into_owned());
+    ChartData {
+        title: format!("kvpick replay: {trace}"),
+        sections: vec![Section {
+            title: format!(
+                "{trace}: {} requests, {} workers",
+                report.requests, report.workers
+            ),
+            note: format!(
+                "Offered load {:.2} (arrival speedup {:.3}), seed {}; infinite-cache hit rate \
+                 {:.1}%. Virtual-clock replay (kvpick replay); time series sampled at {} \
+                 instants of the makespan.",
+                report.offered_load,
+                report.arrival_speedup,
+                report.seed,
+                report.infinite_cache_hit_rate * 100.0,
+                charts::SERIES_SAMPLES
+            ),
+            policies: report
+                .policies
+                .iter()
+                .map(|p| match &p.charts {
+                    Some(c) => (**c).clone(),
+                    None => PolicyCharts {
+                        name: p.policy.clone(),
+                        ttft_cdf: Vec::new(),
+                        e2e_cdf: Vec::new(),
+                        kv_hit_rate: p.kv_hit_rate,
+                        requests_per_rank: p.per_rank_requests.clone(),
+                        load: None,
+                        queue: None,
+                    },
+                })
+                .collect(),
+        }],
+    }
 }
 
 #[cfg(test)]

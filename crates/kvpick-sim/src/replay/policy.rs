@@ -116,6 +116,11 @@ pub trait Policy {
     }
     /// Virtual time advanced: queue deadlines may have passed.
     fn tick(&mut self) {}
+    /// Requests waiting in the policy's own queue now (`None`: the policy has no queue). Read
+    /// only, for the report's time series.
+    fn queued(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Predicted vs observed TTFT over a replay.
@@ -565,6 +570,8 @@ pub struct Kvpick {
     predictions: PredictionSums,
     pub rejected: u64,
     pub events_dropped: u64,
+    /// Flow control on: the policy has a queue ([`Policy::queued`]).
+    flow_enabled: bool,
 }
 
 /// Port of simulated rank 0 in the replay's catalog (never bound: no sockets in the replay).
@@ -638,6 +645,7 @@ impl Kvpick {
             predictions: PredictionSums::default(),
             rejected: 0,
             events_dropped: 0,
+            flow_enabled: options.flow.enabled,
         }
     }
 
@@ -735,6 +743,9 @@ impl Policy for Kvpick {
     }
     fn take_released(&mut self) -> Vec<Released> {
         std::mem::take(&mut self.released)
+    }
+    fn queued(&self) -> Option<usize> {
+        self.flow_enabled.then(|| self.core.waiting_requests())
     }
     fn tick(&mut self) {
         if self.core.waiting_requests() > 0 {

@@ -204,3 +204,98 @@ fn offered_load_conflicts_with_arrival_speedup_and_lands_in_the_report() {
     );
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `../shared/data/mooncake_trace_tiny.jsonl` beside the checkout, or the same two requests when
+/// it is absent.
+fn tiny_trace(dir: &std::path::Path) -> PathBuf {
+    let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/data/mooncake_trace_tiny.jsonl");
+    if shared.exists() {
+        return shared;
+    }
+    let path = dir.join("tiny.jsonl");
+    std::fs::write(
+        &path,
+        "{\"timestamp\":0,\"input_length\":8,\"output_length\":2,\"hash_ids\":[1]}\n\
+         {\"timestamp\":1,\"input_length\":8,\"output_length\":2,\"hash_ids\":[1]}\n",
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn report_html_is_self_contained_with_one_svg_per_chart() {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+    let dir = std::env::temp_dir().join(format!("kvpick-replay-html-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (html, data) = (dir.join("r.html"), dir.join("r.json"));
+    let trace = tiny_trace(&dir);
+    let args = Wrap::parse_from([
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--report-html",
+        html.to_str().unwrap(),
+        "--chart-data",
+        data.to_str().unwrap(),
+    ])
+    .args;
+    run(args).unwrap();
+    let page = std::fs::read_to_string(&html).unwrap();
+    assert!(page.starts_with("<!DOCTYPE html>"));
+    assert!(
+        !page.contains("http://") && !page.contains("https://"),
+        "external reference"
+    );
+    assert!(!page.contains("<script") && !page.contains("<link"));
+    let charts: crate::charts::ChartData =
+        serde_json::from_str(&std::fs::read_to_string(&data).unwrap()).unwrap();
+    assert_eq!(charts.sections.len(), 1);
+    let section = &charts.sections[0];
+    // TTFT, E2E, hit rate, per rank, a load chart per policy, kvpick's queue.
+    assert_eq!(section.policies.len(), policy::ALL.len());
+    let expected = 4 + policy::ALL.len() + 1;
+    assert_eq!(crate::charts::svg::section_charts(section).len(), expected);
+    assert_eq!(page.matches("<svg ").count(), expected);
+    for name in policy::ALL {
+        assert!(page.contains(&format!(">{name}<")), "{name} not named");
+    }
+    // Both requests completed: each CDF ends at 1, and the per-rank bars add up.
+    for p in &section.policies {
+        assert_eq!(p.ttft_cdf.last().unwrap().1, 1.0, "{}", p.name);
+        assert_eq!(p.requests_per_rank.iter().sum::<u64>(), 2, "{}", p.name);
+        let load = p.load.as_ref().unwrap();
+        assert_eq!(load.values.len(), 2);
+        assert_eq!(p.queue.is_some(), p.name == "kvpick");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn report_html_is_refused_in_pd_mode() {
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+    let args = Wrap::parse_from([
+        "replay",
+        "--trace",
+        "/nonexistent.jsonl",
+        "--pd-prefill-ranks",
+        "1",
+        "--report-html",
+        "/nonexistent/r.html",
+    ])
+    .args;
+    let err = run(args).unwrap_err().to_string();
+    assert!(err.contains("--pd-prefill-ranks"), "{err}");
+}
