@@ -1034,7 +1034,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let flow_policy = crate::flow::start(crate::flow::FlowSourceConfig {
         file: args.flow_config.clone(),
         poll: Duration::from_millis(args.catalog_poll_ms),
-        kube: kube.zip(flow_kube),
+        kube: kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
     })?;
     tracing::info!(
         client_priority = flow_settings.client_priority,
@@ -1375,10 +1375,7 @@ pub fn flow_kube_config(
             namespace,
             target: kube_source::Target::Pool { name },
             ..
-        }) if args.flow_watch_crds => Some(crate::flow::kube::FlowKubeConfig {
-            namespace: namespace.clone(),
-            pool: name.clone(),
-        }),
+        }) if args.flow_watch_crds => Some(crate::flow::kube::FlowKubeConfig::new(namespace, name)),
         _ => None,
     }
 }

@@ -37,6 +37,7 @@
 //! Rewrite rules: Kubernetes rules (oldest resource first, then namespace/name) come before the
 //! file's, and for one model name the first rule that matches it exactly wins.
 
+pub mod crds;
 pub mod kube;
 pub mod source;
 pub mod static_file;
