@@ -101,11 +101,12 @@ pub struct ServeArgs {
     )]
     pub flow_config: Option<PathBuf>,
 
-    /// With --pool-name: also watch InferenceObjective (`inference.networking.x-k8s.io/v1alpha2` and
-    /// `llm-d.ai/v1alpha2`) and InferenceModelRewrite (both groups) in the pool's namespace, keeping
-    /// those whose poolRef names the pool; they override --flow-config entries of the same name.
-    /// A CRD that is not installed is retried with backoff, never fatal. `false`: no watch (and no
-    /// RBAC needed for them).
+    /// With --pool-name: also watch InferenceObjective (`llm-d.ai/v1`, `llm-d.ai/v1alpha2`,
+    /// `inference.networking.x-k8s.io/v1alpha2`) and InferenceModelRewrite (both groups) in the
+    /// pool's namespace, keeping those that target the pool (poolRef, poolRefs, or poolSelector on
+    /// the pool's labels); with both groups installed only llm-d.ai counts. They override
+    /// --flow-config entries of the same name. A CRD that is not installed is retried with
+    /// backoff, never fatal. `false`: no watch (and no RBAC needed for them).
     #[arg(
         long,
         default_value_t = true,

@@ -54,6 +54,9 @@ fn llmd_all() -> [Res; 3] {
     ]
 }
 
+/// Whether a watch (by its field selector) sees an object.
+type Selected = Box<dyn Fn(&Value) -> bool + Send>;
+
 struct Change {
     rv: u64,
     res: Res,
@@ -67,11 +70,7 @@ struct Inner {
     compacted: u64,
     objects: BTreeMap<Res, BTreeMap<String, Value>>,
     history: Vec<Change>,
-    watchers: Vec<(
-        Res,
-        mpsc::UnboundedSender<Bytes>,
-        Box<dyn Fn(&Value) -> bool + Send>,
-    )>,
+    watchers: Vec<(Res, mpsc::UnboundedSender<Bytes>, Selected)>,
     /// Resources whose CRD is not installed: every request gets 404.
     missing: BTreeSet<Res>,
     lists: BTreeMap<Res, usize>,
