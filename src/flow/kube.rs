@@ -310,13 +310,24 @@ fn apply_crd(
         Event::Apply(o) => {
             let c = contribution(resource, &o, pool);
             store.objects.insert(o.name_any(), c);
-            store.synced
+            store.synced || reappeared(store)
         }
         Event::Delete(o) => {
             store.objects.remove(&o.name_any());
-            store.synced
+            store.synced || reappeared(store)
         }
     }
+}
+
+/// A watch resumed after a 404 delivers events again: the CRD is back (its objects arrive as
+/// events from the resumed resourceVersion, all of them created after it).
+fn reappeared(store: &mut Store) -> bool {
+    if !store.missing {
+        return false;
+    }
+    store.missing = false;
+    store.synced = true;
+    true
 }
 
 /// Applies one event to the pool's labels; whether they changed.

@@ -242,3 +242,33 @@ fn only_404_and_403_mean_not_installed() {
     assert!(!means_missing(&api(500)));
     assert!(!means_missing(&watcher::Error::NoResourceVersion));
 }
+
+#[test]
+fn a_resumed_watch_after_a_404_means_installed_again() {
+    let mut store = Store {
+        missing: true,
+        ..Store::default()
+    };
+    let o = obj(
+        R::LlmdObjectiveV1alpha2,
+        "a",
+        json!({"poolRef": {"name": "pool"}}),
+    );
+    assert!(apply_crd(
+        &mut store,
+        R::LlmdObjectiveV1alpha2,
+        Event::Apply(o),
+        "pool"
+    ));
+    assert!(store.installed());
+    assert_eq!(store.objects.len(), 1);
+    // An ordinary unsynced store (mid-list) does not publish on Apply.
+    let mut fresh = Store::default();
+    let o = obj(R::LlmdObjectiveV1alpha2, "b", json!({}));
+    assert!(!apply_crd(
+        &mut fresh,
+        R::LlmdObjectiveV1alpha2,
+        Event::Apply(o),
+        "pool"
+    ));
+}
