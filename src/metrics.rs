@@ -119,6 +119,8 @@ pub struct FlowMetrics {
     pub queue_exits: IntCounterVec,
     pub slo_ttft: IntCounterVec,
     pub slo_tpot: IntCounterVec,
+    /// 1 for each InferenceObjective / InferenceModelRewrite group/version whose objects count.
+    pub crd_in_use: IntGaugeVec,
     priorities: std::sync::Arc<BoundedLabel>,
     fairness_keys: std::sync::Arc<BoundedLabel>,
 }
@@ -185,6 +187,19 @@ impl FlowMetrics {
                          (decode time over output tokens, from the response usage): met or missed",
                     ),
                     &["priority", "outcome"],
+                )
+                .unwrap(),
+            ),
+            crd_in_use: register(
+                registry,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "kvpick_flow_crd_in_use",
+                        "1 for each InferenceObjective / InferenceModelRewrite group/version whose \
+                         objects count (llm-d.ai wins over inference.networking.x-k8s.io), 0 for \
+                         the others watched",
+                    ),
+                    &["kind", "api_version"],
                 )
                 .unwrap(),
             ),

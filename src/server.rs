@@ -101,11 +101,12 @@ pub struct ServeArgs {
     )]
     pub flow_config: Option<PathBuf>,
 
-    /// With --pool-name: also watch InferenceObjective (`inference.networking.x-k8s.io/v1alpha2` and
-    /// `llm-d.ai/v1alpha2`) and InferenceModelRewrite (both groups) in the pool's namespace, keeping
-    /// those whose poolRef names the pool; they override --flow-config entries of the same name.
-    /// A CRD that is not installed is retried with backoff, never fatal. `false`: no watch (and no
-    /// RBAC needed for them).
+    /// With --pool-name: also watch InferenceObjective (`llm-d.ai/v1`, `llm-d.ai/v1alpha2`,
+    /// `inference.networking.x-k8s.io/v1alpha2`) and InferenceModelRewrite (both groups) in the
+    /// pool's namespace, keeping those that target the pool (poolRef, poolRefs, or poolSelector on
+    /// the pool's labels); with both groups installed only llm-d.ai counts. They override
+    /// --flow-config entries of the same name. A CRD that is not installed is retried with
+    /// backoff, never fatal. `false`: no watch (and no RBAC needed for them).
     #[arg(
         long,
         default_value_t = true,
@@ -1046,7 +1047,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let flow_policy = crate::flow::start(crate::flow::FlowSourceConfig {
         file: args.flow_config.clone(),
         poll: Duration::from_millis(args.catalog_poll_ms),
-        kube: kube.zip(flow_kube),
+        kube: kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
     })?;
     tracing::info!(
         client_priority = flow_settings.client_priority,
@@ -1387,10 +1388,7 @@ pub fn flow_kube_config(
             namespace,
             target: kube_source::Target::Pool { name },
             ..
-        }) if args.flow_watch_crds => Some(crate::flow::kube::FlowKubeConfig {
-            namespace: namespace.clone(),
-            pool: name.clone(),
-        }),
+        }) if args.flow_watch_crds => Some(crate::flow::kube::FlowKubeConfig::new(namespace, name)),
         _ => None,
     }
 }

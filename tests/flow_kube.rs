@@ -1,9 +1,11 @@
 //! The Kubernetes flow-policy source (`kvpick::flow::kube`) end to end without a cluster: a fake
-//! Kubernetes API server on 127.0.0.1 serving InferenceObjective and InferenceModelRewrite in the
-//! `inference.networking.x-k8s.io` and `llm-d.ai` groups (LIST with resourceVersion, streaming
-//! WATCH, 410 Gone forcing a relist, 404 for a CRD that is not installed), the real
-//! `kube::Client`, and assertions on the published policy, each awaited on the policy channel
-//! within a bounded time (no sleeps as synchronisation).
+//! Kubernetes API server on 127.0.0.1 serving InferenceObjective (`llm-d.ai/v1`, `llm-d.ai/v1alpha2`,
+//! `inference.networking.x-k8s.io/v1alpha2`), InferenceModelRewrite (`llm-d.ai/v1alpha2`,
+//! `inference.networking.x-k8s.io/v1alpha2`) and the InferencePool (`inference.networking.k8s.io/v1`,
+//! with a `metadata.name` field selector) — LIST with resourceVersion, streaming WATCH, 410 Gone
+//! forcing a relist, 404 for a CRD that is not installed — the real `kube::Client`, and assertions
+//! on the published policy, each awaited on the policy channel within a bounded time (no sleeps as
+//! synchronisation).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is a failure report
 
@@ -19,24 +21,41 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures::StreamExt;
 use kvpick::flow::kube::{ClusterContent, FlowKubeConfig};
-use kvpick::flow::{FlowPolicy, FlowSourceConfig};
+use kvpick::flow::{FlowPolicy, FlowSourceConfig, Origin};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
 const NS: &str = "ns";
 const POOL: &str = "pool";
 const WAIT: Duration = Duration::from_secs(30);
-const GIE: &str = "inference.networking.x-k8s.io";
-const LLMD: &str = "llm-d.ai";
+/// `group/version` of the legacy GIE resources.
+const GIE: &str = "inference.networking.x-k8s.io/v1alpha2";
+/// `group/version` of llm-d's v1alpha2 resources.
+const LLMD: &str = "llm-d.ai/v1alpha2";
+const LLMD_V1: &str = "llm-d.ai/v1";
+const POOLS_GV: &str = "inference.networking.k8s.io/v1";
 const OBJECTIVES: &str = "inferenceobjectives";
 const REWRITES: &str = "inferencemodelrewrites";
+const POOLS: &str = "inferencepools";
 
-/// (group, plural)
+/// (group/version, plural)
 type Res = (String, String);
 
-fn res(group: &str, plural: &str) -> Res {
-    (group.to_string(), plural.to_string())
+fn res(gv: &str, plural: &str) -> Res {
+    (gv.to_string(), plural.to_string())
 }
+
+/// Every llm-d.ai resource.
+fn llmd_all() -> [Res; 3] {
+    [
+        res(LLMD_V1, OBJECTIVES),
+        res(LLMD, OBJECTIVES),
+        res(LLMD, REWRITES),
+    ]
+}
+
+/// Whether a watch (by its field selector) sees an object.
+type Selected = Box<dyn Fn(&Value) -> bool + Send>;
 
 struct Change {
     rv: u64,
@@ -51,7 +70,7 @@ struct Inner {
     compacted: u64,
     objects: BTreeMap<Res, BTreeMap<String, Value>>,
     history: Vec<Change>,
-    watchers: Vec<(Res, mpsc::UnboundedSender<Bytes>)>,
+    watchers: Vec<(Res, mpsc::UnboundedSender<Bytes>, Selected)>,
     /// Resources whose CRD is not installed: every request gets 404.
     missing: BTreeSet<Res>,
     lists: BTreeMap<Res, usize>,
@@ -86,7 +105,7 @@ impl Fake {
         };
         let app = axum::Router::new()
             .route(
-                "/apis/{group}/v1alpha2/namespaces/{ns}/{plural}",
+                "/apis/{group}/{version}/namespaces/{ns}/{plural}",
                 get(handler),
             )
             .fallback(|uri: axum::http::Uri| async move {
@@ -107,6 +126,9 @@ impl Fake {
     fn set_missing(&self, r: Res, missing: bool) {
         let mut inner = self.inner.lock().unwrap();
         if missing {
+            // A CRD deleted: its objects and open watches go (the client's rewatch gets 404).
+            inner.watchers.retain(|(wr, _, _)| *wr != r);
+            inner.objects.remove(&r);
             inner.missing.insert(r);
         } else {
             inner.missing.remove(&r);
@@ -120,8 +142,9 @@ impl Fake {
             kind,
             obj,
         };
-        inner.watchers.retain(|(wr, tx)| {
+        inner.watchers.retain(|(wr, tx, selected)| {
             *wr != r
+                || !selected(&change.obj)
                 || tx
                     .send(line(json!({"type": change.kind, "object": change.obj})))
                     .is_ok()
@@ -169,7 +192,7 @@ impl Fake {
     fn expire_watches(&self) {
         let mut inner = self.inner.lock().unwrap();
         inner.compacted = inner.rv;
-        for (_, tx) in inner.watchers.drain(..) {
+        for (_, tx, _) in inner.watchers.drain(..) {
             let _ = tx.send(line(gone()));
         }
     }
@@ -182,10 +205,21 @@ impl Fake {
 
 async fn handler(
     State(fake): State<Fake>,
-    Path((group, _ns, plural)): Path<(String, String, String)>,
+    Path((group, version, _ns, plural)): Path<(String, String, String, String)>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Response {
-    let r = (group.clone(), plural.clone());
+    let gv = format!("{group}/{version}");
+    let r = (gv.clone(), plural.clone());
+    // `metadata.name=X` (the pool watch), the only field selector kvpick sends.
+    let name_is = q
+        .get("fieldSelector")
+        .and_then(|f| f.strip_prefix("metadata.name="))
+        .map(str::to_string);
+    let selected = move |o: &Value| {
+        name_is
+            .as_deref()
+            .is_none_or(|n| o["metadata"]["name"] == n)
+    };
     let mut inner = fake.inner.lock().unwrap();
     if inner.missing.contains(&r) {
         drop(inner);
@@ -208,10 +242,14 @@ async fn handler(
         if from < inner.compacted {
             let _ = tx.send(line(gone()));
         } else {
-            for c in inner.history.iter().filter(|c| c.rv > from && c.res == r) {
+            for c in inner
+                .history
+                .iter()
+                .filter(|c| c.rv > from && c.res == r && selected(&c.obj))
+            {
                 let _ = tx.send(line(json!({"type": c.kind, "object": c.obj})));
             }
-            inner.watchers.push((r, tx));
+            inner.watchers.push((r, tx, Box::new(selected)));
         }
         let body =
             tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
@@ -225,31 +263,31 @@ async fn handler(
     let items: Vec<Value> = inner
         .objects
         .get(&r)
-        .map(|m| m.values().cloned().collect())
+        .map(|m| m.values().filter(|o| selected(o)).cloned().collect())
         .unwrap_or_default();
-    let kind = if plural == OBJECTIVES {
-        "InferenceObjectiveList"
-    } else {
-        "InferenceModelRewriteList"
+    let kind = match plural.as_str() {
+        OBJECTIVES => "InferenceObjectiveList",
+        REWRITES => "InferenceModelRewriteList",
+        _ => "InferencePoolList",
     };
     (
         [(axum::http::header::CONTENT_TYPE, "application/json")],
-        json!({"apiVersion": format!("{group}/v1alpha2"), "kind": kind,
+        json!({"apiVersion": gv, "kind": kind,
             "metadata": {"resourceVersion": inner.rv.to_string()}, "items": items})
         .to_string(),
     )
         .into_response()
 }
 
-fn objective(group: &str, name: &str, priority: i32, pool: &str) -> Value {
-    json!({"apiVersion": format!("{group}/v1alpha2"), "kind": "InferenceObjective",
+fn objective(gv: &str, name: &str, priority: i32, pool: &str) -> Value {
+    json!({"apiVersion": gv, "kind": "InferenceObjective",
         "metadata": {"name": name, "namespace": NS, "uid": uuid::Uuid::new_v4().to_string(),
                      "managedFields": [{"manager": "kubectl", "operation": "Apply"}]},
         "spec": {"priority": priority, "poolRef": {"name": pool}}})
 }
 
-fn rewrite(group: &str, name: &str, created: &str, from: &str, to: &[(&str, i32)]) -> Value {
-    json!({"apiVersion": format!("{group}/v1alpha2"), "kind": "InferenceModelRewrite",
+fn rewrite(gv: &str, name: &str, created: &str, from: &str, to: &[(&str, i32)]) -> Value {
+    json!({"apiVersion": gv, "kind": "InferenceModelRewrite",
         "metadata": {"name": name, "namespace": NS, "creationTimestamp": created},
         "spec": {"poolRef": {"group": "inference.networking.k8s.io", "name": POOL},
                  "rules": [{"matches": [{"model": {"type": "Exact", "value": from}}],
@@ -283,8 +321,9 @@ async fn expect(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
     let fake = Fake::start().await;
-    fake.set_missing(res(LLMD, OBJECTIVES), true);
-    fake.set_missing(res(LLMD, REWRITES), true);
+    for r in llmd_all() {
+        fake.set_missing(r, true);
+    }
     fake.put(GIE, OBJECTIVES, objective(GIE, "interactive", 100, POOL));
     fake.put(GIE, OBJECTIVES, objective(GIE, "batch", -10, POOL));
     fake.put(
@@ -307,10 +346,7 @@ async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
     let (tx, mut rx) = watch::channel(ClusterContent::default());
     let task = tokio::spawn(kvpick::flow::kube::run(
         fake.client(),
-        FlowKubeConfig {
-            namespace: NS.into(),
-            pool: POOL.into(),
-        },
+        FlowKubeConfig::new(NS, POOL),
         tx,
     ));
 
@@ -356,37 +392,50 @@ async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
     expect(&mut rx, "relist after 410", |c| priorities(c) == ["late=3"]).await;
     assert!(fake.lists(GIE, OBJECTIVES) > lists, "a relist happened");
 
-    // The missing CRDs were retried (with backoff) and nothing crashed; once installed, their
-    // objects arrive: llm-d's objective of the same name overrides the GIE one in the policy, and
-    // the older rewrite resource's rule wins.
+    // The missing CRDs were retried (with backoff) and nothing crashed; once llm-d's are
+    // installed, only llm-d.ai objects count (llm-d's rule): the legacy objective and rule go.
     let mut not_found = fake.not_found.subscribe();
-    tokio::time::timeout(WAIT, not_found.wait_for(|n| *n >= 4))
+    tokio::time::timeout(WAIT, not_found.wait_for(|n| *n >= 6))
         .await
         .expect("the missing CRDs are retried")
         .unwrap();
     assert!(!task.is_finished());
+    fake.set_missing(res(LLMD, OBJECTIVES), false);
+    fake.set_missing(res(LLMD, REWRITES), false);
     fake.put(LLMD, OBJECTIVES, objective(LLMD, "late", 30, POOL));
+    fake.put(LLMD, OBJECTIVES, objective(LLMD, "fresh", 7, POOL));
     fake.put(
         LLMD,
         REWRITES,
         rewrite(
             LLMD,
-            "older",
-            "2025-01-01T00:00:00Z",
+            "newer",
+            "2025-03-01T00:00:00Z",
             "llama",
-            &[("llama-old", 1)],
+            &[("llama-llmd", 1)],
         ),
     );
-    fake.set_missing(res(LLMD, OBJECTIVES), false);
-    fake.set_missing(res(LLMD, REWRITES), false);
-    expect(&mut rx, "CRDs installed", |c| {
-        c.objectives.len() == 2 && c.rules.len() == 2
+    expect(&mut rx, "llm-d.ai CRDs installed later", |c| {
+        priorities(c) == ["fresh=7", "late=30"]
+            && c.rules.len() == 1
+            && c.rules[0].source == "ns/newer#0"
     })
     .await;
     let c = rx.borrow().clone();
+    assert!(c.objectives.iter().all(|o| o.origin == Origin::LlmD));
     let policy = FlowPolicy::new(c.objectives.clone(), c.rules.clone());
-    assert_eq!(policy.objective("late").unwrap().priority, 30);
-    assert_eq!(policy.rewrite("llama", 0).as_deref(), Some("llama-old"));
+    assert_eq!(
+        policy.rewrite("llama", 0).as_deref(),
+        Some("llama-llmd"),
+        "the older legacy rule no longer counts"
+    );
+
+    // llm-d.ai's objective CRD removed again: the legacy objectives count once more.
+    fake.set_missing(res(LLMD, OBJECTIVES), true);
+    expect(&mut rx, "llm-d.ai objectives gone", |c| {
+        priorities(c) == ["late=3"] && c.rules.len() == 1 && c.rules[0].source == "ns/newer#0"
+    })
+    .await;
 
     drop(rx);
     tokio::time::timeout(WAIT, task)
@@ -395,11 +444,125 @@ async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
         .unwrap();
 }
 
+fn pool_object(labels: Value) -> Value {
+    json!({"apiVersion": POOLS_GV, "kind": "InferencePool",
+        "metadata": {"name": POOL, "namespace": NS, "labels": labels},
+        "spec": {"selector": {"matchLabels": {"app": "vllm"}}, "targetPorts": [{"number": 8000}]}})
+}
+
+fn objective_spec(gv: &str, name: &str, spec: Value) -> Value {
+    json!({"apiVersion": gv, "kind": "InferenceObjective",
+        "metadata": {"name": name, "namespace": NS}, "spec": spec})
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_version_parses_selectors_follow_pool_labels_and_only_llm_d_counts() {
+    let fake = Fake::start().await;
+    // Both groups installed; another pool's object must not leak through the field selector.
+    fake.put(POOLS_GV, POOLS, pool_object(json!({"tier": "gold"})));
+    fake.put(
+        POOLS_GV,
+        POOLS,
+        json!({"apiVersion": POOLS_GV, "kind": "InferencePool",
+               "metadata": {"name": "other-pool", "namespace": NS, "labels": {"tier": "silver"}}}),
+    );
+    fake.put(
+        LLMD_V1,
+        OBJECTIVES,
+        objective_spec(
+            LLMD_V1,
+            "gold",
+            json!({"priority": 50, "poolSelector": {"matchLabels": {"tier": "gold"}}}),
+        ),
+    );
+    fake.put(
+        LLMD_V1,
+        OBJECTIVES,
+        objective_spec(
+            LLMD_V1,
+            "multi",
+            json!({"priority": 20, "poolRefs": [{"name": "x"}, {"name": POOL}]}),
+        ),
+    );
+    fake.put(
+        LLMD_V1,
+        OBJECTIVES,
+        objective_spec(
+            LLMD_V1,
+            "expr",
+            json!({"priority": -5, "poolSelector": {"matchExpressions": [{"key": "tier", "operator": "In", "values": ["silver"]}]}}),
+        ),
+    );
+    fake.put(LLMD, OBJECTIVES, objective(LLMD, "alpha", 10, POOL));
+    fake.put(GIE, OBJECTIVES, objective(GIE, "legacy", 99, POOL));
+    fake.put(
+        GIE,
+        REWRITES,
+        rewrite(
+            GIE,
+            "legacy-rw",
+            "2024-01-01T00:00:00Z",
+            "m",
+            &[("legacy", 1)],
+        ),
+    );
+    fake.put(
+        LLMD,
+        REWRITES,
+        rewrite(LLMD, "llmd-rw", "2025-01-01T00:00:00Z", "m", &[("llmd", 1)]),
+    );
+
+    let registry = prometheus::Registry::new();
+    let gauge = prometheus::IntGaugeVec::new(
+        prometheus::Opts::new("in_use", "test"),
+        &["kind", "api_version"],
+    )
+    .unwrap();
+    registry.register(Box::new(gauge.clone())).unwrap();
+    let (tx, mut rx) = watch::channel(ClusterContent::default());
+    let task = tokio::spawn(kvpick::flow::kube::run(
+        fake.client(),
+        FlowKubeConfig::new(NS, POOL).with_in_use_gauge(gauge.clone()),
+        tx,
+    ));
+    // v1 (poolRefs, poolSelector) and v1alpha2 (poolRef) parse; the legacy group's objective and
+    // rule are ignored although installed; the silver selector does not match the gold pool.
+    expect(&mut rx, "first list", |c| {
+        priorities(c) == ["alpha=10", "gold=50", "multi=20"] && c.rules.len() == 1
+    })
+    .await;
+    let c = rx.borrow().clone();
+    let policy = FlowPolicy::new(c.objectives.clone(), c.rules.clone());
+    assert_eq!(policy.rewrite("m", 0).as_deref(), Some("llmd"));
+    let used = |kind: &str, gv: &str| gauge.with_label_values(&[kind, gv]).get();
+    assert_eq!(used("InferenceObjective", LLMD_V1), 1);
+    assert_eq!(used("InferenceObjective", LLMD), 1);
+    assert_eq!(used("InferenceObjective", GIE), 0);
+    assert_eq!(used("InferenceModelRewrite", LLMD), 1);
+    assert_eq!(used("InferenceModelRewrite", GIE), 0);
+
+    // The pool's labels change: the selectors are re-evaluated.
+    fake.put(POOLS_GV, POOLS, pool_object(json!({"tier": "silver"})));
+    expect(&mut rx, "relabelled pool", |c| {
+        priorities(c) == ["alpha=10", "expr=-5", "multi=20"]
+    })
+    .await;
+    // The pool deleted: selectors fail closed, references still count.
+    fake.delete(POOLS_GV, POOLS, POOL);
+    expect(&mut rx, "pool gone", |c| {
+        priorities(c) == ["alpha=10", "multi=20"]
+    })
+    .await;
+    drop(rx);
+    tokio::time::timeout(WAIT, task).await.unwrap().unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merged_receiver_combines_the_file_and_the_cluster() {
     let fake = Fake::start().await;
-    fake.set_missing(res(LLMD, OBJECTIVES), true);
-    fake.set_missing(res(LLMD, REWRITES), true);
+    for r in llmd_all() {
+        fake.set_missing(r, true);
+    }
     let dir = std::env::temp_dir().join(format!("kvpick-flowkube-{}", uuid::Uuid::new_v4()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("flow.yaml");
@@ -411,13 +574,7 @@ async fn merged_receiver_combines_the_file_and_the_cluster() {
     let mut rx = kvpick::flow::start(FlowSourceConfig {
         file: Some(path),
         poll: Duration::from_millis(50),
-        kube: Some((
-            fake.client(),
-            FlowKubeConfig {
-                namespace: NS.into(),
-                pool: POOL.into(),
-            },
-        )),
+        kube: Some((fake.client(), FlowKubeConfig::new(NS, POOL))),
     })
     .unwrap();
     // The file's policy is there at once. The cluster has no objective yet, so nothing the

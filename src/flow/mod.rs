@@ -11,32 +11,26 @@
 //! bands, fairness and admission that *use* a [`Classification`] live elsewhere; the ext_proc host
 //! calls [`rewrite_request_body`] once per request body (`StreamMachine::rewrite_model`).
 //!
-//! # The resources (schemas as published upstream)
-//! - **InferenceObjective**, Gateway API Inference Extension, `inference.networking.x-k8s.io/v1alpha2`
-//!   (GIE `apix/v1alpha2/inferenceobjective_types.go`; llm-d docs "API reference /
-//!   InferenceObjective"): `spec.priority` (`*int32`, optional; "higher values have higher
-//!   priority", negative allowed, unset = 0) and `spec.poolRef` (`{group = inference.networking.k8s.io,
-//!   kind = InferencePool, name}`, same namespace). Older versions of the same file carried
-//!   `criticality`/`targetModels` instead of `priority`; those fields are ignored here.
-//! - **InferenceObjective**, llm-d, `llm-d.ai/v1alpha2` (llm-d-router `apix/v1alpha2`, `+groupName=llm-d.ai`):
-//!   *not* a re-export of the GIE type but its own CRD with the same `priority` and `poolRef`, plus
-//!   `poolRefs` (up to 16 refs, an objective applies when any matches) and `poolSelector` (a label
-//!   selector over pools). kvpick honours `poolRef` and `poolRefs`; an objective that targets pools
-//!   only by `poolSelector` is skipped (logged), because this module does not see pool labels.
-//!   (llm-d also serves `llm-d.ai/v1`; not watched here.)
-//! - **InferenceModelRewrite**, GIE `inference.networking.x-k8s.io/v1alpha2`
-//!   (`apix/v1alpha2/inferencemodelrewrite_types.go`, also served as `llm-d.ai/v1alpha2`):
+//! # The resources (schemas as published upstream; details and sources in [`crds`])
+//! - **InferenceObjective**: `llm-d.ai/v1` (llm-d-router `apix/v1`: `priority`, `poolRefs` up to
+//!   16, `poolSelector`), `llm-d.ai/v1alpha2` (llm-d's storage version: `priority`, `poolRef`, and
+//!   in newer builds `poolRefs` / `poolSelector`) and the legacy GIE
+//!   `inference.networking.x-k8s.io/v1alpha2` (`priority`, `poolRef`; older `criticality` /
+//!   `targetModels` ignored). `priority` is `*int32`, higher first, negative allowed, unset = 0.
+//! - **InferenceModelRewrite**: `llm-d.ai/v1alpha2` and GIE `inference.networking.x-k8s.io/v1alpha2`:
 //!   `spec.poolRef`, `spec.rules[]` of `{matches: [{model: {type: Exact, value}}], targets:
 //!   [{modelRewrite, weight}]}`. A rule matches when ANY match does; an empty `matches` matches
 //!   every request no other rule matches; the first matching rule wins, rules of the *oldest*
 //!   resource (creationTimestamp) first. Weights are 1..=1_000_000, proportions of their sum.
 //!
 //! # Merging
-//! The static file is the base; Kubernetes objectives override file objectives of the same name,
-//! and an `llm-d.ai` objective overrides an `inference.networking.x-k8s.io` one of the same name.
+//! The static file is the base; Kubernetes objectives override file objectives of the same name.
+//! Per kind only one group's objects count: `llm-d.ai` when any of its versions is installed,
+//! else `inference.networking.x-k8s.io` (llm-d-router's rule, [`kube`]).
 //! Rewrite rules: Kubernetes rules (oldest resource first, then namespace/name) come before the
 //! file's, and for one model name the first rule that matches it exactly wins.
 
+pub mod crds;
 pub mod kube;
 pub mod source;
 pub mod static_file;
@@ -84,7 +78,7 @@ pub enum Origin {
     File,
     /// `inference.networking.x-k8s.io/v1alpha2`.
     Gie,
-    /// `llm-d.ai/v1alpha2`.
+    /// `llm-d.ai` (`v1` or `v1alpha2`).
     LlmD,
 }
 
