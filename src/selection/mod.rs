@@ -402,5 +402,14 @@ impl Drop for Reservation {
     }
 }
 
+/// Saturation at one active request per rank: the second request waits (tests of queueing).
+#[cfg(test)]
+pub(crate) const ONE_SLOT: kvpick_core::SaturationLimits = kvpick_core::SaturationLimits {
+    max_wait_seconds: None,
+    max_active_requests: Some(1),
+    engine_waiting: None,
+    engine_kv_usage: None,
+};
+
 #[cfg(test)]
 mod tests;
