@@ -4,10 +4,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     external_processor_client::ExternalProcessorClient, processing_request, processing_response,
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
@@ -88,18 +89,8 @@ struct Stream {
 
 fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
     HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
         end_of_stream,
-        ..Default::default()
+        ..common::http_headers(pairs)
     }
 }
 

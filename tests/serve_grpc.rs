@@ -329,7 +329,7 @@ async fn ext_proc_protocol_errors_over_the_wire() {
     use envoy_types::pb::envoy::config::core::v3::Metadata;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
         external_processor_client::ExternalProcessorClient, processing_request, HttpBody,
-        ProcessingRequest, ProcessingResponse,
+        ProcessingRequest,
     };
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
     use std::time::{Duration, Instant};
@@ -361,16 +361,7 @@ async fn ext_proc_protocol_errors_over_the_wire() {
     };
 
     // Opens a stream fed by the returned sender.
-    type Inbound = tonic::Streaming<ProcessingResponse>;
-    let mut open = async || -> (tokio::sync::mpsc::Sender<ProcessingRequest>, Inbound) {
-        let (tx, rx) = tokio::sync::mpsc::channel(8);
-        let inbound = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        (tx, inbound)
-    };
+    let mut open = async || common::open_stream(&mut client).await;
 
     // Routed, then headers again: FAILED_PRECONDITION, and the booking is freed.
     let (tx, mut inbound) = open().await;

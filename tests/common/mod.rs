@@ -154,6 +154,28 @@ pub async fn loads(api: &mut Api, model: &str) -> Vec<kvpick::proto::Worker> {
     .workers
 }
 
+/// An ext_proc client of a kvpick gRPC port.
+pub type ExtProcClient =
+    envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient<
+        tonic::transport::Channel,
+    >;
+
+/// Opens an ext_proc stream (as Envoy opens one per request), fed by the returned sender.
+pub async fn open_stream(
+    client: &mut ExtProcClient,
+) -> (
+    tokio::sync::mpsc::Sender<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest>,
+    tonic::Streaming<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let inbound = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, inbound)
+}
+
 /// An ext_proc header map of `pairs` as Envoy sends them (values in `raw_value`).
 pub fn http_headers(
     pairs: &[(&str, &str)],
