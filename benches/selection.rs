@@ -45,24 +45,19 @@ fn fixture(ranks: usize) -> Fixture {
     let specs: Vec<WorkerSpec> = (0..workers)
         .map(|w| WorkerSpec {
             namespace: "bench".into(),
-            name: format!("w{w}"),
-            model: "m".into(),
-            routing_group: String::new(),
             address: format!("10.{}.{}.{}", w / 65536, (w / 256) % 256, w % 256)
                 .parse()
                 .unwrap(),
-            ranks: RankLayout::PerPort(
-                (0..RANKS_PER_WORKER.min(ranks - w * RANKS_PER_WORKER))
-                    .map(|r| 8000 + r as u16)
-                    .collect(),
-            ),
             block_size: Some(BLOCK as u32),
-            kv_events: None,
-            kv_replay: None,
-            lora_adapters: vec![],
-            draining: false,
-            incarnation: 0,
-            roles: Vec::new(),
+            ..WorkerSpec::for_test(
+                &format!("w{w}"),
+                "m",
+                RankLayout::PerPort(
+                    (0..RANKS_PER_WORKER.min(ranks - w * RANKS_PER_WORKER))
+                        .map(|r| 8000 + r as u16)
+                        .collect(),
+                ),
+            )
         })
         .collect();
     core.apply_snapshot(specs).unwrap();

@@ -28,19 +28,8 @@ use tonic::Streaming;
 
 fn catalog() -> Vec<WorkerSpec> {
     let worker = |name: &str, layout: RankLayout| WorkerSpec {
-        namespace: "static".into(),
-        name: name.into(),
-        model: "m".into(),
-        routing_group: String::new(),
-        address: "127.0.0.1".parse().unwrap(),
-        ranks: layout,
         block_size: Some(16),
-        kv_events: None,
-        kv_replay: None,
-        lora_adapters: vec![],
-        draining: false,
-        incarnation: 0,
-        roles: Vec::new(),
+        ..WorkerSpec::for_test(name, "m", layout)
     };
     vec![
         worker("a", RankLayout::PerPort(vec![8000, 8001])),
