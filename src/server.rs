@@ -13,7 +13,7 @@ use clap::{Args, ValueEnum};
 use tokio::sync::watch;
 
 use crate::api::SelectionApi;
-use crate::extproc::{ExtProcService, ExtProcSettings};
+use crate::extproc::ExtProcService;
 use crate::metrics::Metrics;
 use crate::selection::{AffinityMode, SelectionCore};
 
@@ -721,17 +721,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));
 
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
-    let tokenizers = match &args.tokenizer_config {
-        Some(path) => Some(Arc::new(
-            crate::tokenize::Tokenizers::load(path, &metrics.registry)?.with_limits(
-                crate::tokenize::TokenizeLimits {
-                    max_body_bytes: args.tokenize_max_body_bytes,
-                    permit_timeout: Duration::from_millis(args.tokenize_permit_timeout_ms),
-                },
-            ),
-        )),
-        None => None,
-    };
+    let tokenizers = config::tokenizers(&args, &metrics.registry)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let shared = tasks::start_shared(&args, &core, &metrics).await?;
 
@@ -742,33 +732,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     // Flow-control policy (objectives, rewrites): an invalid --flow-config fails start-up.
     let flow_settings = flow_settings(&args);
-    let flow_policy = crate::flow::start(crate::flow::FlowSourceConfig {
-        file: args.flow_config.clone(),
-        poll: Duration::from_millis(args.catalog_poll_ms),
-        kube: kube.zip(flow_kube),
-    })?;
-    tracing::info!(
-        client_priority = flow_settings.client_priority,
-        objectives = flow_policy.borrow().objectives().count(),
-        "flow policy ready"
-    );
-
-    if let Some(scrape) = scrape_config(&args)? {
-        tracing::info!(interval_ms = args.engine_metrics_interval_ms, names = ?scrape.names, "scraping engine metrics");
-        tokio::spawn(crate::engine_metrics::manage(
-            Arc::clone(&core),
-            scrape,
-            core.catalog_changes(),
-        ));
-    }
-
-    if core.config().kv_events {
-        tokio::spawn(crate::events::ingest::manage(
-            Arc::clone(&core),
-            core.catalog_changes(),
-        ));
-    }
-
+    let flow_policy = tasks::start_flow_policy(&args, &flow_settings, kube.zip(flow_kube))?;
+    tasks::start_engine_feeds(&args, &core)?;
     tasks::spawn_maintenance(&core);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
@@ -788,25 +753,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let extproc = ExtProcService::new(
         Arc::clone(&core),
-        ExtProcSettings {
-            max_body_bytes: args.max_body_bytes,
-            fallbacks: args.fallbacks,
-            conformance_test_mode: args.conformance_test_mode,
-            session_headers: args
-                .session_headers
-                .iter()
-                .map(|h| h.trim().to_ascii_lowercase())
-                .filter(|h| !h.is_empty())
-                .collect(),
+        config::extproc_settings(
+            &args,
+            &metrics,
             tokenizers,
-            body_budget: crate::extproc::BodyBudget::new(
-                args.max_buffered_body_bytes,
-                metrics.extproc.body_bytes_buffered.clone(),
-            ),
-            flow_policy: Some(flow_policy.clone()),
+            flow_policy.clone(),
             flow_settings,
-            pd_protocol: args.pd_protocol,
-        },
+        ),
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
     let live_streams = extproc.live_streams();
@@ -860,22 +813,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics_task = tokio::spawn(metrics_server);
 
     ports::termination().await;
-    tracing::info!(
-        grace_s = args.shutdown_grace,
-        "shutting down: refusing new streams, draining open ones"
-    );
-    shutdown_tx.send_replace(true);
-    let grace = Duration::from_secs(args.shutdown_grace);
-    let drained = tokio::time::timeout(grace, live_streams.idle()).await;
-    if drained.is_err() {
-        tracing::warn!(
-            live_bookings = core.live_bookings(),
-            streams = live_streams.count(),
-            "grace period over; closing remaining streams"
-        );
-    } else {
-        tracing::info!(live_bookings = core.live_bookings(), "drained");
-    }
+    tasks::drain(&args, &core, &shutdown_tx, &live_streams).await;
     if let Some(shared) = &shared {
         shared.leave().await;
     }

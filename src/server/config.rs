@@ -5,6 +5,7 @@
 //! Pure: it reads [`ServeArgs`] and files named by flags, never starts a task or binds a port.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -13,6 +14,54 @@ use crate::catalog::kube as kube_source;
 use crate::selection::{BusyThresholds, CoreConfig, CostParams, SessionConfig};
 
 use super::{EngineMetricsMode, ServeArgs, KUBE_RESYNC};
+
+/// `--tokenizer-config`: the tokenizers, loaded (and validated) before anything listens, so a
+/// bad file fails start-up.
+pub fn tokenizers(
+    args: &ServeArgs,
+    registry: &prometheus::Registry,
+) -> anyhow::Result<Option<Arc<crate::tokenize::Tokenizers>>> {
+    let Some(path) = &args.tokenizer_config else {
+        return Ok(None);
+    };
+    Ok(Some(Arc::new(
+        crate::tokenize::Tokenizers::load(path, registry)?.with_limits(
+            crate::tokenize::TokenizeLimits {
+                max_body_bytes: args.tokenize_max_body_bytes,
+                permit_timeout: Duration::from_millis(args.tokenize_permit_timeout_ms),
+            },
+        ),
+    )))
+}
+
+/// The ext_proc host's settings from flags, with what start-up made (tokenizers, flow policy).
+pub fn extproc_settings(
+    args: &ServeArgs,
+    metrics: &crate::metrics::Metrics,
+    tokenizers: Option<Arc<crate::tokenize::Tokenizers>>,
+    flow_policy: crate::flow::PolicyRx,
+    flow_settings: crate::flow::FlowSettings,
+) -> crate::extproc::ExtProcSettings {
+    crate::extproc::ExtProcSettings {
+        max_body_bytes: args.max_body_bytes,
+        fallbacks: args.fallbacks,
+        conformance_test_mode: args.conformance_test_mode,
+        session_headers: args
+            .session_headers
+            .iter()
+            .map(|h| h.trim().to_ascii_lowercase())
+            .filter(|h| !h.is_empty())
+            .collect(),
+        tokenizers,
+        body_budget: crate::extproc::BodyBudget::new(
+            args.max_buffered_body_bytes,
+            metrics.extproc.body_bytes_buffered.clone(),
+        ),
+        flow_policy: Some(flow_policy),
+        flow_settings,
+        pd_protocol: args.pd_protocol,
+    }
+}
 
 /// The scraper's settings from flags (`None` with `--engine-metrics off`).
 pub fn scrape_config(

@@ -1,6 +1,7 @@
 //! What `kvpick serve` starts beside its ports: the shared state (`--shared-state`), the
-//! catalog source and its reconcile loop, and the core's maintenance ticks (flow-control release
-//! passes, the booking reaper).
+//! catalog source and its reconcile loop, the flow-policy sources, the engine feeds (metrics
+//! scrapes, KV events), the core's maintenance ticks (flow-control release passes, the booking
+//! reaper), and the drain at shutdown.
 //!
 //! It must not bind a port or decide anything: each task drives the selection core's API.
 
@@ -82,6 +83,75 @@ pub(super) async fn start_catalog(
             ));
             Ok(Some(client))
         }
+    }
+}
+
+/// Starts the flow-policy sources (`--flow-config`, the Kubernetes resources when `kube` is
+/// set); an invalid file fails start-up.
+pub(super) fn start_flow_policy(
+    args: &ServeArgs,
+    flow_settings: &crate::flow::FlowSettings,
+    kube: Option<(kube::Client, crate::flow::kube::FlowKubeConfig)>,
+) -> anyhow::Result<crate::flow::PolicyRx> {
+    let flow_policy = crate::flow::start(crate::flow::FlowSourceConfig {
+        file: args.flow_config.clone(),
+        poll: Duration::from_millis(args.catalog_poll_ms),
+        kube,
+    })?;
+    tracing::info!(
+        client_priority = flow_settings.client_priority,
+        objectives = flow_policy.borrow().objectives().count(),
+        "flow policy ready"
+    );
+    Ok(flow_policy)
+}
+
+/// What the engines tell the core beside the requests: their `/metrics` (`--engine-metrics`)
+/// and their KV events (`--kv-events`), each following catalog changes.
+pub(super) fn start_engine_feeds(
+    args: &ServeArgs,
+    core: &Arc<SelectionCore>,
+) -> anyhow::Result<()> {
+    if let Some(scrape) = super::scrape_config(args)? {
+        tracing::info!(interval_ms = args.engine_metrics_interval_ms, names = ?scrape.names, "scraping engine metrics");
+        tokio::spawn(crate::engine_metrics::manage(
+            Arc::clone(core),
+            scrape,
+            core.catalog_changes(),
+        ));
+    }
+    if core.config().kv_events {
+        tokio::spawn(crate::events::ingest::manage(
+            Arc::clone(core),
+            core.catalog_changes(),
+        ));
+    }
+    Ok(())
+}
+
+/// Draining: readiness goes NOT_SERVING and new streams are refused (`shutdown`), and open
+/// streams get `--shutdown-grace` seconds to end.
+pub(super) async fn drain(
+    args: &ServeArgs,
+    core: &SelectionCore,
+    shutdown: &watch::Sender<bool>,
+    live_streams: &crate::extproc::LiveStreams,
+) {
+    tracing::info!(
+        grace_s = args.shutdown_grace,
+        "shutting down: refusing new streams, draining open ones"
+    );
+    shutdown.send_replace(true);
+    let grace = Duration::from_secs(args.shutdown_grace);
+    let drained = tokio::time::timeout(grace, live_streams.idle()).await;
+    if drained.is_err() {
+        tracing::warn!(
+            live_bookings = core.live_bookings(),
+            streams = live_streams.count(),
+            "grace period over; closing remaining streams"
+        );
+    } else {
+        tracing::info!(live_bookings = core.live_bookings(), "drained");
     }
 }
 
