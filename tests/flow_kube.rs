@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is a failure report
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
@@ -84,17 +86,11 @@ impl Fake {
             not_found: watch::channel(0).0,
             url: format!("http://{}", listener.local_addr().unwrap()),
         };
-        let app = axum::Router::new()
-            .route(
-                "/apis/{group}/v1alpha2/namespaces/{ns}/{plural}",
-                get(handler),
-            )
-            .fallback(|uri: axum::http::Uri| async move {
-                eprintln!("fake apiserver: unexpected request {uri}");
-                (StatusCode::NOT_FOUND, "not found")
-            })
-            .with_state(fake.clone());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let routes = axum::Router::new().route(
+            "/apis/{group}/v1alpha2/namespaces/{ns}/{plural}",
+            get(handler),
+        );
+        common::serve_fake_apiserver(listener, routes, fake.clone());
         fake
     }
 

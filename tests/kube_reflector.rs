@@ -166,7 +166,7 @@ impl Fake {
             gate,
             url,
         };
-        let app = axum::Router::new()
+        let routes = axum::Router::new()
             .route("/api/v1/namespaces/{ns}/pods", get(pods_handler))
             .route(
                 "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
@@ -175,13 +175,8 @@ impl Fake {
             .route(
                 "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}",
                 get(pool_get_handler),
-            )
-            .fallback(|uri: axum::http::Uri| async move {
-                eprintln!("fake apiserver: unexpected request {uri}");
-                (StatusCode::NOT_FOUND, "not found")
-            })
-            .with_state(fake.clone());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+            );
+        common::serve_fake_apiserver(listener, routes, fake.clone());
         fake
     }
 

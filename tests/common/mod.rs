@@ -154,6 +154,22 @@ pub async fn loads(api: &mut Api, model: &str) -> Vec<kvpick::proto::Worker> {
     .workers
 }
 
+/// Serves a fake Kubernetes API server on `listener`: `routes` with `state`; any other request is
+/// logged and answered 404 (a test then fails on what it did not get, with the path in its log).
+pub fn serve_fake_apiserver<S: Clone + Send + Sync + 'static>(
+    listener: tokio::net::TcpListener,
+    routes: axum::Router<S>,
+    state: S,
+) {
+    let app = routes
+        .fallback(|uri: axum::http::Uri| async move {
+            eprintln!("fake apiserver: unexpected request {uri}");
+            (axum::http::StatusCode::NOT_FOUND, "not found")
+        })
+        .with_state(state);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+}
+
 /// An ext_proc client of a kvpick gRPC port.
 pub type ExtProcClient =
     envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient<
