@@ -454,16 +454,8 @@ fn serve_refuses_an_invalid_flow_config_at_start_up() {
         "objectives: [{name: a, priority: 1}, {name: a, priority: 2}]",
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args(["serve", "--secure-serving=false", "--kv-events", "off"])
-        .args([
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ])
+    let out = common::serve_command()
+        .args(["--secure-serving=false", "--kv-events", "off"])
         .arg("--config")
         .arg(&catalog)
         .arg("--flow-config")

@@ -3,8 +3,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
-use std::process::Command;
-
 use kvpick::proto::{BookingRef, SelectRequest};
 use tonic_health::pb::health_check_response::ServingStatus;
 
@@ -93,16 +91,7 @@ fn bad_catalog_fails_start_up_with_a_clear_message() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("catalog.yaml");
     std::fs::write(&path, "workers: [{name: a, model: m, address: 1.2.3.4}]").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args([
-            "serve",
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ])
+    let out = common::serve_command()
         .arg("--config")
         .arg(&path)
         .output()

@@ -42,15 +42,22 @@ pub fn temp_dir(prefix: &str) -> PathBuf {
     dir
 }
 
+/// `kvpick serve` with its ports on 127.0.0.1:0, for the test to add its flags to.
+pub fn serve_command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvpick"));
+    command
+        .args(["serve", "--bind", "127.0.0.1", "--grpc-port", "0"])
+        .args(["--grpc-health-port", "0", "--metrics-port", "0"]);
+    command
+}
+
 /// Starts `kvpick serve` with its ports on 127.0.0.1:0 and its log in `dir/kvpick.log`;
 /// `configure` adds the test's own flags and environment.
 pub fn start_with(dir: PathBuf, configure: impl FnOnce(&mut Command)) -> Serve {
     let port_file = dir.join("ports.json");
     let log = std::fs::File::create(dir.join("kvpick.log")).unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_kvpick"));
+    let mut command = serve_command();
     command
-        .args(["serve", "--bind", "127.0.0.1", "--grpc-port", "0"])
-        .args(["--grpc-health-port", "0", "--metrics-port", "0"])
         .arg("--port-file")
         .arg(&port_file)
         .stdout(Stdio::null())
