@@ -17,7 +17,7 @@ use common::{BLOCK, PROMPT_TOKENS};
 use criterion::{BenchmarkId, Criterion};
 use kvpick::catalog::{RankLayout, WorkerSpec};
 use kvpick::metrics::Metrics;
-use kvpick::selection::{CoreConfig, PartitionKey, PromptInput, SelectionCore, SelectionRequest};
+use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
 use kvpick_core::{PdConfig, Role};
 
 const SIZES: [usize; 3] = [8, 64, 1_024];
@@ -69,12 +69,7 @@ fn fixture(ranks: usize, split: bool) -> (Arc<SelectionCore>, SelectionRequest) 
             }
         })
         .collect();
-    core.apply_snapshot(specs).unwrap();
-    let key = PartitionKey {
-        model: "m".into(),
-        routing_group: String::new(),
-    };
-    let prompt = common::warm(&core, &key);
+    let prompt = common::warm(&core, specs);
     let request = SelectionRequest {
         request_id: "bench".into(),
         model: Some("m".into()),

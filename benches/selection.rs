@@ -19,7 +19,7 @@ use common::{BLOCK, PROMPT_TOKENS};
 use criterion::{BenchmarkId, Criterion};
 use kvpick::catalog::{RankLayout, WorkerSpec};
 use kvpick::metrics::Metrics;
-use kvpick::selection::{CoreConfig, PartitionKey, PromptInput, SelectionCore, SelectionRequest};
+use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
 
 const SIZES: [usize; 4] = [8, 64, 1_024, 8_192];
 const RANKS_PER_WORKER: usize = 8;
@@ -60,12 +60,7 @@ fn fixture(ranks: usize) -> Fixture {
             )
         })
         .collect();
-    core.apply_snapshot(specs).unwrap();
-    let key = PartitionKey {
-        model: "m".into(),
-        routing_group: String::new(),
-    };
-    let prompt = common::warm(&core, &key);
+    let prompt = common::warm(&core, specs);
     let tokens = common::prompt_tokens();
     let base = SelectionRequest {
         request_id: "bench".into(),

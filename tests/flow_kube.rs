@@ -10,16 +10,15 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use futures::StreamExt;
+use common::{watch_gone as gone, watch_line as line};
 use kvpick::flow::kube::{ClusterContent, FlowKubeConfig};
 use kvpick::flow::{FlowPolicy, FlowSourceConfig};
 use serde_json::{json, Value};
@@ -65,17 +64,6 @@ struct Fake {
     /// Requests answered 404 so far.
     not_found: watch::Sender<usize>,
     url: String,
-}
-
-fn line(v: Value) -> Bytes {
-    let mut t = v.to_string();
-    t.push('\n');
-    Bytes::from(t)
-}
-
-fn gone() -> Value {
-    json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {},
-        "status": "Failure", "message": "too old resource version", "reason": "Expired", "code": 410}})
 }
 
 impl Fake {
@@ -209,13 +197,7 @@ async fn handler(
             }
             inner.watchers.push((r, tx));
         }
-        let body =
-            tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
-        return (
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            Body::from_stream(body),
-        )
-            .into_response();
+        return common::watch_response(rx);
     }
     *inner.lists.entry(r.clone()).or_default() += 1;
     let items: Vec<Value> = inner

@@ -2,6 +2,7 @@
 //! hashes, and every rank holding its own 32-block history plus the prompt's first 8 blocks
 //! (every 97th rank a deeper part of it). Included by each bench with `mod common;`.
 
+use kvpick::catalog::WorkerSpec;
 use kvpick::selection::{PartitionKey, RankKey, SelectionCore};
 use kvpick_core::hash::{prompt_hashes, BASE_SEED};
 use kvpick_core::index::Tier;
@@ -16,8 +17,14 @@ pub fn prompt_tokens() -> Vec<u32> {
         .collect()
 }
 
-/// Fills every rank of the catalog with the warm state; returns the prompt's block hashes.
-pub fn warm(core: &SelectionCore, key: &PartitionKey) -> Vec<u64> {
+/// Applies the catalog `specs` (all serving model `m`) and fills every rank with the warm state;
+/// returns the prompt's block hashes.
+pub fn warm(core: &SelectionCore, specs: Vec<WorkerSpec>) -> Vec<u64> {
+    core.apply_snapshot(specs).unwrap();
+    let key = PartitionKey {
+        model: "m".into(),
+        routing_group: String::new(),
+    };
     let prompt = prompt_hashes(&prompt_tokens(), BLOCK, BASE_SEED);
     let mut i = 0usize;
     for view in core.list_workers(None) {
@@ -30,7 +37,7 @@ pub fn warm(core: &SelectionCore, key: &PartitionKey) -> Vec<u64> {
                 .map(|t| t ^ (i as u32) << 16)
                 .collect();
             core.insert_blocks(
-                key,
+                &key,
                 rank,
                 &prompt_hashes(&own, BLOCK, BASE_SEED),
                 Tier::Gpu,
@@ -41,7 +48,7 @@ pub fn warm(core: &SelectionCore, key: &PartitionKey) -> Vec<u64> {
             } else {
                 8
             };
-            core.insert_blocks(key, rank, &prompt[..depth], Tier::Gpu, None);
+            core.insert_blocks(&key, rank, &prompt[..depth], Tier::Gpu, None);
             i += 1;
         }
     }
