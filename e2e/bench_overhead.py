@@ -10,6 +10,11 @@ indexes every prompt: its worst case.
 The load generator and the upstreams are `examples/loadgen.rs` (Rust, hyper, one keep-alive
 connection per client). Run through `bash e2e/bench-overhead` (builds everything in release).
 Writes target/bench-overhead.json and prints a Markdown table.
+
+`--trace-ratio R` measures what OpenTelemetry tracing costs instead: two kvpicks behind two Envoys
+(both with ext_proc), one with tracing off, one exporting to an OTLP receiver on loopback
+(e2e/otlp_receiver.py) with `--trace-sampling-ratio R`; each cell loads both, alternately.
+Writes target/bench-overhead-tracing.json.
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
@@ -126,8 +132,26 @@ def main() -> None:
     ap.add_argument("--kvpick-args", default="",
                     help="extra `kvpick serve` flags, e.g. \"--metrics-families kvpick\" to compare "
                          "the cost of the EPP series")
+    ap.add_argument("--trace-ratio", type=float, default=None,
+                    help="compare kvpick with tracing off and on at this sampling ratio")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="with --trace-ratio: load each cell this many times per kvpick, "
+                         "alternating which goes first; p50/p99 are the rounds' medians, CPU "
+                         "the rounds' total (drift on a shared machine cancels out)")
+    ap.add_argument("--off-bin", default=None,
+                    help="with --trace-ratio: the kvpick binary of the 'off' side (e.g. a build "
+                         "of main without tracing); default: the same binary")
+    ap.add_argument("--untraced", action="store_true",
+                    help="with --trace-ratio: the 'on' side runs without tracing flags too "
+                         "(with --off-bin: compare two builds, tracing off in both)")
+    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
+                    help="concurrencies to run (comma list)")
+    ap.add_argument("--variants", default="token ids,chat text",
+                    help="body variants to run (comma list: 'token ids', 'chat text')")
     args = ap.parse_args()
     os.environ.setdefault("E2E_ENVOY_COMPONENT_LOG", "ext_proc:warning")
+    if args.trace_ratio is not None:
+        return main_tracing(args)
 
     up = subprocess.Popen([str(LOADGEN), "upstream", "--count", "4"], stdout=subprocess.PIPE,
                           text=True, preexec_fn=harness._die_with_parent)
@@ -201,6 +225,103 @@ def main() -> None:
               f"{r['errors_off']}/{r['errors_on']} |")
     print(f"\nkvpick peak RSS: {peak_rss_mb:.1f} MiB; in-flight bookings after the run: {inflight:.0f}")
     print(f"written to {args.out}")
+
+
+def main_tracing(args) -> None:
+    """Tracing off vs on (``--trace-ratio``), same load, same upstreams, cells alternated."""
+    from otlp_receiver import OtlpReceiver
+
+    out = Path(args.out).with_name("bench-overhead-tracing.json") \
+        if args.out == str(REPO / "target" / "bench-overhead.json") else Path(args.out)
+    up = subprocess.Popen([str(LOADGEN), "upstream", "--count", "4"], stdout=subprocess.PIPE,
+                          text=True, preexec_fn=harness._die_with_parent)
+    ports = [int(p) for p in up.stdout.readline().split()[1].split(",")]
+    receiver = OtlpReceiver().start()
+    common = ["--max-body-bytes", str(4 << 20)]
+    plain = harness.Kvpick([harness.worker("w0", ports=ports)], extra_args=common)
+    tracing = [] if args.untraced else [
+        "--otlp-endpoint", receiver.endpoint, "--trace-sampling-ratio", str(args.trace_ratio)]
+    traced = harness.Kvpick([harness.worker("w0", ports=ports)], extra_args=common + tracing)
+    if args.off_bin:
+        plain.process.argv[0] = args.off_bin
+    for k in (plain, traced):
+        for var in [v for v in k.process.env if v.startswith("OTEL_")]:
+            del k.process.env[var]
+        k.start()
+    envoys = {name: harness.Envoy(kvpick_port=k.grpc_port, log_level="warning",
+                                  concurrency=args.envoy_concurrency).start()
+              for name, k in (("off", plain), ("on", traced))}
+    workdir = harness.new_workdir("bench-overhead-tracing")
+    rows = []
+    try:
+        for size_name, size in SIZES.items():
+            if size_name not in args.sizes.split(","):
+                continue
+            for variant, make, path in (("token ids", token_body, "/v1/completions"),
+                                        ("chat text", chat_body, "/v1/chat/completions")):
+                if variant not in args.variants.split(","):
+                    continue
+                body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
+                body_path.write_bytes(make(size))
+                for conc in [int(c) for c in args.concurrency.split(",")]:
+                    n = requests_for(size, conc, args.quick)
+                    if args.rate:
+                        n = min(n, int(args.rate * 10))
+                    row = {"size": size_name, "variant": variant, "concurrency": conc,
+                           "requests": n, "rounds": args.rounds}
+                    runs = {"off": [], "on": []}
+                    cpu = {"off": 0.0, "on": 0.0}
+                    pair = [("off", plain), ("on", traced)]
+                    for rnd in range(args.rounds):
+                        for name, k in (pair if rnd % 2 == 0 else pair[::-1]):
+                            cpu0 = proc_cpu_seconds(k.process.pid)
+                            runs[name].append(load(envoys[name].url() + path, body_path, conc,
+                                                   n, args.rate))
+                            cpu[name] += proc_cpu_seconds(k.process.pid) - cpu0
+                    for name, rs in runs.items():
+                        total = sum(r["completed"] + r["errors"] + min(n // 10 + conc, 200)
+                                    for r in rs)
+                        row.update({f"rps_{name}": median([r["rps"] for r in rs]),
+                                    f"p50_{name}_ms": median([r["latency_ms"]["p50"] for r in rs]),
+                                    f"p99_{name}_ms": median([r["latency_ms"]["p99"] for r in rs]),
+                                    f"cpu_s_per_1k_{name}": 1000 * cpu[name] / max(total, 1),
+                                    f"errors_{name}": sum(r["errors"] + sum(
+                                        v for s, v in r["statuses"].items() if s != "200")
+                                        for r in rs)})
+                    row["added_p50_ms"] = row["p50_on_ms"] - row["p50_off_ms"]
+                    row["added_p99_ms"] = row["p99_on_ms"] - row["p99_off_ms"]
+                    row["added_cpu_s_per_1k"] = row["cpu_s_per_1k_on"] - row["cpu_s_per_1k_off"]
+                    rows.append(row)
+                    print(f"  {size_name:>5} {variant:<9} c={conc:<3} p50 {row['p50_off_ms']:.2f}"
+                          f" -> {row['p50_on_ms']:.2f} ms   p99 {row['p99_off_ms']:.2f}"
+                          f" -> {row['p99_on_ms']:.2f} ms   CPU-s/1k "
+                          f"{row['cpu_s_per_1k_off']:.3f} -> {row['cpu_s_per_1k_on']:.3f}",
+                          flush=True)
+    finally:
+        for e in envoys.values():
+            e.stop()
+        plain.stop()
+        traced.stop()  # flushes its last batch to the receiver
+        exported = len(receiver.spans())
+        receiver.stop()
+        up.kill()
+    result = {"trace_ratio": args.trace_ratio, "rate": args.rate, "rows": rows,
+              "spans_received": exported, "machine_cpus": os.cpu_count(), "quick": args.quick}
+    out.write_text(json.dumps(result, indent=2))
+    print()
+    print(f"| prompt | variant | conc | req/s off | req/s on | p50 off | p50 on | added p50 | "
+          f"p99 off | p99 on | added p99 | CPU-s/1k off | CPU-s/1k on | added CPU-s/1k | "
+          f"errors off/on |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['size']} | {r['variant']} | {r['concurrency']} | {r['rps_off']:.0f} | "
+              f"{r['rps_on']:.0f} | {r['p50_off_ms']:.2f} | {r['p50_on_ms']:.2f} | "
+              f"{r['added_p50_ms']:+.2f} | "
+              f"{r['p99_off_ms']:.2f} | {r['p99_on_ms']:.2f} | {r['added_p99_ms']:+.2f} | "
+              f"{r['cpu_s_per_1k_off']:.3f} | {r['cpu_s_per_1k_on']:.3f} | "
+              f"{r['added_cpu_s_per_1k']:+.3f} | {r['errors_off']}/{r['errors_on']} |")
+    print(f"\nspans received at ratio {args.trace_ratio}: {exported}")
+    print(f"written to {out}")
 
 
 if __name__ == "__main__":

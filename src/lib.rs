@@ -13,6 +13,7 @@
 //! - [`flow`]: flow-control classification policy (objectives, fairness keys, SLO headers,
 //!   model rewrites) from `--flow-config` and InferenceObjective / InferenceModelRewrite.
 //! - [`shared`]: sessions and load shared by replicas on Redis (`--shared-state`).
+//! - [`telemetry`]: OpenTelemetry spans of the request path, exported over OTLP/gRPC.
 //! - Process: [`server`] (flags, ports, wiring, shutdown), [`tls`], [`health`], [`net`],
 //!   [`metrics`] (one registry, per-area metric sets), [`epp_metrics`] (the llm-d EPP metric
 //!   contract and the pool / queue gauges for autoscaling).
@@ -35,6 +36,7 @@ pub mod request;
 pub mod selection;
 pub mod server;
 pub mod shared;
+pub mod telemetry;
 pub mod tls;
 pub mod tokenize;
 pub mod usage;

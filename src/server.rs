@@ -175,6 +175,10 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub conn: crate::net::ConnArgs,
 
+    /// OpenTelemetry tracing of the request path (off by default).
+    #[command(flatten)]
+    pub tracing: crate::telemetry::TraceArgs,
+
     /// Extra fallback endpoints appended to x-gateway-destination-endpoint, in preference order.
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fallbacks: usize,
@@ -369,6 +373,14 @@ pub struct ServeArgs {
         help_heading = "Flow control"
     )]
     pub queue_capacity: usize,
+
+    /// A model with no ready rank (a pool scaled to zero, every pod gone or not ready) queues
+    /// its requests for up to --queue-timeout, released when a rank becomes ready, instead of a
+    /// 503 at once: scale-from-zero with KEDA or an HPA on kvpick's queue metrics. At most 16
+    /// models without a ready rank hold requests (client-chosen names cannot grow it further).
+    /// Needs --flow-control.
+    #[arg(long, help_heading = "Flow control")]
+    pub hold_when_no_endpoints: bool,
 
     /// A rank is saturated when the prefill already booked on it would take this long at the
     /// calibrated TTFT line (its queue wait); `inf` = never on this ground. It bounds the engine
@@ -715,6 +727,7 @@ pub fn init_logging(format: LogFormat) {
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::with_families(args.metrics_families);
     let conn_limits = args.conn.limits()?;
+    let telemetry = tasks::start_telemetry(&args)?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     metrics
         .epp
@@ -759,6 +772,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tokenizers,
             flow_policy.clone(),
             flow_settings,
+            telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
         ),
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
@@ -828,6 +842,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         let _ = metrics_task.await;
     })
     .await;
+    if let Some(telemetry) = telemetry {
+        // The exporter's channel runs on this runtime: flush from a blocking thread beside it.
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    }
     Ok(())
 }
 
@@ -837,4 +855,5 @@ pub const KUBE_RESYNC: Duration = Duration::from_secs(30);
 /// `--session-affinity-mode`: `hard` or `soft`.
 fn affinity_mode(s: &str) -> Result<AffinityMode, String> {
     s.parse()
+        .map_err(|e: kvpick_core::ConfigError| e.to_string())
 }

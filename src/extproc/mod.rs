@@ -43,6 +43,8 @@ pub struct ExtProcSettings {
     pub flow_settings: crate::flow::FlowSettings,
     /// Which headers carry a prefill/decode pair (`--pd-protocol`).
     pub pd_protocol: PdProtocol,
+    /// OpenTelemetry tracing (`--otlp-endpoint`); `None` = off: no span, no `traceparent`.
+    pub tracer: Option<crate::telemetry::RequestTracer>,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -64,6 +66,7 @@ impl Default for ExtProcSettings {
             flow_policy: None,
             flow_settings: crate::flow::FlowSettings::default(),
             pd_protocol: PdProtocol::default(),
+            tracer: None,
         }
     }
 }
@@ -155,9 +158,12 @@ impl ExternalProcessor for ExtProcService {
             return Err(Status::unavailable("kvpick: shutting down"));
         }
         let live = self.live.enter();
+        let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
+        if self.settings.tracer.is_some() {
+            machine.set_trace_context(grpc_trace_context(request.metadata()));
+        }
         let mut inbound = request.into_inner();
         let (tx, rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(64);
-        let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
         let metrics = self.core.metrics().clone();
         let tokenizers = self.settings.tokenizers.clone();
         let core = Arc::clone(&self.core);
@@ -224,10 +230,25 @@ impl ExternalProcessor for ExtProcService {
                 }
             };
             metrics.extproc.streams.with_label_values(&[end]).inc();
+            machine.end_trace(end);
             // Dropping the machine frees any booking still held (client disconnect mid-stream).
             drop(machine);
             drop(live);
         });
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
+}
+
+/// The W3C trace context of the ext_proc call: Envoy's span for it, when Envoy traces.
+fn grpc_trace_context(metadata: &tonic::metadata::MetadataMap) -> crate::telemetry::TraceHeaders {
+    let mut headers = crate::telemetry::TraceHeaders::default();
+    for name in [
+        crate::telemetry::request::TRACEPARENT,
+        crate::telemetry::request::TRACESTATE,
+    ] {
+        if let Some(value) = metadata.get(name) {
+            headers.offer(name, value.as_bytes());
+        }
+    }
+    headers
 }

@@ -110,6 +110,8 @@ mod tests {
             prompt_tokens: 0,
             cost: 0.0,
             session: None,
+            candidates: 1,
+            predicted_ttft_seconds: 0.0,
         }
     }
 

@@ -21,6 +21,7 @@ use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
 };
+use crate::telemetry::RequestTrace;
 use crate::tokenize::TokenizeOutcome;
 use crate::usage::UsageTracker;
 use kvpick_core::request::check_session_id_len;
@@ -29,12 +30,14 @@ use super::budget::BodyLease;
 use super::ExtProcSettings;
 
 mod response;
+mod trace;
 mod wire;
 
+use trace::{trace_tokenize, TraceSeed};
 pub use wire::immediate;
 use wire::{
-    body_chunks, body_error_message, check_protocol, header_len, header_value, lb_metadata, one,
-    session_key, set_header, streamed_body, string_entries, BodyBuf,
+    body_chunks, body_error_message, check_protocol, header_bytes, header_len, header_value,
+    lb_metadata, one, session_key, set_header, streamed_body, string_entries, BodyBuf,
 };
 
 /// Largest body chunk sent back to Envoy in one streamed_response.
@@ -179,6 +182,10 @@ pub struct StreamMachine {
     epp: crate::epp_metrics::EppRequest,
     /// When the tokenize job was handed to the host.
     tokenize_started: Option<Instant>,
+    /// Tracing on: what the stream span starts from, until the request headers arrive.
+    trace_seed: Option<Box<TraceSeed>>,
+    /// Tracing on: the stream's open spans (`crate::telemetry::request`).
+    trace: Option<Box<RequestTrace>>,
 }
 
 impl StreamMachine {
@@ -215,6 +222,8 @@ impl StreamMachine {
             queued: None,
             epp,
             tokenize_started: None,
+            trace_seed: settings.tracer.as_ref().map(|_| TraceSeed::now()),
+            trace: None,
             settings,
         }
     }
@@ -366,6 +375,9 @@ impl StreamMachine {
                 "x-dynamo-dp-rank" => rank_pin = Some(value.trim().to_string()),
                 _ => {}
             }
+            if let Some(seed) = &mut self.trace_seed {
+                seed.http.offer(&name, header_bytes(h));
+            }
             if let Some(preference) = self
                 .settings
                 .session_headers
@@ -385,6 +397,7 @@ impl StreamMachine {
             }
             self.header_names.push(name);
         }
+        self.start_trace();
         // A body declared over the limit is refused before a byte of it is buffered.
         if declared_len.is_some_and(|n| n > self.settings.max_body_bytes as u64) {
             return Ok(self.reject_too_large());
@@ -400,6 +413,9 @@ impl StreamMachine {
             return Ok(self.route(None, started, true));
         }
         self.phase = Phase::RequestBody;
+        if let Some(t) = &mut self.trace {
+            t.body_started();
+        }
         Ok(Step::default())
     }
 
@@ -451,6 +467,9 @@ impl StreamMachine {
     #[allow(clippy::expect_used)]
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
         let started = self.body_started.unwrap_or_else(Instant::now);
+        if let Some(t) = &mut self.trace {
+            t.body_done(self.body.len, self.body.chunks.len());
+        }
         if let Some(step) = self.rewrite_model() {
             return Ok(step);
         }
@@ -511,6 +530,9 @@ impl StreamMachine {
                 });
                 self.phase = Phase::Tokenizing;
                 self.tokenize_started = Some(Instant::now());
+                if let Some(t) = &mut self.trace {
+                    t.tokenize_started(&job.model);
+                }
                 return Ok(Step {
                     tokenize: Some(job),
                     ..Step::default()
@@ -629,6 +651,9 @@ impl StreamMachine {
     /// pending and the step asks the host for the lookup.
     fn route_pending(&mut self, pending: PendingRoute) -> Step {
         if let Some(job) = self.session_lookup_for(&pending.parsed) {
+            if let Some(t) = &mut self.trace {
+                t.lookup_started();
+            }
             self.pending = Some(pending);
             self.phase = Phase::Tokenizing;
             return Step {
@@ -641,6 +666,9 @@ impl StreamMachine {
 
     /// Finishes a request whose session was looked up (the binding found, if any, is installed).
     pub fn resume_after_lookup(&mut self) -> Step {
+        if let Some(t) = &mut self.trace {
+            t.lookup_done();
+        }
         match self.pending.take() {
             Some(pending) => self.route_now(pending),
             None => Step::default(),
@@ -658,6 +686,9 @@ impl StreamMachine {
             self.core.metrics().epp.stage(Stage::Tokenize, seconds);
         }
         let mut parsed = pending.parsed;
+        if let Some(t) = &mut self.trace {
+            trace_tokenize(t, &outcome);
+        }
         match outcome {
             TokenizeOutcome::Tokens { ids, .. } => parsed.prompt = Prompt::TokenIds(ids),
             TokenizeOutcome::Fallback { .. } | TokenizeOutcome::Skipped { .. } => {
@@ -682,6 +713,9 @@ impl StreamMachine {
     fn route(&mut self, body: Option<ParsedBody>, started: Instant, header_only: bool) -> Step {
         if let Some(message) = self.header_error.take() {
             return self.reject(400, &message);
+        }
+        if let Some(t) = &mut self.trace {
+            t.pick_started();
         }
         let subset = match (&self.subset, &self.conformance_filter) {
             (Some(s), _) => Some(s.clone()),
@@ -733,6 +767,9 @@ impl StreamMachine {
             Ok(Admitted::Queued(waiter)) => {
                 tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
                 self.epp.queued();
+                if let Some(t) = &mut self.trace {
+                    t.queued(self.priority, self.fairness_key.as_deref());
+                }
                 self.queued = Some(QueuedRoute {
                     request_id: request.request_id,
                     started,
@@ -754,6 +791,9 @@ impl StreamMachine {
         let Some(queued) = self.queued.take() else {
             return Step::default();
         };
+        if let (Some(t), true) = (&mut self.trace, outcome.is_ok()) {
+            t.queue_done(Ok(()));
+        }
         let mut step = match outcome {
             Ok(r) => self.routed(
                 r,
@@ -822,6 +862,12 @@ impl StreamMachine {
             .any(|n| n == "x-data-parallel-rank")
         {
             remove.push("x-data-parallel-rank".into());
+        }
+        // Tracing on: the upstream's trace context names the pick span.
+        if let Some(t) = &mut self.trace {
+            for (name, value) in t.picked(selection, self.pin.is_some()) {
+                set.push(set_header(name, &value));
+            }
         }
         // The prefill/decode pair, in `--pd-protocol`'s headers; client-sent ones never pass.
         let pair = super::pd_headers::headers(selection, self.settings.pd_protocol);
@@ -902,6 +948,9 @@ impl StreamMachine {
 
     fn reject(&mut self, status: u16, message: &str) -> Step {
         self.epp.rejected(status);
+        if let Some(t) = &mut self.trace {
+            t.refused(status, message);
+        }
         self.phase = Phase::Finished;
         drop(self.body.take());
         self.pending = None;

@@ -1600,7 +1600,7 @@ mod queue {
     use kvpick_core::FlowConfig;
     use std::time::Duration;
 
-    fn one_at_a_time(timeout: Duration) -> Arc<SelectionCore> {
+    pub(super) fn one_at_a_time(timeout: Duration) -> Arc<SelectionCore> {
         let core = SelectionCore::new(
             CoreConfig {
                 seed: Some(1),
@@ -2112,3 +2112,6 @@ fn response_status_feeds_outlier_detection_not_the_estimator() {
 /// The response's answer and a stream's reset, per booking ([`super::super::StreamMachine`]).
 #[path = "stream_reset_tests.rs"]
 mod reset;
+
+#[path = "stream_trace_tests.rs"]
+mod trace;

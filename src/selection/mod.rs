@@ -128,7 +128,10 @@ impl SelectionCore {
 
     fn catalog_applied(&self, report: &ApplyReport, facts: Facts) {
         self.record(facts);
-        self.ready_tx.send_replace(report.ready);
+        // Holding requests for a pool at zero needs kvpick itself ready (its health SERVING, so
+        // the gateway keeps calling it) once the catalog has synced, ranks or not.
+        let hold = self.core.config().flow.hold_when_no_endpoints;
+        self.ready_tx.send_replace(report.ready || hold);
         self.catalog_tx.send_modify(|v| *v += 1);
     }
 

@@ -41,6 +41,7 @@ pub fn extproc_settings(
     tokenizers: Option<Arc<crate::tokenize::Tokenizers>>,
     flow_policy: crate::flow::PolicyRx,
     flow_settings: crate::flow::FlowSettings,
+    tracer: Option<crate::telemetry::RequestTracer>,
 ) -> crate::extproc::ExtProcSettings {
     crate::extproc::ExtProcSettings {
         max_body_bytes: args.max_body_bytes,
@@ -60,6 +61,7 @@ pub fn extproc_settings(
         flow_policy: Some(flow_policy),
         flow_settings,
         pd_protocol: args.pd_protocol,
+        tracer,
     }
 }
 
@@ -254,11 +256,15 @@ pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> 
     if args.queue_capacity == 0 {
         anyhow::bail!("--queue-capacity must be at least 1");
     }
+    if args.hold_when_no_endpoints && !args.flow_control {
+        anyhow::bail!("--hold-when-no-endpoints needs --flow-control true (the queue holds them)");
+    }
     Ok(kvpick_core::FlowConfig {
         enabled: args.flow_control,
         queue_timeout: Duration::from_secs_f64(timeout),
         band_capacity: args.queue_band_capacity,
         capacity: args.queue_capacity,
+        hold_when_no_endpoints: args.hold_when_no_endpoints,
         saturation: kvpick_core::SaturationLimits {
             max_wait_seconds: wait.is_finite().then_some(wait),
             max_active_requests: args.saturation_max_requests,

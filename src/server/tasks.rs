@@ -20,6 +20,28 @@ use crate::shared::{SharedConfig, SharedState};
 
 use super::{CatalogSource, ServeArgs};
 
+/// `--tracing`: the OpenTelemetry exporter (none with tracing off).
+pub(super) fn start_telemetry(
+    args: &ServeArgs,
+) -> anyhow::Result<Option<crate::telemetry::Telemetry>> {
+    let trace_config =
+        crate::telemetry::TraceConfig::resolve(&args.tracing, |name| std::env::var(name).ok())?;
+    let telemetry = match &trace_config {
+        Some(config) => {
+            tracing::info!(
+                endpoint = %config.endpoint,
+                ratio = config.sampler.ratio,
+                parent_based = config.sampler.parent_based,
+                service = %config.service_name,
+                "tracing: exporting spans over OTLP/gRPC"
+            );
+            Some(crate::telemetry::Telemetry::start(config)?)
+        }
+        None => None,
+    };
+    Ok(telemetry)
+}
+
 /// `--shared-state`: connects (lazily), attaches the shared state to the core and starts its
 /// tasks; without the flag its secret-file flags are an error.
 pub(super) async fn start_shared(

@@ -75,15 +75,16 @@ impl WorkerSpec {
     }
 
     /// Checks `roles` against the rank count: none, one for all, or exactly one per rank.
-    pub fn validate_roles(&self) -> Result<(), String> {
+    pub fn validate_roles(&self) -> Result<(), crate::error::ConfigError> {
         let ranks = self.rank_endpoints().len();
         match self.roles.len() {
             0 | 1 => Ok(()),
             n if n == ranks => Ok(()),
-            n => Err(format!(
-                "worker {} declares {n} roles for {ranks} ranks (give one role, or one per rank)",
-                self.name
-            )),
+            roles => Err(crate::error::ConfigError::RolesPerRank {
+                worker: self.name.clone(),
+                roles,
+                ranks,
+            }),
         }
     }
 
@@ -183,7 +184,7 @@ impl WorkerRecord {
         let (lifecycle, reason) = if ranks.is_empty() {
             (Lifecycle::Incomplete, "no ranks".to_string())
         } else if let Err(reason) = spec.validate_roles() {
-            (Lifecycle::Incomplete, reason)
+            (Lifecycle::Incomplete, reason.to_string())
         } else if spec.draining {
             (Lifecycle::Draining, "not ready".to_string())
         } else {

@@ -32,6 +32,31 @@ impl SelectError {
     }
 }
 
+/// A worker declaration or a setting the core refuses; the message names what to change.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    #[error(
+        "worker {worker} declares {roles} roles for {ranks} ranks (give one role, or one per rank)"
+    )]
+    RolesPerRank {
+        worker: String,
+        roles: usize,
+        ranks: usize,
+    },
+    #[error("block_size {declared} conflicts with block size {current} of partition {model}")]
+    BlockSizeConflict {
+        declared: u32,
+        current: u32,
+        model: String,
+    },
+    #[error("expected hard or soft, got {0:?}")]
+    AffinityMode(String),
+    #[error("--session-ttl must be between 1 and 31536000 seconds, got {0}")]
+    SessionTtl(f64),
+    #[error("--session-max-entries must be at least 1")]
+    SessionMaxEntries,
+}
+
 /// Why a catalog change was refused. A refused change leaves the catalog as it was.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CatalogError {

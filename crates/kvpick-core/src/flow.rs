@@ -67,6 +67,9 @@ pub struct FlowConfig {
     /// Most queued requests one release pass tries (a pass runs under the partition's lock).
     pub max_scan: usize,
     pub saturation: SaturationLimits,
+    /// A model with no ready rank queues its requests (up to `queue_timeout`) instead of
+    /// refusing them at once, so a pool scaled to zero can scale back up under them.
+    pub hold_when_no_endpoints: bool,
 }
 
 impl Default for FlowConfig {
@@ -78,6 +81,7 @@ impl Default for FlowConfig {
             capacity: 10_000,
             max_scan: 32,
             saturation: SaturationLimits::default(),
+            hold_when_no_endpoints: false,
         }
     }
 }

@@ -53,7 +53,7 @@ pub use crate::decide::{
 };
 pub use crate::disagg::PdConfig;
 pub use crate::engine::{AdapterFit, EngineLoad, EngineMetrics};
-pub use crate::error::{CatalogError, SelectError};
+pub use crate::error::{CatalogError, ConfigError, SelectError};
 pub use crate::estimate::{Coefficients, EstimatorConfig, TpotEstimator, TtftEstimator};
 pub use crate::facts::{Fact, Facts, QueueEvent, QueueExit, ResponseClass};
 pub use crate::flow::{FlowConfig, SaturationLimits};
@@ -94,6 +94,10 @@ pub struct Selection {
     pub cost: f64,
     /// What session affinity did, when the request had a session id.
     pub session: Option<SessionOutcome>,
+    /// Ranks that were candidates for the decision (eligible and not busy).
+    pub candidates: u32,
+    /// The first-token time the estimator predicted for this pick, in seconds.
+    pub predicted_ttft_seconds: f64,
 }
 
 /// A read-only view of one worker and its per-rank load, for listing.

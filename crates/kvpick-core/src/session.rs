@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use std::time::Instant;
 
+use crate::error::ConfigError;
 use crate::types::RankKey;
 
 pub use crate::request::MAX_SESSION_ID_BYTES;
@@ -26,14 +27,13 @@ pub enum AffinityMode {
 }
 
 impl std::str::FromStr for AffinityMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ConfigError;
+    fn from_str(s: &str) -> Result<Self, ConfigError> {
         match s {
             "hard" => Ok(AffinityMode::Hard),
             "soft" => Ok(AffinityMode::Soft),
-            other => Err(format!(
-                "expected hard or soft, got {:?}",
-                crate::event::truncate(other, 32)
+            other => Err(ConfigError::AffinityMode(
+                crate::event::truncate(other, 32).to_string(),
             )),
         }
     }
@@ -61,15 +61,12 @@ impl Default for SessionConfig {
 
 impl SessionConfig {
     /// Validates the TTL range, naming the flag in the message.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         if self.ttl < MIN_SESSION_TTL || self.ttl > MAX_SESSION_TTL {
-            return Err(format!(
-                "--session-ttl must be between 1 and 31536000 seconds, got {}",
-                self.ttl.as_secs_f64()
-            ));
+            return Err(ConfigError::SessionTtl(self.ttl.as_secs_f64()));
         }
         if self.max_entries == 0 {
-            return Err("--session-max-entries must be at least 1".into());
+            return Err(ConfigError::SessionMaxEntries);
         }
         Ok(())
     }
@@ -439,7 +436,11 @@ mod tests {
         let mut c = SessionConfig::default();
         assert!(c.validate().is_ok());
         c.ttl = Duration::from_millis(500);
-        assert!(c.validate().unwrap_err().contains("--session-ttl"));
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("--session-ttl"));
         c.ttl = Duration::from_secs(31_536_001);
         assert!(c.validate().is_err());
         c.ttl = MAX_SESSION_TTL;

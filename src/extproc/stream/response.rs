@@ -30,6 +30,9 @@ impl StreamMachine {
             r.response_status(status);
             self.epp.response_status(status);
         }
+        if let (Some(status), Some(t)) = (status, &self.trace) {
+            t.response_status(status);
+        }
         let sse = headers
             .headers
             .iter()
@@ -88,6 +91,9 @@ impl StreamMachine {
     pub(super) fn on_response_body(&mut self, body: HttpBody) -> Step {
         if !body.body.is_empty() && !self.first_byte_seen {
             self.first_byte_seen = true;
+            if let Some(t) = &self.trace {
+                t.first_byte();
+            }
             if let Some(r) = &self.reservation {
                 r.mark_prefill_complete();
                 if let Some(at) = self.picked_at {

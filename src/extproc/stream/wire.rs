@@ -74,6 +74,15 @@ pub(super) fn session_key(h: &HeaderValue) -> String {
     }
 }
 
+/// The value's bytes as Envoy sent them.
+pub(super) fn header_bytes(h: &HeaderValue) -> &[u8] {
+    if h.raw_value.is_empty() {
+        h.value.as_bytes()
+    } else {
+        &h.raw_value
+    }
+}
+
 pub(super) fn header_value(h: &HeaderValue) -> std::borrow::Cow<'_, str> {
     if h.raw_value.is_empty() {
         std::borrow::Cow::Borrowed(h.value.as_str())

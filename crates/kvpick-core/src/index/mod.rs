@@ -613,7 +613,6 @@ impl PrefixIndex {
     /// and has nothing expired is skipped in O(1). A rank's depth in a tier is the block index
     /// at which it stopped matching there.
     pub fn find_matches(&self, seq_hashes: &[u64], now: Instant) -> Vec<(RankKey, TierDepths)> {
-        const OPEN: u32 = u32::MAX;
         let now = self.units(now);
         // Per rank seen at block 0: where each tier stopped matching (OPEN = still matching).
         let mut entries: Vec<(u32, [u32; 3])> = Vec::new();
@@ -641,40 +640,15 @@ impl PrefixIndex {
                     entry.holder.live(now),
                 ),
             };
+            let groups = RankGroups {
+                holders,
+                pos: 0,
+                now,
+            };
             if i == 0 {
-                let mut groups = RankGroups {
-                    holders,
-                    pos: 0,
-                    now,
-                };
-                while let Some((rank, tiers)) = groups.next_group() {
-                    let ends = tiers.map(|present| if present { OPEN } else { 0 });
-                    entries.push((rank, ends));
-                    live.push(entries.len() - 1);
-                }
+                open_matches(groups, &mut entries, &mut live);
             } else if !(fresh && set_id == prev_set) {
-                let mut groups = RankGroups {
-                    holders,
-                    pos: 0,
-                    now,
-                };
-                let mut pending = groups.next_group();
-                live.retain(|&at| {
-                    let (rank, ends) = &mut entries[at];
-                    while pending.is_some_and(|(r, _)| r < *rank) {
-                        pending = groups.next_group();
-                    }
-                    let here = match pending {
-                        Some((r, tiers)) if r == *rank => tiers,
-                        _ => [false; 3],
-                    };
-                    for t in 0..3 {
-                        if ends[t] == OPEN && !here[t] {
-                            ends[t] = i;
-                        }
-                    }
-                    ends[2] == OPEN
-                });
+                narrow_matches(groups, &mut entries, &mut live, i);
             }
             prev_set = set_id;
             if live.is_empty() {
@@ -682,6 +656,12 @@ impl PrefixIndex {
             }
             depth = i + 1;
         }
+        self.depths(entries, depth)
+    }
+
+    /// Each matched rank's depths, capped at the prefix matched by any (`depth`), sorted by
+    /// rank; ranks with no block matched in any tier left out.
+    fn depths(&self, entries: Vec<(u32, [u32; 3])>, depth: u32) -> Vec<(RankKey, TierDepths)> {
         let mut out: Vec<(RankKey, TierDepths)> = entries
             .into_iter()
             .map(|(id, ends)| {
@@ -700,6 +680,47 @@ impl PrefixIndex {
         out.sort_unstable_by_key(|(rank, _)| *rank);
         out
     }
+}
+
+/// A tier still matching in [`PrefixIndex::find_matches`].
+const OPEN: u32 = u32::MAX;
+
+/// The first block's holders start the match: one entry per rank, each tier open where held.
+#[inline]
+fn open_matches(mut groups: RankGroups, entries: &mut Vec<(u32, [u32; 3])>, live: &mut Vec<usize>) {
+    while let Some((rank, tiers)) = groups.next_group() {
+        let ends = tiers.map(|present| if present { OPEN } else { 0 });
+        entries.push((rank, ends));
+        live.push(entries.len() - 1);
+    }
+}
+
+/// Block `i`'s holders, merge-joined against the ranks still matching (both in rank-id
+/// order): a tier a rank no longer holds ends at `i`; a rank held in no tier leaves `live`.
+#[inline]
+fn narrow_matches(
+    mut groups: RankGroups,
+    entries: &mut [(u32, [u32; 3])],
+    live: &mut Vec<usize>,
+    i: u32,
+) {
+    let mut pending = groups.next_group();
+    live.retain(|&at| {
+        let (rank, ends) = &mut entries[at];
+        while pending.is_some_and(|(r, _)| r < *rank) {
+            pending = groups.next_group();
+        }
+        let here = match pending {
+            Some((r, tiers)) if r == *rank => tiers,
+            _ => [false; 3],
+        };
+        for t in 0..3 {
+            if ends[t] == OPEN && !here[t] {
+                ends[t] = i;
+            }
+        }
+        ends[2] == OPEN
+    });
 }
 
 /// Adds `holder` to a block: merged into the same (rank, tier) if present, else inserted in order.

@@ -20,7 +20,7 @@ use crate::flow::Waiting;
 use crate::request::SelectionRequest;
 
 use super::pipeline::PromptBlocks;
-use super::{Partition, SelectOutcome, State};
+use super::{Ask, Partition, SelectOutcome, State};
 
 /// A waiting request: what the pipeline needs to try it again. Its prompt is kept only as block
 /// hashes (bounded by `max_prompt_blocks`): the text or token ids stay with the host's body.
@@ -178,6 +178,17 @@ impl Check {
 /// Whether a release pass can place anything: some schedulable rank that decodes (every
 /// request needs one; a prefill-only rank with room places nothing) is below its saturation
 /// limits, or none is schedulable at all (then every waiting request fails at once, 503).
+/// With `--hold-when-no-endpoints`, a partition with no schedulable rank that decodes keeps its
+/// requests waiting (for a rank to join, or their deadline) instead of failing them.
+fn holds(state: &State, config: &CoreConfig) -> bool {
+    config.flow.hold_when_no_endpoints
+        && !state
+            .ranks
+            .slots
+            .iter()
+            .any(|(_, s)| s.schedulable && s.role.decodes())
+}
+
 fn has_room(state: &State, config: &CoreConfig, now: Instant) -> bool {
     let mut decoding = state
         .ranks
@@ -205,6 +216,43 @@ fn queue_fact(w: &Waiting<Arc<Queued>>, event: QueueEvent) -> Fact {
         priority: w.priority,
         fairness_key: Arc::clone(&w.fairness_key),
         event,
+    }
+}
+
+/// A request that left the queue the moment it arrived (full, or its SLO unmeetable).
+fn left_at_once(priority: i32, fairness_key: Arc<str>, exit: QueueExit) -> Fact {
+    Fact::Queue {
+        priority,
+        fairness_key,
+        event: QueueEvent::Left {
+            exit,
+            waited_seconds: 0.0,
+        },
+    }
+}
+
+/// Where a release pass's outcomes go: `own`'s to the caller, every other one as a
+/// [`Fact::Dequeued`] for the host to hand to its waiter.
+struct Outcomes {
+    own: Option<u64>,
+    mine: Option<Result<SelectOutcome, SelectError>>,
+}
+
+impl Outcomes {
+    fn deliver(
+        &mut self,
+        ticket: u64,
+        result: Result<SelectOutcome, SelectError>,
+        facts: &mut Facts,
+    ) {
+        if Some(ticket) == self.own {
+            self.mine = Some(result);
+        } else {
+            facts.push(Fact::Dequeued {
+                ticket,
+                result: result.map(|o| Box::new(o.selection)),
+            });
+        }
     }
 }
 
@@ -282,44 +330,94 @@ impl Partition {
         let prompt = self.prompt_of(request, config);
         let mut guard = self.state.lock();
         let state = &mut *guard;
-        let check = Check::new(request, now);
-        // Tried just now against an empty queue: a release pass would only try it again.
-        let mut tried = false;
-        if state.queue.is_empty() {
-            let (id, generation) = claims.claim(request, self)?;
-            let booking = Some((id.as_str(), generation));
-            match self.select_in(
-                state,
-                &prompt,
+        // Held (no rank to serve it yet), or tried just now against an empty queue and found
+        // saturated: a release pass would only try it again.
+        let holding = holds(state, config);
+        let tried = state.queue.is_empty() && !holding;
+        if tried {
+            let check = Check::new(request, now);
+            let ask = Ask {
+                prompt: &prompt,
                 request,
-                booking,
+                booking: None,
                 config,
                 now,
-                Some(&check),
-                facts,
-            ) {
-                Ok(outcome) => return Ok(Admitted::Dispatched(Box::new(outcome))),
-                Err(Refusal::Saturated) => {
-                    claims.unclaim(&id, generation);
-                    tried = true;
-                }
-                Err(refusal) => {
-                    claims.unclaim(&id, generation);
-                    if matches!(refusal, Refusal::SloUnmeetable(_)) {
-                        facts.push(Fact::Queue {
-                            priority: request.priority,
-                            fairness_key: Arc::from(request.fairness_key.as_deref().unwrap_or("")),
-                            event: QueueEvent::Left {
-                                exit: QueueExit::SloMissed,
-                                waited_seconds: 0.0,
-                            },
-                        });
-                    }
-                    return Err(refusal.into_error());
-                }
+                admission: Some(&check),
+            };
+            if let Some(answer) = self.try_at_once(state, &ask, claims, facts) {
+                return answer;
             }
         }
-        let flow = &config.flow;
+        let waiting = self.waiting(request, ticket, prompt, &config.flow, now);
+        let deadline = waiting.deadline;
+        Self::enqueue(state, waiting, claims, &config.flow, facts)?;
+        if tried || holding {
+            self.queued.store(state.queue.len(), Ordering::Release);
+            return Ok(Admitted::Queued { deadline });
+        }
+        match self.pump_locked(state, claims, config, now, facts, Some(ticket)) {
+            Some(Ok(outcome)) => Ok(Admitted::Dispatched(Box::new(outcome))),
+            Some(Err(e)) => Err(e),
+            None => Ok(Admitted::Queued { deadline }),
+        }
+    }
+
+    /// Claims the request's booking id and runs the pipeline with it; the claim is given back
+    /// when nothing is booked.
+    fn claim_and_select(
+        self: &Arc<Self>,
+        state: &mut State,
+        ask: &Ask,
+        claims: &dyn Claims,
+        facts: &mut Facts,
+    ) -> Result<SelectOutcome, Refusal> {
+        let (id, generation) = claims.claim(ask.request, self).map_err(Refusal::Error)?;
+        let booked = Ask {
+            booking: Some((id.as_str(), generation)),
+            ..*ask
+        };
+        let result = self.select_in(state, &booked, facts);
+        if result.is_err() {
+            claims.unclaim(&id, generation);
+        }
+        result
+    }
+
+    /// An arriving request against an empty queue: the answer, or `None` when every eligible
+    /// rank is saturated (it may wait).
+    fn try_at_once(
+        self: &Arc<Self>,
+        state: &mut State,
+        ask: &Ask,
+        claims: &dyn Claims,
+        facts: &mut Facts,
+    ) -> Option<Result<Admitted, SelectError>> {
+        let refusal = match self.claim_and_select(state, ask, claims, facts) {
+            Ok(outcome) => return Some(Ok(Admitted::Dispatched(Box::new(outcome)))),
+            Err(Refusal::Saturated) => return None,
+            Err(refusal) => refusal,
+        };
+        if matches!(refusal, Refusal::SloUnmeetable(_)) {
+            let request = ask.request;
+            facts.push(left_at_once(
+                request.priority,
+                Arc::from(request.fairness_key.as_deref().unwrap_or("")),
+                QueueExit::SloMissed,
+            ));
+        }
+        Some(Err(refusal.into_error()))
+    }
+
+    /// The queue entry of an arriving request: its deadline is the queue timeout or, sooner,
+    /// its TTFT SLO; its fairness cost its prompt tokens plus one block.
+    fn waiting(
+        &self,
+        request: &SelectionRequest,
+        ticket: u64,
+        prompt: PromptBlocks,
+        flow: &crate::flow::FlowConfig,
+        now: Instant,
+    ) -> Waiting<Arc<Queued>> {
         let timeout_at = now.checked_add(flow.queue_timeout).unwrap_or(now);
         let slo_at = request
             .slo_ttft_ms
@@ -328,7 +426,7 @@ impl Partition {
             Some(at) if at < timeout_at => (at, true),
             _ => (timeout_at, false),
         };
-        let waiting = Waiting {
+        Waiting {
             ticket,
             priority: request.priority,
             fairness_key: Arc::from(request.fairness_key.as_deref().unwrap_or("")),
@@ -342,41 +440,37 @@ impl Partition {
                 request: request.without_prompt(),
                 prompt,
             }),
-        };
-        let key = Arc::clone(&waiting.fairness_key);
+        }
+    }
+
+    /// Puts `waiting` in the queue, or refuses it when the whole queue (across partitions) or
+    /// its priority band is full.
+    fn enqueue(
+        state: &mut State,
+        waiting: Waiting<Arc<Queued>>,
+        claims: &dyn Claims,
+        flow: &crate::flow::FlowConfig,
+        facts: &mut Facts,
+    ) -> Result<(), SelectError> {
+        let (priority, key) = (waiting.priority, Arc::clone(&waiting.fairness_key));
         let refused = if claims.waiting_total() > flow.capacity {
-            Some(full_error(request.priority, "the queue", flow.capacity))
+            Some(full_error(priority, "the queue", flow.capacity))
         } else if state.queue.push(waiting, flow.band_capacity).is_err() {
-            let band = format!("the queue of priority {}", request.priority);
-            Some(full_error(request.priority, &band, flow.band_capacity))
+            let band = format!("the queue of priority {priority}");
+            Some(full_error(priority, &band, flow.band_capacity))
         } else {
             None
         };
         if let Some(error) = refused {
-            facts.push(Fact::Queue {
-                priority: request.priority,
-                fairness_key: key,
-                event: QueueEvent::Left {
-                    exit: QueueExit::Full,
-                    waited_seconds: 0.0,
-                },
-            });
+            facts.push(left_at_once(priority, key, QueueExit::Full));
             return Err(error);
         }
         facts.push(Fact::Queue {
-            priority: request.priority,
+            priority,
             fairness_key: key,
             event: QueueEvent::Enqueued,
         });
-        if tried {
-            self.queued.store(state.queue.len(), Ordering::Release);
-            return Ok(Admitted::Queued { deadline });
-        }
-        match self.pump_locked(state, claims, config, now, facts, Some(ticket)) {
-            Some(Ok(outcome)) => Ok(Admitted::Dispatched(Box::new(outcome))),
-            Some(Err(e)) => Err(e),
-            None => Ok(Admitted::Queued { deadline }),
-        }
+        Ok(())
     }
 
     /// A release pass: capacity may have freed (a booking ended or finished its prefill, a rank
@@ -406,28 +500,22 @@ impl Partition {
         facts: &mut Facts,
         own: Option<u64>,
     ) -> Option<Result<SelectOutcome, SelectError>> {
-        let mut mine = None;
-        let mut deliver =
-            |ticket: u64, result: Result<SelectOutcome, SelectError>, facts: &mut Facts| {
-                if Some(ticket) == own {
-                    mine = Some(result);
-                } else {
-                    facts.push(Fact::Dequeued {
-                        ticket,
-                        result: result.map(|o| Box::new(o.selection)),
-                    });
-                }
-            };
+        let mut outcomes = Outcomes { own, mine: None };
         for ticket in state.queue.expired(now) {
             if let Some(w) = state.queue.take(ticket, false) {
                 let error = expired(&w, config, now, facts);
-                deliver(ticket, Err(error), facts);
+                outcomes.deliver(ticket, Err(error), facts);
             }
         }
         // The band of a request that waits although a rank has room (for the rank it prefers):
         // lower bands must not take that room first (strict priority), its own band may.
         let mut waiting_band: Option<i32> = None;
-        for ticket in state.queue.release_order(config.flow.max_scan) {
+        let release = if holds(state, config) {
+            Vec::new()
+        } else {
+            state.queue.release_order(config.flow.max_scan)
+        };
+        for ticket in release {
             // Nothing is placed on a saturated rank: with none left with room, stop.
             if !has_room(state, config, now) {
                 break;
@@ -438,67 +526,65 @@ impl Partition {
             if waiting_band.is_some_and(|band| w.priority < band) {
                 break;
             }
-            let priority = w.priority;
-            let queued = Arc::clone(&w.payload);
-            let check = Check::new(&queued.request, w.enqueued);
-            let request = &queued.request;
-            let attempt = claims.claim(request, self).map_err(Refusal::Error);
-            let result = match attempt {
-                Ok((id, generation)) => {
-                    let booking = Some((id.as_str(), generation));
-                    let result = self.select_in(
-                        state,
-                        &queued.prompt,
-                        request,
-                        booking,
-                        config,
-                        now,
-                        Some(&check),
-                        facts,
-                    );
-                    if result.is_err() {
-                        claims.unclaim(&id, generation);
-                    }
-                    result
-                }
-                Err(refusal) => Err(refusal),
+            let (priority, queued, enqueued) = (w.priority, Arc::clone(&w.payload), w.enqueued);
+            let ask = Ask {
+                prompt: &queued.prompt,
+                request: &queued.request,
+                booking: None,
+                config,
+                now,
+                admission: Some(&Check::new(&queued.request, enqueued)),
             };
-            match result {
-                Ok(outcome) => {
-                    if let Some(w) = state.queue.take(ticket, true) {
-                        facts.push(queue_fact(
-                            &w,
-                            QueueEvent::Dispatched {
-                                waited_seconds: waited(&w, now),
-                            },
-                        ));
-                    }
-                    deliver(ticket, Ok(outcome), facts);
-                }
-                Err(Refusal::Saturated) => {
+            match self.try_release(state, ticket, &ask, claims, facts) {
+                Some(result) => outcomes.deliver(ticket, result, facts),
+                None => {
                     waiting_band.get_or_insert(priority);
-                }
-                Err(refusal) => {
-                    if let Some(w) = state.queue.take(ticket, false) {
-                        let exit = if matches!(refusal, Refusal::SloUnmeetable(_)) {
-                            QueueExit::SloMissed
-                        } else {
-                            QueueExit::Refused
-                        };
-                        facts.push(queue_fact(
-                            &w,
-                            QueueEvent::Left {
-                                exit,
-                                waited_seconds: waited(&w, now),
-                            },
-                        ));
-                    }
-                    deliver(ticket, Err(refusal.into_error()), facts);
                 }
             }
         }
         self.queued.store(state.queue.len(), Ordering::Release);
-        mine
+        outcomes.mine
+    }
+
+    /// Tries waiting request `ticket` (`ask`): booked (it leaves the queue, dispatched),
+    /// refused (it leaves), or `None`: every rank it may use is saturated, it keeps waiting.
+    fn try_release(
+        self: &Arc<Self>,
+        state: &mut State,
+        ticket: u64,
+        ask: &Ask,
+        claims: &dyn Claims,
+        facts: &mut Facts,
+    ) -> Option<Result<SelectOutcome, SelectError>> {
+        let now = ask.now;
+        match self.claim_and_select(state, ask, claims, facts) {
+            Ok(outcome) => {
+                if let Some(w) = state.queue.take(ticket, true) {
+                    let waited_seconds = waited(&w, now);
+                    facts.push(queue_fact(&w, QueueEvent::Dispatched { waited_seconds }));
+                }
+                Some(Ok(outcome))
+            }
+            Err(Refusal::Saturated) => None,
+            Err(refusal) => {
+                if let Some(w) = state.queue.take(ticket, false) {
+                    let exit = if matches!(refusal, Refusal::SloUnmeetable(_)) {
+                        QueueExit::SloMissed
+                    } else {
+                        QueueExit::Refused
+                    };
+                    let waited_seconds = waited(&w, now);
+                    facts.push(queue_fact(
+                        &w,
+                        QueueEvent::Left {
+                            exit,
+                            waited_seconds,
+                        },
+                    ));
+                }
+                Some(Err(refusal.into_error()))
+            }
+        }
     }
 
     /// Takes a waiting request out because its client went away; false when it is no longer

@@ -50,6 +50,72 @@ struct StoredBlocks<'a> {
     cache_salt: Option<&'a str>,
 }
 
+/// Applies one KV event of `rank` to the index; false when it is dropped (a stored block of
+/// another block size, a removal naming a block never stored).
+fn apply_event(
+    index: &mut PrefixIndex,
+    map: &mut EngineMap,
+    rank: RankKey,
+    event: &KvEvent,
+    block_size: usize,
+    stats: &mut EventStats,
+) -> bool {
+    match event {
+        KvEvent::AllBlocksCleared => {
+            index.clear_rank(rank);
+            map.entries.clear();
+            true
+        }
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+            ..
+        } => {
+            let tier = tier_of(medium);
+            let mut all_known = true;
+            for h in block_hashes {
+                let Some(&seq) = map.entries.get(h) else {
+                    all_known = false;
+                    continue;
+                };
+                if !index.release(rank, seq, tier) {
+                    map.entries.remove(h);
+                }
+            }
+            all_known
+        }
+        KvEvent::BlockStored {
+            token_ids,
+            block_size: event_block_size,
+            ..
+        } if !token_ids.is_empty() && *event_block_size as usize != block_size => {
+            stats.block_size_mismatches = stats.block_size_mismatches.saturating_add(1);
+            false
+        }
+        KvEvent::BlockStored {
+            block_hashes,
+            parent_block_hash,
+            token_ids,
+            block_size: event_block_size,
+            medium,
+            lora_name,
+            cache_salt,
+            ..
+        } => {
+            let stored = StoredBlocks {
+                block_hashes,
+                parent: *parent_block_hash,
+                token_ids,
+                event_block_size: *event_block_size as usize,
+                tier: tier_of(medium),
+                seed: hash::block_seed(lora_name.as_deref(), None),
+                cache_salt: cache_salt.as_deref(),
+            };
+            store_blocks(index, map, rank, &stored, block_size)
+        }
+    }
+}
+
 /// Indexes stored blocks under our own chained hashes (recomputed from the token ids; a tokenless
 /// store is resolved through the engine map). False when any block could not be applied: a chain
 /// we never saw the start of, a block-size mismatch, a tokenless block we do not know, or too few
@@ -134,60 +200,7 @@ impl Partition {
         let block_size = self.block_size() as usize;
         let map = state.engines.entry(rank).or_default();
         for event in events {
-            let ok = match event {
-                KvEvent::AllBlocksCleared => {
-                    state.index.clear_rank(rank);
-                    map.entries.clear();
-                    true
-                }
-                KvEvent::BlockRemoved {
-                    block_hashes,
-                    medium,
-                    ..
-                } => {
-                    let tier = tier_of(medium);
-                    let mut all_known = true;
-                    for h in block_hashes {
-                        let Some(&seq) = map.entries.get(h) else {
-                            all_known = false;
-                            continue;
-                        };
-                        if !state.index.release(rank, seq, tier) {
-                            map.entries.remove(h);
-                        }
-                    }
-                    all_known
-                }
-                KvEvent::BlockStored {
-                    token_ids,
-                    block_size: event_block_size,
-                    ..
-                } if !token_ids.is_empty() && *event_block_size as usize != block_size => {
-                    stats.block_size_mismatches = stats.block_size_mismatches.saturating_add(1);
-                    false
-                }
-                KvEvent::BlockStored {
-                    block_hashes,
-                    parent_block_hash,
-                    token_ids,
-                    block_size: event_block_size,
-                    medium,
-                    lora_name,
-                    cache_salt,
-                    ..
-                } => {
-                    let stored = StoredBlocks {
-                        block_hashes,
-                        parent: *parent_block_hash,
-                        token_ids,
-                        event_block_size: *event_block_size as usize,
-                        tier: tier_of(medium),
-                        seed: hash::block_seed(lora_name.as_deref(), None),
-                        cache_salt: cache_salt.as_deref(),
-                    };
-                    store_blocks(&mut state.index, map, rank, &stored, block_size)
-                }
-            };
+            let ok = apply_event(&mut state.index, map, rank, event, block_size, &mut stats);
             if ok {
                 stats.applied = stats.applied.saturating_add(1);
             } else {

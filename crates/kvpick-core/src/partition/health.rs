@@ -14,7 +14,7 @@ use std::time::Instant;
 use crate::config::CoreConfig;
 use crate::facts::{Fact, Facts, ResponseClass};
 use crate::index::Tier;
-use crate::outlier::HealthEvent;
+use crate::outlier::{HealthEvent, OutlierConfig, RankHealth};
 use crate::request::Holder;
 use crate::types::RankKey;
 
@@ -98,19 +98,7 @@ impl Partition {
         if withdraw(state, &mut predicted) {
             facts.push(self.index_fact(state, None));
         }
-        let ejected = state
-            .ranks
-            .slots
-            .iter()
-            .filter(|(_, s)| s.health.is_ejected())
-            .count();
-        let schedulable = state
-            .ranks
-            .slots
-            .iter()
-            .filter(|(_, s)| s.schedulable)
-            .count();
-        let may_eject = ejected < config.outlier.max_ejected(schedulable);
+        let may_eject = may_eject(state, &config.outlier);
         let Some(slot) = state.ranks.get_mut(&rank) else {
             return true;
         };
@@ -119,21 +107,14 @@ impl Partition {
             dp_rank: rank.dp_rank,
             class,
         });
-        let outlier = &config.outlier;
-        let event = match class {
-            ResponseClass::Success | ResponseClass::ClientError => {
-                slot.health.on_success(now, outlier, probe)
-            }
-            ResponseClass::ServerError => slot.health.on_failure(now, outlier, may_eject, probe),
-            ResponseClass::Reset => {
-                // No answer is no verdict on the engine (the client may have gone), but a probe
-                // without one must not hold the rank out forever.
-                if probe {
-                    slot.health.probe_abandoned(now);
-                }
-                None
-            }
-        };
+        let event = judge(
+            &mut slot.health,
+            class,
+            probe,
+            may_eject,
+            &config.outlier,
+            now,
+        );
         if let Some(event) = event {
             facts.push(Fact::Outlier {
                 worker: slot.worker_name.clone(),
@@ -147,5 +128,39 @@ impl Partition {
             }
         }
         true
+    }
+}
+
+/// Whether one more rank may be ejected: under the cap of the partition's schedulable ranks.
+fn may_eject(state: &State, outlier: &OutlierConfig) -> bool {
+    let slots = &state.ranks.slots;
+    let ejected = slots.iter().filter(|(_, s)| s.health.is_ejected()).count();
+    let schedulable = slots.iter().filter(|(_, s)| s.schedulable).count();
+    ejected < outlier.max_ejected(schedulable)
+}
+
+/// The answer's verdict on the rank's health: a 2xx or 4xx counts as a success, a 5xx as a
+/// failure, a reset as none (but an unanswered probe lets another one go).
+fn judge(
+    health: &mut RankHealth,
+    class: ResponseClass,
+    probe: bool,
+    may_eject: bool,
+    outlier: &OutlierConfig,
+    now: Instant,
+) -> Option<HealthEvent> {
+    match class {
+        ResponseClass::Success | ResponseClass::ClientError => {
+            health.on_success(now, outlier, probe)
+        }
+        ResponseClass::ServerError => health.on_failure(now, outlier, may_eject, probe),
+        ResponseClass::Reset => {
+            // No answer is no verdict on the engine (the client may have gone), but a probe
+            // without one must not hold the rank out forever.
+            if probe {
+                health.probe_abandoned(now);
+            }
+            None
+        }
     }
 }

@@ -1,0 +1,344 @@
+//! The catalog as the core schedules it: source snapshots and edits applied to the catalog and
+//! reconciled into partitions, the partition a request resolves to, worker listings, and KV
+//! state written into a partition's index (events, inserted blocks, cleared ranks, engine
+//! metrics). It must not book or decide.
+
+use super::*;
+
+/// Most partitions without a ready rank that `--hold-when-no-endpoints` keeps requests waiting in.
+pub const MAX_HELD_PARTITIONS: usize = 16;
+
+impl Core {
+    /// Replaces one source's workers with `specs` and reconciles the union of all sources:
+    /// duplicate ids are rejected before anything changes; unchanged workers are skipped; changed
+    /// ones are replaced in one batch per partition (surviving ranks keep their bookings);
+    /// workers absent from every source are deleted with their bookings.
+    pub fn apply_source_snapshot(
+        &self,
+        source: SourceName,
+        specs: Vec<WorkerSpec>,
+        now: Instant,
+    ) -> Result<(ApplyReport, Facts), CatalogError> {
+        self.modify_source(source, |list| *list = specs, now)
+            .map(|((), report, facts)| (report, facts))
+    }
+
+    /// Edits one source's worker list with `edit` and reconciles, all under the catalog lock, so
+    /// concurrent edits of one source never lose each other's changes.
+    pub fn modify_source<R>(
+        &self,
+        source: SourceName,
+        edit: impl FnOnce(&mut Vec<WorkerSpec>) -> R,
+        now: Instant,
+    ) -> Result<(R, ApplyReport, Facts), CatalogError> {
+        let mut catalog = self.catalog.lock();
+        let mut list = catalog.source(source).to_vec();
+        let result = edit(&mut list);
+        let (mut report, changes) = catalog.replace_source(source, list)?;
+        let mut facts = Facts::default();
+        let mut changed = Vec::new();
+        for (key, change) in changes {
+            let partition = self.partition(&key, now);
+            changed.push(Arc::clone(&partition));
+            let batch = partition.apply_batch(&change.gone, &change.upserts, now, &mut facts);
+            for (id, reason) in batch.failed {
+                if let Some(name) = catalog.mark_failed(id, reason.clone()) {
+                    report.failed.push((name, reason));
+                }
+            }
+            for (id, generation) in batch.dropped_bookings {
+                self.unregister(&id, Claim::Generation(generation));
+            }
+        }
+        self.synced.store(true, Ordering::Release);
+        report.ready = catalog.any_schedulable();
+        facts.push(Fact::CatalogWorkers(Facts::lifecycle_counts(
+            catalog.records().map(|r| r.lifecycle),
+        )));
+        drop(catalog);
+        // A rank joined or came back: waiting requests may fit now (or fail for good when
+        // their partition lost every rank).
+        for partition in &changed {
+            self.pump_partition(partition, now, &mut facts);
+        }
+        Ok((result, report, facts))
+    }
+
+    /// Adds or replaces one worker of a source (matched by name) and reconciles.
+    pub fn upsert_source_worker(
+        &self,
+        source: SourceName,
+        spec: WorkerSpec,
+        now: Instant,
+    ) -> Result<(ApplyReport, Facts), CatalogError> {
+        self.modify_source(
+            source,
+            |list| {
+                list.retain(|w| w.name != spec.name);
+                list.push(spec);
+            },
+            now,
+        )
+        .map(|((), report, facts)| (report, facts))
+    }
+
+    /// Removes one worker of a source by name; says whether it existed.
+    pub fn delete_source_worker(
+        &self,
+        source: SourceName,
+        name: &str,
+        now: Instant,
+    ) -> Result<(bool, ApplyReport, Facts), CatalogError> {
+        self.modify_source(
+            source,
+            |list| {
+                let before = list.len();
+                list.retain(|w| w.name != name);
+                list.len() != before
+            },
+            now,
+        )
+    }
+
+    /// The partition for `key`, created lazily.
+    pub(super) fn partition(&self, key: &PartitionKey, now: Instant) -> Arc<Partition> {
+        if let Some(p) = self.partitions.read().get(key) {
+            return Arc::clone(p);
+        }
+        let mut partitions = self.partitions.write();
+        Arc::clone(
+            partitions
+                .entry(key.clone())
+                .or_insert_with(|| Arc::new(Partition::new(key.clone(), &self.config, now))),
+        )
+    }
+
+    /// Finds the partition a request belongs to: its `(model, routing_group)`, else a partition
+    /// serving the model as a LoRA adapter; requests without a model go to the partition with the
+    /// most schedulable ranks.
+    pub(super) fn resolve_partition(
+        &self,
+        request: &SelectionRequest,
+    ) -> Result<Arc<Partition>, SelectError> {
+        self.resolve_partition_of(request.model.as_deref(), &request.routing_group)
+    }
+
+    pub(super) fn resolve_partition_of(
+        &self,
+        model: Option<&str>,
+        routing_group: &str,
+    ) -> Result<Arc<Partition>, SelectError> {
+        let partitions = self.partitions.read();
+        let Some(model) = model else {
+            return partitions
+                .values()
+                .filter(|p| p.schedulable_ranks() > 0)
+                .max_by_key(|p| p.schedulable_ranks())
+                .cloned()
+                .ok_or_else(|| SelectError::Unavailable("no ready worker in the pool".into()));
+        };
+        let key = PartitionKey {
+            model: model.to_string(),
+            routing_group: routing_group.to_string(),
+        };
+        if let Some(p) = partitions.get(&key) {
+            if p.schedulable_ranks() > 0 {
+                return Ok(Arc::clone(p));
+            }
+        }
+        partitions
+            .values()
+            .find(|p| p.routing_group_is(routing_group) && p.serves_adapter(model))
+            .cloned()
+            .ok_or_else(|| {
+                SelectError::Unavailable(format!("no ready worker serves model {}", clip(model)))
+            })
+    }
+
+    pub(super) fn ensure_ready(
+        &self,
+        request: &SelectionRequest,
+    ) -> Result<Arc<Partition>, SelectError> {
+        request.validate()?;
+        // Read on every pick: an atomic, not the catalog lock.
+        if !self.synced.load(Ordering::Acquire) {
+            return Err(SelectError::Unavailable("catalog not synced yet".into()));
+        }
+        let partition = self.resolve_partition(request)?;
+        crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
+        Ok(partition)
+    }
+
+    /// With `--hold-when-no-endpoints`: the partition a request for a model with no ready rank
+    /// waits in, created for it when the model has none yet (a pool scaled to zero, or kvpick
+    /// started while it was). Client-chosen model names must not create partitions without
+    /// bound: at most [`MAX_HELD_PARTITIONS`] partitions without a ready rank exist; past that
+    /// the request is refused as before. A request without a model waits in the one partition
+    /// the pool has, if it has exactly one.
+    pub(super) fn held_partition(
+        &self,
+        request: &SelectionRequest,
+        now: Instant,
+    ) -> Result<Arc<Partition>, SelectError> {
+        if !self.synced.load(Ordering::Acquire) {
+            return Err(SelectError::Unavailable("catalog not synced yet".into()));
+        }
+        // The write lock: the bound is checked and the partition created in one step.
+        let mut partitions = self.partitions.write();
+        let model = match request.model.as_deref() {
+            Some(model) => model.to_string(),
+            None => match partitions.keys().collect::<Vec<_>>().as_slice() {
+                [only] => only.model.clone(),
+                _ => {
+                    return Err(SelectError::Unavailable(
+                        "no ready worker in the pool".into(),
+                    ))
+                }
+            },
+        };
+        let key = PartitionKey {
+            model,
+            routing_group: request.routing_group.clone(),
+        };
+        if !partitions.contains_key(&key) {
+            let empty = partitions
+                .values()
+                .filter(|p| p.schedulable_ranks() == 0)
+                .count();
+            if empty >= MAX_HELD_PARTITIONS {
+                return Err(SelectError::Unavailable(format!(
+                    "no ready worker serves model {} ({MAX_HELD_PARTITIONS} models already wait \
+                     for workers)",
+                    clip(&key.model)
+                )));
+            }
+        }
+        let partition = Arc::clone(
+            partitions
+                .entry(key.clone())
+                .or_insert_with(|| Arc::new(Partition::new(key, &self.config, now))),
+        );
+        drop(partitions);
+        crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
+        Ok(partition)
+    }
+
+    /// Every worker record (for hosts that derive their own view, e.g. KV subscriptions).
+    pub fn records(&self) -> Vec<WorkerRecord> {
+        self.catalog.lock().records().cloned().collect()
+    }
+
+    /// The catalog with per-rank load, sorted by worker name.
+    pub fn list_workers(&self, model: Option<&str>) -> Vec<WorkerView> {
+        let records: Vec<WorkerRecord> = self
+            .catalog
+            .lock()
+            .records()
+            .filter(|w| model.is_none_or(|m| w.spec.serves(m)))
+            .cloned()
+            .collect();
+        let mut views: Vec<WorkerView> = records
+            .into_iter()
+            .map(|record| {
+                let partition = self.partitions.read().get(&record.partition_key()).cloned();
+                let loads = record
+                    .ranks
+                    .iter()
+                    .map(|r| {
+                        partition
+                            .as_ref()
+                            .and_then(|p| {
+                                p.load_of(RankKey {
+                                    worker_id: record.id,
+                                    dp_rank: r.dp_rank,
+                                })
+                            })
+                            .unwrap_or_default()
+                    })
+                    .collect::<Vec<RankLoad>>();
+                WorkerView { record, loads }
+            })
+            .collect();
+        views.sort_by(|a, b| a.record.spec.name.cmp(&b.record.spec.name));
+        views
+    }
+
+    /// Records that `rank` holds `seq_hashes` in the partition `key` (warm-up, tests).
+    pub fn insert_blocks(
+        &self,
+        key: &PartitionKey,
+        rank: RankKey,
+        seq_hashes: &[u64],
+        tier: Tier,
+        expires: Option<Instant>,
+        now: Instant,
+    ) {
+        self.partition(key, now)
+            .insert_blocks(rank, seq_hashes, tier, expires);
+    }
+
+    /// Applies KV events published by one rank. Returns what was applied / dropped.
+    pub fn apply_kv_events(
+        &self,
+        rank: RankKey,
+        events: &[KvEvent],
+        now: Instant,
+    ) -> (EventStats, Facts) {
+        let mut facts = Facts::default();
+        let Some(partition) = self.partition_of_worker(rank.worker_id) else {
+            // Not counted as facts: the rank is not (or no longer) in the catalog.
+            let stats = EventStats {
+                dropped: events.len() as u64,
+                ..EventStats::default()
+            };
+            return (stats, facts);
+        };
+        let stats = partition.apply_events(rank, events, now, &mut facts);
+        facts.push(Fact::KvEvents {
+            applied: stats.applied,
+            dropped: stats.dropped,
+            block_size_mismatches: stats.block_size_mismatches,
+        });
+        facts.push(partition.index_size());
+        (stats, facts)
+    }
+
+    /// Forgets a rank's blocks (its engine restarted).
+    pub fn clear_rank(&self, rank: RankKey) {
+        if let Some(partition) = self.partition_of_worker(rank.worker_id) {
+            partition.clear_rank(rank);
+        }
+    }
+
+    /// Stores one engine-metrics reading of a rank (the host's scraper calls this after each
+    /// scrape). False when the rank is not in the catalog (it left while the scrape ran).
+    pub fn record_engine_metrics(&self, rank: RankKey, metrics: crate::EngineMetrics) -> bool {
+        self.partition_of_worker(rank.worker_id)
+            .is_some_and(|p| p.record_engine_metrics(rank, metrics))
+    }
+
+    pub(super) fn partition_of_worker(&self, worker_id: u64) -> Option<Arc<Partition>> {
+        let key = self.catalog.lock().record(worker_id)?.partition_key();
+        self.partitions.read().get(&key).cloned()
+    }
+
+    /// The block size of a model's partition (default until a worker declares one).
+    pub fn block_size(&self, key: &PartitionKey) -> u32 {
+        self.partitions
+            .read()
+            .get(key)
+            .map_or(DEFAULT_BLOCK_SIZE, |p| p.block_size())
+    }
+
+    /// Per-rank overlap (GPU-tier blocks) of a prompt in a model's partition, for the API.
+    pub fn overlap_scores(
+        &self,
+        request: &SelectionRequest,
+        now: Instant,
+    ) -> Result<(u32, Vec<(PickedRank, TierDepths)>), SelectError> {
+        request.validate()?;
+        let partition = self.resolve_partition(request)?;
+        crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
+        Ok(partition.overlaps(request, self.config.max_prompt_blocks, now))
+    }
+}

@@ -1,0 +1,455 @@
+//! Bookings: installing a pick (its load, session lease, predicted blocks and prefill leg), the
+//! request's life after the pick (prefill complete, first token, decode complete, free, move,
+//! expiry) and what each gives back. It must not choose ranks ([`super::select`]) or apply KV
+//! events ([`super::events`]).
+
+#![warn(clippy::arithmetic_side_effects)]
+
+use super::*;
+
+/// What the decision chose, as the booking stage needs it.
+pub(super) struct Pick<'a> {
+    pub(super) booking_id: &'a str,
+    pub(super) generation: u64,
+    pub(super) rank: RankKey,
+    pub(super) overlap: TierDepths,
+    pub(super) prompt: &'a PromptBlocks,
+    pub(super) block_size: u32,
+    pub(super) ttft_tokens: f64,
+    pub(super) predicted_ttft: f64,
+    /// The prefill rank and the prompt's overlap there, when the pair decision split the request.
+    pub(super) prefill: Option<(RankKey, TierDepths)>,
+}
+
+impl Booking {
+    /// Prefill tokens this booking still adds to its rank's queue.
+    pub(super) fn queued_prefill(&self) -> u64 {
+        if self.prefill_complete {
+            0
+        } else {
+            self.prefill_tokens
+        }
+    }
+}
+
+impl Booking {
+    /// The booking of a pick: its load on the rank (uncached prefill tokens, unless a prefill
+    /// leg prefills them, and its decode blocks) and what its first token is checked against.
+    fn for_pick(
+        request: &SelectionRequest,
+        pick: &Pick,
+        leg: Option<pair::PrefillLeg>,
+        session: Option<String>,
+        now: Instant,
+    ) -> Booking {
+        let block_size = u64::from(pick.block_size.max(1));
+        let tokens = pick.prompt.tokens;
+        let cached_tokens = u64::from(pick.overlap.gpu)
+            .saturating_mul(block_size)
+            .min(tokens);
+        Booking {
+            generation: pick.generation,
+            holder: request.holder,
+            rank: pick.rank,
+            // A split request's decode rank pulls the KV instead of prefilling it.
+            prefill_tokens: if leg.is_some() {
+                0
+            } else {
+                tokens.saturating_sub(cached_tokens)
+            },
+            decode_blocks: tokens.div_ceil(block_size),
+            prefill_complete: false,
+            created: now,
+            ttft_tokens: pick.ttft_tokens,
+            predicted_ttft: pick.predicted_ttft,
+            session,
+            priority: request.priority,
+            slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
+            slo_tpot: request.slo_tpot_ms.map(|ms| ms as f64 / 1000.0),
+            first_token: None,
+            prefill: leg,
+            prefill_rank_gone: false,
+            failed: false,
+            answered: false,
+            probe: false,
+            predicted: health::predicted(pick),
+        }
+    }
+}
+
+impl Partition {
+    /// The last stage: binds or reuses the session, installs the booking and its load, and
+    /// inserts the prompt's blocks as predicted (or approximate) entries for the picked rank.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn book(
+        &self,
+        state: &mut State,
+        request: &SelectionRequest,
+        pick: &Pick,
+        affinity: Affinity,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Option<SessionOutcome> {
+        let (outcome, leased_session) = Self::bind_session(
+            state,
+            request,
+            pick.prompt.present,
+            pick.rank,
+            affinity,
+            config,
+            now,
+            facts,
+        );
+        let leg = pick.prefill.and_then(|(rank, overlap)| {
+            pair::book_leg(state, rank, overlap, pick, config, now, facts)
+        });
+        let mut booking = Booking::for_pick(request, pick, leg, leased_session, now);
+        let Some(slot) = state.ranks.get_mut(&pick.rank) else {
+            pair::unbook_leg(state, booking.prefill.as_ref(), facts);
+            return outcome;
+        };
+        slot.add_load(booking.prefill_tokens, booking.decode_blocks);
+        if booking.holder == Holder::Api {
+            slot.api_bookings = slot.api_bookings.saturating_add(1);
+        }
+        let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
+            config.predicted_ttl
+        } else {
+            config.approx_ttl
+        };
+        facts.push(load_fact(slot, pick.rank));
+        facts.push(Fact::Inflight(1));
+        // Only a stream reports its answer: an API booking never takes a half-open rank's probe.
+        booking.probe = health::may_probe(request.holder) && slot.health.on_booked(now);
+        let hashes = &pick.prompt.seq_hashes;
+        state.bookings.insert(pick.booking_id.to_string(), booking);
+        if !hashes.is_empty() {
+            state
+                .index
+                .insert(pick.rank, hashes, Tier::Gpu, now.checked_add(ttl));
+            facts.push(self.index_fact(state, None));
+            facts.push(Fact::PredictedOverlap(
+                f64::from(pick.overlap.gpu) / hashes.len() as f64,
+            ));
+        }
+        outcome
+    }
+
+    /// The session part of booking: reuse, bind (evicting the longest-idle binding when full) or
+    /// route unpinned when the table is full of leased sessions; returns the outcome and the
+    /// session whose lease the booking holds.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn bind_session(
+        state: &mut State,
+        request: &SelectionRequest,
+        has_prompt: bool,
+        rank: RankKey,
+        affinity: Affinity,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> (Option<SessionOutcome>, Option<String>) {
+        // A request without a prompt (`GET /v1/models`, header-only) holds no KV cache: it may
+        // follow a binding but never creates one, so it cannot fill the table.
+        let may_bind = affinity == Affinity::Kept || has_prompt;
+        let Some(sid) = request.session_id.as_deref().filter(|_| may_bind) else {
+            return (None, None);
+        };
+        if affinity == Affinity::Overridden {
+            Self::invalidate_session(state, sid, Invalidation::SoftOverride, facts);
+        }
+        let result = if affinity == Affinity::Kept {
+            SessionOutcome::Reused
+        } else {
+            match state
+                .sessions
+                .bind(sid, rank, now, config.sessions.max_entries)
+            {
+                Bound::Yes { created, evicted } => {
+                    if evicted {
+                        // One binding out, one in: the live count stays.
+                        facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
+                    } else if created {
+                        facts.push(Fact::SessionsLive(1));
+                    }
+                    SessionOutcome::Created
+                }
+                Bound::Full => SessionOutcome::TableFull,
+            }
+        };
+        facts.push(Fact::Session(result));
+        if result == SessionOutcome::TableFull {
+            return (Some(result), None);
+        }
+        state.sessions.acquire(sid);
+        (Some(result), Some(sid.to_string()))
+    }
+
+    pub(super) fn invalidate_session(
+        state: &mut State,
+        sid: &str,
+        reason: Invalidation,
+        facts: &mut Facts,
+    ) {
+        if state.sessions.invalidate(sid).is_some() {
+            facts.push(Fact::SessionsLive(-1));
+            facts.push(Fact::SessionInvalidated(reason));
+            // In-flight requests of the session keep their bookings; their leases were on the
+            // old binding, which is gone, so the new binding starts without them.
+            for booking in state.bookings.values_mut() {
+                if booking.session.as_deref() == Some(sid) {
+                    booking.session = None;
+                }
+            }
+        }
+    }
+
+    /// Ends a booking: its session lease and its load.
+    pub(super) fn release(state: &mut State, booking: &Booking, now: Instant, facts: &mut Facts) {
+        if let Some(sid) = &booking.session {
+            state.sessions.release(sid, now);
+        }
+        if booking.probe && !booking.answered {
+            if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+                slot.health.probe_abandoned(now);
+            }
+        }
+        Self::unload(state, booking, facts);
+        pair::unbook_leg(state, booking.prefill.as_ref(), facts);
+    }
+
+    /// Takes a booking's load off its rank (the booking itself lives on elsewhere or not).
+    pub(super) fn unload(state: &mut State, booking: &Booking, facts: &mut Facts) {
+        if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+            slot.remove_load(booking.queued_prefill(), booking.decode_blocks);
+            if booking.holder == Holder::Api {
+                slot.api_bookings = slot.api_bookings.saturating_sub(1);
+            }
+            facts.push(load_fact(slot, booking.rank));
+            facts.push(Fact::Inflight(-1));
+        }
+    }
+
+    /// The booking's first token arrived at `now`: its prefill leaves the rank's queue, and the
+    /// time since its pick is an observation for the TTFT estimator. `None` when the booking is
+    /// not here; `Some(first)`: whether this was its first token (a repeat changes nothing).
+    pub fn prefill_complete(
+        &self,
+        booking: &BookingRef,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Option<bool> {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let id = &booking.0;
+        let booking = state
+            .bookings
+            .get_mut(&booking.0)
+            .filter(|b| b.generation == booking.1)?;
+        let first = !booking.prefill_complete;
+        // A failed response's first byte is no first token: no TTFT sample, SLO or TPOT start.
+        let sample = !booking.failed;
+        if first {
+            booking.prefill_complete = true;
+            let (created, slo_ttft, priority, rank) = (
+                booking.created,
+                booking.slo_ttft,
+                booking.priority,
+                booking.rank,
+            );
+            if let Some(leg) = booking.prefill.take() {
+                let observed = now.saturating_duration_since(booking.created).as_secs_f64();
+                let (ttft_tokens, predicted) = (booking.ttft_tokens, booking.predicted_ttft);
+                pair::unbook_leg(state, Some(&leg), facts);
+                if sample {
+                    state.estimator.observe(leg.rank, ttft_tokens, observed);
+                    facts.push(Fact::TtftObserved {
+                        predicted_seconds: predicted,
+                        observed_seconds: observed,
+                    });
+                }
+            } else if let Some(slot) = state.ranks.get_mut(&booking.rank) {
+                slot.load.active_prefill_tokens = slot
+                    .load
+                    .active_prefill_tokens
+                    .saturating_sub(booking.prefill_tokens);
+                facts.push(load_fact(slot, booking.rank));
+                if sample && !booking.prefill_rank_gone {
+                    let observed = now.saturating_duration_since(booking.created).as_secs_f64();
+                    state
+                        .estimator
+                        .observe(booking.rank, booking.ttft_tokens, observed);
+                    facts.push(Fact::TtftObserved {
+                        predicted_seconds: booking.predicted_ttft,
+                        observed_seconds: observed,
+                    });
+                }
+            }
+            if !sample {
+                return Some(first);
+            }
+            let observed = now.saturating_duration_since(created).as_secs_f64();
+            if let Some(slo) = slo_ttft {
+                facts.push(Fact::SloTtft {
+                    priority,
+                    met: observed <= slo,
+                });
+            }
+            let batch = state
+                .ranks
+                .get(&rank)
+                .map_or(1, |s| s.total_load().active_requests);
+            if let Some(b) = state.bookings.get_mut(id) {
+                b.first_token = Some((now, batch));
+            }
+        }
+        Some(first)
+    }
+
+    /// The booking's response ended after `output_tokens` tokens: its decode speed (first token
+    /// to now) is an observation for the TPOT estimator, and its TPOT SLO is met or missed.
+    pub fn decode_complete(
+        &self,
+        booking: &BookingRef,
+        output_tokens: u64,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(b) = state
+            .bookings
+            .get(&booking.0)
+            .filter(|b| b.generation == booking.1)
+        else {
+            return false;
+        };
+        let Some((first, batch)) = b.first_token.filter(|_| output_tokens >= 2) else {
+            return false;
+        };
+        let tpot = now.saturating_duration_since(first).as_secs_f64()
+            / output_tokens.saturating_sub(1) as f64;
+        if let Some(slo) = b.slo_tpot {
+            facts.push(Fact::SloTpot {
+                priority: b.priority,
+                met: tpot <= slo,
+            });
+        }
+        state.tpot.observe(batch as f64, tpot);
+        true
+    }
+
+    pub fn free(&self, booking: &BookingRef, now: Instant, facts: &mut Facts) -> bool {
+        let mut state = self.state.lock();
+        if state
+            .bookings
+            .get(&booking.0)
+            .is_none_or(|b| b.generation != booking.1)
+        {
+            return false;
+        }
+        let Some(booking) = state.bookings.remove(&booking.0) else {
+            return false;
+        };
+        Self::release(&mut state, &booking, now, facts);
+        true
+    }
+
+    pub fn move_booking(
+        &self,
+        (booking_id, generation): &BookingRef,
+        served: SocketAddr,
+        facts: &mut Facts,
+    ) -> bool {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let Some(current) = state
+            .bookings
+            .get(booking_id)
+            .filter(|b| b.generation == *generation)
+            .map(|b| b.rank)
+        else {
+            return false;
+        };
+        if state
+            .ranks
+            .get(&current)
+            .is_some_and(|s| s.endpoint == served)
+        {
+            return false;
+        }
+        // Multiplexed ranks share an address: the request still carries the picked rank's
+        // `X-data-parallel-rank`, so the same rank of the serving pod is the one that runs it.
+        let serving = || state.ranks.iter().filter(|(_, s)| s.endpoint == served);
+        let Some(target) = serving()
+            .find(|(k, _)| k.dp_rank == current.dp_rank)
+            .or_else(|| serving().min_by_key(|(_, s)| s.load.active_requests))
+            .map(|(k, _)| *k)
+        else {
+            return false;
+        };
+        let Some(booking) = state.bookings.remove(booking_id) else {
+            return false;
+        };
+        // The session lease moves with the booking; only the load changes rank.
+        Self::unload(state, &booking, facts);
+        let Some(slot) = state.ranks.get_mut(&target) else {
+            return false;
+        };
+        slot.add_load(booking.queued_prefill(), booking.decode_blocks);
+        if booking.holder == Holder::Api {
+            slot.api_bookings = slot.api_bookings.saturating_add(1);
+        }
+        facts.push(load_fact(slot, target));
+        facts.push(Fact::Inflight(1));
+        state.bookings.insert(
+            booking_id.clone(),
+            Booking {
+                rank: target,
+                ..booking
+            },
+        );
+        true
+    }
+
+    /// Reaps API bookings older than `ttl` (returned) and purges expired index entries and idle
+    /// sessions. A stream's booking never expires: its stream's guard frees it when the stream
+    /// ends, however long the response runs.
+    pub fn reap(
+        &self,
+        now: Instant,
+        ttl: Duration,
+        ttl_sessions: Duration,
+        facts: &mut Facts,
+    ) -> Vec<BookingRef> {
+        let mut guard = self.state.lock();
+        let state = &mut *guard;
+        let expired: Vec<BookingRef> = state
+            .bookings
+            .iter()
+            .filter(|(_, b)| {
+                b.holder == Holder::Api && now.saturating_duration_since(b.created) >= ttl
+            })
+            .map(|(id, b)| (id.clone(), b.generation))
+            .collect();
+        for (id, _) in &expired {
+            if let Some(booking) = state.bookings.remove(id) {
+                Self::release(state, &booking, now, facts);
+            }
+        }
+        // One shard per reap: bounded work under the lock; expired entries already count as absent.
+        state.index.purge_expired_step(now);
+        let idle = state.sessions.reap(now, ttl_sessions);
+        facts.push(Fact::SessionsLive(negative(idle as u64)));
+        facts.push(Fact::SessionsExpired(idle as u64));
+        let engine_bytes: usize = state
+            .engines
+            .values()
+            .map(|m| engine_map_bytes(m.entries.capacity()))
+            .fold(0usize, usize::saturating_add);
+        let bytes = state.index.heap_bytes().saturating_add(engine_bytes);
+        facts.push(self.index_fact(state, Some(bytes)));
+        expired
+    }
+}

@@ -1,0 +1,102 @@
+//! What other processes tell the partition: loads booked by other kvpick replicas, this replica's
+//! own loads to publish, session bindings decided elsewhere, engine-metrics readings, and blocks
+//! inserted from outside a pick. It must not decide or book.
+
+use super::*;
+
+impl Partition {
+    /// Sets every rank's load booked by other replicas: `loads` names it, a rank it does not
+    /// name has none.
+    pub fn set_remote_loads(&self, loads: &HashMap<RankKey, RankLoad>) {
+        let mut state = self.state.lock();
+        for (key, slot) in state.ranks.slots.iter_mut() {
+            slot.remote_load = loads.get(key).copied().unwrap_or_default();
+        }
+    }
+
+    /// Appends this process's own load of every rank that has any.
+    pub fn local_loads(&self, out: &mut Vec<(RankKey, RankLoad)>) {
+        let state = self.state.lock();
+        out.extend(
+            state
+                .ranks
+                .iter()
+                .filter(|(_, s)| s.load != RankLoad::default())
+                .map(|(k, s)| (*k, s.load)),
+        );
+    }
+
+    /// The session's live binding, if any (an expired one is dropped, as on a pick).
+    pub fn bound_session(
+        &self,
+        sid: &str,
+        now: Instant,
+        ttl: Duration,
+        facts: &mut Facts,
+    ) -> Option<RankKey> {
+        let lookup = self.state.lock().sessions.bound_rank(sid, now, ttl);
+        if lookup.expired {
+            facts.push(Fact::SessionsLive(-1));
+            facts.push(Fact::SessionsExpired(1));
+        }
+        lookup.rank
+    }
+
+    /// Binds `sid` to `rank` as decided elsewhere (another replica); in-flight requests keep
+    /// their leases. Not installed when the rank is not in this partition or the table is full
+    /// of leased sessions.
+    pub fn install_session(
+        &self,
+        sid: &str,
+        rank: RankKey,
+        now: Instant,
+        max_entries: usize,
+        facts: &mut Facts,
+    ) -> crate::session::Installed {
+        use crate::session::Installed;
+        let mut state = self.state.lock();
+        if state.ranks.get(&rank).is_none() {
+            return Installed::UnknownRank;
+        }
+        match state.sessions.bind(sid, rank, now, max_entries) {
+            Bound::Yes { created, evicted } => {
+                if evicted {
+                    facts.push(Fact::SessionInvalidated(Invalidation::Evicted));
+                } else if created {
+                    facts.push(Fact::SessionsLive(1));
+                }
+                Installed::Yes
+            }
+            Bound::Full => Installed::TableFull,
+        }
+    }
+
+    /// Stores a rank's engine-metrics reading; false when the rank is not in the partition.
+    pub fn record_engine_metrics(&self, key: RankKey, metrics: crate::EngineMetrics) -> bool {
+        match self.state.lock().ranks.get_mut(&key) {
+            Some(slot) => {
+                slot.engine = Some(metrics);
+                true
+            }
+            None => false,
+        }
+    }
+
+    pub fn load_of(&self, key: RankKey) -> Option<RankLoad> {
+        self.state.lock().ranks.get(&key).map(|s| s.load)
+    }
+
+    /// Inserts blocks for a rank (KV events, tests, warm-up).
+    pub fn insert_blocks(
+        &self,
+        rank: RankKey,
+        seq_hashes: &[u64],
+        tier: Tier,
+        expires: Option<Instant>,
+    ) {
+        self.state
+            .lock()
+            .index
+            .insert(rank, seq_hashes, tier, expires);
+    }
+}
