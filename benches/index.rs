@@ -156,18 +156,13 @@ fn core_with(ranks: usize) -> (Arc<SelectionCore>, Vec<RankKey>) {
     );
     core.apply_snapshot(vec![WorkerSpec {
         namespace: "bench".into(),
-        name: "w".into(),
-        model: "m".into(),
-        routing_group: String::new(),
         address: "10.0.0.1".parse().unwrap(),
-        ranks: RankLayout::PerPort((0..ranks as u16).map(|r| 8000 + r).collect()),
         block_size: Some(BLOCK as u32),
-        kv_events: None,
-        kv_replay: None,
-        lora_adapters: vec![],
-        draining: false,
-        incarnation: 0,
-        roles: Vec::new(),
+        ..WorkerSpec::for_test(
+            "w",
+            "m",
+            RankLayout::PerPort((0..ranks as u16).map(|r| 8000 + r).collect()),
+        )
     }])
     .unwrap();
     let id = core.list_workers(None)[0].record.id;

@@ -11,20 +11,17 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+mod common;
+
+use common::{BLOCK, PROMPT_TOKENS};
 use criterion::{BenchmarkId, Criterion};
 use kvpick::catalog::{RankLayout, WorkerSpec};
 use kvpick::metrics::Metrics;
-use kvpick::selection::{
-    CoreConfig, PartitionKey, PromptInput, RankKey, SelectionCore, SelectionRequest,
-};
-use kvpick_core::hash::{prompt_hashes, BASE_SEED};
-use kvpick_core::index::Tier;
+use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
 use kvpick_core::{PdConfig, Role};
 
 const SIZES: [usize; 3] = [8, 64, 1_024];
 const RANKS_PER_WORKER: usize = 8;
-const PROMPT_TOKENS: u32 = 8_192;
-const BLOCK: usize = 16;
 
 fn fixture(ranks: usize, split: bool) -> (Arc<SelectionCore>, SelectionRequest) {
     let core = SelectionCore::new(
@@ -72,41 +69,7 @@ fn fixture(ranks: usize, split: bool) -> (Arc<SelectionCore>, SelectionRequest) 
             }
         })
         .collect();
-    core.apply_snapshot(specs).unwrap();
-    let key = PartitionKey {
-        model: "m".into(),
-        routing_group: String::new(),
-    };
-    let tokens: Vec<u32> = (0..PROMPT_TOKENS)
-        .map(|t| t.wrapping_mul(2_654_435_761))
-        .collect();
-    let prompt = prompt_hashes(&tokens, BLOCK, BASE_SEED);
-    let mut i = 0usize;
-    for view in core.list_workers(None) {
-        for r in &view.record.ranks {
-            let rank = RankKey {
-                worker_id: view.record.id,
-                dp_rank: r.dp_rank,
-            };
-            let own: Vec<u32> = (0..32 * BLOCK as u32)
-                .map(|t| t ^ (i as u32) << 16)
-                .collect();
-            core.insert_blocks(
-                &key,
-                rank,
-                &prompt_hashes(&own, BLOCK, BASE_SEED),
-                Tier::Gpu,
-                None,
-            );
-            let depth = if i.is_multiple_of(97) {
-                8 + (i * 31) % 504
-            } else {
-                8
-            };
-            core.insert_blocks(&key, rank, &prompt[..depth], Tier::Gpu, None);
-            i += 1;
-        }
-    }
+    let prompt = common::warm(&core, specs);
     let request = SelectionRequest {
         request_id: "bench".into(),
         model: Some("m".into()),

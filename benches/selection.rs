@@ -13,19 +13,16 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+mod common;
+
+use common::{BLOCK, PROMPT_TOKENS};
 use criterion::{BenchmarkId, Criterion};
 use kvpick::catalog::{RankLayout, WorkerSpec};
 use kvpick::metrics::Metrics;
-use kvpick::selection::{
-    CoreConfig, PartitionKey, PromptInput, RankKey, SelectionCore, SelectionRequest,
-};
-use kvpick_core::hash::{prompt_hashes, BASE_SEED};
-use kvpick_core::index::Tier;
+use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
 
 const SIZES: [usize; 4] = [8, 64, 1_024, 8_192];
 const RANKS_PER_WORKER: usize = 8;
-const PROMPT_TOKENS: u32 = 8_192;
-const BLOCK: usize = 16;
 
 struct Fixture {
     core: Arc<SelectionCore>,
@@ -48,62 +45,23 @@ fn fixture(ranks: usize) -> Fixture {
     let specs: Vec<WorkerSpec> = (0..workers)
         .map(|w| WorkerSpec {
             namespace: "bench".into(),
-            name: format!("w{w}"),
-            model: "m".into(),
-            routing_group: String::new(),
             address: format!("10.{}.{}.{}", w / 65536, (w / 256) % 256, w % 256)
                 .parse()
                 .unwrap(),
-            ranks: RankLayout::PerPort(
-                (0..RANKS_PER_WORKER.min(ranks - w * RANKS_PER_WORKER))
-                    .map(|r| 8000 + r as u16)
-                    .collect(),
-            ),
             block_size: Some(BLOCK as u32),
-            kv_events: None,
-            kv_replay: None,
-            lora_adapters: vec![],
-            draining: false,
-            incarnation: 0,
-            roles: Vec::new(),
+            ..WorkerSpec::for_test(
+                &format!("w{w}"),
+                "m",
+                RankLayout::PerPort(
+                    (0..RANKS_PER_WORKER.min(ranks - w * RANKS_PER_WORKER))
+                        .map(|r| 8000 + r as u16)
+                        .collect(),
+                ),
+            )
         })
         .collect();
-    core.apply_snapshot(specs).unwrap();
-    let key = PartitionKey {
-        model: "m".into(),
-        routing_group: String::new(),
-    };
-    let tokens: Vec<u32> = (0..PROMPT_TOKENS)
-        .map(|t| t.wrapping_mul(2_654_435_761))
-        .collect();
-    let prompt = prompt_hashes(&tokens, BLOCK, BASE_SEED);
-    let views = core.list_workers(None);
-    let mut i = 0usize;
-    for view in &views {
-        for r in &view.record.ranks {
-            let rank = RankKey {
-                worker_id: view.record.id,
-                dp_rank: r.dp_rank,
-            };
-            let own: Vec<u32> = (0..32 * BLOCK as u32)
-                .map(|t| t ^ (i as u32) << 16)
-                .collect();
-            core.insert_blocks(
-                &key,
-                rank,
-                &prompt_hashes(&own, BLOCK, BASE_SEED),
-                Tier::Gpu,
-                None,
-            );
-            let depth = if i.is_multiple_of(97) {
-                8 + (i * 31) % 504
-            } else {
-                8
-            };
-            core.insert_blocks(&key, rank, &prompt[..depth], Tier::Gpu, None);
-            i += 1;
-        }
-    }
+    let prompt = common::warm(&core, specs);
+    let tokens = common::prompt_tokens();
     let base = SelectionRequest {
         request_id: "bench".into(),
         model: Some("m".into()),

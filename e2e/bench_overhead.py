@@ -119,6 +119,26 @@ def requests_for(size: int, concurrency: int, quick: bool) -> int:
     return max(base // 10, 30) if quick else base
 
 
+def cases(args, workdir: Path, concurrency: list[int], variants: str | None = None):
+    """The runs of a benchmark in order, as (size, variant, path, body file, concurrency,
+    requests): `--sizes` (and `variants`, a comma list, when given) chosen, each body written
+    once per size and variant, the request count capped at 10 s of `--rate`."""
+    for size_name, size in SIZES.items():
+        if size_name not in args.sizes.split(","):
+            continue
+        for variant, make, path in (("token ids", token_body, "/v1/completions"),
+                                    ("chat text", chat_body, "/v1/chat/completions")):
+            if variants is not None and variant not in variants.split(","):
+                continue
+            body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
+            body_path.write_bytes(make(size))
+            for conc in concurrency:
+                n = requests_for(size, conc, args.quick)
+                if args.rate:
+                    n = min(n, int(args.rate * 10))
+                yield size_name, variant, path, body_path, conc, n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few requests per cell (smoke run)")
@@ -167,42 +187,32 @@ def main() -> None:
     workdir = harness.new_workdir("bench-overhead")
     rows = []
     try:
-        for size_name, size in SIZES.items():
-            if size_name not in args.sizes.split(","):
-                continue
-            for variant, make, path in (("token ids", token_body, "/v1/completions"),
-                                        ("chat text", chat_body, "/v1/chat/completions")):
-                body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
-                body_path.write_bytes(make(size))
-                for conc in CONCURRENCY:
-                    n = requests_for(size, conc, args.quick)
-                    if args.rate:
-                        n = min(n, int(args.rate * 10))
-                    base = load(off.url() + path, body_path, conc, n, args.rate)
-                    cpu0 = proc_cpu_seconds(kv.process.pid)
-                    with_kv = load(on.url() + path, body_path, conc, n, args.rate)
-                    cpu = proc_cpu_seconds(kv.process.pid) - cpu0
-                    total = with_kv["completed"] + with_kv["errors"]
-                    row = {
-                        "size": size_name, "variant": variant, "concurrency": conc,
-                        "requests": n,
-                        "rps_off": base["rps"], "rps_on": with_kv["rps"],
-                        "p50_off_ms": base["latency_ms"]["p50"],
-                        "p50_on_ms": with_kv["latency_ms"]["p50"],
-                        "p99_off_ms": base["latency_ms"]["p99"],
-                        "p99_on_ms": with_kv["latency_ms"]["p99"],
-                        "added_p50_ms": with_kv["latency_ms"]["p50"] - base["latency_ms"]["p50"],
-                        "added_p99_ms": with_kv["latency_ms"]["p99"] - base["latency_ms"]["p99"],
-                        # The warm-up requests ran inside the CPU window too.
-                        "kvpick_cpu_s_per_1k": 1000 * cpu / max(total + min(n // 10 + conc, 200), 1),
-                        "errors_off": base["errors"] + sum(v for k, v in base["statuses"].items() if k != "200"),
-                        "errors_on": with_kv["errors"] + sum(v for k, v in with_kv["statuses"].items() if k != "200"),
-                    }
-                    rows.append(row)
-                    print(f"  {size_name:>5} {variant:<9} c={conc:<3} rps {row['rps_off']:7.0f} -> "
-                          f"{row['rps_on']:7.0f}   p50 +{row['added_p50_ms']:.2f} ms   "
-                          f"p99 +{row['added_p99_ms']:.2f} ms   "
-                          f"{row['kvpick_cpu_s_per_1k']:.3f} CPU-s/1k", flush=True)
+        for size_name, variant, path, body_path, conc, n in cases(args, workdir, CONCURRENCY):
+            base = load(off.url() + path, body_path, conc, n, args.rate)
+            cpu0 = proc_cpu_seconds(kv.process.pid)
+            with_kv = load(on.url() + path, body_path, conc, n, args.rate)
+            cpu = proc_cpu_seconds(kv.process.pid) - cpu0
+            total = with_kv["completed"] + with_kv["errors"]
+            row = {
+                "size": size_name, "variant": variant, "concurrency": conc,
+                "requests": n,
+                "rps_off": base["rps"], "rps_on": with_kv["rps"],
+                "p50_off_ms": base["latency_ms"]["p50"],
+                "p50_on_ms": with_kv["latency_ms"]["p50"],
+                "p99_off_ms": base["latency_ms"]["p99"],
+                "p99_on_ms": with_kv["latency_ms"]["p99"],
+                "added_p50_ms": with_kv["latency_ms"]["p50"] - base["latency_ms"]["p50"],
+                "added_p99_ms": with_kv["latency_ms"]["p99"] - base["latency_ms"]["p99"],
+                # The warm-up requests ran inside the CPU window too.
+                "kvpick_cpu_s_per_1k": 1000 * cpu / max(total + min(n // 10 + conc, 200), 1),
+                "errors_off": base["errors"] + sum(v for k, v in base["statuses"].items() if k != "200"),
+                "errors_on": with_kv["errors"] + sum(v for k, v in with_kv["statuses"].items() if k != "200"),
+            }
+            rows.append(row)
+            print(f"  {size_name:>5} {variant:<9} c={conc:<3} rps {row['rps_off']:7.0f} -> "
+                  f"{row['rps_on']:7.0f}   p50 +{row['added_p50_ms']:.2f} ms   "
+                  f"p99 +{row['added_p99_ms']:.2f} ms   "
+                  f"{row['kvpick_cpu_s_per_1k']:.3f} CPU-s/1k", flush=True)
         peak_rss_mb = proc_status_kb(kv.process.pid, "VmHWM") / 1024
         inflight = kv.metric("kvpick_inflight_total")
     finally:
@@ -254,49 +264,39 @@ def main_tracing(args) -> None:
     workdir = harness.new_workdir("bench-overhead-tracing")
     rows = []
     try:
-        for size_name, size in SIZES.items():
-            if size_name not in args.sizes.split(","):
-                continue
-            for variant, make, path in (("token ids", token_body, "/v1/completions"),
-                                        ("chat text", chat_body, "/v1/chat/completions")):
-                if variant not in args.variants.split(","):
-                    continue
-                body_path = workdir / f"{size_name}-{variant.replace(' ', '-')}.json"
-                body_path.write_bytes(make(size))
-                for conc in [int(c) for c in args.concurrency.split(",")]:
-                    n = requests_for(size, conc, args.quick)
-                    if args.rate:
-                        n = min(n, int(args.rate * 10))
-                    row = {"size": size_name, "variant": variant, "concurrency": conc,
-                           "requests": n, "rounds": args.rounds}
-                    runs = {"off": [], "on": []}
-                    cpu = {"off": 0.0, "on": 0.0}
-                    pair = [("off", plain), ("on", traced)]
-                    for rnd in range(args.rounds):
-                        for name, k in (pair if rnd % 2 == 0 else pair[::-1]):
-                            cpu0 = proc_cpu_seconds(k.process.pid)
-                            runs[name].append(load(envoys[name].url() + path, body_path, conc,
-                                                   n, args.rate))
-                            cpu[name] += proc_cpu_seconds(k.process.pid) - cpu0
-                    for name, rs in runs.items():
-                        total = sum(r["completed"] + r["errors"] + min(n // 10 + conc, 200)
-                                    for r in rs)
-                        row.update({f"rps_{name}": median([r["rps"] for r in rs]),
-                                    f"p50_{name}_ms": median([r["latency_ms"]["p50"] for r in rs]),
-                                    f"p99_{name}_ms": median([r["latency_ms"]["p99"] for r in rs]),
-                                    f"cpu_s_per_1k_{name}": 1000 * cpu[name] / max(total, 1),
-                                    f"errors_{name}": sum(r["errors"] + sum(
-                                        v for s, v in r["statuses"].items() if s != "200")
-                                        for r in rs)})
-                    row["added_p50_ms"] = row["p50_on_ms"] - row["p50_off_ms"]
-                    row["added_p99_ms"] = row["p99_on_ms"] - row["p99_off_ms"]
-                    row["added_cpu_s_per_1k"] = row["cpu_s_per_1k_on"] - row["cpu_s_per_1k_off"]
-                    rows.append(row)
-                    print(f"  {size_name:>5} {variant:<9} c={conc:<3} p50 {row['p50_off_ms']:.2f}"
-                          f" -> {row['p50_on_ms']:.2f} ms   p99 {row['p99_off_ms']:.2f}"
-                          f" -> {row['p99_on_ms']:.2f} ms   CPU-s/1k "
-                          f"{row['cpu_s_per_1k_off']:.3f} -> {row['cpu_s_per_1k_on']:.3f}",
-                          flush=True)
+        concurrency = [int(c) for c in args.concurrency.split(",")]
+        for size_name, variant, path, body_path, conc, n in cases(args, workdir, concurrency,
+                                                                 args.variants):
+            row = {"size": size_name, "variant": variant, "concurrency": conc,
+                   "requests": n, "rounds": args.rounds}
+            runs = {"off": [], "on": []}
+            cpu = {"off": 0.0, "on": 0.0}
+            pair = [("off", plain), ("on", traced)]
+            for rnd in range(args.rounds):
+                for name, k in (pair if rnd % 2 == 0 else pair[::-1]):
+                    cpu0 = proc_cpu_seconds(k.process.pid)
+                    runs[name].append(load(envoys[name].url() + path, body_path, conc,
+                                           n, args.rate))
+                    cpu[name] += proc_cpu_seconds(k.process.pid) - cpu0
+            for name, rs in runs.items():
+                total = sum(r["completed"] + r["errors"] + min(n // 10 + conc, 200)
+                            for r in rs)
+                row.update({f"rps_{name}": median([r["rps"] for r in rs]),
+                            f"p50_{name}_ms": median([r["latency_ms"]["p50"] for r in rs]),
+                            f"p99_{name}_ms": median([r["latency_ms"]["p99"] for r in rs]),
+                            f"cpu_s_per_1k_{name}": 1000 * cpu[name] / max(total, 1),
+                            f"errors_{name}": sum(r["errors"] + sum(
+                                v for s, v in r["statuses"].items() if s != "200")
+                                for r in rs)})
+            row["added_p50_ms"] = row["p50_on_ms"] - row["p50_off_ms"]
+            row["added_p99_ms"] = row["p99_on_ms"] - row["p99_off_ms"]
+            row["added_cpu_s_per_1k"] = row["cpu_s_per_1k_on"] - row["cpu_s_per_1k_off"]
+            rows.append(row)
+            print(f"  {size_name:>5} {variant:<9} c={conc:<3} p50 {row['p50_off_ms']:.2f}"
+                  f" -> {row['p50_on_ms']:.2f} ms   p99 {row['p99_off_ms']:.2f}"
+                  f" -> {row['p99_on_ms']:.2f} ms   CPU-s/1k "
+                  f"{row['cpu_s_per_1k_off']:.3f} -> {row['cpu_s_per_1k_on']:.3f}",
+                  flush=True)
     finally:
         for e in envoys.values():
             e.stop()

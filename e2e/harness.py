@@ -142,6 +142,18 @@ def tls_alpn(port: int, host: str = "127.0.0.1", timeout: float = 5.0) -> str | 
             return tls.selected_alpn_protocol()
 
 
+def pb_field(number: int, value: bytes) -> bytes:
+    """One length-delimited protobuf field (wire type 2): enough to hand-encode the small
+    requests of the selection API without generated stubs."""
+    key, out = (number << 3) | 2, bytearray()
+    for n in (key, len(value)):
+        while n >= 0x80:
+            out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        out.append(n)
+    return bytes(out) + value
+
+
 def tail(path: Path, lines: int = 150) -> str:
     try:
         data = path.read_text(errors="replace").splitlines()

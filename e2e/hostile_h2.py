@@ -21,6 +21,7 @@ import ssl
 import struct
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import h2.config
 import h2.connection
@@ -336,20 +337,17 @@ def _hold(socks: list[socket.socket], opened_at: list[float], hold: float,
         s.close()
 
 
-def many_idle_connections(host: str, port: int, *, connections: int = 100, tls: bool = False,
-                          hold: float = 10.0, timeout: float = 5.0) -> HeldOutcome:
-    """Opens ``connections`` connections (h2c or TLS), sends each the preface and SETTINGS, never
-    opens a stream, and holds them for up to ``hold`` seconds, counting how the server ends
-    them: refused (over ``--max-connections``), GOAWAY(NO_ERROR) + close (after
-    ``--http2-idle-timeout``), or still open. Bounded by about ``hold`` + ``timeout`` seconds
-    per connection that fails to connect."""
+def _open_and_hold(connections: int, hold: float,
+                   open_one: Callable[[], socket.socket]) -> HeldOutcome:
+    """Opens ``connections`` sockets with ``open_one`` (an OSError counts as refused) and holds
+    them for up to ``hold`` seconds (``_hold``), counting how the server ends them."""
     start = time.monotonic()
     out = HeldOutcome()
     socks, opened_at = [], []
     for _ in range(connections):
         began = time.monotonic()  # before connecting: the server's clocks start after this
         try:
-            socks.append(connect(host, port, tls=tls, timeout=timeout))
+            socks.append(open_one())
             opened_at.append(began)
             out.opened += 1
         except OSError:
@@ -357,6 +355,16 @@ def many_idle_connections(host: str, port: int, *, connections: int = 100, tls: 
     _hold(socks, opened_at, hold, out)
     out.elapsed = time.monotonic() - start
     return out
+
+
+def many_idle_connections(host: str, port: int, *, connections: int = 100, tls: bool = False,
+                          hold: float = 10.0, timeout: float = 5.0) -> HeldOutcome:
+    """Opens ``connections`` connections (h2c or TLS), sends each the preface and SETTINGS, never
+    opens a stream, and holds them for up to ``hold`` seconds, counting how the server ends
+    them: refused (over ``--max-connections``), GOAWAY(NO_ERROR) + close (after
+    ``--http2-idle-timeout``), or still open. Bounded by about ``hold`` + ``timeout`` seconds
+    per connection that fails to connect."""
+    return _open_and_hold(connections, hold, lambda: connect(host, port, tls=tls, timeout=timeout))
 
 
 def slow_tls_handshake(host: str, port: int, *, connections: int = 10, hold: float = 15.0,
@@ -365,22 +373,12 @@ def slow_tls_handshake(host: str, port: int, *, connections: int = 10, hold: flo
     header and then nothing (a handshake that never finishes), and holds them for up to
     ``hold`` seconds: kvpick closes each at ``--tls-handshake-timeout`` (they count as
     ``refused`` here: the server never sends a byte). Bounded by about ``hold`` seconds."""
-    start = time.monotonic()
-    out = HeldOutcome()
-    socks, opened_at = [], []
-    for _ in range(connections):
-        began = time.monotonic()
-        try:
-            s = socket.create_connection((host, port), timeout=timeout)
-            s.sendall(b"\x16\x03\x01")
-            socks.append(s)
-            opened_at.append(began)
-            out.opened += 1
-        except OSError:
-            out.refused += 1
-    _hold(socks, opened_at, hold, out)
-    out.elapsed = time.monotonic() - start
-    return out
+    def open_one() -> socket.socket:
+        s = socket.create_connection((host, port), timeout=timeout)
+        s.sendall(b"\x16\x03\x01")
+        return s
+
+    return _open_and_hold(connections, hold, open_one)
 
 
 def process_memory(pid: int) -> dict[str, int]:

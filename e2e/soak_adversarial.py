@@ -26,7 +26,6 @@ import random
 import socket
 import ssl
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -38,7 +37,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import hostile_h2  # noqa: E402
-from bench_overhead import LOADGEN, proc_status_kb  # noqa: E402
+import soak  # noqa: E402
+from bench_overhead import proc_status_kb  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 BAD = {"x-soak-bad": "1"}
@@ -137,7 +137,7 @@ def api_flood(port: int) -> Callable[[], str]:
 
     def once() -> str:
         n[0] += 1
-        request = _field(1, f"flood-{n[0]}".encode()) + _field(2, b"m1")
+        request = harness.pb_field(1, f"flood-{n[0]}".encode()) + harness.pb_field(2, b"m1")
         try:
             reserve(request, timeout=5)
             return "booked"
@@ -145,16 +145,6 @@ def api_flood(port: int) -> Callable[[], str]:
             return e.code().name
 
     return once
-
-
-def _field(number: int, value: bytes) -> bytes:
-    key, out = (number << 3) | 2, bytearray()
-    for n in (key, len(value)):
-        while n >= 0x80:
-            out.append((n & 0x7F) | 0x80)
-            n >>= 7
-        out.append(n)
-    return bytes(out) + value
 
 
 def verdict(outcome) -> str:
@@ -189,17 +179,8 @@ def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
 def run(seconds: float, rate: float, adversarial: bool, sample_every: float = 2.0,
         extra_args: list[str] | None = None) -> dict:
     """One run of the good traffic, with the attacks and the broken engine when `adversarial`."""
-    up = subprocess.Popen([str(LOADGEN), "upstream", "--count", "4", "--events", "8",
-                           "--event-ms", "25"], stdout=subprocess.PIPE, text=True,
-                          preexec_fn=harness._die_with_parent)
-    ports = [int(p) for p in up.stdout.readline().split()[1].split(",")]
-    workdir = harness.new_workdir("soak-adv")
-    body = workdir / "body.json"
-    body.write_text(json.dumps({
-        "model": "m1", "stream": True,
-        "messages": [{"role": "system", "content": "You are terse. " * 200},
-                     {"role": "user", "content": "question REQ"}],
-    }, separators=(",", ":")).replace("REQ", "{n}"))
+    up, ports = soak.start_upstreams()
+    body = soak.write_body("soak-adv")
     workers = [harness.worker("w0", ports=ports[:2]), harness.worker("w1", ports=ports[2:])]
     broken = harness.FailingEngine() if adversarial else None
     if broken is not None:
@@ -210,27 +191,11 @@ def run(seconds: float, rate: float, adversarial: bool, sample_every: float = 2.
     try:
         pid = stack.kvpick.process.pid
         attacks = start_attacks(stack, seconds) if adversarial else None
-        gen = subprocess.Popen(
-            [str(LOADGEN), "run", "--url", stack.url() + CHAT, "--body", str(body),
-             "--concurrency", "64", "--seconds", str(seconds), "--rate", str(rate)],
-            stdout=subprocess.PIPE, text=True)
-        start = time.monotonic()
-        rss: list[tuple[float, int]] = []
-        while gen.poll() is None:
-            rss.append((time.monotonic() - start, proc_status_kb(pid, "VmRSS")))
-            try:
-                gen.wait(timeout=sample_every)
-            except subprocess.TimeoutExpired:
-                pass
-        load = json.loads(gen.stdout.read())
+        load, rss, _ = soak.drive(stack, body, seconds, rate, sample_every,
+                                  ["--concurrency", "64"])
         if attacks is not None:
             attacks.join()
-        try:
-            harness.wait_until(lambda: stack.kvpick.metric("kvpick_inflight_total") == 0, 30,
-                               desc="in-flight bookings back to 0")
-        except TimeoutError:
-            pass  # reported below, with the count
-        inflight = stack.kvpick.metric("kvpick_inflight_total")
+        inflight = soak.bookings_left(stack)
         peak_kb = proc_status_kb(pid, "VmHWM")
         alive = stack.kvpick.process.alive()
     finally:

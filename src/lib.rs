@@ -22,6 +22,7 @@
 
 pub mod api;
 pub mod catalog;
+pub mod clock;
 pub mod engine_metrics;
 pub mod epp_metrics;
 pub mod events;

@@ -5,6 +5,7 @@
 // duplicate) that every test run hits at start-up, never something input can cause.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+pub use crate::epp_metrics::BoundedLabel;
 use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -76,36 +77,6 @@ impl OutlierMetrics {
                 .unwrap(),
             ),
         }
-    }
-}
-
-/// Distinct values a client-controlled label may take before the rest share `other`.
-#[derive(Debug)]
-pub struct BoundedLabel {
-    max: usize,
-    seen: std::sync::Mutex<std::collections::HashSet<String>>,
-}
-
-impl BoundedLabel {
-    pub fn new(max: usize) -> Self {
-        BoundedLabel {
-            max,
-            seen: std::sync::Mutex::new(std::collections::HashSet::new()),
-        }
-    }
-
-    /// `value` itself while fewer than `max` values have been seen (or it is one of them), else
-    /// `other`. First come, first labelled: a label, once given, stays.
-    pub fn label(&self, value: &str) -> String {
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if seen.contains(value) {
-            return value.to_string();
-        }
-        if seen.len() < self.max {
-            seen.insert(value.to_string());
-            return value.to_string();
-        }
-        "other".to_string()
     }
 }
 
@@ -1001,7 +972,7 @@ impl Metrics {
     /// The Prometheus text exposition of every metric of the exported families (the pool
     /// gauges computed now).
     pub fn render(&self) -> String {
-        self.pool.refresh(&self.epp, crate::selection::now());
+        self.pool.refresh(&self.epp, crate::clock::now());
         let families: Vec<_> = self
             .registry
             .gather()

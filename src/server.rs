@@ -4,24 +4,26 @@
 //! answering (so probes and Envoy's health checks see NOT_SERVING, not a refused connection); open
 //! streams get a bounded grace; then the listeners close and the process exits.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
-use axum::routing::get;
 use clap::{Args, ValueEnum};
-use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use crate::api::SelectionApi;
-use crate::catalog::kube as kube_source;
-use crate::catalog::static_file;
-use crate::extproc::{ExtProcService, ExtProcSettings};
+use crate::extproc::ExtProcService;
 use crate::metrics::Metrics;
-use crate::selection::{
-    AffinityMode, BusyThresholds, CoreConfig, CostParams, SelectionCore, SessionConfig,
+use crate::selection::{AffinityMode, SelectionCore};
+
+mod config;
+mod ports;
+mod tasks;
+
+pub use config::{
+    catalog_source, core_config, flow_config, flow_kube_config, flow_settings, outlier_config,
+    scrape_config, CatalogSource,
 };
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq, Eq)]
@@ -709,52 +711,6 @@ pub enum EngineMetricsMode {
     Sglang,
 }
 
-/// The scraper's settings from flags (`None` with `--engine-metrics off`).
-pub fn scrape_config(
-    args: &ServeArgs,
-) -> anyhow::Result<Option<crate::engine_metrics::ScrapeConfig>> {
-    use crate::engine_metrics::{MetricNames, ScrapeConfig};
-    let base = match args.engine_metrics {
-        EngineMetricsMode::Off => return Ok(None),
-        EngineMetricsMode::Vllm => MetricNames::vllm(),
-        EngineMetricsMode::Sglang => MetricNames::sglang(),
-    };
-    let names = base
-        .with_overrides(&args.engine_metric_names)
-        .context("invalid --engine-metric-names")?;
-    if !args.engine_metrics_path.starts_with('/') {
-        anyhow::bail!(
-            "--engine-metrics-path must start with '/', got {:?}",
-            args.engine_metrics_path
-        );
-    }
-    for (name, value) in [
-        (
-            "--engine-metrics-interval-ms",
-            args.engine_metrics_interval_ms,
-        ),
-        (
-            "--engine-metrics-timeout-ms",
-            args.engine_metrics_timeout_ms,
-        ),
-        ("--engine-metrics-stale-ms", args.engine_metrics_stale_ms),
-    ] {
-        if value == 0 {
-            anyhow::bail!("{name} must be at least 1");
-        }
-    }
-    Ok(Some(ScrapeConfig {
-        names,
-        path: args.engine_metrics_path.clone(),
-        interval: Duration::from_millis(args.engine_metrics_interval_ms),
-        jitter: 0.2,
-        timeout: Duration::from_millis(args.engine_metrics_timeout_ms),
-        concurrency: args.engine_metrics_concurrency.max(1),
-        max_body_bytes: 8 << 20,
-        stale_after: Duration::from_millis(args.engine_metrics_stale_ms),
-    }))
-}
-
 pub fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -769,337 +725,34 @@ pub fn init_logging(format: LogFormat) {
     }
 }
 
-async fn bind(ip: IpAddr, port: u16, what: &str) -> anyhow::Result<TcpListener> {
-    TcpListener::bind(SocketAddr::new(ip, port))
-        .await
-        .with_context(|| format!("cannot bind the {what} port {ip}:{port}"))
-}
-
-/// Resolves when SIGTERM or SIGINT arrives.
-// Installing a signal handler fails only at start-up, where exiting loudly is right.
-#[allow(clippy::expect_used)]
-async fn termination() {
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
-    tokio::select! {
-        _ = term.recv() => {},
-        _ = tokio::signal::ctrl_c() => {},
-    }
-}
-
-/// The core's configuration from flags, with range checks that name the flag.
-pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
-    for (name, value) in [
-        ("--overlap-score-credit", args.overlap_score_credit),
-        ("--prefill-load-scale", args.prefill_load_scale),
-        ("--decode-block-weight", args.decode_block_weight),
-        (
-            "--decode-active-request-weight",
-            args.decode_active_request_weight,
-        ),
-        ("--router-temperature", args.router_temperature),
-        ("--stall-weight", args.stall_weight),
-        ("--session-soft-margin", args.session_soft_margin),
-        ("--engine-waiting-weight", args.engine_waiting_weight),
-        ("--engine-kv-usage-weight", args.engine_kv_usage_weight),
-        ("--adapter-load-weight", args.adapter_load_weight),
-        ("--adapter-full-weight", args.adapter_full_weight),
-        ("--pd-transfer-block-cost", args.pd_transfer_block_cost),
-        ("--pd-decode-request-weight", args.pd_decode_request_weight),
-    ] {
-        if !value.is_finite() || value < 0.0 {
-            anyhow::bail!("{name} must be a finite number >= 0, got {value}");
-        }
-    }
-    Ok(CoreConfig {
-        booking_ttl: Duration::from_secs(args.booking_ttl),
-        max_api_bookings: args.max_api_bookings,
-        max_api_bookings_per_rank: args.max_api_bookings_per_rank,
-        max_prompt_blocks: args.max_prompt_blocks,
-        seed: args.seed,
-        cost: CostParams {
-            overlap_score_credit: args.overlap_score_credit,
-            prefill_load_scale: args.prefill_load_scale,
-            decode_block_weight: args.decode_block_weight,
-            decode_active_request_weight: args.decode_active_request_weight,
-            router_temperature: args.router_temperature,
-            stall_weight: args.stall_weight,
-            ttft_slack: {
-                let f = args.ttft_slack;
-                if f.is_nan() || f < 1.0 {
-                    anyhow::bail!("--ttft-slack must be >= 1 (inf = no bound), got {f}");
-                }
-                f
-            },
-            engine_waiting_weight: args.engine_waiting_weight,
-            engine_kv_usage_weight: args.engine_kv_usage_weight,
-            adapter_load_weight: args.adapter_load_weight,
-            adapter_full_weight: args.adapter_full_weight,
-            ..CostParams::default()
-        },
-        estimator: kvpick_core::EstimatorConfig {
-            calibrate: args.calibrate,
-            ..Default::default()
-        },
-        busy: BusyThresholds {
-            active_decode_blocks: args.active_decode_blocks_threshold,
-            active_prefill_tokens: args.active_prefill_tokens_threshold,
-            sheddable_fraction: {
-                let f = args.sheddable_threshold_fraction;
-                if !(f > 0.0 && f <= 1.0) {
-                    anyhow::bail!("--sheddable-threshold-fraction must be in (0, 1], got {f}");
-                }
-                f
-            },
-        },
-        allow_pins: args.allow_pins,
-        sessions: {
-            let sessions = SessionConfig {
-                mode: args.session_affinity_mode,
-                ttl: Duration::from_secs(args.session_ttl),
-                max_entries: args.session_max_entries,
-                soft_margin_blocks: args.session_soft_margin,
-            };
-            sessions.validate().map_err(anyhow::Error::msg)?;
-            sessions
-        },
-        approx_ttl: Duration::from_secs(args.approx_ttl),
-        predicted_ttl: Duration::from_secs(args.predicted_ttl),
-        kv_events: args.kv_events == "on",
-        index_max_blocks: args.index_max_blocks,
-        engine_metrics_max_age: Duration::from_millis(args.engine_metrics_stale_ms),
-        flow: flow_config(args)?,
-        pd: kvpick_core::PdConfig {
-            threshold_tokens: args.pd_threshold_tokens,
-            transfer_block_cost: args.pd_transfer_block_cost,
-            decode_request_weight: args.pd_decode_request_weight,
-        },
-        outlier: outlier_config(args)?,
-        ..CoreConfig::default()
-    })
-}
-
-/// `--outlier-*`.
-pub fn outlier_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::outlier::OutlierConfig> {
-    let secs = |name: &str, value: f64| {
-        if !(value.is_finite() && value > 0.0 && value <= 86_400.0) {
-            anyhow::bail!("{name} must be > 0 and at most 86400 seconds, got {value}");
-        }
-        Ok(Duration::from_secs_f64(value))
-    };
-    let base = secs(
-        "--outlier-base-ejection-secs",
-        args.outlier_base_ejection_secs,
-    )?;
-    let max = secs(
-        "--outlier-max-ejection-secs",
-        args.outlier_max_ejection_secs,
-    )?;
-    if max < base {
-        anyhow::bail!("--outlier-max-ejection-secs must be at least --outlier-base-ejection-secs");
-    }
-    if args.outlier_max_ejected_percent > 100 {
-        anyhow::bail!(
-            "--outlier-max-ejected-percent must be 0..=100, got {}",
-            args.outlier_max_ejected_percent
-        );
-    }
-    Ok(kvpick_core::outlier::OutlierConfig {
-        consecutive_failures: args.outlier_consecutive_5xx,
-        base_ejection: base,
-        max_ejection: max,
-        max_ejected_percent: args.outlier_max_ejected_percent,
-    })
-}
-
-/// `--flow-control`, `--queue-*`, `--saturation-*`.
-pub fn flow_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::FlowConfig> {
-    let timeout = args.queue_timeout;
-    if !(0.0..=3600.0).contains(&timeout) {
-        anyhow::bail!("--queue-timeout must be 0..=3600 seconds, got {timeout}");
-    }
-    let wait = args.saturation_wait;
-    if wait.is_nan() || wait <= 0.0 {
-        anyhow::bail!("--saturation-wait must be > 0 seconds (inf = off), got {wait}");
-    }
-    let kv = args.saturation_kv_usage;
-    if !(kv > 0.0 && kv <= 1.0) {
-        anyhow::bail!("--saturation-kv-usage must be in (0, 1], got {kv}");
-    }
-    if args.queue_band_capacity == 0 {
-        anyhow::bail!("--queue-band-capacity must be at least 1");
-    }
-    if args.queue_capacity == 0 {
-        anyhow::bail!("--queue-capacity must be at least 1");
-    }
-    if args.hold_when_no_endpoints && !args.flow_control {
-        anyhow::bail!("--hold-when-no-endpoints needs --flow-control true (the queue holds them)");
-    }
-    Ok(kvpick_core::FlowConfig {
-        enabled: args.flow_control,
-        queue_timeout: Duration::from_secs_f64(timeout),
-        band_capacity: args.queue_band_capacity,
-        capacity: args.queue_capacity,
-        hold_when_no_endpoints: args.hold_when_no_endpoints,
-        saturation: kvpick_core::SaturationLimits {
-            max_wait_seconds: wait.is_finite().then_some(wait),
-            max_active_requests: args.saturation_max_requests,
-            engine_waiting: Some(args.saturation_engine_waiting),
-            engine_kv_usage: Some(kv),
-        },
-        ..kvpick_core::FlowConfig::default()
-    })
-}
-
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let metrics = Metrics::with_families(args.metrics_families);
     let conn_limits = args.conn.limits()?;
-    let trace_config =
-        crate::telemetry::TraceConfig::resolve(&args.tracing, |name| std::env::var(name).ok())?;
-    let telemetry = match &trace_config {
-        Some(config) => {
-            tracing::info!(
-                endpoint = %config.endpoint,
-                ratio = config.sampler.ratio,
-                parent_based = config.sampler.parent_based,
-                service = %config.service_name,
-                "tracing: exporting spans over OTLP/gRPC"
-            );
-            Some(crate::telemetry::Telemetry::start(config)?)
-        }
-        None => None,
-    };
+    let telemetry = tasks::start_telemetry(&args)?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     metrics
         .epp
         .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));
 
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
-    let tokenizers = match &args.tokenizer_config {
-        Some(path) => Some(Arc::new(
-            crate::tokenize::Tokenizers::load(path, &metrics.registry)?.with_limits(
-                crate::tokenize::TokenizeLimits {
-                    max_body_bytes: args.tokenize_max_body_bytes,
-                    permit_timeout: Duration::from_millis(args.tokenize_permit_timeout_ms),
-                },
-            ),
-        )),
-        None => None,
-    };
+    let tokenizers = config::tokenizers(&args, &metrics.registry)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let shared = match &args.shared_state {
-        Some(url) => {
-            let config = crate::shared::SharedConfig::new(
-                url,
-                args.shared_state_password_file.as_deref(),
-                args.shared_state_ca_file.as_ref(),
-                &args.shared_state_prefix,
-                args.shared_state_timeout_ms,
-                args.shared_state_interval_ms,
-                core.config().sessions.ttl,
-            )?;
-            let shared = crate::shared::SharedState::new(config, &metrics.registry)?;
-            core.attach_shared(Arc::clone(&shared));
-            shared.spawn(Arc::clone(&core)).await;
-            Some(shared)
-        }
-        None => {
-            for (set, flag) in [
-                (
-                    args.shared_state_password_file.is_some(),
-                    "--shared-state-password-file",
-                ),
-                (
-                    args.shared_state_ca_file.is_some(),
-                    "--shared-state-ca-file",
-                ),
-            ] {
-                if set {
-                    anyhow::bail!("{flag} needs --shared-state URL");
-                }
-            }
-            None
-        }
-    };
+    let shared = tasks::start_shared(&args, &core, &metrics).await?;
 
     // Catalog source first: a bad catalog fails start-up with a clear message.
     let catalog = catalog_source(&args, std::env::var("NAMESPACE").ok())?;
     let flow_kube = flow_kube_config(&args, &catalog);
-    let mut kube = None;
-    match catalog {
-        CatalogSource::Static(config_path) => start_static_source(&args, &core, config_path)?,
-        CatalogSource::Kubernetes(config) => {
-            let client = kube_client(args.kube_api_url.as_deref()).await?;
-            let (catalog_tx, catalog_rx) = watch::channel(None);
-            tracing::info!(namespace = %config.namespace, target = ?config.target, "watching Kubernetes");
-            tokio::spawn(kube_source::run(client.clone(), config, catalog_tx));
-            tokio::spawn(crate::selection::reconcile::run(
-                Arc::clone(&core),
-                "kubernetes",
-                catalog_rx,
-            ));
-            kube = Some(client);
-        }
-    }
+    let kube = tasks::start_catalog(&args, &core, catalog).await?;
 
     // Flow-control policy (objectives, rewrites): an invalid --flow-config fails start-up.
     let flow_settings = flow_settings(&args);
-    let flow_policy = crate::flow::start(crate::flow::FlowSourceConfig {
-        file: args.flow_config.clone(),
-        poll: Duration::from_millis(args.catalog_poll_ms),
-        kube: kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
-    })?;
-    tracing::info!(
-        client_priority = flow_settings.client_priority,
-        objectives = flow_policy.borrow().objectives().count(),
-        "flow policy ready"
-    );
-
-    if let Some(scrape) = scrape_config(&args)? {
-        tracing::info!(interval_ms = args.engine_metrics_interval_ms, names = ?scrape.names, "scraping engine metrics");
-        tokio::spawn(crate::engine_metrics::manage(
-            Arc::clone(&core),
-            scrape,
-            core.catalog_changes(),
-        ));
-    }
-
-    if core.config().kv_events {
-        tokio::spawn(crate::events::ingest::manage(
-            Arc::clone(&core),
-            core.catalog_changes(),
-        ));
-    }
-
-    // Flow control: a release pass while requests wait, for what frees capacity without an
-    // operation of its own (an engine reading going stale); bookings ending release at once.
-    if core.config().flow.enabled {
-        let core = Arc::clone(&core);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(250));
-            loop {
-                tick.tick().await;
-                if core.waiting_requests() > 0 {
-                    core.pump_queues();
-                }
-            }
-        });
-    }
-
-    // Booking reaper.
-    {
-        let core = Arc::clone(&core);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(10));
-            loop {
-                tick.tick().await;
-                let n = core.reap_expired(tokio::time::Instant::now());
-                if n > 0 {
-                    tracing::warn!(reaped = n, "expired bookings reaped");
-                }
-            }
-        });
-    }
+    let flow_policy = tasks::start_flow_policy(
+        &args,
+        &flow_settings,
+        kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
+    )?;
+    tasks::start_engine_feeds(&args, &core)?;
+    tasks::spawn_maintenance(&core);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     tokio::spawn(crate::health::track(
@@ -1108,14 +761,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         shutdown_rx.clone(),
     ));
 
-    let grpc_listener = bind(args.bind, args.grpc_port, "ext_proc gRPC").await?;
-    let health_listener = bind(args.bind, args.grpc_health_port, "gRPC health").await?;
-    let metrics_listener = bind(args.bind, args.metrics_port, "metrics").await?;
-    let ports = (
-        grpc_listener.local_addr()?.port(),
-        health_listener.local_addr()?.port(),
-        metrics_listener.local_addr()?.port(),
-    );
+    let listeners = ports::Listeners::bind(&args).await?;
+    let ports = listeners.ports()?;
     let tls = if args.secure_serving {
         Some(crate::tls::server(args.cert_path.clone())?)
     } else {
@@ -1124,85 +771,53 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let extproc = ExtProcService::new(
         Arc::clone(&core),
-        ExtProcSettings {
-            max_body_bytes: args.max_body_bytes,
-            fallbacks: args.fallbacks,
-            conformance_test_mode: args.conformance_test_mode,
-            session_headers: args
-                .session_headers
-                .iter()
-                .map(|h| h.trim().to_ascii_lowercase())
-                .filter(|h| !h.is_empty())
-                .collect(),
+        config::extproc_settings(
+            &args,
+            &metrics,
             tokenizers,
-            body_budget: crate::extproc::BodyBudget::new(
-                args.max_buffered_body_bytes,
-                metrics.extproc.body_bytes_buffered.clone(),
-            ),
-            flow_policy: Some(flow_policy.clone()),
+            flow_policy.clone(),
             flow_settings,
-            pd_protocol: args.pd_protocol,
-            tracer: telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
-        },
+            telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
+        ),
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
     let live_streams = extproc.live_streams();
     // Listeners close only once draining is over: until then health answers NOT_SERVING.
     let (exit_tx, exit_rx) = watch::channel(false);
-    let drained = || {
-        let mut rx = exit_rx.clone();
-        async move {
-            let _ = rx.wait_for(|s| *s).await;
-        }
-    };
     let listening = |name, tls| crate::net::Listening {
         name,
         tls,
         limits: conn_limits.clone(),
         metrics: metrics.conn.clone(),
     };
-    let grpc_server = conn_limits
-        .http2_settings(tonic::transport::Server::builder())
-        .max_concurrent_streams(Some(args.max_concurrent_streams))
-        .add_service(health_service.clone())
-        .add_service(extproc.into_server())
-        .add_service(
-            SelectionApi::new(Arc::clone(&core))
-                .with_worker_writes(args.worker_api)
-                .with_reservations(args.selection_api)
-                .into_server(),
-        )
-        .serve_with_incoming_shutdown(
-            crate::net::incoming(grpc_listener, listening("grpc", tls), exit_rx.clone()),
-            drained(),
-        );
-    let health_server = conn_limits
-        .http2_settings(tonic::transport::Server::builder())
-        .add_service(health_service)
-        .serve_with_incoming_shutdown(
-            crate::net::incoming(health_listener, listening("health", None), exit_rx.clone()),
-            drained(),
-        );
-    let metrics_for_http = metrics.clone();
-    let router = axum::Router::new().route(
-        "/metrics",
-        get(move || {
-            let m = metrics_for_http.clone();
-            async move {
-                (
-                    [(
-                        axum::http::header::CONTENT_TYPE,
-                        "text/plain; version=0.0.4",
-                    )],
-                    m.render(),
-                )
-            }
-        }),
+    let grpc_server = ports::serve_grpc(
+        conn_limits
+            .http2_settings(tonic::transport::Server::builder())
+            .max_concurrent_streams(Some(args.max_concurrent_streams))
+            .add_service(health_service.clone())
+            .add_service(extproc.into_server())
+            .add_service(
+                SelectionApi::new(Arc::clone(&core))
+                    .with_worker_writes(args.worker_api)
+                    .with_reservations(args.selection_api)
+                    .into_server(),
+            ),
+        listeners.grpc,
+        listening("grpc", tls),
+        exit_rx.clone(),
     );
-    let metrics_server = axum::serve(metrics_listener, router).with_graceful_shutdown(drained());
+    let health_server = ports::serve_grpc(
+        conn_limits
+            .http2_settings(tonic::transport::Server::builder())
+            .add_service(health_service),
+        listeners.health,
+        listening("health", None),
+        exit_rx.clone(),
+    );
+    let metrics_server = ports::serve_metrics(listeners.metrics, metrics.clone(), exit_rx.clone());
 
     if let Some(path) = &args.port_file {
-        write_port_file(path, ports)?;
+        ports::write_port_file(path, ports)?;
     }
     tracing::info!(
         grpc = ports.0,
@@ -1214,25 +829,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let grpc_task = tokio::spawn(grpc_server);
     let health_task = tokio::spawn(health_server);
-    let metrics_task = tokio::spawn(async move { metrics_server.await });
+    let metrics_task = tokio::spawn(metrics_server);
 
-    termination().await;
-    tracing::info!(
-        grace_s = args.shutdown_grace,
-        "shutting down: refusing new streams, draining open ones"
-    );
-    shutdown_tx.send_replace(true);
-    let grace = Duration::from_secs(args.shutdown_grace);
-    let drained = tokio::time::timeout(grace, live_streams.idle()).await;
-    if drained.is_err() {
-        tracing::warn!(
-            live_bookings = core.live_bookings(),
-            streams = live_streams.count(),
-            "grace period over; closing remaining streams"
-        );
-    } else {
-        tracing::info!(live_bookings = core.live_bookings(), "drained");
-    }
+    ports::termination().await;
+    tasks::drain(&args, &core, &shutdown_tx, &live_streams).await;
     if let Some(shared) = &shared {
         shared.leave().await;
     }
@@ -1254,162 +854,8 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn write_port_file(path: &std::path::Path, ports: (u16, u16, u16)) -> anyhow::Result<()> {
-    let body =
-        serde_json::json!({"grpc": ports.0, "health": ports.1, "metrics": ports.2}).to_string();
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, body).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path).with_context(|| format!("cannot write {}", path.display()))?;
-    Ok(())
-}
-
-fn start_static_source(
-    args: &ServeArgs,
-    core: &Arc<SelectionCore>,
-    config_path: PathBuf,
-) -> anyhow::Result<()> {
-    let initial_text = std::fs::read_to_string(&config_path)
-        .with_context(|| format!("cannot read catalog file {}", config_path.display()))?;
-    let initial = static_file::parse_catalog(&initial_text)
-        .with_context(|| format!("in catalog file {}", config_path.display()))?;
-    let (catalog_tx, catalog_rx) = watch::channel(Some(initial));
-    let reloads = core.metrics().catalog.catalog_reloads.clone();
-    tokio::spawn(static_file::watch_catalog(
-        config_path,
-        initial_text,
-        Duration::from_millis(args.catalog_poll_ms),
-        catalog_tx,
-        move |_| reloads.with_label_values(&["invalid"]).inc(),
-    ));
-    tokio::spawn(crate::selection::reconcile::run(
-        Arc::clone(core),
-        "static-file",
-        catalog_rx,
-    ));
-    Ok(())
-}
-
-/// Where the workers come from.
-#[derive(Debug)]
-pub enum CatalogSource {
-    Static(PathBuf),
-    Kubernetes(kube_source::KubeSourceConfig),
-}
-
 /// Period of the Kubernetes source's forced re-publication of its full state.
 pub const KUBE_RESYNC: Duration = Duration::from_secs(30);
-
-/// Picks exactly one catalog source from the flags (`namespace_env`: env `NAMESPACE`).
-pub fn catalog_source(
-    args: &ServeArgs,
-    namespace_env: Option<String>,
-) -> anyhow::Result<CatalogSource> {
-    let kube_flags = args.pool_name.is_some() || args.endpoint_selector.is_some();
-    match (&args.config, kube_flags) {
-        (Some(_), true) => anyhow::bail!(
-            "choose one catalog source: --config (static file) or --pool-name / --endpoint-selector (Kubernetes), not both"
-        ),
-        (None, false) => anyhow::bail!(
-            "no catalog source: pass --config FILE (a static catalog YAML), --pool-name NAME (an InferencePool), or --endpoint-selector K=V,... with --target-ports"
-        ),
-        (Some(path), false) => {
-            for (set, flag) in [
-                (!args.target_ports.is_empty(), "--target-ports"),
-                (args.model.is_some(), "--model"),
-                (args.pool_namespace.is_some(), "--pool-namespace"),
-            ] {
-                if set {
-                    anyhow::bail!("{flag} only applies to the Kubernetes source, not --config");
-                }
-            }
-            Ok(CatalogSource::Static(path.clone()))
-        }
-        (None, true) => {
-            let namespace = match args.pool_namespace.clone().or(namespace_env) {
-                Some(ns) if !ns.is_empty() => ns,
-                _ => anyhow::bail!(
-                    "--pool-namespace is required (or set env NAMESPACE) with the Kubernetes source"
-                ),
-            };
-            if args.model.as_deref() == Some("") {
-                anyhow::bail!("--model must not be empty");
-            }
-            let target = match (&args.pool_name, &args.endpoint_selector) {
-                (Some(_), Some(_)) => anyhow::bail!(
-                    "--pool-name and --endpoint-selector exclude each other (the pool has its own selector)"
-                ),
-                (Some(name), None) => {
-                    if !args.target_ports.is_empty() {
-                        anyhow::bail!("--target-ports goes with --endpoint-selector; with --pool-name the pool's targetPorts apply");
-                    }
-                    kube_source::Target::Pool { name: name.clone() }
-                }
-                (None, Some(selector)) => {
-                    let selector = kube_source::parse_selector(selector)
-                        .context("invalid --endpoint-selector")?;
-                    if args.target_ports.is_empty() {
-                        anyhow::bail!("--endpoint-selector needs --target-ports PORT[,PORT...]");
-                    }
-                    kube_source::Target::Selector(
-                        kube_source::PoolView::new(selector, args.target_ports.clone())
-                            .context("invalid --target-ports")?,
-                    )
-                }
-                (None, None) => unreachable!("kube_flags"),
-            };
-            Ok(CatalogSource::Kubernetes(kube_source::KubeSourceConfig {
-                namespace,
-                target,
-                model: args.model.clone(),
-                resync: KUBE_RESYNC,
-                role_label: args.role_label.clone(),
-            }))
-        }
-    }
-}
-
-/// Classification settings from flags (`--client-priority`).
-pub fn flow_settings(args: &ServeArgs) -> crate::flow::FlowSettings {
-    crate::flow::FlowSettings {
-        client_priority: args.client_priority,
-    }
-}
-
-/// What the Kubernetes flow-policy source watches: the InferenceObjective / InferenceModelRewrite
-/// resources of the served pool's namespace, when the catalog follows an InferencePool
-/// (`--pool-name`) and `--flow-watch-crds` is on. With `--endpoint-selector` there is no pool for
-/// a poolRef to name, and with `--config` no Kubernetes at all.
-pub fn flow_kube_config(
-    args: &ServeArgs,
-    catalog: &CatalogSource,
-) -> Option<crate::flow::kube::FlowKubeConfig> {
-    match catalog {
-        CatalogSource::Kubernetes(kube_source::KubeSourceConfig {
-            namespace,
-            target: kube_source::Target::Pool { name },
-            ..
-        }) if args.flow_watch_crds => Some(crate::flow::kube::FlowKubeConfig::new(namespace, name)),
-        _ => None,
-    }
-}
-
-/// The Kubernetes client: in-cluster service account or kubeconfig, or (tests, local use) a
-/// plain URL without credentials.
-async fn kube_client(api_url: Option<&str>) -> anyhow::Result<kube::Client> {
-    match api_url {
-        Some(url) => {
-            let uri: axum::http::Uri = url
-                .parse()
-                .with_context(|| format!("invalid --kube-api-url {url:?}"))?;
-            let mut config = kube::Config::new(uri);
-            config.accept_invalid_certs = true;
-            kube::Client::try_from(config).context("cannot build the Kubernetes client")
-        }
-        None => kube::Client::try_default().await.context(
-            "cannot configure the Kubernetes client (no in-cluster service account or kubeconfig)",
-        ),
-    }
-}
 
 /// `--session-affinity-mode`: `hard` or `soft`.
 fn affinity_mode(s: &str) -> Result<AffinityMode, String> {

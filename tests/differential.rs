@@ -4,10 +4,11 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
+mod common;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     external_processor_client::ExternalProcessorClient, processing_request, processing_response,
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
@@ -27,19 +28,8 @@ use tonic::Streaming;
 
 fn catalog() -> Vec<WorkerSpec> {
     let worker = |name: &str, layout: RankLayout| WorkerSpec {
-        namespace: "static".into(),
-        name: name.into(),
-        model: "m".into(),
-        routing_group: String::new(),
-        address: "127.0.0.1".parse().unwrap(),
-        ranks: layout,
         block_size: Some(16),
-        kv_events: None,
-        kv_replay: None,
-        lora_adapters: vec![],
-        draining: false,
-        incarnation: 0,
-        roles: Vec::new(),
+        ..WorkerSpec::for_test(name, "m", layout)
     };
     vec![
         worker("a", RankLayout::PerPort(vec![8000, 8001])),
@@ -88,18 +78,8 @@ struct Stream {
 
 fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
     HttpHeaders {
-        headers: Some(HeaderMap {
-            headers: pairs
-                .iter()
-                .map(|(k, v)| HeaderValue {
-                    key: k.to_string(),
-                    value: String::new(),
-                    raw_value: v.as_bytes().to_vec(),
-                })
-                .collect(),
-        }),
         end_of_stream,
-        ..Default::default()
+        ..common::http_headers(pairs)
     }
 }
 

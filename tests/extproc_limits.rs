@@ -8,10 +8,8 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    external_processor_client::ExternalProcessorClient, processing_request, processing_response,
-    HttpBody, ProcessingRequest, ProcessingResponse,
+    processing_request, processing_response, HttpBody, ProcessingRequest,
 };
-use tokio::sync::mpsc;
 use tonic_health::pb::health_check_response::ServingStatus;
 
 mod common;
@@ -65,22 +63,7 @@ async fn wait_metric(port: u16, name: &str, want: f64) {
     }
 }
 
-type Client = ExternalProcessorClient<tonic::transport::Channel>;
-
-async fn open(
-    client: &mut Client,
-) -> (
-    mpsc::Sender<ProcessingRequest>,
-    tonic::Streaming<ProcessingResponse>,
-) {
-    let (tx, rx) = mpsc::channel(8);
-    let inbound = client
-        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
-    (tx, inbound)
-}
+use common::{open_stream as open, ExtProcClient as Client};
 
 #[tokio::test]
 async fn body_budget_503_and_bytes_come_back_when_the_client_disconnects() {

@@ -9,17 +9,18 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is a failure report
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::convert::Infallible;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use futures::StreamExt;
+use common::{watch_gone as gone, watch_line as line};
 use kvpick::flow::kube::{ClusterContent, FlowKubeConfig};
 use kvpick::flow::{FlowPolicy, FlowSourceConfig, Origin};
 use serde_json::{json, Value};
@@ -84,17 +85,6 @@ struct Fake {
     url: String,
 }
 
-fn line(v: Value) -> Bytes {
-    let mut t = v.to_string();
-    t.push('\n');
-    Bytes::from(t)
-}
-
-fn gone() -> Value {
-    json!({"type": "ERROR", "object": {"kind": "Status", "apiVersion": "v1", "metadata": {},
-        "status": "Failure", "message": "too old resource version", "reason": "Expired", "code": 410}})
-}
-
 impl Fake {
     async fn start() -> Fake {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -103,17 +93,11 @@ impl Fake {
             not_found: watch::channel(0).0,
             url: format!("http://{}", listener.local_addr().unwrap()),
         };
-        let app = axum::Router::new()
-            .route(
-                "/apis/{group}/{version}/namespaces/{ns}/{plural}",
-                get(handler),
-            )
-            .fallback(|uri: axum::http::Uri| async move {
-                eprintln!("fake apiserver: unexpected request {uri}");
-                (StatusCode::NOT_FOUND, "not found")
-            })
-            .with_state(fake.clone());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let routes = axum::Router::new().route(
+            "/apis/{group}/{version}/namespaces/{ns}/{plural}",
+            get(handler),
+        );
+        common::serve_fake_apiserver(listener, routes, fake.clone());
         fake
     }
 
@@ -251,13 +235,7 @@ async fn handler(
             }
             inner.watchers.push((r, tx, Box::new(selected)));
         }
-        let body =
-            tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
-        return (
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            Body::from_stream(body),
-        )
-            .into_response();
+        return common::watch_response(rx);
     }
     *inner.lists.entry(r.clone()).or_default() += 1;
     let items: Vec<Value> = inner
@@ -615,16 +593,8 @@ fn serve_refuses_an_invalid_flow_config_at_start_up() {
         "objectives: [{name: a, priority: 1}, {name: a, priority: 2}]",
     )
     .unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args(["serve", "--secure-serving=false", "--kv-events", "off"])
-        .args([
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ])
+    let out = common::serve_command()
+        .args(["--secure-serving=false", "--kv-events", "off"])
         .arg("--config")
         .arg(&catalog)
         .arg("--flow-config")

@@ -7,17 +7,16 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
 use std::collections::{BTreeMap, HashMap};
-use std::convert::Infallible;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
+use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use futures::StreamExt;
+use common::{watch_gone as gone, watch_line as line};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 use tonic_health::pb::health_check_response::ServingStatus;
@@ -101,12 +100,6 @@ impl Inner {
     }
 }
 
-fn line(event: Value) -> Bytes {
-    let mut text = event.to_string();
-    text.push('\n');
-    Bytes::from(text)
-}
-
 /// The watch event a watcher with `sel` sees for a change (the API server turns a label change
 /// that leaves the selector into DELETED and one that enters it into ADDED).
 fn event_for(sel: &Sel, c: &Change) -> Option<Value> {
@@ -166,7 +159,7 @@ impl Fake {
             gate,
             url,
         };
-        let app = axum::Router::new()
+        let routes = axum::Router::new()
             .route("/api/v1/namespaces/{ns}/pods", get(pods_handler))
             .route(
                 "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools",
@@ -175,13 +168,8 @@ impl Fake {
             .route(
                 "/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools/{name}",
                 get(pool_get_handler),
-            )
-            .fallback(|uri: axum::http::Uri| async move {
-                eprintln!("fake apiserver: unexpected request {uri}");
-                (StatusCode::NOT_FOUND, "not found")
-            })
-            .with_state(fake.clone());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+            );
+        common::serve_fake_apiserver(listener, routes, fake.clone());
         fake
     }
 
@@ -279,13 +267,6 @@ fn json_response(v: Value) -> Response {
         .into_response()
 }
 
-fn gone() -> Value {
-    json!({"type": "ERROR", "object": {
-        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-        "message": "too old resource version", "reason": "Expired", "code": 410,
-    }})
-}
-
 fn parse_labels(q: &HashMap<String, String>) -> BTreeMap<String, String> {
     q.get("labelSelector")
         .map(|s| {
@@ -330,13 +311,7 @@ async fn list_or_watch(fake: Fake, kind: Kind, sel: Sel, q: HashMap<String, Stri
                 inner.watchers.push(Watcher { kind, sel, tx });
             }
         }
-        let body =
-            tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(Ok::<Bytes, Infallible>);
-        return (
-            [(axum::http::header::CONTENT_TYPE, "application/json")],
-            Body::from_stream(body),
-        )
-            .into_response();
+        return common::watch_response(rx);
     }
     let mut gate = fake.gate.subscribe();
     let _ = gate.wait_for(|open| *open).await;

@@ -187,12 +187,7 @@ fn message(request: processing_request::Request) -> ProcessingRequest {
 
 /// Opens a stream and sends one completions request (headers `extra` added).
 async fn request(client: &mut Client, extra: &[(&str, &str)]) -> Stream {
-    let (tx, rx) = mpsc::channel(8);
-    let inbound = client
-        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-        .await
-        .unwrap()
-        .into_inner();
+    let (tx, inbound) = common::open_stream(client).await;
     let mut pairs = vec![
         (":method", "POST"),
         (":path", "/v1/completions"),

@@ -3,8 +3,6 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
-use std::process::Command;
-
 use kvpick::proto::{BookingRef, SelectRequest};
 use tonic_health::pb::health_check_response::ServingStatus;
 
@@ -93,16 +91,7 @@ fn bad_catalog_fails_start_up_with_a_clear_message() {
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("catalog.yaml");
     std::fs::write(&path, "workers: [{name: a, model: m, address: 1.2.3.4}]").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_kvpick"))
-        .args([
-            "serve",
-            "--grpc-port",
-            "0",
-            "--grpc-health-port",
-            "0",
-            "--metrics-port",
-            "0",
-        ])
+    let out = common::serve_command()
         .arg("--config")
         .arg(&path)
         .output()
@@ -329,7 +318,7 @@ async fn ext_proc_protocol_errors_over_the_wire() {
     use envoy_types::pb::envoy::config::core::v3::Metadata;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
         external_processor_client::ExternalProcessorClient, processing_request, HttpBody,
-        ProcessingRequest, ProcessingResponse,
+        ProcessingRequest,
     };
     use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
     use std::time::{Duration, Instant};
@@ -361,16 +350,7 @@ async fn ext_proc_protocol_errors_over_the_wire() {
     };
 
     // Opens a stream fed by the returned sender.
-    type Inbound = tonic::Streaming<ProcessingResponse>;
-    let mut open = async || -> (tokio::sync::mpsc::Sender<ProcessingRequest>, Inbound) {
-        let (tx, rx) = tokio::sync::mpsc::channel(8);
-        let inbound = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        (tx, inbound)
-    };
+    let mut open = async || common::open_stream(&mut client).await;
 
     // Routed, then headers again: FAILED_PRECONDITION, and the booking is freed.
     let (tx, mut inbound) = open().await;

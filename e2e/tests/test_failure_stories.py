@@ -16,7 +16,7 @@ import uuid
 import grpc
 import pytest
 
-from harness import Gate, wait_until, worker
+from harness import Gate, pb_field, wait_until, worker
 from kv_events.publisher import KvEventPublisher
 
 CHAT = "/v1/chat/completions"
@@ -104,17 +104,6 @@ def test_a_session_id_flood_does_not_lock_new_sessions_out(make_stack, make_upst
     assert metric(kv, "kvpick_session_events_total", outcome="table_full") == 0
 
 
-def _field(number: int, value: bytes) -> bytes:
-    """One length-delimited protobuf field (wire type 2)."""
-    key, out = (number << 3) | 2, bytearray()
-    for n in (key, len(value)):
-        while n >= 0x80:
-            out.append((n & 0x7F) | 0x80)
-            n >>= 7
-        out.append(n)
-    return bytes(out) + value
-
-
 def test_a_long_stream_keeps_its_booking_past_the_booking_ttl(make_stack, make_upstream,
                                                                client):
     ups = [make_upstream("a"), make_upstream("b")]
@@ -143,7 +132,7 @@ def test_a_long_stream_keeps_its_booking_past_the_booking_ttl(make_stack, make_u
     with grpc.insecure_channel(f"127.0.0.1:{kv.grpc_port}") as ch:
         reserve = ch.unary_unary("/kvpick.v1.Selection/SelectAndReserve",
                                  request_serializer=None, response_deserializer=None)
-        reserve(_field(1, b"api-booking") + _field(2, b"m1"), timeout=10)
+        reserve(pb_field(1, b"api-booking") + pb_field(2, b"m1"), timeout=10)
     wait_until(lambda: metric(kv, "kvpick_inflight_total") == 2, 15, desc="both booked")
     wait_until(lambda: metric(kv, "kvpick_bookings_expired_total") >= 1, 40,
                desc="the reaper expired the API booking")

@@ -8,7 +8,7 @@
 //! It must not decide anything, nor read the core beyond the facts and readings it is handed.
 //! Every label a client can choose is bounded: model names keep their own label only once a
 //! request for them was routed (the catalog serves them) and at most [`MAX_MODELS`] of them;
-//! fairness ids and priorities share [`crate::metrics::BoundedLabel`]s; the rest is `other`.
+//! fairness ids and priorities share [`BoundedLabel`]s; the rest is `other`.
 
 pub mod pool;
 pub mod series;
@@ -18,7 +18,6 @@ use std::time::Instant;
 
 use prometheus::Registry;
 
-use crate::metrics::BoundedLabel;
 use crate::usage::Usage;
 pub use series::{Generation, Series};
 
@@ -26,6 +25,36 @@ pub use series::{Generation, Series};
 pub const MAX_MODELS: usize = 64;
 const MAX_FAIRNESS_IDS: usize = 32;
 const MAX_PRIORITIES: usize = 16;
+
+/// Distinct values a client-controlled label may take before the rest share `other`.
+#[derive(Debug)]
+pub struct BoundedLabel {
+    max: usize,
+    seen: std::sync::Mutex<std::collections::HashSet<String>>,
+}
+
+impl BoundedLabel {
+    pub fn new(max: usize) -> Self {
+        BoundedLabel {
+            max,
+            seen: std::sync::Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// `value` itself while fewer than `max` values have been seen (or it is one of them), else
+    /// `other`. First come, first labelled: a label, once given, stays.
+    pub fn label(&self, value: &str) -> String {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.contains(value) {
+            return value.to_string();
+        }
+        if seen.len() < self.max {
+            seen.insert(value.to_string());
+            return value.to_string();
+        }
+        "other".to_string()
+    }
+}
 
 /// Which metric families `/metrics` exports (`--metrics-families`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -193,12 +193,7 @@ fn a_model_server_5xx_is_a_model_server_error() {
 #[test]
 fn a_queued_request_is_in_the_queue_gauges_until_its_stream_goes() {
     let mut config = CoreConfig::default();
-    config.flow.saturation = kvpick_core::SaturationLimits {
-        max_wait_seconds: None,
-        max_active_requests: Some(1),
-        engine_waiting: None,
-        engine_kv_usage: None,
-    };
+    config.flow.saturation = crate::selection::ONE_SLOT;
     let core = core(config);
     let mut first = machine(&core);
     first.handle(request_headers(&[])).unwrap();

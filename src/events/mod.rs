@@ -12,6 +12,17 @@ pub mod ingest;
 
 use kvpick_core::{RankKey, WorkerRecord};
 
+use crate::selection::SelectionCore;
+
+impl SelectionCore {
+    /// KV-event subscriptions the catalog asks for: one per rank of every worker that declares
+    /// an endpoint, `(rank, events endpoint, replay endpoint)`. Defined here, not in `selection`,
+    /// so that `selection` does not import `events`.
+    pub fn kv_event_endpoints(&self) -> Vec<(RankKey, String, Option<String>)> {
+        subscriptions(&self.inner().records())
+    }
+}
+
 /// `tcp://host:port` for rank 0 becomes `tcp://host:(port + rank)` (vLLM and SGLang offset their
 /// KV-event ports by data-parallel rank).
 pub fn offset_endpoint(base: &str, rank: u32) -> Option<String> {

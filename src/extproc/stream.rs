@@ -4,36 +4,41 @@
 //! frees the booking.
 
 use std::sync::Arc;
-use std::time::{Instant, SystemTime};
+use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::{
-    header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption, Metadata,
-};
-use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::envoy::config::core::v3::Metadata;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_request, processing_response, BodyMutation, BodyResponse,
-    CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders, ImmediateResponse,
-    ProcessingRequest, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    processing_request, processing_response, CommonResponse, HeaderMutation, HeadersResponse,
+    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
-use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
 use crate::epp_metrics::Stage;
-use crate::request::{parse_request_body_for, BodyError, ParsedBody, Prompt};
+use crate::request::{parse_request_body_for, ParsedBody, Prompt};
 use crate::selection::admission::{Admitted, Waiter};
-use crate::selection::session::SessionOutcome;
 use crate::selection::ToHttpStatus;
 use crate::selection::{
     DuplicateId, EndpointFilter, Pin, PromptInput, Reservation, SelectError, SelectionCore,
     SelectionRequest,
 };
-use crate::telemetry::{RequestTrace, TraceHeaders};
+use crate::telemetry::RequestTrace;
 use crate::tokenize::TokenizeOutcome;
 use crate::usage::UsageTracker;
 use kvpick_core::request::check_session_id_len;
 
 use super::budget::BodyLease;
 use super::ExtProcSettings;
+
+mod response;
+mod trace;
+mod wire;
+
+use trace::{trace_tokenize, TraceSeed};
+pub use wire::immediate;
+use wire::{
+    body_chunks, body_error_message, check_protocol, header_bytes, header_len, header_value,
+    lb_metadata, one, session_key, set_header, streamed_body, string_entries, BodyBuf,
+};
 
 /// Largest body chunk sent back to Envoy in one streamed_response.
 pub const MAX_BODY_CHUNK: usize = 62_000;
@@ -99,11 +104,32 @@ struct QueuedRoute {
     tail: Option<BodyTail>,
 }
 
+/// A request body held while its request is routed, echoed (with the answer to its trailers)
+/// after the headers response.
 struct BodyTail {
     body: Vec<Vec<u8>>,
     lease: BodyLease,
     end_of_stream: bool,
+    /// The body ended with trailers: answer them after routing.
     trailers: bool,
+}
+
+impl BodyTail {
+    /// Appends the echo of the body (and the answer to its trailers) to `step`, which then holds
+    /// the body's lease until it is sent.
+    fn echo(self, step: &mut Step) {
+        step.responses
+            .extend(body_chunks(self.body, self.end_of_stream));
+        step.body_lease = Some(self.lease);
+        if self.trailers {
+            step.responses.push(ProcessingResponse {
+                response: Some(processing_response::Response::RequestTrailers(
+                    TrailersResponse::default(),
+                )),
+                ..Default::default()
+            });
+        }
+    }
 }
 
 /// A prompt to tokenize off the state machine (ARCHITECTURE.md §8).
@@ -120,11 +146,7 @@ struct PendingRoute {
     parsed: ParsedBody,
     started: Instant,
     /// The body as received, echoed once routed; the lease also covers the job's copy.
-    body: Vec<Vec<u8>>,
-    lease: BodyLease,
-    body_end_of_stream: bool,
-    /// The body ended with trailers: answer them after routing.
-    trailers: bool,
+    tail: BodyTail,
 }
 
 pub struct StreamMachine {
@@ -166,14 +188,6 @@ pub struct StreamMachine {
     trace: Option<Box<RequestTrace>>,
 }
 
-/// What a stream's trace continues: the ext_proc call's trace context (gRPC metadata), the HTTP
-/// request's, and when Envoy opened the stream.
-struct TraceSeed {
-    grpc: TraceHeaders,
-    http: TraceHeaders,
-    opened: SystemTime,
-}
-
 impl StreamMachine {
     pub fn new(core: Arc<SelectionCore>, settings: Arc<ExtProcSettings>) -> Self {
         let epp = core.metrics().epp.request();
@@ -208,36 +222,10 @@ impl StreamMachine {
             queued: None,
             epp,
             tokenize_started: None,
-            trace_seed: settings.tracer.as_ref().map(|_| {
-                Box::new(TraceSeed {
-                    grpc: TraceHeaders::default(),
-                    http: TraceHeaders::default(),
-                    opened: SystemTime::now(),
-                })
-            }),
+            trace_seed: settings.tracer.as_ref().map(|_| TraceSeed::now()),
             trace: None,
             settings,
         }
-    }
-
-    /// Tracing on: the trace context of the ext_proc call itself (its gRPC metadata), which the
-    /// stream span prefers to the HTTP request's `traceparent`.
-    pub fn set_trace_context(&mut self, grpc: TraceHeaders) {
-        if let Some(seed) = &mut self.trace_seed {
-            seed.grpc = grpc;
-        }
-    }
-
-    /// The stream is over (`end`: how, as in `kvpick_extproc_streams_total`): ends its spans.
-    pub fn end_trace(&mut self, end: &'static str) {
-        if let Some(trace) = self.trace.take() {
-            trace.end(end);
-        }
-    }
-
-    /// Tracing on: the stream's spans once its request headers arrived.
-    pub fn trace(&self) -> Option<&RequestTrace> {
-        self.trace.as_deref()
     }
 
     /// The booking held by this stream, if any.
@@ -431,20 +419,6 @@ impl StreamMachine {
         Ok(Step::default())
     }
 
-    fn start_trace(&mut self) {
-        let (Some(seed), Some(tracer)) = (self.trace_seed.take(), &self.settings.tracer) else {
-            return;
-        };
-        self.trace = Some(Box::new(RequestTrace::start(
-            tracer,
-            &seed.grpc,
-            &seed.http,
-            seed.opened,
-            &self.path,
-            self.request_id.as_deref(),
-        )));
-    }
-
     fn on_request_body(&mut self, body: HttpBody) -> Result<Step, Status> {
         if self.phase != Phase::RequestBody {
             return Err(Status::failed_precondition(
@@ -474,7 +448,7 @@ impl StreamMachine {
                 // The body ended with trailers instead of end_of_stream: route now.
                 let mut step = self.finish_request(false)?;
                 if let Some(pending) = &mut self.pending {
-                    pending.trailers = true;
+                    pending.tail.trailers = true;
                     return Ok(step);
                 }
                 if !step.finished {
@@ -544,7 +518,6 @@ impl StreamMachine {
                 if !self.body.lease.try_grow(job_body.len()) {
                     return Ok(self.reject_budget());
                 }
-                let (chunks, lease) = self.body.take();
                 let job = TokenizeJob {
                     model,
                     path: self.path.clone(),
@@ -553,10 +526,7 @@ impl StreamMachine {
                 self.pending = Some(PendingRoute {
                     parsed: parsed.expect("checked"),
                     started,
-                    body: chunks,
-                    lease,
-                    body_end_of_stream,
-                    trailers: false,
+                    tail: self.held_body(body_end_of_stream),
                 });
                 self.phase = Phase::Tokenizing;
                 self.tokenize_started = Some(Instant::now());
@@ -572,35 +542,41 @@ impl StreamMachine {
         drop(whole);
         let shared_session = self.core.shared().is_some() && self.session_id.is_some();
         if let Some(p) = parsed.take_if(|_| shared_session) {
-            let (chunks, lease) = self.body.take();
+            let tail = self.held_body(body_end_of_stream);
             return Ok(self.route_pending(PendingRoute {
                 parsed: p,
                 started,
-                body: chunks,
-                lease,
-                body_end_of_stream,
-                trailers: false,
+                tail,
             }));
         }
         self.phase = Phase::Response;
-        let mut step = self.route(parsed, started, false);
+        let step = self.route(parsed, started, false);
         if step.finished {
             return Ok(step);
         }
-        let (chunks, lease) = self.body.take();
-        if let Some(queued) = self.queued.as_mut() {
-            queued.tail = Some(BodyTail {
-                body: chunks,
-                lease,
-                end_of_stream: body_end_of_stream,
-                trailers: false,
-            });
-            return Ok(step);
+        let tail = self.held_body(body_end_of_stream);
+        Ok(self.echo_after_route(step, tail))
+    }
+
+    /// The body buffered so far, taken to be echoed once the request is routed.
+    fn held_body(&mut self, end_of_stream: bool) -> BodyTail {
+        let (body, lease) = self.body.take();
+        BodyTail {
+            body,
+            lease,
+            end_of_stream,
+            trailers: false,
         }
-        step.responses
-            .extend(body_chunks(chunks, body_end_of_stream));
-        step.body_lease = Some(lease);
-        Ok(step)
+    }
+
+    /// The body echo after the headers response of a routed request; a queued request keeps it
+    /// until [`StreamMachine::resume_after_queue`] routes it.
+    fn echo_after_route(&mut self, mut step: Step, tail: BodyTail) -> Step {
+        match self.queued.as_mut() {
+            Some(queued) => queued.tail = Some(tail),
+            None => tail.echo(&mut step),
+        }
+        step
     }
 
     /// Flow control's classification of the request (`crate::flow::classify`): priority from
@@ -726,31 +702,11 @@ impl StreamMachine {
     /// Routes a pending request and echoes its body (and trailers).
     fn route_now(&mut self, pending: PendingRoute) -> Step {
         self.phase = Phase::Response;
-        let mut step = self.route(Some(pending.parsed), pending.started, false);
+        let step = self.route(Some(pending.parsed), pending.started, false);
         if step.finished {
             return step;
         }
-        if let Some(queued) = self.queued.as_mut() {
-            queued.tail = Some(BodyTail {
-                body: pending.body,
-                lease: pending.lease,
-                end_of_stream: pending.body_end_of_stream,
-                trailers: pending.trailers,
-            });
-            return step;
-        }
-        step.responses
-            .extend(body_chunks(pending.body, pending.body_end_of_stream));
-        step.body_lease = Some(pending.lease);
-        if pending.trailers {
-            step.responses.push(ProcessingResponse {
-                response: Some(processing_response::Response::RequestTrailers(
-                    TrailersResponse::default(),
-                )),
-                ..Default::default()
-            });
-        }
-        step
+        self.echo_after_route(step, pending.tail)
     }
 
     /// Selects, books, and builds the headers response.
@@ -852,17 +808,7 @@ impl StreamMachine {
             return step;
         }
         if let Some(tail) = queued.tail {
-            step.responses
-                .extend(body_chunks(tail.body, tail.end_of_stream));
-            step.body_lease = Some(tail.lease);
-            if tail.trailers {
-                step.responses.push(ProcessingResponse {
-                    response: Some(processing_response::Response::RequestTrailers(
-                        TrailersResponse::default(),
-                    )),
-                    ..Default::default()
-                });
-            }
+            tail.echo(&mut step);
         }
         step
     }
@@ -977,130 +923,6 @@ impl StreamMachine {
         }
     }
 
-    fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
-        // The rank's answer: a 5xx (Envoy's own 503/504 for connect failures and timeouts too)
-        // counts against it, and only a 2xx makes its first byte a first token.
-        let status = headers
-            .headers
-            .iter()
-            .flat_map(|m| m.headers.iter())
-            .find(|h| h.key == ":status")
-            .and_then(|h| header_value(h).trim().parse::<u16>().ok());
-        if let (Some(status), Some(r)) = (status, &self.reservation) {
-            r.response_status(status);
-            self.epp.response_status(status);
-        }
-        if let (Some(status), Some(t)) = (status, &self.trace) {
-            t.response_status(status);
-        }
-        let sse = headers
-            .headers
-            .iter()
-            .flat_map(|m| m.headers.iter())
-            .any(|h| {
-                h.key.eq_ignore_ascii_case("content-type")
-                    && header_value(h)
-                        .to_ascii_lowercase()
-                        .starts_with("text/event-stream")
-            });
-        self.usage = Some(UsageTracker::new(sse));
-        self.epp.streaming(sse);
-        let mut set = Vec::new();
-        if let (Some(served), Some(reservation)) = (&self.served_endpoint, &self.reservation) {
-            if let Ok(addr) = served.parse() {
-                reservation.served_by(addr);
-            }
-        }
-        if let (Some(id), Some(r)) = (&self.session_id, &self.reservation) {
-            if matches!(
-                r.selection().session,
-                Some(SessionOutcome::Created | SessionOutcome::Reused)
-            ) {
-                set.push(set_header("x-dynamo-session-id", id));
-            }
-        }
-        if self.settings.conformance_test_mode {
-            let served = self.served_endpoint.clone().or_else(|| {
-                self.reservation
-                    .as_ref()
-                    .map(|r| r.selection().primary.endpoint.to_string())
-            });
-            if let Some(served) = served {
-                set.push(set_header(CONFORMANCE_SERVED_HEADER, &served));
-            }
-        }
-        if headers.end_of_stream {
-            self.release();
-        }
-        let common = if set.is_empty() {
-            None
-        } else {
-            Some(CommonResponse {
-                header_mutation: Some(HeaderMutation {
-                    set_headers: set,
-                    remove_headers: vec![],
-                }),
-                ..Default::default()
-            })
-        };
-        Ok(one(processing_response::Response::ResponseHeaders(
-            HeadersResponse { response: common },
-        )))
-    }
-
-    fn on_response_body(&mut self, body: HttpBody) -> Step {
-        if !body.body.is_empty() && !self.first_byte_seen {
-            self.first_byte_seen = true;
-            if let Some(t) = &self.trace {
-                t.first_byte();
-            }
-            if let Some(r) = &self.reservation {
-                r.mark_prefill_complete();
-                if let Some(at) = self.picked_at {
-                    self.core
-                        .metrics()
-                        .extproc
-                        .time_to_first_byte
-                        .with_label_values(&[&r.selection().primary.worker_name])
-                        .observe(at.elapsed().as_secs_f64());
-                }
-            }
-        }
-        if let Some(usage) = &mut self.usage {
-            usage.feed(&body.body);
-        }
-        self.epp.response_chunk(body.body.len());
-        let end = body.end_of_stream;
-        let step = one(processing_response::Response::ResponseBody(streamed_body(
-            body.body, end,
-        )));
-        if end {
-            self.release();
-        }
-        step
-    }
-
-    /// Frees the booking (response complete) and records usage.
-    fn release(&mut self) {
-        let usage = self.usage.as_mut().and_then(UsageTracker::finish);
-        self.epp.completed(usage);
-        if let Some(usage) = usage {
-            let m = &self.core.metrics().extproc.usage_tokens;
-            m.with_label_values(&["prompt"]).inc_by(usage.prompt_tokens);
-            m.with_label_values(&["completion"])
-                .inc_by(usage.completion_tokens);
-            m.with_label_values(&["cached"]).inc_by(usage.cached_tokens);
-            // The decode speed the engine reported (TPOT estimator, TPOT SLO attainment).
-            if let Some(r) = &self.reservation {
-                r.decode_complete(usage.completion_tokens);
-            }
-        }
-        self.usage = None;
-        if let Some(r) = self.reservation.take() {
-            r.free();
-        }
-    }
-
     fn reject_too_large(&mut self) -> Step {
         let message = format!(
             "request body exceeds max_body_bytes ({} bytes)",
@@ -1155,278 +977,6 @@ impl Drop for StreamMachine {
         if let (Some(r), false) = (&self.reservation, self.first_byte_seen) {
             r.response_reset();
         }
-    }
-}
-
-fn check_protocol(
-    config: &envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration,
-) -> Result<(), Status> {
-    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-    let full_duplex = BodySendMode::FullDuplexStreamed as i32;
-    if config.request_body_mode != full_duplex || config.response_body_mode != full_duplex {
-        return Err(Status::failed_precondition(format!(
-            "kvpick needs request_body_mode and response_body_mode FULL_DUPLEX_STREAMED \
-             (got request {}, response {}); see docs/deployment.md, \"Wiring Envoy\"",
-            mode_name(config.request_body_mode),
-            mode_name(config.response_body_mode)
-        )));
-    }
-    Ok(())
-}
-
-fn mode_name(mode: i32) -> String {
-    use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-    BodySendMode::try_from(mode)
-        .map(|m| m.as_str_name().to_string())
-        .unwrap_or_else(|_| mode.to_string())
-}
-
-fn body_error_message(err: &BodyError) -> String {
-    err.to_string()
-}
-
-/// The length in bytes of the value as Envoy sent it.
-fn header_len(h: &HeaderValue) -> usize {
-    if h.raw_value.is_empty() {
-        h.value.len()
-    } else {
-        h.raw_value.len()
-    }
-}
-
-/// A session id as the table keys it: the header as sent when it is UTF-8; otherwise U+FFFD
-/// followed by the bytes in hex, so distinct invalid ids stay distinct (a lossy conversion would
-/// make every one of them the same run of U+FFFD).
-fn session_key(h: &HeaderValue) -> String {
-    if h.raw_value.is_empty() {
-        return h.value.clone();
-    }
-    match std::str::from_utf8(&h.raw_value) {
-        Ok(s) => s.to_string(),
-        Err(_) => {
-            let mut key = String::with_capacity(3 + 2 * h.raw_value.len());
-            key.push('\u{fffd}');
-            for b in &h.raw_value {
-                key.push_str(&format!("{b:02x}"));
-            }
-            key
-        }
-    }
-}
-
-/// The value's bytes as Envoy sent them.
-fn header_bytes(h: &HeaderValue) -> &[u8] {
-    if h.raw_value.is_empty() {
-        h.value.as_bytes()
-    } else {
-        &h.raw_value
-    }
-}
-
-/// The tokenize span's outcome.
-fn trace_tokenize(trace: &mut RequestTrace, outcome: &TokenizeOutcome) {
-    use std::borrow::Cow;
-    match outcome {
-        TokenizeOutcome::Tokens { ids, source } => trace.tokenize_done(
-            "tokens",
-            Cow::Owned(format!("{source:?}").to_ascii_lowercase()),
-            ids.len(),
-        ),
-        TokenizeOutcome::Fallback { reason } => {
-            trace.tokenize_done("fallback", Cow::Borrowed(reason), 0)
-        }
-        TokenizeOutcome::Skipped { reason } => {
-            trace.tokenize_done("skipped", Cow::Borrowed(reason), 0)
-        }
-        TokenizeOutcome::NotApplicable => {
-            trace.tokenize_done("not_applicable", Cow::Borrowed(""), 0)
-        }
-    }
-}
-
-fn header_value(h: &HeaderValue) -> std::borrow::Cow<'_, str> {
-    if h.raw_value.is_empty() {
-        std::borrow::Cow::Borrowed(h.value.as_str())
-    } else {
-        String::from_utf8_lossy(&h.raw_value)
-    }
-}
-
-/// A metadata value as a list of strings: a list of strings, or one comma-separated string.
-fn string_entries(value: &Value) -> Vec<String> {
-    match &value.kind {
-        Some(Kind::StringValue(s)) => s
-            .split(',')
-            .map(str::trim)
-            .filter(|e| !e.is_empty())
-            .map(str::to_string)
-            .collect(),
-        Some(Kind::ListValue(ListValue { values })) => {
-            values.iter().flat_map(string_entries).collect()
-        }
-        _ => Vec::new(),
-    }
-}
-
-fn set_header(key: &str, value: &str) -> HeaderValueOption {
-    HeaderValueOption {
-        header: Some(HeaderValue {
-            key: key.to_string(),
-            value: String::new(),
-            raw_value: value.as_bytes().to_vec(),
-        }),
-        append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
-        ..Default::default()
-    }
-}
-
-fn lb_metadata(destination: &str) -> Struct {
-    let inner = Struct {
-        fields: [(
-            DESTINATION_HEADER.to_string(),
-            Value {
-                kind: Some(Kind::StringValue(destination.to_string())),
-            },
-        )]
-        .into(),
-    };
-    Struct {
-        fields: [(
-            LB_NAMESPACE.to_string(),
-            Value {
-                kind: Some(Kind::StructValue(inner)),
-            },
-        )]
-        .into(),
-    }
-}
-
-fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
-    BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..Default::default()
-                    },
-                )),
-            }),
-            ..Default::default()
-        }),
-    }
-}
-
-/// Below this size a body chunk is appended to the previous one instead of kept alone, so a
-/// peer sending many tiny chunks costs a copy of a few bytes, not an allocation and an echoed
-/// message each.
-const COALESCE_BELOW: usize = 1024;
-
-/// The request body as Envoy sent it, chunk by chunk. Echoing the received chunks themselves
-/// (moved, not copied) saves a copy of the body; the lease holds its bytes in the global budget.
-#[derive(Debug)]
-struct BodyBuf {
-    chunks: Vec<Vec<u8>>,
-    len: usize,
-    lease: BodyLease,
-}
-
-impl BodyBuf {
-    fn push(&mut self, chunk: Vec<u8>) {
-        if chunk.is_empty() {
-            return;
-        }
-        self.len += chunk.len();
-        if chunk.len() < COALESCE_BELOW {
-            if let Some(last) = self.chunks.last_mut() {
-                if last.len() + chunk.len() <= MAX_BODY_CHUNK {
-                    last.extend_from_slice(&chunk);
-                    return;
-                }
-            }
-        }
-        self.chunks.push(chunk);
-    }
-
-    /// The whole body in one slice: borrowed when Envoy sent it in one chunk (the usual case
-    /// for small requests), else one copy for the parser.
-    fn contiguous(&self) -> std::borrow::Cow<'_, [u8]> {
-        match self.chunks.as_slice() {
-            [] => std::borrow::Cow::Borrowed(&[]),
-            [one] => std::borrow::Cow::Borrowed(one),
-            many => std::borrow::Cow::Owned(many.concat()),
-        }
-    }
-
-    /// The chunks and the lease covering them; leaves an empty buffer with a fresh lease.
-    fn take(&mut self) -> (Vec<Vec<u8>>, BodyLease) {
-        self.len = 0;
-        let fresh = self.lease.fresh();
-        (
-            std::mem::take(&mut self.chunks),
-            std::mem::replace(&mut self.lease, fresh),
-        )
-    }
-}
-
-/// The request body echoed back in chunks of at most [`MAX_BODY_CHUNK`] bytes, the received
-/// chunks moved as they are (only a chunk over the limit is split, which copies it); an empty
-/// body is still answered (Envoy needs a body response to continue).
-fn body_chunks(chunks: Vec<Vec<u8>>, end_of_stream: bool) -> Vec<ProcessingResponse> {
-    let mut pieces: Vec<Vec<u8>> = Vec::with_capacity(chunks.len());
-    for chunk in chunks {
-        if chunk.len() <= MAX_BODY_CHUNK {
-            pieces.push(chunk);
-        } else {
-            pieces.extend(chunk.chunks(MAX_BODY_CHUNK).map(<[u8]>::to_vec));
-        }
-    }
-    if pieces.is_empty() {
-        pieces.push(Vec::new());
-    }
-    let n = pieces.len();
-    pieces
-        .into_iter()
-        .enumerate()
-        .map(|(i, piece)| ProcessingResponse {
-            response: Some(processing_response::Response::RequestBody(streamed_body(
-                piece,
-                end_of_stream && i + 1 == n,
-            ))),
-            ..Default::default()
-        })
-        .collect()
-}
-
-fn one(response: processing_response::Response) -> Step {
-    Step {
-        responses: vec![ProcessingResponse {
-            response: Some(response),
-            ..Default::default()
-        }],
-        ..Step::default()
-    }
-}
-
-/// `kvpick: <code>: <message>` with a text content type.
-pub fn immediate(status: u16, message: &str) -> ProcessingResponse {
-    ProcessingResponse {
-        response: Some(processing_response::Response::ImmediateResponse(
-            ImmediateResponse {
-                status: Some(HttpStatus {
-                    code: status as i32,
-                }),
-                headers: Some(HeaderMutation {
-                    set_headers: vec![set_header("content-type", "text/plain; charset=utf-8")],
-                    remove_headers: vec![],
-                }),
-                body: format!("kvpick: {status}: {message}\n").into_bytes(),
-                details: format!("kvpick_{status}"),
-                ..Default::default()
-            },
-        )),
-        ..Default::default()
     }
 }
 

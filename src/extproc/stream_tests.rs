@@ -2,9 +2,12 @@ use super::*;
 use crate::catalog::{RankLayout, WorkerSpec};
 use crate::metrics::Metrics;
 use crate::selection::CoreConfig;
-use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpTrailers, ProtocolConfiguration};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    body_mutation, HttpTrailers, ProtocolConfiguration,
+};
+use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use processing_response::Response as R;
 
 fn worker(name: &str, model: &str, layout: RankLayout) -> WorkerSpec {
@@ -1594,7 +1597,7 @@ async fn a_session_unknown_here_is_looked_up_before_its_pick_and_redis_down_neve
 /// Flow control through the state machine: one rank that takes one request at a time.
 mod queue {
     use super::*;
-    use kvpick_core::{FlowConfig, SaturationLimits};
+    use kvpick_core::FlowConfig;
     use std::time::Duration;
 
     pub(super) fn one_at_a_time(timeout: Duration) -> Arc<SelectionCore> {
@@ -1603,12 +1606,7 @@ mod queue {
                 seed: Some(1),
                 flow: FlowConfig {
                     queue_timeout: timeout,
-                    saturation: SaturationLimits {
-                        max_wait_seconds: None,
-                        max_active_requests: Some(1),
-                        engine_waiting: None,
-                        engine_kv_usage: None,
-                    },
+                    saturation: crate::selection::ONE_SLOT,
                     ..FlowConfig::default()
                 },
                 ..Default::default()

@@ -14,9 +14,8 @@ use tokio::sync::oneshot;
 
 use kvpick_core::core::Admission;
 
-use super::{
-    now, Fact, Facts, RankKey, Reservation, SelectError, Selection, SelectionCore, SelectionRequest,
-};
+use super::sharing::SessionBefore;
+use super::{now, Fact, Facts, Reservation, SelectError, SelectionCore, SelectionRequest};
 
 type Outcome = Result<Reservation, SelectError>;
 
@@ -81,35 +80,6 @@ impl Mailboxes {
     #[cfg(test)]
     pub(super) fn len(&self) -> usize {
         self.lock().len()
-    }
-}
-
-/// `--shared-state`: a session's local binding before its pick, so the pick can be published
-/// to the other replicas once it is made (now, or when the request is released).
-#[derive(Debug, Clone)]
-pub(super) struct SessionBefore {
-    session_id: String,
-    before: Option<RankKey>,
-}
-
-impl SelectionCore {
-    /// The request's session binding before the pick; `None` without shared state, a session
-    /// id or a partition for the model.
-    pub(super) fn session_before(&self, request: &SelectionRequest) -> Option<SessionBefore> {
-        let sid = request.session_id.as_deref()?;
-        let before = self.local_binding(request.model.as_deref(), &request.routing_group, sid)?;
-        Some(SessionBefore {
-            session_id: sid.to_string(),
-            before,
-        })
-    }
-
-    /// Publishes a pick's session binding to the other replicas: the one after-pick step of
-    /// every path (booked now, released from the queue, released before its waiter listened).
-    pub(super) fn after_pick(&self, selection: &Selection, session: Option<&SessionBefore>) {
-        if let (Some(shared), Some(s)) = (self.shared.get(), session) {
-            shared.after_pick(selection, &s.session_id, s.before);
-        }
     }
 }
 

@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvpick_core::{CoreConfig, FlowConfig, PromptInput, SaturationLimits, SelectionRequest};
+use kvpick_core::{CoreConfig, FlowConfig, PromptInput, SelectionRequest};
 
 use super::*;
 use crate::catalog::{RankLayout, WorkerSpec};
@@ -19,12 +19,7 @@ fn narrow_core() -> Arc<SelectionCore> {
             seed: Some(5),
             flow: FlowConfig {
                 queue_timeout: Duration::from_secs(600),
-                saturation: SaturationLimits {
-                    max_wait_seconds: None,
-                    max_active_requests: Some(1),
-                    engine_waiting: None,
-                    engine_kv_usage: None,
-                },
+                saturation: crate::selection::ONE_SLOT,
                 ..FlowConfig::default()
             },
             ..CoreConfig::default()

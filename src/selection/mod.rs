@@ -9,6 +9,7 @@
 
 pub mod admission;
 pub mod reconcile;
+pub mod sharing;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, OnceLock, Weak};
@@ -25,16 +26,14 @@ pub use kvpick_core::{
     SelectError, Selection, SelectionRequest, SessionConfig, SessionOutcome, SourceName,
     WorkerRecord, WorkerView, DEFAULT_BLOCK_SIZE,
 };
+pub use sharing::{SessionLookupJob, SharedHooks};
 
 use crate::catalog::WorkerSpec;
 use crate::metrics::Metrics;
-use crate::shared::{SessionLookupJob, SharedState};
 use kvpick_core::index::{Tier, TierDepths};
 
 /// The process clock the core is given: tokio's, so a paused test or replay clock reaches it.
-pub fn now() -> std::time::Instant {
-    tokio::time::Instant::now().into_std()
-}
+pub use crate::clock::now;
 
 /// HTTP status of a selection error, for the ext_proc host (the API maps to gRPC codes).
 pub trait ToHttpStatus {
@@ -60,7 +59,7 @@ pub struct SelectionCore {
     /// Bumped after every applied catalog snapshot (KV-event subscriptions follow it).
     catalog_tx: watch::Sender<u64>,
     /// `--shared-state`: sessions and load shared with the other replicas (unset: none).
-    shared: OnceLock<Arc<SharedState>>,
+    shared: OnceLock<Arc<dyn SharedHooks>>,
     /// Flow control: where released requests' reservations go ([`admission`]).
     mailboxes: admission::Mailboxes,
     /// This core's own `Arc` (a released request's [`Reservation`] holds one).
@@ -181,71 +180,6 @@ impl SelectionCore {
         Ok(selection)
     }
 
-    /// Shares sessions and load with the other replicas from now on (once; `--shared-state`).
-    pub fn attach_shared(&self, shared: Arc<SharedState>) {
-        let _ = self.shared.set(shared);
-    }
-
-    pub fn shared(&self) -> Option<&Arc<SharedState>> {
-        self.shared.get()
-    }
-
-    /// With shared state: the session's local binding before a pick, `Some(None)` when it has
-    /// none here. `None` without shared state, a session id or a partition for the model.
-    fn local_binding(
-        &self,
-        model: Option<&str>,
-        group: &str,
-        sid: &str,
-    ) -> Option<Option<RankKey>> {
-        self.shared.get()?;
-        let (_, bound, facts) = self.core.session_binding(model, group, sid, now())?;
-        self.record(facts);
-        Some(bound)
-    }
-
-    /// With shared state: the Redis lookup a request of a session this replica has no binding
-    /// for needs before its pick (none while Redis is down: the pick goes on local state).
-    pub fn session_lookup(
-        &self,
-        model: Option<&str>,
-        routing_group: &str,
-        session_id: Option<&str>,
-    ) -> Option<SessionLookupJob> {
-        let shared = self.shared.get()?;
-        let sid = session_id?;
-        let (partition, bound, facts) =
-            self.core
-                .session_binding(model, routing_group, sid, now())?;
-        self.record(facts);
-        if bound.is_some() {
-            return None;
-        }
-        if !shared.is_up() {
-            shared
-                .metrics()
-                .local_fallbacks
-                .with_label_values(&["down"])
-                .inc();
-            return None;
-        }
-        Some(SessionLookupJob {
-            partition,
-            session_id: sid.to_string(),
-        })
-    }
-
-    /// Runs a [`SelectionCore::session_lookup`] job: a binding another replica made is installed
-    /// here, so the pick follows it. Bounded by `--shared-state-timeout-ms`; never fails.
-    pub async fn prefetch_session(&self, job: SessionLookupJob) {
-        let Some(shared) = self.shared.get() else {
-            return;
-        };
-        if let Some(rank) = shared.lookup(&job).await {
-            self.install_session_binding(&job.partition, &job.session_id, rank);
-        }
-    }
-
     /// Installs a session binding decided by another replica.
     pub fn install_session_binding(
         &self,
@@ -275,11 +209,7 @@ impl SelectionCore {
         let (selection, facts) = self.core.select_and_reserve(request, now())?;
         self.record(facts);
         self.after_pick(&selection, session.as_ref());
-        Ok(Reservation {
-            core: Arc::clone(self),
-            selection,
-            armed: true,
-        })
+        Ok(self.reservation(selection))
     }
 
     /// The decision trace (when `trace_decisions > 0`).
@@ -370,12 +300,6 @@ impl SelectionCore {
     /// Forgets a rank's blocks (its engine restarted).
     pub fn clear_rank(&self, rank: RankKey) {
         self.core.clear_rank(rank);
-    }
-
-    /// KV-event subscriptions the catalog asks for: one per rank of every worker that declares
-    /// an endpoint, `(rank, events endpoint, replay endpoint)`.
-    pub fn kv_event_endpoints(&self) -> Vec<(RankKey, String, Option<String>)> {
-        crate::events::subscriptions(&self.core.records())
     }
 
     /// The block size of a model's partition (default until a worker declares one).
@@ -480,6 +404,15 @@ impl Drop for Reservation {
         }
     }
 }
+
+/// Saturation at one active request per rank: the second request waits (tests of queueing).
+#[cfg(test)]
+pub(crate) const ONE_SLOT: kvpick_core::SaturationLimits = kvpick_core::SaturationLimits {
+    max_wait_seconds: None,
+    max_active_requests: Some(1),
+    engine_waiting: None,
+    engine_kv_usage: None,
+};
 
 #[cfg(test)]
 mod tests;

@@ -27,8 +27,9 @@ use redis::IntoConnectionInfo;
 use tokio::sync::{mpsc, Mutex};
 
 use crate::selection::SelectionCore;
+pub use crate::selection::SessionLookupJob;
 pub use metrics::SharedMetrics;
-pub use sessions::{SessionLookupJob, SessionWrite};
+pub use sessions::SessionWrite;
 
 /// Queue of session writes waiting for the writer task; past it writes are dropped (counted).
 const SESSION_QUEUE: usize = 8192;

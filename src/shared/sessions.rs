@@ -22,7 +22,9 @@ use tokio::sync::mpsc;
 
 use super::{CallError, SharedState};
 use crate::selection::session::Installed;
-use crate::selection::{PartitionKey, RankKey, Selection, SelectionCore, SessionOutcome};
+use crate::selection::{
+    PartitionKey, RankKey, Selection, SelectionCore, SessionLookupJob, SessionOutcome, SharedHooks,
+};
 
 /// Writes drained from the queue per round (sent concurrently over the multiplexed connection).
 const WRITE_BATCH: usize = 256;
@@ -45,13 +47,6 @@ return {3, cur}
 "#;
 
 static CLAIM: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(CLAIM_SCRIPT));
-
-/// A session this replica has no binding for, to look up before its pick.
-#[derive(Debug, Clone)]
-pub struct SessionLookupJob {
-    pub partition: PartitionKey,
-    pub session_id: String,
-}
 
 /// A binding to write (or refresh) after a pick.
 #[derive(Debug, Clone)]
@@ -208,6 +203,31 @@ impl SharedState {
             }
             Ok(_) | Err(_) => {}
         }
+    }
+}
+
+/// The selection core reaches the shared state only through [`SharedHooks`].
+impl SharedHooks for SharedState {
+    fn is_up(&self) -> bool {
+        SharedState::is_up(self)
+    }
+
+    fn lookup_skipped_down(&self) {
+        self.metrics
+            .local_fallbacks
+            .with_label_values(&["down"])
+            .inc();
+    }
+
+    fn lookup<'a>(
+        &'a self,
+        job: &'a SessionLookupJob,
+    ) -> futures::future::BoxFuture<'a, Option<RankKey>> {
+        Box::pin(SharedState::lookup(self, job))
+    }
+
+    fn after_pick(&self, selection: &Selection, session_id: &str, before: Option<RankKey>) {
+        SharedState::after_pick(self, selection, session_id, before);
     }
 }
 

@@ -42,15 +42,22 @@ pub fn temp_dir(prefix: &str) -> PathBuf {
     dir
 }
 
+/// `kvpick serve` with its ports on 127.0.0.1:0, for the test to add its flags to.
+pub fn serve_command() -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_kvpick"));
+    command
+        .args(["serve", "--bind", "127.0.0.1", "--grpc-port", "0"])
+        .args(["--grpc-health-port", "0", "--metrics-port", "0"]);
+    command
+}
+
 /// Starts `kvpick serve` with its ports on 127.0.0.1:0 and its log in `dir/kvpick.log`;
 /// `configure` adds the test's own flags and environment.
 pub fn start_with(dir: PathBuf, configure: impl FnOnce(&mut Command)) -> Serve {
     let port_file = dir.join("ports.json");
     let log = std::fs::File::create(dir.join("kvpick.log")).unwrap();
-    let mut command = Command::new(env!("CARGO_BIN_EXE_kvpick"));
+    let mut command = serve_command();
     command
-        .args(["serve", "--bind", "127.0.0.1", "--grpc-port", "0"])
-        .args(["--grpc-health-port", "0", "--metrics-port", "0"])
         .arg("--port-file")
         .arg(&port_file)
         .stdout(Stdio::null())
@@ -152,6 +159,76 @@ pub async fn loads(api: &mut Api, model: &str) -> Vec<kvpick::proto::Worker> {
     .unwrap()
     .into_inner()
     .workers
+}
+
+/// Serves a fake Kubernetes API server on `listener`: `routes` with `state`; any other request is
+/// logged and answered 404 (a test then fails on what it did not get, with the path in its log).
+pub fn serve_fake_apiserver<S: Clone + Send + Sync + 'static>(
+    listener: tokio::net::TcpListener,
+    routes: axum::Router<S>,
+    state: S,
+) {
+    let app = routes
+        .fallback(|uri: axum::http::Uri| async move {
+            eprintln!("fake apiserver: unexpected request {uri}");
+            (axum::http::StatusCode::NOT_FOUND, "not found")
+        })
+        .with_state(state);
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+}
+
+/// One event of a Kubernetes watch stream: the JSON and a newline.
+pub fn watch_line(event: serde_json::Value) -> axum::body::Bytes {
+    let mut text = event.to_string();
+    text.push('\n');
+    axum::body::Bytes::from(text)
+}
+
+/// The watch event of a resource version the fake server no longer has (410 Expired): the
+/// client must list again.
+pub fn watch_gone() -> serde_json::Value {
+    serde_json::json!({"type": "ERROR", "object": {
+        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+        "message": "too old resource version", "reason": "Expired", "code": 410,
+    }})
+}
+
+/// A Kubernetes watch response streaming the events sent into `rx` (see [`watch_line`]) for as
+/// long as its sender lives.
+pub fn watch_response(
+    rx: tokio::sync::mpsc::UnboundedReceiver<axum::body::Bytes>,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    use futures::StreamExt;
+    let body = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
+        .map(Ok::<axum::body::Bytes, std::convert::Infallible>);
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        axum::body::Body::from_stream(body),
+    )
+        .into_response()
+}
+
+/// An ext_proc client of a kvpick gRPC port.
+pub type ExtProcClient =
+    envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient<
+        tonic::transport::Channel,
+    >;
+
+/// Opens an ext_proc stream (as Envoy opens one per request), fed by the returned sender.
+pub async fn open_stream(
+    client: &mut ExtProcClient,
+) -> (
+    tokio::sync::mpsc::Sender<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest>,
+    tonic::Streaming<envoy_types::pb::envoy::service::ext_proc::v3::ProcessingResponse>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel(8);
+    let inbound = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    (tx, inbound)
 }
 
 /// An ext_proc header map of `pairs` as Envoy sends them (values in `raw_value`).

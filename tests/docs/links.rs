@@ -27,8 +27,8 @@ fn pages() -> Vec<PathBuf> {
     out
 }
 
-/// The page's lines outside fenced code blocks, with inline code spans blanked out, numbered.
-fn prose(text: &str) -> Vec<(usize, String)> {
+/// The page's lines outside fenced code blocks (```` ``` ```` or `~~~`), numbered from 1.
+fn outside_fences(text: &str) -> Vec<(usize, &str)> {
     let mut fence: Option<&str> = None;
     let mut out = Vec::new();
     for (n, line) in text.lines().enumerate() {
@@ -43,6 +43,15 @@ fn prose(text: &str) -> Vec<(usize, String)> {
             fence = Some(&trimmed[..3]);
             continue;
         }
+        out.push((n + 1, line));
+    }
+    out
+}
+
+/// The page's lines outside fenced code blocks, with inline code spans blanked out, numbered.
+fn prose(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (n, line) in outside_fences(text) {
         let mut kept = String::new();
         let mut in_code = false;
         for c in line.chars() {
@@ -53,7 +62,7 @@ fn prose(text: &str) -> Vec<(usize, String)> {
                 kept.push(c);
             }
         }
-        out.push((n + 1, kept));
+        out.push((n, kept));
     }
     out
 }
@@ -93,19 +102,7 @@ fn slug(heading: &str) -> String {
 fn anchors(text: &str) -> BTreeSet<String> {
     let mut seen: BTreeMap<String, usize> = BTreeMap::new();
     let mut out = BTreeSet::new();
-    let mut fence: Option<&str> = None;
-    for line in text.lines() {
-        let trimmed = line.trim_start();
-        if let Some(f) = fence {
-            if trimmed.starts_with(f) {
-                fence = None;
-            }
-            continue;
-        }
-        if trimmed.starts_with("```") || trimmed.starts_with("~~~") {
-            fence = Some(&trimmed[..3]);
-            continue;
-        }
+    for (_, line) in outside_fences(text) {
         if let Some(h) = line.strip_prefix('#') {
             let h = h.trim_start_matches('#');
             if h.starts_with(' ') {

@@ -4,7 +4,8 @@
 //! `docs/deployment.md` names every value of the chart; every page of `docs/` is reachable from the
 //! table of contents in `docs/README.md`; every relative link and `#anchor` in `docs/` and
 //! `README.md` resolves; and the module tables of `docs/ARCHITECTURE.md` name exactly the modules
-//! of `src/` and `crates/*/src`. Reads only files in the repository (and runs `kvpick serve
+//! of `src/` and `crates/*/src`, whose top-level modules of `src/` import each other without a
+//! circle. Reads only files in the repository (and runs `kvpick serve
 //! --help`), so a plain `cargo test` from a fresh clone runs it.
 //!
 //! After adding a flag or a metric: `KVPICK_UPDATE_DOCS=1 cargo test --test docs` rewrites the
@@ -16,6 +17,7 @@ mod architecture;
 mod flags;
 mod generated;
 mod helm;
+mod layering;
 mod links;
 mod metrics;
 

@@ -1,0 +1,143 @@
+//! The response phase of an ext_proc stream: the rank's status and content type read from the
+//! response headers (a 5xx counts against the rank), the served endpoint and session headers
+//! set on them, the first response byte (prefill done, time to first byte), `usage` read from
+//! the body, and the booking freed when the response ends.
+//!
+//! It must not route or touch the request phase's state (body, pending or queued route).
+
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    processing_response, CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders,
+};
+use tonic::Status;
+
+use crate::selection::session::SessionOutcome;
+use crate::usage::UsageTracker;
+
+use super::wire::{header_value, one, set_header, streamed_body};
+use super::{Step, StreamMachine, CONFORMANCE_SERVED_HEADER};
+
+impl StreamMachine {
+    pub(super) fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
+        // The rank's answer: a 5xx (Envoy's own 503/504 for connect failures and timeouts too)
+        // counts against it, and only a 2xx makes its first byte a first token.
+        let status = headers
+            .headers
+            .iter()
+            .flat_map(|m| m.headers.iter())
+            .find(|h| h.key == ":status")
+            .and_then(|h| header_value(h).trim().parse::<u16>().ok());
+        if let (Some(status), Some(r)) = (status, &self.reservation) {
+            r.response_status(status);
+            self.epp.response_status(status);
+        }
+        if let (Some(status), Some(t)) = (status, &self.trace) {
+            t.response_status(status);
+        }
+        let sse = headers
+            .headers
+            .iter()
+            .flat_map(|m| m.headers.iter())
+            .any(|h| {
+                h.key.eq_ignore_ascii_case("content-type")
+                    && header_value(h)
+                        .to_ascii_lowercase()
+                        .starts_with("text/event-stream")
+            });
+        self.usage = Some(UsageTracker::new(sse));
+        self.epp.streaming(sse);
+        let mut set = Vec::new();
+        if let (Some(served), Some(reservation)) = (&self.served_endpoint, &self.reservation) {
+            if let Ok(addr) = served.parse() {
+                reservation.served_by(addr);
+            }
+        }
+        if let (Some(id), Some(r)) = (&self.session_id, &self.reservation) {
+            if matches!(
+                r.selection().session,
+                Some(SessionOutcome::Created | SessionOutcome::Reused)
+            ) {
+                set.push(set_header("x-dynamo-session-id", id));
+            }
+        }
+        if self.settings.conformance_test_mode {
+            let served = self.served_endpoint.clone().or_else(|| {
+                self.reservation
+                    .as_ref()
+                    .map(|r| r.selection().primary.endpoint.to_string())
+            });
+            if let Some(served) = served {
+                set.push(set_header(CONFORMANCE_SERVED_HEADER, &served));
+            }
+        }
+        if headers.end_of_stream {
+            self.release();
+        }
+        let common = if set.is_empty() {
+            None
+        } else {
+            Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers: set,
+                    remove_headers: vec![],
+                }),
+                ..Default::default()
+            })
+        };
+        Ok(one(processing_response::Response::ResponseHeaders(
+            HeadersResponse { response: common },
+        )))
+    }
+
+    pub(super) fn on_response_body(&mut self, body: HttpBody) -> Step {
+        if !body.body.is_empty() && !self.first_byte_seen {
+            self.first_byte_seen = true;
+            if let Some(t) = &self.trace {
+                t.first_byte();
+            }
+            if let Some(r) = &self.reservation {
+                r.mark_prefill_complete();
+                if let Some(at) = self.picked_at {
+                    self.core
+                        .metrics()
+                        .extproc
+                        .time_to_first_byte
+                        .with_label_values(&[&r.selection().primary.worker_name])
+                        .observe(at.elapsed().as_secs_f64());
+                }
+            }
+        }
+        if let Some(usage) = &mut self.usage {
+            usage.feed(&body.body);
+        }
+        self.epp.response_chunk(body.body.len());
+        let end = body.end_of_stream;
+        let step = one(processing_response::Response::ResponseBody(streamed_body(
+            body.body, end,
+        )));
+        if end {
+            self.release();
+        }
+        step
+    }
+
+    /// Frees the booking (response complete) and records usage.
+    pub(super) fn release(&mut self) {
+        let usage = self.usage.as_mut().and_then(UsageTracker::finish);
+        self.epp.completed(usage);
+        if let Some(usage) = usage {
+            let m = &self.core.metrics().extproc.usage_tokens;
+            m.with_label_values(&["prompt"]).inc_by(usage.prompt_tokens);
+            m.with_label_values(&["completion"])
+                .inc_by(usage.completion_tokens);
+            m.with_label_values(&["cached"]).inc_by(usage.cached_tokens);
+            // The decode speed the engine reported (TPOT estimator, TPOT SLO attainment).
+            if let Some(r) = &self.reservation {
+                r.decode_complete(usage.completion_tokens);
+            }
+        }
+        self.usage = None;
+        if let Some(r) = self.reservation.take() {
+            r.free();
+        }
+    }
+}
