@@ -251,3 +251,14 @@ fn a_key_the_command_line_sets_is_ignored_on_reload() {
     }
     assert_eq!(core.config().cost.stall_weight, 5.0);
 }
+
+#[test]
+fn the_documented_example_loads() {
+    let doc = include_str!("../docs/configuration.md");
+    let start = doc.find("# kvpick-settings.yaml\n").unwrap();
+    let example = &doc[start..start + doc[start..].find("```").unwrap()];
+    let args = load(&File::new(example), &[]).unwrap();
+    assert_eq!(args.overlap_score_credit, 1.5);
+    assert_eq!(args.session_headers, ["x-session-id", "x-dynamo-session-id"]);
+    assert_eq!(args.index_max_blocks, 2_097_152);
+}
