@@ -74,6 +74,8 @@ struct Raw {
 /// One key of the file turned into arguments.
 struct Entry {
     key: String,
+    /// The flag's long name (`key` may be an alias).
+    long: String,
     line: Option<usize>,
     argv: Vec<String>,
 }
@@ -120,46 +122,27 @@ fn read(path: &Path) -> anyhow::Result<String> {
     Ok(text)
 }
 
+/// Where a key is written, for messages.
+fn at(path: &Path, key: &str, line: Option<usize>) -> String {
+    match line {
+        Some(n) => format!("settings file {} line {n}: `{key}`", path.display()),
+        None => format!("settings file {}: `{key}`", path.display()),
+    }
+}
+
 /// Parses the user's arguments with the file's keys injected where the value is still the
 /// default, and checks the result like `serve` does. Returns the arguments and what was taken.
-#[allow(clippy::type_complexity)]
 fn resolve(
     path: &Path,
     text: &str,
     user_args: &[OsString],
 ) -> anyhow::Result<(ServeArgs, BTreeMap<String, Vec<String>>)> {
-    let at = |key: &str, line: Option<usize>| match line {
-        Some(n) => format!("settings file {} line {n}: `{key}`", path.display()),
-        None => format!("settings file {}: `{key}`", path.display()),
-    };
     let entries =
         parse_entries(text).map_err(|e| anyhow!("settings file {}: {e}", path.display()))?;
     let user = serve_command()
         .try_get_matches_from(user_args)
         .map_err(|e| anyhow!("{}", first_line(&e.to_string())))?;
-    let mut taken = Vec::new();
-    let command = serve_command();
-    for raw in entries {
-        let arg = command
-            .get_arguments()
-            .find(|a| a.get_long() == Some(raw.key.as_str()))
-            .filter(|_| !NOT_SETTINGS.contains(&raw.key.as_str()));
-        let Some(arg) = arg else {
-            bail!(
-                "{}: unknown setting (keys are `kvpick serve` flag names)",
-                at(&raw.key, raw.line)
-            );
-        };
-        if is_default(&user, arg.get_id().as_str()) {
-            let argv = to_argv(arg, &raw.key, &raw.value)
-                .map_err(|e| anyhow!("{}: {e}", at(&raw.key, raw.line)))?;
-            taken.push(Entry {
-                key: raw.key,
-                line: raw.line,
-                argv,
-            });
-        }
-    }
+    let taken = take(path, entries, &user)?;
     let argv = |only: Option<&Entry>| -> Vec<OsString> {
         let injected = taken.iter().filter(|e| only.is_none_or(|o| o.key == e.key));
         injected
@@ -176,7 +159,7 @@ fn resolve(
                 .find(|e| serve_command().try_get_matches_from(argv(Some(e))).is_err());
             let message = first_line(&err.to_string());
             return Err(match culprit {
-                Some(e) => anyhow!("{}: {message}", at(&e.key, e.line)),
+                Some(e) => anyhow!("{}: {message}", at(path, &e.key, e.line)),
                 None => anyhow!("settings file {}: {message}", path.display()),
             });
         }
@@ -184,16 +167,55 @@ fn resolve(
     let args = ServeArgs::from_arg_matches(&matches).map_err(|e| anyhow!("{e}"))?;
     if let Err(err) = core_config(&args) {
         let message = format!("{err:#}");
-        let culprit = taken
-            .iter()
-            .find(|e| message.contains(&format!("--{}", e.key)));
+        let culprit = taken.iter().find(|e| names_flag(&message, &e.long));
         return Err(match culprit {
-            Some(e) => anyhow!("{}: {message}", at(&e.key, e.line)),
+            Some(e) => anyhow!("{}: {message}", at(path, &e.key, e.line)),
             None => err,
         });
     }
     let injected = taken.into_iter().map(|e| (e.key, e.argv)).collect();
     Ok((args, injected))
+}
+
+/// The file's keys as arguments, leaving out those the command line or environment set.
+fn take(path: &Path, entries: Vec<Raw>, user: &ArgMatches) -> anyhow::Result<Vec<Entry>> {
+    let command = serve_command();
+    let mut taken = Vec::new();
+    for raw in entries {
+        let arg = command.get_arguments().find(|a| {
+            !NOT_SETTINGS.contains(&raw.key.as_str())
+                && a.get_long_and_visible_aliases()
+                    .is_some_and(|names| names.contains(&raw.key.as_str()))
+        });
+        let (Some(arg), Some(long)) = (arg, arg.and_then(|a| a.get_long())) else {
+            bail!(
+                "{}: unknown setting (keys are `kvpick serve` flag names)",
+                at(path, &raw.key, raw.line)
+            );
+        };
+        if is_default(user, arg.get_id().as_str()) {
+            let argv = to_argv(arg, long, &raw.value)
+                .map_err(|e| anyhow!("{}: {e}", at(path, &raw.key, raw.line)))?;
+            taken.push(Entry {
+                key: raw.key,
+                long: long.to_string(),
+                line: raw.line,
+                argv,
+            });
+        }
+    }
+    Ok(taken)
+}
+
+/// Whether `message` names `--long` (not a longer flag that starts with it).
+fn names_flag(message: &str, long: &str) -> bool {
+    let flag = format!("--{long}");
+    message.match_indices(&flag).any(|(i, _)| {
+        message[i + flag.len()..]
+            .chars()
+            .next()
+            .is_none_or(|c| !(c.is_alphanumeric() || c == '-'))
+    })
 }
 
 /// Whether `id`'s value in `user` came from its default (not a flag, not the environment).

@@ -61,6 +61,25 @@ fn file_values_fill_defaults_and_flags_win() {
 }
 
 #[test]
+fn only_defaults_give_way_to_the_file() {
+    // Its own variable: no other test reads it.
+    const VAR: &str = "KVPICK_TEST_SETTINGS_PRECEDENCE";
+    std::env::set_var(VAR, "from-env");
+    let command = || {
+        clap::Command::new("t")
+            .no_binary_name(true)
+            .arg(clap::Arg::new("x").long("x").env(VAR).default_value("d"))
+    };
+    let env = command().try_get_matches_from(Vec::<&str>::new()).unwrap();
+    assert!(!is_default(&env, "x"), "the environment wins over the file");
+    let flag = command().try_get_matches_from(["--x", "f"]).unwrap();
+    assert!(!is_default(&flag, "x"), "a flag wins over the file");
+    std::env::remove_var(VAR);
+    let default = command().try_get_matches_from(Vec::<&str>::new()).unwrap();
+    assert!(is_default(&default, "x"), "the file wins over a default");
+}
+
+#[test]
 fn a_false_switch_and_an_empty_file_leave_the_defaults() {
     let args = load(&File::new("allow-pins: false\n"), &[]).unwrap();
     assert!(!args.allow_pins);
@@ -155,6 +174,15 @@ fn malformed_files_are_refused() {
     assert!(error(&big).contains("byte limit"));
     let just_under = format!("#{}", "x".repeat(MAX_SETTINGS_BYTES - 2));
     assert!(load(&File::new(&just_under), &[]).is_ok());
+}
+
+#[test]
+fn aliases_are_keys_and_messages_name_whole_flags() {
+    let args = load(&File::new("config-file: /etc/catalog.yaml\n"), &[]).unwrap();
+    assert_eq!(args.config.unwrap(), PathBuf::from("/etc/catalog.yaml"));
+    assert!(names_flag("--queue-timeout must be", "queue-timeout"));
+    assert!(names_flag("x --queue-timeout", "queue-timeout"));
+    assert!(!names_flag("--queue-timeout-ms must be", "queue-timeout"));
 }
 
 #[test]
@@ -259,6 +287,9 @@ fn the_documented_example_loads() {
     let example = &doc[start..start + doc[start..].find("```").unwrap()];
     let args = load(&File::new(example), &[]).unwrap();
     assert_eq!(args.overlap_score_credit, 1.5);
-    assert_eq!(args.session_headers, ["x-session-id", "x-dynamo-session-id"]);
+    assert_eq!(
+        args.session_headers,
+        ["x-session-id", "x-dynamo-session-id"]
+    );
     assert_eq!(args.index_max_blocks, 2_097_152);
 }
