@@ -83,6 +83,11 @@ async fn settings_file_reloads_live_and_keeps_the_last_good_version() {
     // 1000 prefill tokens allowed on the one rank: two 64-token bookings fit.
     api.select_and_reserve(select("r0")).await.unwrap();
     api.select_and_reserve(select("r1")).await.unwrap();
+    let cost = |api: &mut common::Api| {
+        let mut api = api.clone();
+        async move { api.select(select("probe")).await.unwrap().into_inner().cost }
+    };
+    let before = cost(&mut api).await;
 
     // Live: the rank is now over its threshold.
     let live = "selection-api: true\nactive-prefill-tokens-threshold: 100\n";
@@ -99,10 +104,14 @@ async fn settings_file_reloads_live_and_keeps_the_last_good_version() {
     // Not live: reported as needing a restart; the live part still applies.
     std::fs::write(
         &settings,
-        "selection-api: true\nactive-prefill-tokens-threshold: 100000\nindex-max-blocks: 64\n",
+        "selection-api: true\nactive-prefill-tokens-threshold: 100000\nindex-max-blocks: 64\n\
+         prefill-load-scale: 4\n",
     )
     .unwrap();
     wait_reloads(serve.metrics, "restart_needed", 1.0).await;
+    // A live weight: the same decision over the same bookings now weighs prefill load 4x.
+    let after = cost(&mut api).await;
+    assert!(after > before * 1.5, "cost {before} -> {after}");
     api.select_and_reserve(select("r4")).await.unwrap();
     assert_eq!(
         metric(
