@@ -109,14 +109,25 @@ pub fn apply(args: ServeArgs, user_args: Vec<OsString>) -> anyhow::Result<ServeA
     Ok(resolved)
 }
 
+/// At most one byte more than [`MAX_SETTINGS_BYTES`] of the file (so an oversized file is seen
+/// as one without reading it all).
+fn read_bounded(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_SETTINGS_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The file at start-up, refused past [`MAX_SETTINGS_BYTES`].
 fn read(path: &Path) -> anyhow::Result<String> {
-    let text = std::fs::read_to_string(path)
+    let text = read_bounded(path)
         .with_context(|| format!("cannot read settings file {}", path.display()))?;
     if text.len() > MAX_SETTINGS_BYTES {
         bail!(
-            "settings file {} is {} bytes, over the {MAX_SETTINGS_BYTES}-byte limit",
-            path.display(),
-            text.len()
+            "settings file {} is over the {MAX_SETTINGS_BYTES}-byte limit",
+            path.display()
         );
     }
     Ok(text)
@@ -444,11 +455,16 @@ async fn watch(
         let Some(core) = core.upgrade() else {
             return;
         };
-        let text = match tokio::fs::read_to_string(&loaded.path).await {
-            Ok(text) => text,
-            Err(err) => {
+        let path = loaded.path.clone();
+        let text = match tokio::task::spawn_blocking(move || read_bounded(&path)).await {
+            Ok(Ok(text)) => text,
+            Ok(Err(err)) => {
                 // A missing file mid-swap is normal for atomic renames (ConfigMaps).
                 tracing::debug!(path = %loaded.path.display(), %err, "settings file unreadable, keeping the last settings");
+                continue;
+            }
+            Err(err) => {
+                tracing::error!(%err, "settings file read task failed");
                 continue;
             }
         };

@@ -231,6 +231,11 @@ fn reloads_apply_live_settings_and_keep_the_last_good_ones() {
         assert!(matches!(reload, Reload::Invalid(_)), "{bad}: {reload:?}");
         assert_eq!(core.config().cost.overlap_score_credit, 2.0, "{bad}");
     }
+    let oversized = format!("#{}", "x".repeat(MAX_SETTINGS_BYTES));
+    assert!(matches!(
+        loaded.reload(oversized, &core),
+        Reload::Invalid(_)
+    ));
     // Removing a key returns it to its default.
     let reload = loaded.reload("queue-timeout: 4\n".to_string(), &core);
     assert!(
