@@ -35,7 +35,6 @@ pub mod net;
 pub mod request;
 pub mod selection;
 pub mod server;
-pub mod settings;
 pub mod shared;
 pub mod telemetry;
 pub mod tls;

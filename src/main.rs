@@ -88,7 +88,10 @@ fn main() -> std::process::ExitCode {
             }
         },
         Command::Serve(args) => {
-            let args = match kvpick::settings::apply(*args, kvpick::settings::serve_argv()) {
+            let args = match kvpick::server::settings::apply(
+                *args,
+                kvpick::server::settings::serve_argv(),
+            ) {
                 Ok(args) => args,
                 Err(err) => {
                     eprintln!("kvpick: error: {err:#}");

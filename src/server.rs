@@ -19,6 +19,7 @@ use crate::selection::{AffinityMode, SelectionCore};
 
 mod config;
 mod ports;
+pub mod settings;
 mod tasks;
 
 pub use config::{
@@ -53,9 +54,9 @@ pub struct ServeArgs {
     #[arg(long, value_name = "FILE", env = "KVPICK_SETTINGS")]
     pub settings: Option<PathBuf>,
 
-    /// What `--settings` contributed (set by [`crate::settings::apply`], not a flag).
+    /// What `--settings` contributed (set by [`crate::server::settings::apply`], not a flag).
     #[arg(skip)]
-    pub settings_loaded: Option<Arc<crate::settings::Loaded>>,
+    pub settings_loaded: Option<Arc<crate::server::settings::Loaded>>,
 
     /// Tokenization of text and chat prompts: YAML file with a `tokenizers:` list (per model:
     /// tokenizer_json, chat_template[_file], bos/eos_token, add_special_tokens, render_url).
@@ -744,7 +745,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let conn_limits = args.conn.limits()?;
     let telemetry = tasks::start_telemetry(&args)?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
-    crate::settings::start(&args, &core)?;
+    crate::server::settings::start(&args, &core)?;
     metrics
         .epp
         .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));

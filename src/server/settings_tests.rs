@@ -287,7 +287,7 @@ fn a_key_the_command_line_sets_is_ignored_on_reload() {
 
 #[test]
 fn the_documented_example_loads() {
-    let doc = include_str!("../docs/configuration.md");
+    let doc = include_str!("../../docs/configuration.md");
     let start = doc.find("# kvpick-settings.yaml\n").unwrap();
     let example = &doc[start..start + doc[start..].find("```").unwrap()];
     let args = load(&File::new(example), &[]).unwrap();
