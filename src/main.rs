@@ -88,7 +88,16 @@ fn main() -> std::process::ExitCode {
             }
         },
         Command::Serve(args) => {
-            let args = *args;
+            let args = match kvpick::server::settings::apply(
+                *args,
+                kvpick::server::settings::serve_argv(),
+            ) {
+                Ok(args) => args,
+                Err(err) => {
+                    eprintln!("kvpick: error: {err:#}");
+                    return std::process::ExitCode::from(2);
+                }
+            };
             kvpick::server::init_logging(args.log_format);
             let runtime = match runtime() {
                 Ok(r) => r,

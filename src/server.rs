@@ -19,6 +19,7 @@ use crate::selection::{AffinityMode, SelectionCore};
 
 mod config;
 mod ports;
+pub mod settings;
 mod tasks;
 
 pub use config::{
@@ -43,6 +44,19 @@ pub struct ServeArgs {
         env = "KVPICK_CONFIG"
     )]
     pub config: Option<PathBuf>,
+
+    /// Settings file: YAML mapping any of these flags by its long name to a value
+    /// (`queue-timeout: 30`, `session-headers: [a, b]`, booleans as true/false). Flags and
+    /// environment variables win over it. Re-read when it changes: cost weights, busy thresholds,
+    /// saturation limits, the queue timeout and the soft session margin apply live; other changes
+    /// are logged as needing a restart; an invalid version keeps the last good one
+    /// (docs/configuration.md#settings-file).
+    #[arg(long, value_name = "FILE", env = "KVPICK_SETTINGS")]
+    pub settings: Option<PathBuf>,
+
+    /// What `--settings` contributed (set by [`crate::server::settings::apply`], not a flag).
+    #[arg(skip)]
+    pub settings_loaded: Option<Arc<crate::server::settings::Loaded>>,
 
     /// Tokenization of text and chat prompts: YAML file with a `tokenizers:` list (per model:
     /// tokenizer_json, chat_template[_file], bos/eos_token, add_special_tokens, render_url).
@@ -613,7 +627,8 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub shutdown_grace: u64,
 
-    /// Milliseconds between checks of the catalog file (and the --flow-config file) for changes.
+    /// Milliseconds between checks of the catalog file (and the --flow-config and --settings
+    /// files) for changes.
     #[arg(long, default_value_t = 1000, value_name = "MS")]
     pub catalog_poll_ms: u64,
 
@@ -730,6 +745,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let conn_limits = args.conn.limits()?;
     let telemetry = tasks::start_telemetry(&args)?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
+    crate::server::settings::start(&args, &core)?;
     metrics
         .epp
         .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));

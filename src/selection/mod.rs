@@ -92,7 +92,7 @@ impl SelectionCore {
         &self.metrics
     }
 
-    pub fn config(&self) -> &CoreConfig {
+    pub fn config(&self) -> Arc<CoreConfig> {
         self.core.config()
     }
 

@@ -8,7 +8,12 @@ use std::collections::BTreeSet;
 const PAGE: &str = "docs/deployment.md";
 const VALUES: &str = "charts/kvpick/values.yaml";
 /// Maps whose keys are data (labels, resource names, the catalog), documented as one value.
-const FREE_FORM: &[&str] = &["pool.selector.matchLabels", "resources", "catalog"];
+const FREE_FORM: &[&str] = &[
+    "pool.selector.matchLabels",
+    "resources",
+    "catalog",
+    "settings",
+];
 
 fn leaves(value: &serde_yaml::Value, prefix: &str, out: &mut BTreeSet<String>) {
     match value {

@@ -37,6 +37,9 @@ pub mod facts;
 pub mod flow;
 pub mod hash;
 pub mod index;
+pub mod live;
+#[cfg(test)]
+mod live_tests;
 pub mod outlier;
 mod partition;
 pub mod request;
@@ -57,6 +60,7 @@ pub use crate::error::{CatalogError, ConfigError, SelectError};
 pub use crate::estimate::{Coefficients, EstimatorConfig, TpotEstimator, TtftEstimator};
 pub use crate::facts::{Fact, Facts, QueueEvent, QueueExit, ResponseClass};
 pub use crate::flow::{FlowConfig, SaturationLimits};
+pub use crate::live::{LiveConfig, LiveConfigError};
 pub use crate::partition::EventStats;
 pub use crate::request::{
     clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, SelectionRequest,

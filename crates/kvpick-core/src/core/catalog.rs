@@ -109,7 +109,7 @@ impl Core {
         Arc::clone(
             partitions
                 .entry(key.clone())
-                .or_insert_with(|| Arc::new(Partition::new(key.clone(), &self.config, now))),
+                .or_insert_with(|| Arc::new(Partition::new(key.clone(), &self.config(), now))),
         )
     }
 
@@ -216,7 +216,7 @@ impl Core {
         let partition = Arc::clone(
             partitions
                 .entry(key.clone())
-                .or_insert_with(|| Arc::new(Partition::new(key, &self.config, now))),
+                .or_insert_with(|| Arc::new(Partition::new(key, &self.config(), now))),
         );
         drop(partitions);
         crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
@@ -339,6 +339,6 @@ impl Core {
         request.validate()?;
         let partition = self.resolve_partition(request)?;
         crate::request::check_block_hashes(&request.prompt, partition.block_size())?;
-        Ok(partition.overlaps(request, self.config.max_prompt_blocks, now))
+        Ok(partition.overlaps(request, self.config().max_prompt_blocks, now))
     }
 }

@@ -14,7 +14,8 @@ impl Core {
         request: &SelectionRequest,
         now: Instant,
     ) -> (Result<Admission, SelectError>, Facts) {
-        if !self.config.flow.enabled || request.holder == Holder::Api {
+        let config = self.config();
+        if !config.flow.enabled || request.holder == Holder::Api {
             return match self.select_and_reserve(request, now) {
                 Ok((s, f)) => (Ok(Admission::Dispatched(Box::new(s))), f),
                 Err(e) => (Err(e), Facts::default()),
@@ -22,7 +23,7 @@ impl Core {
         }
         let partition = match self.ensure_ready(request) {
             Ok(p) => p,
-            Err(SelectError::Unavailable(_)) if self.config.flow.hold_when_no_endpoints => {
+            Err(SelectError::Unavailable(_)) if config.flow.hold_when_no_endpoints => {
                 match self.held_partition(request, now) {
                     Ok(p) => p,
                     Err(e) => return (Err(e), Facts::default()),
@@ -36,7 +37,7 @@ impl Core {
             .saturating_add(1);
         self.waiting.insert(ticket, Arc::clone(&partition));
         let mut facts = Facts::default();
-        let admitted = partition.admit(request, ticket, self, &self.config, now, &mut facts);
+        let admitted = partition.admit(request, ticket, self, &config, now, &mut facts);
         self.forget_dequeued(&facts, 0);
         let result = match admitted {
             Ok(Admitted::Dispatched(outcome)) => {
@@ -65,7 +66,7 @@ impl Core {
         }
         let start = facts.0.len();
         self.release_passes.fetch_add(1, Ordering::Relaxed);
-        partition.pump(self, &self.config, now, facts);
+        partition.pump(self, &self.config(), now, facts);
         self.forget_dequeued(facts, start);
     }
 
@@ -106,7 +107,7 @@ impl Core {
         let error = self
             .waiting
             .remove(&ticket)
-            .and_then(|(_, p)| p.expire(ticket, &self.config, now, &mut facts));
+            .and_then(|(_, p)| p.expire(ticket, &self.config(), now, &mut facts));
         (error, facts)
     }
 

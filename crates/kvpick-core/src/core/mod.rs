@@ -31,6 +31,7 @@ use crate::error::{CatalogError, SelectError};
 use crate::event::KvEvent;
 use crate::facts::{Fact, Facts};
 use crate::index::{Tier, TierDepths};
+use crate::live::{LiveConfig, LiveConfigError};
 use crate::partition::{Admitted, Claims, EventStats, Partition, SelectOutcome};
 use crate::request::{clip, Claim, DuplicateId, Holder, SelectionRequest};
 use crate::types::{PartitionKey, RankKey, RankLoad};
@@ -38,7 +39,8 @@ use crate::{PickedRank, Selection, WorkerView};
 
 /// The selection core shared by every host.
 pub struct Core {
-    config: CoreConfig,
+    /// Swapped whole by [`Core::update_live_config`]; each operation reads it once.
+    config: RwLock<Arc<CoreConfig>>,
     catalog: Mutex<Catalog>,
     /// Set once the first catalog snapshot has been applied.
     synced: AtomicBool,
@@ -72,7 +74,7 @@ pub enum Admission {
 impl Core {
     pub fn new(config: CoreConfig) -> Self {
         Core {
-            config,
+            config: RwLock::new(Arc::new(config)),
             catalog: Mutex::new(Catalog::default()),
             synced: AtomicBool::new(false),
             partitions: RwLock::new(BTreeMap::new()),
@@ -86,8 +88,18 @@ impl Core {
         }
     }
 
-    pub fn config(&self) -> &CoreConfig {
-        &self.config
+    /// The settings in force now (a snapshot: a live update does not change it).
+    pub fn config(&self) -> Arc<CoreConfig> {
+        Arc::clone(&self.config.read())
+    }
+
+    /// Replaces the live part of the settings ([`LiveConfig`]); operations that start after it
+    /// see the new values. A refused update changes nothing.
+    pub fn update_live_config(&self, live: LiveConfig) -> Result<(), LiveConfigError> {
+        live.validate()?;
+        let mut config = self.config.write();
+        *config = Arc::new(live.apply_to(&config));
+        Ok(())
     }
 
     /// Computes a decision without booking anything (the API's `Select`).
@@ -98,7 +110,7 @@ impl Core {
     ) -> Result<(Selection, Facts), SelectError> {
         let partition = self.ensure_ready(request)?;
         let mut facts = Facts::default();
-        let outcome = partition.select(request, None, false, &self.config, now, &mut facts)?;
+        let outcome = partition.select(request, None, false, &self.config(), now, &mut facts)?;
         Ok((outcome.selection, facts))
     }
 
@@ -114,8 +126,9 @@ impl Core {
         let (booking_id, generation) = self.claim(request, &partition)?;
         let mut facts = Facts::default();
         let booking = Some((booking_id.as_str(), generation));
-        let gate = self.config.flow.enabled && request.holder == Holder::Api;
-        match partition.select(request, booking, gate, &self.config, now, &mut facts) {
+        let config = self.config();
+        let gate = config.flow.enabled && request.holder == Holder::Api;
+        match partition.select(request, booking, gate, &config, now, &mut facts) {
             Ok(outcome) => {
                 self.record_trace(request, &outcome);
                 Ok((outcome.selection, facts))
@@ -128,7 +141,7 @@ impl Core {
     }
 
     fn record_trace(&self, request: &SelectionRequest, outcome: &SelectOutcome) {
-        if self.config.trace_decisions == 0 {
+        if self.config().trace_decisions == 0 {
             return;
         }
         let s = &outcome.selection;
@@ -144,7 +157,7 @@ impl Core {
             outcome.trace
         );
         let mut trace = self.trace.lock();
-        if trace.len() >= self.config.trace_decisions {
+        if trace.len() >= self.config().trace_decisions {
             trace.pop_front();
         }
         trace.push_back(line);
@@ -192,7 +205,7 @@ impl Core {
                 p.record_response(
                     &(booking_id.to_string(), generation),
                     class,
-                    &self.config,
+                    &self.config(),
                     now,
                     &mut facts,
                 )

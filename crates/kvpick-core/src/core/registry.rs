@@ -49,7 +49,7 @@ impl Core {
         partition: &Arc<Partition>,
     ) -> Result<(String, u64), SelectError> {
         if request.holder == Holder::Api {
-            let max = self.config.max_api_bookings;
+            let max = self.config().max_api_bookings;
             let taken = self
                 .api_bookings
                 .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
@@ -152,8 +152,8 @@ impl Core {
         for p in partitions {
             let ids = p.reap(
                 now,
-                self.config.booking_ttl,
-                self.config.sessions.ttl,
+                self.config().booking_ttl,
+                self.config().sessions.ttl,
                 &mut facts,
             );
             let freed_any = !ids.is_empty();

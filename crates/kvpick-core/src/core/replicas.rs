@@ -35,7 +35,7 @@ impl Core {
     ) -> Option<(PartitionKey, Option<RankKey>, Facts)> {
         let partition = self.resolve_partition_of(model, routing_group).ok()?;
         let mut facts = Facts::default();
-        let rank = partition.bound_session(sid, now, self.config.sessions.ttl, &mut facts);
+        let rank = partition.bound_session(sid, now, self.config().sessions.ttl, &mut facts);
         Some(((*partition.key).clone(), rank, facts))
     }
 
@@ -53,7 +53,7 @@ impl Core {
         let Some(partition) = self.partitions.read().get(key).cloned() else {
             return (crate::session::Installed::UnknownRank, facts);
         };
-        let max = self.config.sessions.max_entries;
+        let max = self.config().sessions.max_entries;
         let installed = partition.install_session(sid, rank, now, max, &mut facts);
         (installed, facts)
     }
