@@ -6,10 +6,10 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use envoy_types::pb::envoy::config::core::v3::Metadata;
+use envoy_types::pb::envoy::config::core::v3::{HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    processing_request, processing_response, CommonResponse, HeaderMutation, HeadersResponse,
-    HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse, TrailersResponse,
+    processing_request, processing_response, HeadersResponse, HttpBody, HttpHeaders,
+    ProcessingRequest, ProcessingResponse, TrailersResponse,
 };
 use tonic::Status;
 
@@ -37,7 +37,7 @@ use trace::{trace_tokenize, TraceSeed};
 pub use wire::immediate;
 use wire::{
     body_chunks, body_error_message, check_protocol, header_bytes, header_len, header_value,
-    lb_metadata, one, session_key, set_header, streamed_body, string_entries, BodyBuf,
+    headers_response, one, session_key, set_header, streamed_body, string_entries, BodyBuf,
 };
 
 /// Largest body chunk sent back to Envoy in one streamed_response.
@@ -823,22 +823,52 @@ impl StreamMachine {
         header_only: bool,
         waited: bool,
     ) -> Step {
-        let selection = reservation.selection();
+        let (destination, set, remove) = self.route_headers(reservation.selection(), request_id);
+        let response = headers_response(&destination, set, remove);
+        tracing::debug!(
+            booking = reservation.booking_id(),
+            endpoint = %destination,
+            header_only,
+            "picked"
+        );
+        self.reservation = Some(reservation);
+        self.picked_at = Some(Instant::now());
+        let metrics = self.core.metrics();
+        metrics.extproc.requests.with_label_values(&["200"]).inc();
+        self.epp.routed();
+        if !waited {
+            let seconds = started.elapsed().as_secs_f64();
+            metrics.extproc.pick_latency.observe(seconds);
+            metrics.epp.scheduled(seconds);
+        }
+        Step {
+            responses: vec![response],
+            ..Step::default()
+        }
+    }
+
+    /// The routing headers of a pick: the destination (primary, then fallbacks), kvpick's
+    /// picker headers, the upstream's trace context when tracing, a pair's prefill headers; and
+    /// the client-sent headers that must not pass (spoofable routing headers, a stale DP rank,
+    /// prefill headers the pair did not set).
+    fn route_headers(
+        &mut self,
+        selection: &kvpick_core::Selection,
+        request_id: &str,
+    ) -> (String, Vec<HeaderValueOption>, Vec<String>) {
         let mut destination = selection.primary.endpoint.to_string();
         for f in &selection.fallbacks {
             destination.push(',');
             destination.push_str(&f.endpoint.to_string());
         }
+        let primary = &selection.primary;
         let mut set = vec![
             set_header(DESTINATION_HEADER, &destination),
             set_header(
                 "x-dynamo-worker-instance-id",
-                &selection.primary.key.worker_id.to_string(),
+                &primary.key.worker_id.to_string(),
             ),
-            set_header(
-                "x-dynamo-dp-rank",
-                &selection.primary.key.dp_rank.to_string(),
-            ),
+            set_header("x-dynamo-dp-rank", &primary.key.dp_rank.to_string()),
         ];
         if self.request_id.is_none() {
             set.push(set_header("x-request-id", request_id));
@@ -851,10 +881,10 @@ impl StreamMachine {
             })
             .cloned()
             .collect();
-        if selection.primary.multiplexed {
+        if primary.multiplexed {
             set.push(set_header(
                 "x-data-parallel-rank",
-                &selection.primary.key.dp_rank.to_string(),
+                &primary.key.dp_rank.to_string(),
             ));
         } else if self
             .header_names
@@ -885,42 +915,7 @@ impl StreamMachine {
         );
         remove.sort();
         remove.dedup();
-        let response = ProcessingResponse {
-            dynamic_metadata: Some(lb_metadata(&destination)),
-            response: Some(processing_response::Response::RequestHeaders(
-                HeadersResponse {
-                    response: Some(CommonResponse {
-                        header_mutation: Some(HeaderMutation {
-                            set_headers: set,
-                            remove_headers: remove,
-                        }),
-                        clear_route_cache: true,
-                        ..Default::default()
-                    }),
-                },
-            )),
-            ..Default::default()
-        };
-        tracing::debug!(
-            booking = reservation.booking_id(),
-            endpoint = %destination,
-            header_only,
-            "picked"
-        );
-        self.reservation = Some(reservation);
-        self.picked_at = Some(Instant::now());
-        let metrics = self.core.metrics();
-        metrics.extproc.requests.with_label_values(&["200"]).inc();
-        self.epp.routed();
-        if !waited {
-            let seconds = started.elapsed().as_secs_f64();
-            metrics.extproc.pick_latency.observe(seconds);
-            metrics.epp.scheduled(seconds);
-        }
-        Step {
-            responses: vec![response],
-            ..Step::default()
-        }
+        (destination, set, remove)
     }
 
     fn reject_too_large(&mut self) -> Step {

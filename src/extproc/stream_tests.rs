@@ -5,7 +5,7 @@ use crate::selection::CoreConfig;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, HttpTrailers, ProtocolConfiguration,
+    body_mutation, HeaderMutation, HttpTrailers, ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use processing_response::Response as R;

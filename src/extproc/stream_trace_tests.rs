@@ -4,6 +4,7 @@
 use super::*;
 use crate::telemetry::testing::{in_memory, Finished};
 use crate::telemetry::Telemetry;
+use envoy_types::pb::envoy::service::ext_proc::v3::HeaderMutation;
 use opentelemetry::trace::{SpanId, Status as SpanStatus, TraceId};
 use opentelemetry_sdk::trace::Sampler;
 

@@ -8,7 +8,7 @@ use envoy_types::pb::envoy::config::core::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     body_mutation, processing_response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
-    ImmediateResponse, ProcessingResponse, StreamedBodyResponse,
+    HeadersResponse, ImmediateResponse, ProcessingResponse, StreamedBodyResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
@@ -115,6 +115,31 @@ pub(super) fn set_header(key: &str, value: &str) -> HeaderValueOption {
             raw_value: value.as_bytes().to_vec(),
         }),
         append_action: HeaderAppendAction::OverwriteIfExistsOrAdd as i32,
+        ..Default::default()
+    }
+}
+
+/// The request-headers answer of a routed request: the header mutation, the `envoy.lb` metadata
+/// naming the same destination, and a cleared route cache so Envoy routes on the new headers.
+pub(super) fn headers_response(
+    destination: &str,
+    set_headers: Vec<HeaderValueOption>,
+    remove_headers: Vec<String>,
+) -> ProcessingResponse {
+    ProcessingResponse {
+        dynamic_metadata: Some(lb_metadata(destination)),
+        response: Some(processing_response::Response::RequestHeaders(
+            HeadersResponse {
+                response: Some(CommonResponse {
+                    header_mutation: Some(HeaderMutation {
+                        set_headers,
+                        remove_headers,
+                    }),
+                    clear_route_cache: true,
+                    ..Default::default()
+                }),
+            },
+        )),
         ..Default::default()
     }
 }
