@@ -14,7 +14,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use tonic::Status;
 
 use crate::epp_metrics::Stage;
-use crate::request::{parse_request_body_for, ParsedBody, Prompt};
+use crate::request::{parse_request_body_for, BodyError, ParsedBody, Prompt};
 use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::ToHttpStatus;
 use crate::selection::{
@@ -463,6 +463,38 @@ impl StreamMachine {
         }
     }
 
+    /// The body parsed for its API (by the request path), timed as the EPP's parse stage. An
+    /// associated function: `whole` borrows the stream's body buffer.
+    fn parse_body(
+        path: &str,
+        content_type: Option<&str>,
+        metrics: &crate::metrics::Metrics,
+        epp: &mut crate::epp_metrics::EppRequest,
+        whole: &[u8],
+    ) -> Result<Option<ParsedBody>, BodyError> {
+        let endpoint = crate::tokenize::prompt::Endpoint::from_path(path);
+        let parse_started = Instant::now();
+        let parsed = parse_request_body_for(endpoint, content_type, whole);
+        metrics
+            .epp
+            .stage(Stage::Parse, parse_started.elapsed().as_secs_f64());
+        if let Ok(p) = &parsed {
+            epp.body(p.as_ref().and_then(|p| p.model.as_deref()), whole.len());
+        }
+        parsed
+    }
+
+    /// The model whose tokenizer reads this body, if one is configured. A body without a model
+    /// (SGLang `/generate`) uses the tokenizer when only one is configured: the pool then serves
+    /// that model.
+    fn tokenizer_model(&self, model: Option<&str>) -> Option<String> {
+        match (model, self.settings.tokenizers.as_ref()) {
+            (Some(m), Some(t)) => t.has(m).then(|| m.to_string()),
+            (None, Some(t)) => t.sole_model().map(str::to_string),
+            (_, None) => None,
+        }
+    }
+
     // `parsed` is checked to be `Some` at the top of the branch that moves it.
     #[allow(clippy::expect_used)]
     fn finish_request(&mut self, body_end_of_stream: bool) -> Result<Step, Status> {
@@ -474,17 +506,9 @@ impl StreamMachine {
             return Ok(step);
         }
         let whole = self.body.contiguous();
-        let endpoint = crate::tokenize::prompt::Endpoint::from_path(&self.path);
-        let parse_started = Instant::now();
-        let parsed = parse_request_body_for(endpoint, self.content_type.as_deref(), &whole);
+        let content_type = self.content_type.as_deref();
         let metrics = self.core.metrics();
-        metrics
-            .epp
-            .stage(Stage::Parse, parse_started.elapsed().as_secs_f64());
-        if let Ok(p) = &parsed {
-            self.epp
-                .body(p.as_ref().and_then(|p| p.model.as_deref()), whole.len());
-        }
+        let parsed = Self::parse_body(&self.path, content_type, metrics, &mut self.epp, &whole);
         let mut parsed = match parsed {
             Ok(parsed) => parsed,
             Err(err) => {
@@ -493,13 +517,7 @@ impl StreamMachine {
             }
         };
         if let Some(p) = &mut parsed {
-            // A body without a model (SGLang `/generate`) uses the tokenizer when only one is
-            // configured: the pool then serves that model.
-            let tokenizer_model = match (&p.model, self.settings.tokenizers.as_ref()) {
-                (Some(m), Some(t)) => t.has(m).then(|| m.clone()),
-                (None, Some(t)) => t.sole_model().map(str::to_string),
-                (_, None) => None,
-            };
+            let tokenizer_model = self.tokenizer_model(p.model.as_deref());
             let wants_tokens = matches!(p.prompt, Prompt::Text(_)) && tokenizer_model.is_some();
             let model = tokenizer_model.unwrap_or_default();
             if wants_tokens
