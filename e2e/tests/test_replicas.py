@@ -140,7 +140,8 @@ def test_load_placed_by_one_replica_steers_the_other(make_upstream, client):
                     g.release.set()
                 for t in threads:
                     t.join(30)
-                assert all(g.final_sent.is_set() for g in gates), "held requests completed"
+                # final_sent is set just after the upstream's last write: wait for it.
+                assert all(g.final_sent.wait(10) for g in gates), "held requests completed"
     finally:
         for g in gates:
             g.release.set()
