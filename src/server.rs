@@ -771,6 +771,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     tasks::spawn_maintenance(&core);
 
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    // Every service registered before a port is announced: an early probe reads NOT_SERVING,
+    // never "service not registered".
+    crate::health::register(&health_reporter, *core.readiness().borrow()).await;
     tokio::spawn(crate::health::track(
         health_reporter,
         core.readiness(),
