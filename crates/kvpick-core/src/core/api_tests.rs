@@ -3,21 +3,10 @@
 
 use std::time::Instant;
 
+use super::registry_tests::core_with;
 use super::*;
-use crate::catalog::RankLayout;
 use crate::flow::SaturationLimits;
 use crate::request::PromptInput;
-
-fn core_with(config: CoreConfig) -> Core {
-    let core = Core::new(config);
-    let specs = vec![
-        WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![1])),
-        WorkerSpec::for_test("b", "m", RankLayout::PerPort(vec![2])),
-    ];
-    core.apply_source_snapshot("catalog", specs, Instant::now())
-        .unwrap();
-    core
-}
 
 fn api_request(id: &str, prompt: PromptInput) -> SelectionRequest {
     SelectionRequest {

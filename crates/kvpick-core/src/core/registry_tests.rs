@@ -4,7 +4,8 @@ use crate::request::PromptInput;
 use crate::session::SessionOutcome;
 use std::time::Duration;
 
-fn core_with(config: CoreConfig) -> Core {
+/// Two one-rank workers `a` and `b` serving model `m` (shared with `api_tests`).
+pub(super) fn core_with(config: CoreConfig) -> Core {
     let core = Core::new(config);
     let specs = vec![
         WorkerSpec::for_test("a", "m", RankLayout::PerPort(vec![1])),
