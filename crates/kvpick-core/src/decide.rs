@@ -116,6 +116,10 @@ pub struct Candidate {
     pub scale: f64,
     /// The line's fixed time in blocks of prefill (`fixed_seconds / seconds_per_block`).
     pub fixed_blocks: f64,
+    /// Breaks cost ties, lowest first: the partition gives a rank a new, higher ticket whenever
+    /// a decision picks it, so ties go to the rank picked least recently (round robin among
+    /// equals) and a decision never draws one random number per rank.
+    pub tie: u64,
 }
 
 impl Candidate {
@@ -132,6 +136,7 @@ impl Candidate {
             fixed_blocks: 0.0,
             engine: None,
             adapter: AdapterFit::Unknown,
+            tie: 0,
         }
     }
 }
@@ -154,15 +159,21 @@ pub fn overlap_score(depths: TierDepths, params: &CostParams) -> f64 {
 
 /// A candidate's terms, computed once per decision: its own predicted TTFT, its own uncached
 /// prefill, and its cost (which contains both).
-struct Terms {
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Terms {
     /// `scale * (fixed + prefill_load_scale * ttft_blocks)`, blocks at the partition's speed.
-    ttft: f64,
+    pub ttft: f64,
     /// The request's own uncached prefill, blocks.
-    own: f64,
-    cost: f64,
+    pub own: f64,
+    pub cost: f64,
 }
 
-fn terms(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> Terms {
+pub(crate) fn terms(
+    c: &Candidate,
+    prompt_tokens: u64,
+    block_size: u32,
+    params: &CostParams,
+) -> Terms {
     let block = f64::from(block_size.max(1));
     let cached = params.overlap_score_credit * overlap_score(c.overlap, params);
     let own = (prompt_tokens as f64 / block - cached).max(0.0);
@@ -214,9 +225,64 @@ pub fn engine_metrics_cost(c: &Candidate, params: &CostParams) -> f64 {
     load + adapter
 }
 
-/// Temperature 0: lowest cost, ties uniformly at random. Temperature T > 0: sample with
-/// `p_i ∝ exp(-(c_i - c_min) / ((c_max - c_min) * T))`. `ranking` holds the best `top`
-/// candidates (the pick first, then by cost); O(n) in the candidates, no full sort.
+/// Where a candidate ranks: ranks within the TTFT bound first, then by cost, then by the
+/// rank's tie key, then by the rank itself (a total order that does not depend on the order of
+/// the candidates, so a decision over a subset of them can be proved equal to one over all).
+pub(crate) type RankingKey = (bool, f64, u64, RankKey);
+
+pub(crate) fn ranking_cmp(a: &RankingKey, b: &RankingKey) -> std::cmp::Ordering {
+    a.0.cmp(&b.0)
+        .then(a.1.total_cmp(&b.1))
+        .then(a.2.cmp(&b.2))
+        .then(a.3.cmp(&b.3))
+}
+
+/// The TTFT bound of a decision: `ttft_slack ×` the best candidate's own predicted TTFT plus
+/// one block, and the fastest candidates' smallest own uncached prefill. A rank is pushed back
+/// ("beyond") only when it is slower than the bound and caches no more of the prompt than the
+/// fastest one.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct TtftBound {
+    pub bound: f64,
+    pub fastest_own: f64,
+}
+
+impl TtftBound {
+    /// From the best own TTFT and the smallest own uncached prefill among the candidates that
+    /// reach it.
+    pub fn new(best_ttft: f64, fastest_own: f64, params: &CostParams) -> Self {
+        TtftBound {
+            bound: params.ttft_slack.max(1.0) * best_ttft + 1.0,
+            fastest_own,
+        }
+    }
+
+    pub fn of(terms: &[Terms], params: &CostParams) -> Self {
+        let best_ttft = terms.iter().map(|t| t.ttft).fold(f64::INFINITY, f64::min);
+        // The smallest, not the first: the bound must not depend on the candidates' order.
+        let fastest_own = terms
+            .iter()
+            .filter(|t| t.ttft == best_ttft)
+            .map(|t| t.own)
+            .fold(f64::INFINITY, f64::min);
+        let fastest_own = if fastest_own.is_finite() {
+            fastest_own
+        } else {
+            0.0
+        };
+        Self::new(best_ttft, fastest_own, params)
+    }
+
+    pub fn key(&self, t: &Terms, c: &Candidate) -> RankingKey {
+        let beyond = t.ttft > self.bound && t.own >= self.fastest_own;
+        (beyond, t.cost, c.tie, c.key)
+    }
+}
+
+/// Temperature 0: lowest cost, ties by the candidates' tie keys (lowest first).
+/// Temperature T > 0: sample with `p_i ∝ exp(-(c_i - c_min) / ((c_max - c_min) * T))`.
+/// `ranking` holds the best `top` candidates (the pick first, then by cost); O(n) in the
+/// candidates, no full sort.
 pub fn decide<R: Rng + ?Sized>(
     candidates: &[Candidate],
     prompt_tokens: u64,
@@ -235,66 +301,68 @@ pub fn decide<R: Rng + ?Sized>(
         .map(|c| terms(c, prompt_tokens, block_size, params))
         .collect();
     let costs: Vec<f64> = terms.iter().map(|t| t.cost).collect();
-    let best_ttft = terms.iter().map(|t| t.ttft).fold(f64::INFINITY, f64::min);
-    let ttft_bound = params.ttft_slack.max(1.0) * best_ttft + 1.0;
-    let fastest_own = terms
+    // A rank that caches more of the prompt than the fastest one is never pushed back: waiting
+    // for its cache saves prefill work the fleet would otherwise queue behind, so the bound only
+    // limits moves that cost work and time.
+    let bound = TtftBound::of(&terms, params);
+    let mut order: Vec<(RankingKey, usize)> = terms
         .iter()
-        .find(|t| t.ttft == best_ttft)
-        .map_or(0.0, |t| t.own);
-    // Ranks within the TTFT bound first, then by cost; a random key per candidate makes
-    // tie-breaking uniform and the order total. A rank that caches more of the prompt than the
-    // fastest one is never pushed back: waiting for its cache saves prefill work the fleet would
-    // otherwise queue behind, so the bound only limits moves that cost work and time.
-    let mut order: Vec<(bool, f64, u64, usize)> = terms
-        .iter()
+        .zip(candidates)
         .enumerate()
-        .map(|(i, t)| {
-            let beyond = t.ttft > ttft_bound && t.own >= fastest_own;
-            (beyond, t.cost, rng.random::<u64>(), i)
-        })
+        .map(|(i, (t, c))| (bound.key(t, c), i))
         .collect();
-    let by_cost = |a: &(bool, f64, u64, usize), b: &(bool, f64, u64, usize)| {
-        a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2))
-    };
+    let by_key = |a: &(RankingKey, usize), b: &(RankingKey, usize)| ranking_cmp(&a.0, &b.0);
     let top = top.clamp(1, order.len());
     if order.len() > top {
-        order.select_nth_unstable_by(top - 1, by_cost);
+        order.select_nth_unstable_by(top - 1, by_key);
         order.truncate(top);
     }
-    order.sort_unstable_by(by_cost);
-    let mut ranking: Vec<usize> = order.iter().map(|&(_, _, _, i)| i).collect();
+    order.sort_unstable_by(by_key);
+    let mut ranking: Vec<usize> = order.iter().map(|&(_, i)| i).collect();
     if temperature > 0.0 && candidates.len() > 1 {
-        let (min, max) = costs
-            .iter()
-            .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &c| {
-                (lo.min(c), hi.max(c))
-            });
-        if max > min {
-            let scale = (max - min) * temperature;
-            let weights: Vec<f64> = costs.iter().map(|&c| (-(c - min) / scale).exp()).collect();
-            let total: f64 = weights.iter().sum();
-            let mut x = rng.random::<f64>() * total;
-            let mut chosen = weights.len() - 1;
-            for (i, w) in weights.iter().enumerate() {
-                if x < *w {
-                    chosen = i;
-                    break;
-                }
-                x -= w;
-            }
-            ranking.retain(|&i| i != chosen);
-            ranking.insert(0, chosen);
-            ranking.truncate(top);
-        }
+        sample_by_temperature(&costs, temperature, top, &mut ranking, rng);
     }
     Decision { ranking, costs }
+}
+
+/// Temperature T > 0: moves a softmax sample of the costs to the front of `ranking`.
+fn sample_by_temperature<R: Rng + ?Sized>(
+    costs: &[f64],
+    temperature: f64,
+    top: usize,
+    ranking: &mut Vec<usize>,
+    rng: &mut R,
+) {
+    let (min, max) = costs
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), &c| {
+            (lo.min(c), hi.max(c))
+        });
+    if max <= min {
+        return;
+    }
+    let scale = (max - min) * temperature;
+    let weights: Vec<f64> = costs.iter().map(|&c| (-(c - min) / scale).exp()).collect();
+    let total: f64 = weights.iter().sum();
+    let mut x = rng.random::<f64>() * total;
+    let mut chosen = weights.len() - 1;
+    for (i, w) in weights.iter().enumerate() {
+        if x < *w {
+            chosen = i;
+            break;
+        }
+        x -= w;
+    }
+    ranking.retain(|&i| i != chosen);
+    ranking.insert(0, chosen);
+    ranking.truncate(top);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use rand::rngs::StdRng;
-    use rand::SeedableRng;
+    use rand::{Rng, SeedableRng};
 
     fn cand(w: u64, decode: u64, overlap_gpu: u32) -> Candidate {
         Candidate::new(
@@ -471,12 +539,23 @@ mod tests {
 
     #[test]
     fn ties_are_broken_uniformly() {
-        let cs = [cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0), cand(4, 0, 0)];
+        // Equal costs: the lowest tie key wins (with random keys every winner is equally likely).
+        let mut cs = [cand(1, 0, 0), cand(2, 0, 0), cand(3, 0, 0), cand(4, 0, 0)];
         let mut rng = StdRng::seed_from_u64(42);
         let mut counts = [0usize; 4];
         for _ in 0..8000 {
+            for c in cs.iter_mut() {
+                c.tie = rng.random();
+            }
             counts[decide(&cs, 16, 16, &CostParams::default(), 0.0, 1, &mut rng).ranking[0]] += 1;
         }
+        // Equal keys fall back to the rank order: deterministic, whatever the input order.
+        for c in cs.iter_mut() {
+            c.tie = 7;
+        }
+        cs.reverse();
+        let d = decide(&cs, 16, 16, &CostParams::default(), 0.0, 4, &mut rng);
+        assert_eq!(d.ranking, vec![3, 2, 1, 0]);
         // Expected 2000 each; 5 sigma ≈ 194.
         for c in counts {
             assert!((1800..=2200).contains(&c), "{counts:?}");

@@ -132,6 +132,8 @@ pub struct TtftEstimator {
     /// Median observed/predicted ratio over the ranks with `min_observations`, refreshed on every
     /// observation (1 until one has).
     median_ratio: f64,
+    /// The smallest of those ratios (refreshed with the median): [`TtftEstimator::min_scale`].
+    min_ratio: Option<f64>,
     /// Cached result of [`TtftEstimator::coefficients`], refreshed on every observation.
     coefficients: Coefficients,
 }
@@ -145,6 +147,7 @@ impl TtftEstimator {
             line: Sums::default(),
             ranks: HashMap::new(),
             median_ratio: 1.0,
+            min_ratio: None,
             coefficients: Self::prior(&config),
         }
     }
@@ -166,6 +169,21 @@ impl TtftEstimator {
         let Some(ratio) = self.ranks.get(key).and_then(|r| self.ratio(r)) else {
             return 1.0;
         };
+        self.scale_of(ratio)
+    }
+
+    /// No rank's [`TtftEstimator::rank_scale`] is below this: the scale grows with the ratio,
+    /// so the smallest ratio gives it (and a rank without one has 1). A decision that skips
+    /// ranks uses it to bound what they could cost ([`crate::decide`]).
+    pub fn min_scale(&self) -> f64 {
+        match self.min_ratio {
+            Some(r) if r.is_finite() => self.scale_of(r).min(1.0),
+            Some(_) => 0.0,
+            None => 1.0,
+        }
+    }
+
+    fn scale_of(&self, ratio: f64) -> f64 {
         let scale = ratio / self.median_ratio;
         if (scale - 1.0).abs() <= SCALE_DEADBAND {
             return 1.0;
@@ -214,15 +232,29 @@ impl TtftEstimator {
     }
 
     /// The median, not the mean: one stalled rank must not make every other rank look fast.
+    /// The minimum is taken over every ratio, finite or not (a rank's scale uses its ratio
+    /// as it is), so [`TtftEstimator::min_scale`] stays a true lower bound.
     fn refresh_median_ratio(&mut self) {
+        let all = self.ranks.values().filter_map(|r| self.ratio(r));
+        self.min_ratio = all.fold(None, |m: Option<f64>, r| {
+            Some(match m {
+                Some(m) if m.is_nan() || m <= r => m,
+                _ => r,
+            })
+        });
         let mut ratios: Vec<f64> = self
             .ranks
             .values()
             .filter_map(|r| self.ratio(r))
             .filter(|r| r.is_finite() && *r > 0.0)
             .collect();
-        ratios.sort_unstable_by(f64::total_cmp);
-        self.median_ratio = ratios.get(ratios.len() / 2).copied().unwrap_or(1.0);
+        // The element a full sort would put at len/2, found in linear time.
+        let mid = ratios.len() / 2;
+        self.median_ratio = if ratios.is_empty() {
+            1.0
+        } else {
+            *ratios.select_nth_unstable_by(mid, f64::total_cmp).1
+        };
     }
 
     /// Forgets a rank that left the partition.

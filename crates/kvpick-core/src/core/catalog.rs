@@ -100,6 +100,20 @@ impl Core {
         )
     }
 
+    /// The two decision paths' answers on the partition `request` resolves to (the bounded
+    /// search's equality test, [`crate::partition`]'s `sparse`).
+    #[cfg(test)]
+    pub(crate) fn decision_paths(
+        &self,
+        request: &SelectionRequest,
+        now: Instant,
+    ) -> [crate::partition::PathAnswer; 2] {
+        match self.resolve_partition(request) {
+            Ok(p) => p.decision_paths(request, &self.config(), now),
+            Err(e) => [Err(format!("{e:?}")), Err(format!("{e:?}"))],
+        }
+    }
+
     /// The partition for `key`, created lazily.
     pub(super) fn partition(&self, key: &PartitionKey, now: Instant) -> Arc<Partition> {
         if let Some(p) = self.partitions.read().get(key) {

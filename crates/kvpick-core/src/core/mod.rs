@@ -261,3 +261,6 @@ mod api_tests;
 
 #[cfg(test)]
 mod outlier_tests;
+
+#[cfg(test)]
+mod sparse_tests;

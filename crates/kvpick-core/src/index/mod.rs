@@ -110,12 +110,15 @@ struct Multi {
     set_id: u64,
     /// No holder expires before this (0: none expires). Conservative: may be earlier.
     min_expiry: u32,
+    /// Holders in the GPU tier (each a distinct rank).
+    gpu: u32,
     holders: Vec<Holder>,
 }
 
 impl Multi {
     fn refresh(&mut self) {
         self.set_id = self.holders.iter().fold(0, |id, h| id ^ fingerprint(h.who));
+        self.gpu = self.holders.iter().filter(|h| h.tier() == 0).count() as u32;
         self.min_expiry = self
             .holders
             .iter()
@@ -265,6 +268,9 @@ impl Hasher for MixHasher {
 /// A `u64`-keyed map hashed with [`MixHasher`].
 pub type MixedMap<V> = HashMap<u64, V, BuildHasherDefault<MixHasher>>;
 
+/// Hands each new index its own range of rank epochs.
+static INDEX_EPOCHS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Per-partition block index.
 #[derive(Debug)]
 pub struct PrefixIndex {
@@ -274,6 +280,8 @@ pub struct PrefixIndex {
     slab: Vec<Multi>,
     free_slab: Vec<u32>,
     rank_ids: HashMap<RankKey, u32>,
+    /// Bumped when a rank is interned or cleared ([`PrefixIndex::rank_epoch`]).
+    rank_epoch: u64,
     /// Interned id -> rank (`None`: free id, reusable).
     ranks: Vec<Option<RankKey>>,
     free_ranks: Vec<u32>,
@@ -292,6 +300,8 @@ impl PrefixIndex {
             slab: Vec::new(),
             free_slab: Vec::new(),
             rank_ids: HashMap::new(),
+            // Distinct per index, so a replaced index never repeats an epoch a cache saw.
+            rank_epoch: INDEX_EPOCHS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32,
             ranks: Vec::new(),
             free_ranks: Vec::new(),
             // Slightly in the past, so instants a little before creation still order correctly.
@@ -357,6 +367,7 @@ impl PrefixIndex {
             }
         };
         self.rank_ids.insert(rank, id);
+        self.rank_epoch = self.rank_epoch.wrapping_add(1);
         id
     }
 
@@ -499,6 +510,7 @@ impl PrefixIndex {
             .retain(|_, entry| retain_holders(entry, slab, free, |h| h.rank_id() != id));
         self.ranks[id as usize] = None;
         self.free_ranks.push(id);
+        self.rank_epoch = self.rank_epoch.wrapping_add(1);
     }
 
     /// Evicts the least recently touched blocks once over capacity. Eviction works in batches
@@ -613,14 +625,74 @@ impl PrefixIndex {
     /// and has nothing expired is skipped in O(1). A rank's depth in a tier is the block index
     /// at which it stopped matching there.
     pub fn find_matches(&self, seq_hashes: &[u64], now: Instant) -> Vec<(RankKey, TierDepths)> {
+        self.matches_from(seq_hashes, 0, self.units(now))
+    }
+
+    /// [`PrefixIndex::find_matches`] for a caller that knows every rank it schedules is
+    /// interned here ([`PrefixIndex::holds_rank`]): the leading blocks every interned rank holds
+    /// in the GPU tier (a shared system prompt, say) come back as `base`, once, and `ranks`
+    /// lists only the ranks that match deeper than that. Any rank not listed matches exactly
+    /// `base` blocks in every tier. What it costs grows with the ranks that match beyond the
+    /// common prefix, not with the ranks.
+    pub fn find_matches_over(&self, seq_hashes: &[u64], now: Instant) -> Matches {
         let now = self.units(now);
-        // Per rank seen at block 0: where each tier stopped matching (OPEN = still matching).
+        let base = self.universal_prefix(seq_hashes, now);
+        Matches {
+            base,
+            ranks: self.matches_from(seq_hashes, base, now),
+        }
+    }
+
+    /// Ranks interned here (holding or having held a block since their last clear).
+    pub fn live_ranks(&self) -> usize {
+        self.rank_ids.len()
+    }
+
+    /// Whether `rank` is interned (a rank that is not holds no block).
+    pub fn holds_rank(&self, rank: &RankKey) -> bool {
+        self.rank_ids.contains_key(rank)
+    }
+
+    /// Changes whenever a rank is interned or cleared.
+    pub fn rank_epoch(&self) -> u64 {
+        self.rank_epoch
+    }
+
+    /// How many leading blocks of the prompt every interned rank holds, fresh, in the GPU tier.
+    fn universal_prefix(&self, seq_hashes: &[u64], now: u32) -> u32 {
+        let everyone = self.rank_ids.len();
+        let mut base = 0u32;
+        for h in seq_hashes {
+            let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
+                break;
+            };
+            let universal = match entry.holder.who {
+                MULTI => {
+                    let m = &self.slab[entry.multi() as usize];
+                    m.gpu as usize == everyone
+                        && m.holders.len() == everyone
+                        && (m.min_expiry == 0 || m.min_expiry > now)
+                }
+                _ => everyone == 1 && entry.holder.tier() == 0 && entry.holder.live(now),
+            };
+            if !universal {
+                break;
+            }
+            base += 1;
+        }
+        base
+    }
+
+    /// The matches from block `start` on, given that every rank holds the blocks before it:
+    /// the ranks holding block `start` and how far they match; `start` blocks for the others.
+    fn matches_from(&self, seq_hashes: &[u64], start: u32, now: u32) -> Vec<(RankKey, TierDepths)> {
+        // Per rank seen at block `start`: where each tier stopped matching (OPEN = matching).
         let mut entries: Vec<(u32, [u32; 3])> = Vec::new();
         // Positions in `entries` still matching in some tier, in rank-id order.
         let mut live: Vec<usize> = Vec::new();
-        let mut depth = 0u32;
+        let mut depth = start;
         let mut prev_set = 0u64;
-        for (i, h) in seq_hashes.iter().enumerate() {
+        for (i, h) in seq_hashes.iter().enumerate().skip(start as usize) {
             let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
                 break;
             };
@@ -645,8 +717,8 @@ impl PrefixIndex {
                 pos: 0,
                 now,
             };
-            if i == 0 {
-                open_matches(groups, &mut entries, &mut live);
+            if i == start {
+                open_matches(groups, &mut entries, &mut live, start);
             } else if !(fresh && set_id == prev_set) {
                 narrow_matches(groups, &mut entries, &mut live, i);
             }
@@ -682,14 +754,27 @@ impl PrefixIndex {
     }
 }
 
+/// [`PrefixIndex::find_matches_over`]: the blocks every rank holds, and who matches deeper.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Matches {
+    pub base: u32,
+    pub ranks: Vec<(RankKey, TierDepths)>,
+}
+
 /// A tier still matching in [`PrefixIndex::find_matches`].
 const OPEN: u32 = u32::MAX;
 
-/// The first block's holders start the match: one entry per rank, each tier open where held.
+/// The first block's holders start the match: one entry per rank, each tier open where held
+/// (a tier not held ends at `start`, the blocks every rank holds).
 #[inline]
-fn open_matches(mut groups: RankGroups, entries: &mut Vec<(u32, [u32; 3])>, live: &mut Vec<usize>) {
+fn open_matches(
+    mut groups: RankGroups,
+    entries: &mut Vec<(u32, [u32; 3])>,
+    live: &mut Vec<usize>,
+    start: u32,
+) {
     while let Some((rank, tiers)) = groups.next_group() {
-        let ends = tiers.map(|present| if present { OPEN } else { 0 });
+        let ends = tiers.map(|present| if present { OPEN } else { start });
         entries.push((rank, ends));
         live.push(entries.len() - 1);
     }
@@ -760,6 +845,9 @@ fn upsert(entry: &mut Entry, slab: &mut Vec<Multi>, free: &mut Vec<u32>, holder:
         Err(at) => {
             multi.holders.insert(at, holder);
             multi.set_id ^= fingerprint(holder.who);
+            if holder.tier() == 0 {
+                multi.gpu += 1;
+            }
             if let Some(e) = holder.expiry() {
                 multi.min_expiry = if multi.min_expiry == 0 {
                     e

@@ -343,6 +343,7 @@ impl Partition {
                 config,
                 now,
                 admission: Some(&check),
+                exhaustive: false,
             };
             if let Some(answer) = self.try_at_once(state, &ask, claims, facts) {
                 return answer;
@@ -534,6 +535,7 @@ impl Partition {
                 config,
                 now,
                 admission: Some(&Check::new(&queued.request, enqueued)),
+                exhaustive: false,
             };
             match self.try_release(state, ticket, &ask, claims, facts) {
                 Some(result) => outcomes.deliver(ticket, result, facts),

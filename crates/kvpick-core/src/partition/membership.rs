@@ -133,6 +133,7 @@ impl Partition {
                 engine: None,
                 api_bookings: 0,
                 health: Default::default(),
+                tie: 0,
             });
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now.

@@ -18,12 +18,14 @@ mod admission;
 mod booking;
 mod events;
 mod health;
+mod load_order;
 mod membership;
 mod pair;
 mod pipeline;
 mod ranks;
 mod replicas;
 mod select;
+pub(crate) mod sparse;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -42,6 +44,8 @@ pub use events::EventStats;
 use pipeline::{Affinity, Allowed, PromptBlocks};
 use ranks::{RankTable, Slot};
 use select::Ask;
+#[cfg(test)]
+pub(crate) use sparse::PathAnswer;
 
 use crate::catalog::WorkerRecord;
 use crate::config::{CoreConfig, DEFAULT_BLOCK_SIZE};
@@ -110,6 +114,22 @@ struct State {
     rng: StdRng,
     /// Requests waiting for capacity (flow control), released by [`Partition::pump`].
     queue: crate::flow::FlowQueue<Arc<admission::Queued>>,
+    /// Whether every rank of the table is interned in the index, as of (index rank epoch,
+    /// table epoch): only then may a decision take the index's shared prefix as every rank's.
+    interned: (u64, u64, bool),
+}
+
+impl State {
+    /// Every rank in the table is interned in the index (checked again only after a rank was
+    /// interned, cleared, added or removed).
+    fn all_interned(&mut self) -> bool {
+        let epochs = (self.index.rank_epoch(), self.ranks.epoch());
+        if (self.interned.0, self.interned.1) != epochs {
+            let all = self.ranks.keys().all(|k| self.index.holds_rank(k));
+            self.interned = (epochs.0, epochs.1, all);
+        }
+        self.interned.2
+    }
 }
 
 impl State {
@@ -204,6 +224,7 @@ impl Partition {
                 tpot: crate::estimate::TpotEstimator::new(config.estimator),
                 rng,
                 queue: crate::flow::FlowQueue::default(),
+                interned: (u64::MAX, u64::MAX, false),
             }),
             queued: AtomicUsize::new(0),
         }

@@ -435,8 +435,7 @@ pub(crate) fn candidates(
     block_size: u32,
     view: &EngineView,
 ) -> Vec<Candidate> {
-    let line = estimator.coefficients();
-    let fixed_blocks = line.fixed_seconds / (line.seconds_per_token * f64::from(block_size.max(1)));
+    let fixed_blocks = fixed_blocks(estimator, block_size);
     let mut next_match = matches.iter().peekable();
     eligible
         .iter()
@@ -449,23 +448,42 @@ pub(crate) fn candidates(
                 Some((k, d)) if k == key => *d,
                 _ => TierDepths::default(),
             };
-            let load = slot.total_load();
-            let fresh = slot
-                .engine
-                .as_ref()
-                .filter(|e| e.is_fresh(view.now, view.max_age));
-            Candidate {
-                scale: estimator.rank_scale(key),
-                fixed_blocks,
-                engine: fresh.map(|e| e.load()),
-                adapter: match (fresh, view.adapter) {
-                    (Some(e), Some(adapter)) => e.adapter_fit(adapter),
-                    _ => crate::engine::AdapterFit::Unknown,
-                },
-                ..Candidate::new(*key, load, overlap)
-            }
+            candidate(*key, slot, overlap, estimator, fixed_blocks, view)
         })
         .collect()
+}
+
+/// The line's fixed time in blocks of prefill.
+pub(crate) fn fixed_blocks(estimator: &TtftEstimator, block_size: u32) -> f64 {
+    let line = estimator.coefficients();
+    line.fixed_seconds / (line.seconds_per_token * f64::from(block_size.max(1)))
+}
+
+/// One rank as the cost function sees it: its load, the prompt's overlap on it, its speed and
+/// its fresh engine reading (a stale one counts as none).
+pub(crate) fn candidate(
+    key: RankKey,
+    slot: &Slot,
+    overlap: TierDepths,
+    estimator: &TtftEstimator,
+    fixed_blocks: f64,
+    view: &EngineView,
+) -> Candidate {
+    let fresh = slot
+        .engine
+        .as_ref()
+        .filter(|e| e.is_fresh(view.now, view.max_age));
+    Candidate {
+        scale: estimator.rank_scale(&key),
+        fixed_blocks,
+        engine: fresh.map(|e| e.load()),
+        adapter: match (fresh, view.adapter) {
+            (Some(e), Some(adapter)) => e.adapter_fit(adapter),
+            _ => crate::engine::AdapterFit::Unknown,
+        },
+        tie: slot.tie,
+        ..Candidate::new(key, slot.total_load(), overlap)
+    }
 }
 
 /// The cost function over the candidates ([`crate::decide::decide`]), with the request's

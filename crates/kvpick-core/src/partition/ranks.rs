@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use super::load_order::LoadOrder;
 use crate::engine::EngineMetrics;
 use crate::types::{RankKey, RankLoad, Role};
 
@@ -35,6 +36,9 @@ pub(crate) struct Slot {
     pub api_bookings: u32,
     /// Outlier detection: ejected ranks take no picks ([`crate::outlier`]).
     pub health: crate::outlier::RankHealth,
+    /// Breaks cost ties ([`crate::decide::Candidate::tie`]): a ticket taken when the rank
+    /// becomes schedulable and whenever a decision picks it ([`RankTable::touch`]).
+    pub tie: u64,
 }
 
 impl Slot {
@@ -72,12 +76,24 @@ impl Slot {
 /// The partition's ranks: a vector sorted by `RankKey` (the hot path walks it by index, in the
 /// same order as index matches) plus a key -> position map. Mutations during a catalog batch may
 /// leave it unsorted; [`RankTable::finish`] restores order once per batch.
+///
+/// The schedulable ranks are also kept in [`LoadOrder`]: every mutable access marks the rank
+/// dirty, and [`RankTable::sync_order`] (before each decision) moves the dirty ones.
 #[derive(Debug, Default)]
 pub(crate) struct RankTable {
     pub slots: Vec<(RankKey, Slot)>,
     positions: HashMap<RankKey, usize>,
     /// Some rank is not `Both`: picks go through the pair decision ([`crate::disagg`]).
     pub split_roles: bool,
+    order: LoadOrder,
+    /// Ranks handed out mutably since the last sync.
+    dirty: Vec<RankKey>,
+    /// Every rank may have changed (a catalog batch, the other replicas' loads).
+    resync_all: bool,
+    /// The next tie ticket: ties go to the rank picked least recently.
+    next_ticket: u64,
+    /// Bumped when a rank joins or leaves ([`RankTable::epoch`]).
+    epoch: u64,
 }
 
 impl RankTable {
@@ -89,10 +105,97 @@ impl RankTable {
     }
 
     pub fn get_mut(&mut self, key: &RankKey) -> Option<&mut Slot> {
+        self.mark_dirty(*key);
         self.positions
             .get(key)
             .and_then(|&i| self.slots.get_mut(i))
             .map(|(_, s)| s)
+    }
+
+    fn mark_dirty(&mut self, key: RankKey) {
+        if self.resync_all {
+            return;
+        }
+        if self.dirty.len() > self.slots.len() {
+            self.resync_all = true;
+            self.dirty.clear();
+        } else {
+            self.dirty.push(key);
+        }
+    }
+
+    /// Every slot, mutably; the load order is rebuilt at the next sync.
+    pub fn slots_mut(&mut self) -> impl Iterator<Item = (&RankKey, &mut Slot)> {
+        self.resync_all = true;
+        self.dirty.clear();
+        self.slots.iter_mut().map(|(k, s)| (&*k, s))
+    }
+
+    /// Brings the load order up to date with the slots; a rank new to it takes a tie ticket (in
+    /// dirty order, or in rank order after a batch).
+    pub fn sync_order(&mut self) {
+        if std::mem::take(&mut self.resync_all) {
+            self.dirty.clear();
+            // `remove` takes a rank out of the order at once, so only loads can be stale here.
+            for i in 0..self.slots.len() {
+                self.sync_at(i);
+            }
+            return;
+        }
+        for key in std::mem::take(&mut self.dirty) {
+            match self.positions.get(&key) {
+                Some(&i) => self.sync_at(i),
+                None => {
+                    self.order.remove(&key);
+                }
+            }
+        }
+    }
+
+    fn sync_at(&mut self, i: usize) {
+        let Some((key, slot)) = self.slots.get_mut(i) else {
+            return;
+        };
+        if !slot.schedulable {
+            self.order.remove(key);
+            return;
+        }
+        let load = slot.total_load();
+        let fresh = !self.order.contains(key);
+        self.order
+            .upsert(*key, load.active_requests, load.active_prefill_tokens);
+        if fresh {
+            slot.tie = self.next_ticket;
+            self.next_ticket = self.next_ticket.wrapping_add(1);
+            self.order.set_tie(*key, slot.tie);
+        }
+    }
+
+    /// A decision picked `key`: it goes behind the ranks it ties with, so ties go round robin,
+    /// to the rank picked least recently (booked or dry run alike).
+    pub fn touch(&mut self, key: &RankKey) {
+        let Some(&i) = self.positions.get(key) else {
+            return;
+        };
+        if let Some((_, slot)) = self.slots.get_mut(i) {
+            slot.tie = self.next_ticket;
+            self.next_ticket = self.next_ticket.wrapping_add(1);
+            self.order.set_tie(*key, slot.tie);
+        }
+    }
+
+    /// The schedulable ranks by load (valid after [`RankTable::sync_order`]).
+    pub fn order(&self) -> &LoadOrder {
+        &self.order
+    }
+
+    /// Changes whenever a rank joins or leaves the table.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    pub fn position(&self, key: &RankKey) -> Option<usize> {
+        self.positions.get(key).copied()
     }
 
     pub fn keys(&self) -> impl Iterator<Item = &RankKey> {
@@ -108,9 +211,11 @@ impl RankTable {
     }
 
     pub fn get_or_insert_with(&mut self, key: RankKey, make: impl FnOnce() -> Slot) -> &mut Slot {
+        self.mark_dirty(key);
         let i = match self.positions.get(&key) {
             Some(&i) => i,
             None => {
+                self.epoch = self.epoch.wrapping_add(1);
                 let i = self.slots.len();
                 self.slots.push((key, make()));
                 self.positions.insert(key, i);
@@ -121,7 +226,9 @@ impl RankTable {
     }
 
     pub fn remove(&mut self, key: &RankKey) -> Option<Slot> {
+        self.order.remove(key);
         let i = self.positions.remove(key)?;
+        self.epoch = self.epoch.wrapping_add(1);
         let (_, slot) = self.slots.swap_remove(i);
         if let Some((moved, _)) = self.slots.get(i) {
             self.positions.insert(*moved, i);
@@ -130,6 +237,8 @@ impl RankTable {
     }
 
     pub fn finish(&mut self) {
+        self.resync_all = true;
+        self.dirty.clear();
         self.slots.sort_unstable_by_key(|(k, _)| *k);
         self.split_roles = self.slots.iter().any(|(_, s)| s.role != Role::Both);
         self.positions = self

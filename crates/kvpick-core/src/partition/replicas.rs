@@ -9,7 +9,7 @@ impl Partition {
     /// name has none.
     pub fn set_remote_loads(&self, loads: &HashMap<RankKey, RankLoad>) {
         let mut state = self.state.lock();
-        for (key, slot) in state.ranks.slots.iter_mut() {
+        for (key, slot) in state.ranks.slots_mut() {
             slot.remote_load = loads.get(key).copied().unwrap_or_default();
         }
     }

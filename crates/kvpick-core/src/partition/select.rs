@@ -21,23 +21,25 @@ pub(super) struct Ask<'a> {
     pub config: &'a CoreConfig,
     pub now: Instant,
     pub admission: Option<&'a admission::Check>,
+    /// Cost every eligible rank (the full path), never the bounded search ([`super::sparse`]).
+    pub exhaustive: bool,
 }
 
 /// What eligibility and the SLO gate left: candidate `i` is rank `eligible[i]` of the table.
-struct Field {
+pub(super) struct Field {
     block_size: u32,
-    eligible: Vec<usize>,
-    candidates: Vec<Candidate>,
+    pub eligible: Vec<usize>,
+    pub candidates: Vec<Candidate>,
     /// The session's bound rank, while it may still serve the request.
     bound: Option<RankKey>,
 }
 
 /// The decision: the ranking, each candidate's role when the partition splits prefill and
 /// decode, and whether session affinity kept the bound rank.
-struct Decided {
-    decision: Decision,
+pub(super) struct Decided {
+    pub decision: Decision,
     roles: Option<Vec<Role>>,
-    affinity: Affinity,
+    pub affinity: Affinity,
 }
 
 /// The picked ranks and what the booking and the answer say of them.
@@ -96,6 +98,7 @@ impl Partition {
             config,
             now,
             admission: check.as_ref(),
+            exhaustive: false,
         };
         let mut guard = self.state.lock();
         self.select_in(&mut guard, &ask, facts)
@@ -128,6 +131,7 @@ impl Partition {
         } else {
             String::new()
         };
+        state.ranks.touch(&picked.primary.key);
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
         Ok(SelectOutcome {
             selection: self.selection(ask, &field, picked, session),
@@ -137,7 +141,7 @@ impl Partition {
 
     /// Stages 1–3: the session's binding, the eligible ranks (allowed, pin, adapter, ejected,
     /// busy), their candidates with the prompt's matches, and the SLO gate.
-    fn field(
+    pub(super) fn field(
         &self,
         state: &mut State,
         ask: &Ask,
@@ -146,10 +150,25 @@ impl Partition {
     ) -> Result<Field, Refusal> {
         let (config, now) = (ask.config, ask.now);
         let block_size = self.block_size();
+        state.ranks.sync_order();
         let booked = ask.booking.is_some();
         let mut bound = ask.request.session_id.as_deref().and_then(|sid| {
             Self::session_binding(state, sid, allowed, booked, &config.sessions, now, facts)
         });
+        let matches = Self::matches(state, ask);
+        if !ask.exhaustive {
+            if let Some(sparse) = self
+                .sparse_field(state, ask, allowed, bound, &matches)
+                .map_err(Refusal::Error)?
+            {
+                return Ok(Field {
+                    block_size,
+                    eligible: sparse.eligible,
+                    candidates: sparse.candidates,
+                    bound: sparse.bound,
+                });
+            }
+        }
         let slots = &state.ranks.slots;
         let eligible =
             match self.eligible_ranks(slots, ask.request, allowed, &mut bound, config, now) {
@@ -160,11 +179,7 @@ impl Partition {
                 }
                 Err(e) => return Err(Refusal::Error(e)),
             };
-        let matches = if ask.prompt.seq_hashes.is_empty() {
-            Vec::new()
-        } else {
-            state.index.find_matches(&ask.prompt.seq_hashes, now)
-        };
+        let matches = Self::expand(slots, matches);
         let engine_view = pipeline::EngineView {
             now,
             max_age: config.engine_metrics_max_age,
@@ -199,9 +214,60 @@ impl Partition {
         })
     }
 
+    /// The prompt's matches: the prefix every rank holds once, when the index can tell
+    /// (every rank of the table is interned), and the ranks matching deeper.
+    fn matches(state: &mut State, ask: &Ask) -> crate::index::Matches {
+        if ask.prompt.seq_hashes.is_empty() {
+            return crate::index::Matches::default();
+        }
+        if state.all_interned() {
+            state
+                .index
+                .find_matches_over(&ask.prompt.seq_hashes, ask.now)
+        } else {
+            crate::index::Matches {
+                base: 0,
+                ranks: state.index.find_matches(&ask.prompt.seq_hashes, ask.now),
+            }
+        }
+    }
+
+    /// Every rank's matched depths in rank order (the full path's form): the listed ranks, and
+    /// the shared prefix for every other rank.
+    fn expand(
+        slots: &[(RankKey, Slot)],
+        matches: crate::index::Matches,
+    ) -> Vec<(RankKey, TierDepths)> {
+        if matches.base == 0 {
+            return matches.ranks;
+        }
+        let base = TierDepths {
+            gpu: matches.base,
+            host: matches.base,
+            disk: matches.base,
+        };
+        let mut deeper = matches.ranks.into_iter().peekable();
+        slots
+            .iter()
+            .map(|(key, _)| {
+                while deeper.peek().is_some_and(|(k, _)| k < key) {
+                    deeper.next();
+                }
+                match deeper.peek() {
+                    Some((k, d)) if k == key => (*key, *d),
+                    _ => (*key, base),
+                }
+            })
+            .collect()
+    }
+
     /// Stage 4: the decision, one rank ([`pipeline::rank`]) or a prefill/decode pair's decode
     /// side ([`pair::decide_pair`]), then session affinity on it.
-    fn decide(state: &mut State, ask: &Ask, field: &mut Field) -> Result<Decided, Refusal> {
+    pub(super) fn decide(
+        state: &mut State,
+        ask: &Ask,
+        field: &mut Field,
+    ) -> Result<Decided, Refusal> {
         let slots = &state.ranks.slots;
         let (mut decision, roles) = if state.ranks.split_roles {
             let (decision, roles) = pair::decide_pair(

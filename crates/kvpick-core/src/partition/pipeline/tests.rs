@@ -26,6 +26,7 @@ fn slot(port: u16) -> Slot {
         engine: None,
         api_bookings: 0,
         health: Default::default(),
+        tie: 0,
     }
 }
 
