@@ -107,9 +107,10 @@ impl Core {
         &self,
         request: &SelectionRequest,
         now: Instant,
+        flow: bool,
     ) -> [crate::partition::PathAnswer; 2] {
         match self.resolve_partition(request) {
-            Ok(p) => p.decision_paths(request, &self.config(), now),
+            Ok(p) => p.decision_paths(request, &self.config(), now, flow),
             Err(e) => [Err(format!("{e:?}")), Err(format!("{e:?}"))],
         }
     }

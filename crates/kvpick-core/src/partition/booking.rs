@@ -126,6 +126,8 @@ impl Partition {
         state.bookings.insert(pick.booking_id.to_string(), booking);
         if !hashes.is_empty() {
             state
+                .kv
+                .write()
                 .index
                 .insert(pick.rank, hashes, Tier::Gpu, now.checked_add(ttl));
             facts.push(self.index_fact(state, None));
@@ -431,16 +433,19 @@ impl Partition {
             }
         }
         // One shard per reap: bounded work under the lock; expired entries already count as absent.
-        state.index.purge_expired_step(now);
+        state.kv.write().index.purge_expired_step(now);
         let idle = state.sessions.reap(now, ttl_sessions);
         facts.push(Fact::SessionsLive(negative(idle as u64)));
         facts.push(Fact::SessionsExpired(idle as u64));
-        let engine_bytes: usize = state
-            .engines
-            .values()
-            .map(|m| engine_map_bytes(m.entries.capacity()))
-            .fold(0usize, usize::saturating_add);
-        let bytes = state.index.heap_bytes().saturating_add(engine_bytes);
+        let bytes = {
+            let kv = state.kv.read();
+            let engine_bytes: usize = kv
+                .engines
+                .values()
+                .map(|m| engine_map_bytes(m.entries.capacity()))
+                .fold(0usize, usize::saturating_add);
+            kv.index.heap_bytes().saturating_add(engine_bytes)
+        };
         facts.push(self.index_fact(state, Some(bytes)));
         expired
     }

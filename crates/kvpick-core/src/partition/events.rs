@@ -189,32 +189,55 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> EventStats {
-        let mut stats = EventStats::default();
+        // The common case needs only the KV side: a member rank already precise, the block
+        // size settled. Picks (under the state lock) never wait for it.
+        {
+            let mut kv = self.kv.write();
+            if kv.block_size_known && kv.precise.contains(&rank) {
+                return self.apply_to(&mut kv, rank, events);
+            }
+            if !kv.members.contains(&rank) {
+                return EventStats {
+                    dropped: events.len() as u64,
+                    ..EventStats::default()
+                };
+            }
+        }
         let mut guard = self.state.lock();
         let state = &mut *guard;
         if state.ranks.get(&rank).is_none() {
-            stats.dropped = events.len() as u64;
-            return stats;
+            return EventStats {
+                dropped: events.len() as u64,
+                ..EventStats::default()
+            };
         }
         self.learn_block_size(state, events, now);
-        let block_size = self.block_size() as usize;
-        let map = state.engines.entry(rank).or_default();
-        for event in events {
-            let ok = apply_event(&mut state.index, map, rank, event, block_size, &mut stats);
-            if ok {
-                stats.applied = stats.applied.saturating_add(1);
-            } else {
-                stats.dropped = stats.dropped.saturating_add(1);
-            }
-        }
+        let stats = self.apply_to(&mut state.kv.write(), rank, events);
         if stats.applied > 0 {
             if let Some(slot) = state.ranks.get_mut(&rank).filter(|s| !s.events_seen) {
                 slot.events_seen = true;
+                state.kv.write().precise.insert(rank);
                 facts.push(Fact::RankPrecise {
                     worker: Arc::clone(&slot.worker_name),
                     dp_rank: rank.dp_rank,
                     precise: true,
                 });
+            }
+        }
+        stats
+    }
+
+    /// Applies the events to the index and the rank's engine map.
+    fn apply_to(&self, kv: &mut super::Kv, rank: RankKey, events: &[KvEvent]) -> EventStats {
+        let mut stats = EventStats::default();
+        let block_size = self.block_size() as usize;
+        let super::Kv { index, engines, .. } = kv;
+        let map = engines.entry(rank).or_default();
+        for event in events {
+            if apply_event(index, map, rank, event, block_size, &mut stats) {
+                stats.applied = stats.applied.saturating_add(1);
+            } else {
+                stats.dropped = stats.dropped.saturating_add(1);
             }
         }
         stats
@@ -235,19 +258,21 @@ impl Partition {
         });
         if let Some(size) = learned {
             state.declared_block_size = Some(size);
+            // One KV write for the reset and the new size (events may apply without the state
+            // lock once `block_size_known` is set).
+            let mut kv = state.kv.write();
             if size != self.block_size() {
-                state.index = PrefixIndex::new(state.index.capacity(), now);
-                state.engines.clear();
+                kv.reset(now);
                 self.block_size
                     .store(size, std::sync::atomic::Ordering::Relaxed);
             }
+            kv.block_size_known = true;
         }
     }
 
     /// Forgets every block of a rank (engine restart).
     pub fn clear_rank(&self, rank: RankKey) {
-        let mut state = self.state.lock();
-        state.index.clear_rank(rank);
-        state.engines.remove(&rank);
+        let state = self.state.lock();
+        state.kv.write().clear_rank(rank);
     }
 }

@@ -51,7 +51,7 @@ pub(crate) fn may_probe(holder: Holder) -> bool {
 fn withdraw(state: &mut State, predicted: &mut Predicted) -> bool {
     let mut dropped = false;
     for (rank, hash) in predicted.iter_mut().filter_map(Option::take) {
-        dropped |= state.index.drop_expiring(rank, hash, Tier::Gpu);
+        dropped |= state.kv.write().index.drop_expiring(rank, hash, Tier::Gpu);
     }
     dropped
 }

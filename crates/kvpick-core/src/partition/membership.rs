@@ -74,13 +74,17 @@ impl Partition {
             }
             Some(current) if current == declared => Ok(()),
             _ => {
-                if state.declared_block_size.is_some() || declared != DEFAULT_BLOCK_SIZE {
-                    // Engine hashes map to our hashes of the old size: both start afresh.
-                    state.index = PrefixIndex::new(state.index.capacity(), now);
-                    state.engines.clear();
-                }
+                let afresh = state.declared_block_size.is_some() || declared != DEFAULT_BLOCK_SIZE;
                 state.declared_block_size = Some(declared);
+                // One KV write for the reset and the new size: events applying without the
+                // state lock never see one without the other.
+                let mut kv = state.kv.write();
+                if afresh {
+                    // Engine hashes map to our hashes of the old size: both start afresh.
+                    kv.reset(now);
+                }
                 self.block_size.store(declared, Ordering::Relaxed);
+                kv.block_size_known = true;
                 Ok(())
             }
         }
@@ -118,6 +122,9 @@ impl Partition {
                 dp_rank: rank.dp_rank,
             };
             let new_rank = state.ranks.get(&key).is_none();
+            if new_rank {
+                state.kv.write().members.insert(key);
+            }
             let slot = state.ranks.get_or_insert_with(key, || Slot {
                 worker_name: Arc::clone(&name),
                 endpoint: rank.endpoint,
@@ -138,8 +145,9 @@ impl Partition {
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now.
                 slot.incarnation = record.spec.incarnation;
-                state.index.clear_rank(key);
-                state.engines.remove(&key);
+                let mut kv = state.kv.write();
+                kv.clear_rank(key);
+                kv.precise.remove(&key);
                 slot.events_seen = false;
                 slot.engine = None;
             }
@@ -191,8 +199,12 @@ impl Partition {
         state.estimator.forget(&key);
         // The rank's engine is gone (deleted, moved, re-addressed): what it cached must not
         // attract requests if a worker of the same id comes back with a fresh engine.
-        state.index.clear_rank(key);
-        state.engines.remove(&key);
+        {
+            let mut kv = state.kv.write();
+            kv.clear_rank(key);
+            kv.members.remove(&key);
+            kv.precise.remove(&key);
+        }
         let mut leases = Vec::new();
         let mut legs = Vec::new();
         state.bookings.retain(|id, b| {

@@ -33,7 +33,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -103,11 +103,11 @@ struct State {
     /// Block size once a worker declared one; until then [`DEFAULT_BLOCK_SIZE`].
     declared_block_size: Option<u32>,
     ranks: RankTable,
-    index: PrefixIndex,
+    /// The index side, shared with [`Partition::kv`]: taken after this state's lock, never
+    /// before it.
+    kv: Arc<RwLock<Kv>>,
     bookings: HashMap<String, Booking>,
     sessions: SessionTable,
-    /// Per rank: engine block hash -> our hash (KV events).
-    engines: HashMap<RankKey, EngineMap>,
     estimator: TtftEstimator,
     /// Decode speed against batch size (TPOT SLOs).
     tpot: crate::estimate::TpotEstimator,
@@ -123,12 +123,43 @@ impl State {
     /// Every rank in the table is interned in the index (checked again only after a rank was
     /// interned, cleared, added or removed).
     fn all_interned(&mut self) -> bool {
-        let epochs = (self.index.rank_epoch(), self.ranks.epoch());
+        let kv = self.kv.read();
+        let epochs = (kv.index.rank_epoch(), self.ranks.epoch());
         if (self.interned.0, self.interned.1) != epochs {
-            let all = self.ranks.keys().all(|k| self.index.holds_rank(k));
+            let all = self.ranks.keys().all(|k| kv.index.holds_rank(k));
             self.interned = (epochs.0, epochs.1, all);
         }
         self.interned.2
+    }
+}
+
+/// A partition's KV side: the index and the engines' hash maps, with what KV events need to
+/// apply without the partition's state lock (ARCHITECTURE.md §7): which ranks are members,
+/// which already count as precise, and whether the block size is settled. Picks read it
+/// (matches) outside the state lock; bookings write their predicted entries under it.
+pub(crate) struct Kv {
+    index: PrefixIndex,
+    /// Per rank: engine block hash -> our hash (KV events).
+    engines: HashMap<RankKey, EngineMap>,
+    /// The rank table's keys (kept by [`membership`]).
+    members: std::collections::HashSet<RankKey>,
+    /// Ranks whose `Slot::events_seen` is set.
+    precise: std::collections::HashSet<RankKey>,
+    /// `State::declared_block_size` is set: events can no longer change the block size.
+    block_size_known: bool,
+}
+
+impl Kv {
+    /// Starts the index afresh (a new block size).
+    fn reset(&mut self, now: Instant) {
+        self.index = PrefixIndex::new(self.index.capacity(), now);
+        self.engines.clear();
+    }
+
+    /// Forgets a rank's blocks and engine map.
+    fn clear_rank(&mut self, rank: RankKey) {
+        self.index.clear_rank(rank);
+        self.engines.remove(&rank);
     }
 }
 
@@ -176,6 +207,8 @@ pub(crate) struct Partition {
     schedulable: AtomicUsize,
     block_size: AtomicU32,
     state: Mutex<State>,
+    /// The KV side ([`Kv`]); the same lock `State::kv` holds.
+    kv: Arc<RwLock<Kv>>,
     /// Requests in `state.queue` (read without the lock: an empty queue costs nothing).
     queued: AtomicUsize,
 }
@@ -209,17 +242,24 @@ impl Partition {
             }
             None => StdRng::from_os_rng(),
         };
+        let kv = Arc::new(RwLock::new(Kv {
+            index: PrefixIndex::new(config.index_max_blocks, now),
+            engines: HashMap::new(),
+            members: Default::default(),
+            precise: Default::default(),
+            block_size_known: false,
+        }));
         Partition {
             key: Arc::new(key),
+            kv: Arc::clone(&kv),
             schedulable: AtomicUsize::new(0),
             block_size: AtomicU32::new(DEFAULT_BLOCK_SIZE),
             state: Mutex::new(State {
                 declared_block_size: None,
                 ranks: RankTable::default(),
-                index: PrefixIndex::new(config.index_max_blocks, now),
+                kv,
                 bookings: HashMap::new(),
                 sessions: SessionTable::default(),
-                engines: HashMap::new(),
                 estimator: TtftEstimator::new(config.estimator),
                 tpot: crate::estimate::TpotEstimator::new(config.estimator),
                 rng,
@@ -254,7 +294,7 @@ impl Partition {
     fn index_fact(&self, state: &State, bytes: Option<usize>) -> Fact {
         Fact::IndexSize {
             partition: Arc::clone(&self.key),
-            blocks: state.index.len(),
+            blocks: state.kv.read().index.len(),
             bytes,
         }
     }

@@ -162,6 +162,8 @@ pub(crate) fn book_leg(
     let hashes = &pick.prompt.seq_hashes;
     if !hashes.is_empty() {
         state
+            .kv
+            .write()
             .index
             .insert(rank, hashes, Tier::Gpu, now.checked_add(ttl));
     }

@@ -90,8 +90,8 @@ impl Partition {
         tier: Tier,
         expires: Option<Instant>,
     ) {
-        self.state
-            .lock()
+        self.kv
+            .write()
             .index
             .insert(rank, seq_hashes, tier, expires);
     }

@@ -157,10 +157,12 @@ impl Partition {
         });
         let matches = Self::matches(state, ask);
         if !ask.exhaustive {
-            if let Some(sparse) = self
-                .sparse_field(state, ask, allowed, bound, &matches)
-                .map_err(Refusal::Error)?
-            {
+            let sparse = self.sparse_field(state, ask, allowed, bound, &matches);
+            if let Some(sparse) = sparse.map_err(|e| match e {
+                // Over a busy threshold is saturation: with flow control the request waits.
+                SelectError::Overloaded(_) if ask.admission.is_some() => Refusal::Saturated,
+                e => Refusal::Error(e),
+            })? {
                 return Ok(Field {
                     block_size,
                     eligible: sparse.eligible,
@@ -220,14 +222,14 @@ impl Partition {
         if ask.prompt.seq_hashes.is_empty() {
             return crate::index::Matches::default();
         }
-        if state.all_interned() {
-            state
-                .index
-                .find_matches_over(&ask.prompt.seq_hashes, ask.now)
+        let all_interned = state.all_interned();
+        let kv = state.kv.read();
+        if all_interned {
+            kv.index.find_matches_over(&ask.prompt.seq_hashes, ask.now)
         } else {
             crate::index::Matches {
                 base: 0,
-                ranks: state.index.find_matches(&ask.prompt.seq_hashes, ask.now),
+                ranks: kv.index.find_matches(&ask.prompt.seq_hashes, ask.now),
             }
         }
     }
@@ -306,7 +308,7 @@ impl Partition {
 
     /// Stage 5: with flow control, dispatch now or wait ([`pipeline::dispatch_or_wait`]); then
     /// the prefill side of a split decision, never a saturated prefill rank under flow control.
-    fn flow_gate(
+    pub(super) fn flow_gate(
         state: &mut State,
         ask: &Ask,
         field: &Field,
@@ -541,12 +543,14 @@ impl Partition {
             request.cache_salt.as_deref(),
             max_blocks,
         );
-        let state = self.state.lock();
-        let matches: HashMap<RankKey, TierDepths> = state
+        let matches: HashMap<RankKey, TierDepths> = self
+            .kv
+            .read()
             .index
             .find_matches(&prompt.seq_hashes, now)
             .into_iter()
             .collect();
+        let state = self.state.lock();
         let ranks = state
             .ranks
             .iter()

@@ -11,8 +11,8 @@
 //! ranking's key is a total order independent of the candidates' order, [`crate::decide`]);
 //! `sparse_tests` checks this against the full path over random states. It owns only the
 //! search; eligibility, costs and the decision are the pipeline's and `decide`'s. When it
-//! cannot prove its answer (flow control, pins, prefill/decode, sampling temperature, negative
-//! weights, no eligible rank found) it returns `None` and the full path runs.
+//! cannot prove its answer (SLOs, pins, prefill/decode, sampling temperature, decision traces,
+//! negative weights, no eligible rank found) it returns `None` and the full path runs.
 
 #![warn(clippy::arithmetic_side_effects)]
 
@@ -285,7 +285,12 @@ impl Partition {
         let pinned = request.pin.is_some() && config.allow_pins;
         #[cfg(test)]
         SEARCHES.with(|c| c.set((c.get().0.saturating_add(1), c.get().1)));
-        if ask.admission.is_some()
+        // Flow control's gate reads only the ranking's top (kept equal) unless an SLO narrows
+        // the candidates first.
+        let slo = ask
+            .admission
+            .is_some_and(|c| c.slo_ttft.is_some() || c.slo_tpot.is_some());
+        if slo
             || state.ranks.split_roles
             || pinned
             || temperature != 0.0
@@ -426,7 +431,9 @@ impl Partition {
         request: &SelectionRequest,
         config: &CoreConfig,
         now: Instant,
+        flow: bool,
     ) -> [PathAnswer; 2] {
+        let check = admission::Check::new(request, now);
         let prompt = self.prompt_of(request, config);
         let mut guard = self.state.lock();
         let allowed = Allowed {
@@ -440,7 +447,7 @@ impl Partition {
                 booking: None,
                 config,
                 now,
-                admission: None,
+                admission: flow.then_some(&check),
                 exhaustive,
             };
             let mut facts = Facts::default();
