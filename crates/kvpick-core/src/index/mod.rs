@@ -640,6 +640,52 @@ impl PrefixIndex {
         Matches {
             base,
             ranks: self.matches_from(seq_hashes, base, now),
+            epoch: self.rank_epoch,
+        }
+    }
+
+    /// One rank's matched depths (what [`PrefixIndex::find_matches`] reports for it): costs the
+    /// blocks it matches, whatever other ranks hold.
+    pub fn rank_depths(&self, rank: &RankKey, seq_hashes: &[u64], now: Instant) -> TierDepths {
+        let Some(&id) = self.rank_ids.get(rank) else {
+            return TierDepths::default();
+        };
+        let now = self.units(now);
+        let mut ends = [OPEN; 3];
+        let mut depth = 0u32;
+        for (i, h) in seq_hashes.iter().enumerate() {
+            let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
+                break;
+            };
+            let holders = match entry.holder.who {
+                MULTI => self.slab[entry.multi() as usize].holders.as_slice(),
+                _ => std::slice::from_ref(&entry.holder),
+            };
+            let from = holders.partition_point(|h| h.rank_id() < id);
+            let mut here = [false; 3];
+            for holder in holders[from..].iter().take_while(|h| h.rank_id() == id) {
+                if holder.live(now) {
+                    for t in here.iter_mut().skip(holder.tier()) {
+                        *t = true;
+                    }
+                }
+            }
+            let i = i as u32;
+            for t in 0..3 {
+                if ends[t] == OPEN && !here[t] {
+                    ends[t] = i;
+                }
+            }
+            if ends[2] != OPEN {
+                break;
+            }
+            depth = i + 1;
+        }
+        let d = ends.map(|e| e.min(depth));
+        TierDepths {
+            gpu: d[0],
+            host: d[1],
+            disk: d[2],
         }
     }
 
@@ -759,6 +805,23 @@ impl PrefixIndex {
 pub struct Matches {
     pub base: u32,
     pub ranks: Vec<(RankKey, TierDepths)>,
+    /// [`PrefixIndex::rank_epoch`] when they were taken: `base` speaks for the ranks interned
+    /// then.
+    pub epoch: u64,
+}
+
+impl Matches {
+    /// A rank's depths: listed, else the shared prefix.
+    pub fn depths_of(&self, rank: &RankKey) -> TierDepths {
+        match self.ranks.binary_search_by_key(rank, |m| m.0) {
+            Ok(i) => self.ranks.get(i).map_or_else(TierDepths::default, |m| m.1),
+            Err(_) => TierDepths {
+                gpu: self.base,
+                host: self.base,
+                disk: self.base,
+            },
+        }
+    }
 }
 
 /// A tier still matching in [`PrefixIndex::find_matches`].
@@ -1238,6 +1301,20 @@ mod tests {
                     }
                 }
                 assert_eq!(matches(&idx, &chain, now), expected);
+                // One rank's depths, and the shared prefix once plus the deeper ranks, say the
+                // same for every interned rank.
+                let over = idx.find_matches_over(&chain, now);
+                for r in idx.rank_ids.keys() {
+                    let d = expected.get(r).copied().unwrap_or_default();
+                    assert_eq!(idx.rank_depths(r, &chain, now), d, "{r:?}");
+                    let listed = over.ranks.iter().find(|(k, _)| k == r).map(|(_, d)| *d);
+                    let shared = TierDepths {
+                        gpu: over.base,
+                        host: over.base,
+                        disk: over.base,
+                    };
+                    assert_eq!(listed.unwrap_or(shared), d, "{r:?} base {}", over.base);
+                }
                 let blocks: std::collections::HashSet<u64> =
                     model.keys().map(|(h, _, _)| *h).collect();
                 assert!(idx.len() >= blocks.len());

@@ -116,20 +116,22 @@ struct State {
     queue: crate::flow::FlowQueue<Arc<admission::Queued>>,
     /// Whether every rank of the table is interned in the index, as of (index rank epoch,
     /// table epoch): only then may a decision take the index's shared prefix as every rank's.
-    interned: (u64, u64, bool),
+    interned: std::cell::Cell<(u64, u64, bool)>,
 }
 
 impl State {
     /// Every rank in the table is interned in the index (checked again only after a rank was
     /// interned, cleared, added or removed).
-    fn all_interned(&mut self) -> bool {
+    fn all_interned(&self) -> bool {
         let kv = self.kv.read();
         let epochs = (kv.index.rank_epoch(), self.ranks.epoch());
-        if (self.interned.0, self.interned.1) != epochs {
-            let all = self.ranks.keys().all(|k| kv.index.holds_rank(k));
-            self.interned = (epochs.0, epochs.1, all);
+        let (index_epoch, table_epoch, all) = self.interned.get();
+        if (index_epoch, table_epoch) == epochs {
+            return all;
         }
-        self.interned.2
+        let all = self.ranks.keys().all(|k| kv.index.holds_rank(k));
+        self.interned.set((epochs.0, epochs.1, all));
+        all
     }
 }
 
@@ -264,7 +266,7 @@ impl Partition {
                 tpot: crate::estimate::TpotEstimator::new(config.estimator),
                 rng,
                 queue: crate::flow::FlowQueue::default(),
-                interned: (u64::MAX, u64::MAX, false),
+                interned: std::cell::Cell::new((u64::MAX, u64::MAX, false)),
             }),
             queued: AtomicUsize::new(0),
         }

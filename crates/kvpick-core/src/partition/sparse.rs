@@ -154,6 +154,14 @@ impl Ord for TotalF64 {
 }
 
 impl Found<'_> {
+    fn into_field(self, bound: Option<RankKey>) -> SparseField {
+        SparseField {
+            eligible: self.eligible,
+            candidates: self.candidates,
+            bound,
+        }
+    }
+
     /// Costs `key` once if it is eligible; returns its terms.
     fn visit(&mut self, key: RankKey, overlap: TierDepths) -> Option<Terms> {
         if !self.seen.insert(key) {
@@ -276,7 +284,7 @@ impl Partition {
         ask: &Ask,
         allowed: &Allowed,
         bound: Option<RankKey>,
-        matches: &crate::index::Matches,
+        lazy: &mut super::select::LazyMatches,
     ) -> Result<Option<SparseField>, SelectError> {
         let (config, request) = (ask.config, ask.request);
         let temperature = request
@@ -304,6 +312,15 @@ impl Partition {
         if !bounds_hold(&config.cost, fixed, min_scale) {
             return Ok(None);
         }
+        // Hard affinity keeps an eligible bound rank whatever the others cost: with no
+        // fallbacks to rank, it is the whole field, and only its own overlap is read.
+        let hard_bound =
+            bound.filter(|_| config.sessions.mode == AffinityMode::Hard && request.fallbacks == 0);
+        let bound_depths = hard_bound.map(|b| lazy.depths_of(state, ask, &b));
+        let matches: &crate::index::Matches = match bound_depths {
+            Some(_) => &crate::index::Matches::default(),
+            None => lazy.get(state, ask),
+        };
         let base = TierDepths {
             gpu: matches.base,
             host: matches.base,
@@ -353,39 +370,29 @@ impl Partition {
             best: BinaryHeap::new(),
         };
         let bound = Self::sparse_bound(&found, bound, config, sheddable)?;
-        let overlap_of = |key: &RankKey| match matches.ranks.binary_search_by_key(key, |m| m.0) {
-            Ok(i) => matches.ranks.get(i).map_or(base, |m| m.1),
-            Err(_) => base,
-        };
-        // Hard affinity keeps an eligible bound rank whatever the others cost: with no
-        // fallbacks to rank, it is the whole field.
-        let bound_kept = bound.is_some_and(|b| {
-            config.sessions.mode == AffinityMode::Hard
-                && request.fallbacks == 0
-                && found.visit(b, overlap_of(&b)).is_some()
-        });
-        if !bound_kept {
-            for (key, depths) in &matches.ranks {
-                found.visit(*key, *depths);
+        if let Some(depths) = bound_depths {
+            if let Some(b) = bound.filter(|b| found.visit(*b, depths).is_some()) {
+                return Ok(Some(found.into_field(Some(b))));
             }
-            if let Some(b) = bound {
-                found.visit(b, overlap_of(&b));
-            }
-            let order = state.ranks.order();
-            found.settle_best_ttft(order);
-            let ttft_bound = TtftBound::of(&found.terms, &config.cost);
-            found.fill_top(order, &ttft_bound);
+            // Ejected or not eligible after all: the full path, with the prompt's matches.
+            return Ok(None);
         }
+        for (key, depths) in &matches.ranks {
+            found.visit(*key, *depths);
+        }
+        if let Some(b) = bound {
+            found.visit(b, matches.depths_of(&b));
+        }
+        let order = state.ranks.order();
+        found.settle_best_ttft(order);
+        let ttft_bound = TtftBound::of(&found.terms, &config.cost);
+        found.fill_top(order, &ttft_bound);
         if found.candidates.is_empty() {
             return Ok(None);
         }
         #[cfg(test)]
         SEARCHES.with(|c| c.set((c.get().0, c.get().1.saturating_add(1))));
-        Ok(Some(SparseField {
-            eligible: found.eligible,
-            candidates: found.candidates,
-            bound,
-        }))
+        Ok(Some(found.into_field(bound)))
     }
 
     /// The session's bound rank as the eligibility stages leave it: dropped when ejected (a
@@ -435,6 +442,8 @@ impl Partition {
     ) -> [PathAnswer; 2] {
         let check = admission::Check::new(request, now);
         let prompt = self.prompt_of(request, config);
+        // The search gets the matches as `select` reads them, before the lock.
+        let early = self.early_matches(request, &prompt, config, now);
         let mut guard = self.state.lock();
         let allowed = Allowed {
             subset: request.subset.as_ref(),
@@ -449,6 +458,7 @@ impl Partition {
                 now,
                 admission: flow.then_some(&check),
                 exhaustive,
+                matches: if exhaustive { None } else { early.as_ref() },
             };
             let mut facts = Facts::default();
             let mut field = self
