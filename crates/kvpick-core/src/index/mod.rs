@@ -653,27 +653,41 @@ impl PrefixIndex {
         let now = self.units(now);
         let mut ends = [OPEN; 3];
         let mut depth = 0u32;
+        let mut prev_set = None;
         for (i, h) in seq_hashes.iter().enumerate() {
             let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
                 break;
             };
-            let holders = match entry.holder.who {
-                MULTI => self.slab[entry.multi() as usize].holders.as_slice(),
-                _ => std::slice::from_ref(&entry.holder),
+            let (holders, set_id, fresh) = match entry.holder.who {
+                MULTI => {
+                    let m = &self.slab[entry.multi() as usize];
+                    let fresh = m.min_expiry == 0 || m.min_expiry > now;
+                    (m.holders.as_slice(), m.set_id, fresh)
+                }
+                who => (
+                    std::slice::from_ref(&entry.holder),
+                    fingerprint(who),
+                    entry.holder.live(now),
+                ),
             };
-            let from = holders.partition_point(|h| h.rank_id() < id);
-            let mut here = [false; 3];
-            for holder in holders[from..].iter().take_while(|h| h.rank_id() == id) {
-                if holder.live(now) {
-                    for t in here.iter_mut().skip(holder.tier()) {
-                        *t = true;
+            // The same live holders as the block before: the rank's tiers did not change.
+            let same = fresh && prev_set == Some(set_id);
+            prev_set = Some(set_id);
+            let i = i as u32;
+            if !same {
+                let from = holders.partition_point(|h| h.rank_id() < id);
+                let mut here = [false; 3];
+                for holder in holders[from..].iter().take_while(|h| h.rank_id() == id) {
+                    if holder.live(now) {
+                        for t in here.iter_mut().skip(holder.tier()) {
+                            *t = true;
+                        }
                     }
                 }
-            }
-            let i = i as u32;
-            for t in 0..3 {
-                if ends[t] == OPEN && !here[t] {
-                    ends[t] = i;
+                for t in 0..3 {
+                    if ends[t] == OPEN && !here[t] {
+                        ends[t] = i;
+                    }
                 }
             }
             if ends[2] != OPEN {
