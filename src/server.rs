@@ -244,7 +244,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 16_384, value_name = "BLOCKS")]
     pub max_prompt_blocks: usize,
 
-    /// Seed for random tie-breaks and sampling (reproducible picks); default: random.
+    /// Seed for sampling (`--router-temperature`, reproducible picks); default: random.
     #[arg(long, value_name = "N")]
     pub seed: Option<u64>,
 

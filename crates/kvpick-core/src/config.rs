@@ -35,7 +35,8 @@ impl Default for BusyThresholds {
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
     pub booking_ttl: Duration,
-    /// Seed for tie-breaking and sampling; `None` seeds from the OS.
+    /// Seed for sampling (temperature > 0); `None` seeds from the OS. Ties need none: they go
+    /// to the rank picked least recently.
     pub seed: Option<u64>,
     pub cost: CostParams,
     pub busy: BusyThresholds,

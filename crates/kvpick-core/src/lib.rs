@@ -98,7 +98,8 @@ pub struct Selection {
     pub cost: f64,
     /// What session affinity did, when the request had a session id.
     pub session: Option<SessionOutcome>,
-    /// Ranks that were candidates for the decision (eligible and not busy).
+    /// Ranks whose cost the decision computed: every eligible rank on the full path, the deeper
+    /// matches and the cheapest few by load on the bounded search.
     pub candidates: u32,
     /// The first-token time the estimator predicted for this pick, in seconds.
     pub predicted_ttft_seconds: f64,

@@ -54,7 +54,7 @@ pub struct ReplayArgs {
     /// Replay only the first N requests.
     #[arg(long)]
     pub limit: Option<usize>,
-    /// Seed for random tie-breaks and the random policy.
+    /// Seed for the random policy and kvpick's sampling (ties go to the rank picked least recently).
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// Write the JSON report here.
