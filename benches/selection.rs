@@ -30,6 +30,9 @@ struct Fixture {
     tokens_request: SelectionRequest,
     /// The hashes request with a session already bound (hard affinity).
     session_request: SelectionRequest,
+    /// A prompt sharing only the 8-block prefix every rank holds (then its own blocks): matches
+    /// that do not grow with the ranks.
+    shared_request: SelectionRequest,
 }
 
 fn fixture(ranks: usize) -> Fixture {
@@ -61,6 +64,11 @@ fn fixture(ranks: usize) -> Fixture {
         })
         .collect();
     let prompt = common::warm(&core, specs);
+    let shared_prefix: Vec<u64> = prompt[..8]
+        .iter()
+        .copied()
+        .chain((0..504u64).map(|i| 0xdead_0000_0000 + i))
+        .collect();
     let tokens = common::prompt_tokens();
     let base = SelectionRequest {
         request_id: "bench".into(),
@@ -80,7 +88,16 @@ fn fixture(ranks: usize) -> Fixture {
         ..hashes_request.clone()
     };
     core.select_and_reserve(&session_request).unwrap().detach();
+    let shared_request = SelectionRequest {
+        request_id: "shared".into(),
+        prompt: PromptInput::BlockHashes {
+            seq_hashes: shared_prefix,
+            prompt_tokens: PROMPT_TOKENS as u64,
+        },
+        ..base.clone()
+    };
     Fixture {
+        shared_request,
         hashes_request,
         session_request,
         tokens_request: SelectionRequest {
@@ -159,24 +176,29 @@ fn main() {
             group.bench_with_input(BenchmarkId::new("bound_session", n), f, |b, f| {
                 b.iter(|| f.core.select(&f.session_request).unwrap())
             });
+            group.bench_with_input(BenchmarkId::new("shared_prefix_only", n), f, |b, f| {
+                b.iter(|| f.core.select(&f.shared_request).unwrap())
+            });
         }
         group.finish();
     }
     c.final_summary();
 
     let mut rows = Vec::new();
-    println!("\n| ranks | p50 µs (hashes) | p99 µs (hashes) | p50 µs (with hashing) | p99 µs (with hashing) | p50 µs (bound session) | p99 µs (bound session) |");
-    println!("|---|---|---|---|---|---|---|");
+    println!("\n| ranks | p50 µs (hashes) | p99 µs (hashes) | p50 µs (with hashing) | p99 µs (with hashing) | p50 µs (bound session) | p99 µs (bound session) | p50 µs (shared prefix only) | p99 µs (shared prefix only) |");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for (n, f) in &fixtures {
         let iterations = if *n >= 1024 { 2_000 } else { 20_000 };
         let (p50, p99) = percentiles(f, &f.hashes_request, iterations);
         let (hp50, hp99) = percentiles(f, &f.tokens_request, iterations);
         let (sp50, sp99) = percentiles(f, &f.session_request, iterations);
-        println!("| {n} | {p50:.1} | {p99:.1} | {hp50:.1} | {hp99:.1} | {sp50:.1} | {sp99:.1} |");
+        let (cp50, cp99) = percentiles(f, &f.shared_request, iterations);
+        println!("| {n} | {p50:.1} | {p99:.1} | {hp50:.1} | {hp99:.1} | {sp50:.1} | {sp99:.1} | {cp50:.1} | {cp99:.1} |");
         rows.push(serde_json::json!({
             "ranks": n, "p50_us": p50, "p99_us": p99,
             "with_hashing_p50_us": hp50, "with_hashing_p99_us": hp99,
             "bound_session_p50_us": sp50, "bound_session_p99_us": sp99,
+            "shared_prefix_only_p50_us": cp50, "shared_prefix_only_p99_us": cp99,
         }));
     }
     println!("\n| ranks | admit+free p50 µs | p99 | select_and_reserve+free p50 µs | p99 | empty-queue overhead p50 / p99 µs |");
