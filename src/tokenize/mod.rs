@@ -10,6 +10,7 @@ pub mod cli;
 pub mod conversation;
 pub mod fast;
 pub mod json;
+pub mod pool;
 pub mod prefix_cache;
 pub mod prompt;
 pub mod render;
@@ -23,10 +24,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use serde::Deserialize;
-use tokio::sync::Semaphore;
 
 use conversation::ConversationCache;
 use json::Json;
+use pool::{PoolError, TokenizerPool};
 pub use prefix_cache::IncrementalTokenizer;
 use prompt::{ChatPrompt, ContentFormat, Endpoint, PromptSpec};
 use render::{RenderClient, RenderKind};
@@ -34,32 +35,34 @@ use template::ChatTemplate;
 
 /// Default of `--tokenize-max-body-bytes`: bodies over it are routed on load alone.
 pub const DEFAULT_TOKENIZE_MAX_BODY_BYTES: usize = 4 << 20;
-/// Default of `--tokenize-permit-timeout-ms`.
-pub const DEFAULT_TOKENIZE_PERMIT_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default of `--tokenize-queue-timeout-ms`.
+pub const DEFAULT_TOKENIZE_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
 
-/// Bounds on what one request may cost the tokenizer. Tokenization holds one of a few CPU
-/// permits (one per core); without these, a handful of multi-MiB chat bodies would hold every
-/// permit and every other tokenized request would wait behind them with no deadline.
+/// Bounds on what one request may cost the tokenizer. Tokenization runs on a pool of one thread
+/// per core; without these, a handful of multi-MiB chat bodies would hold every thread and every
+/// other tokenized request would wait behind them with no deadline.
 #[derive(Debug, Clone, Copy)]
 pub struct TokenizeLimits {
     /// Larger request bodies are not tokenized (load-only routing).
     pub max_body_bytes: usize,
-    /// How long a request waits for a CPU permit before routing on load alone.
-    pub permit_timeout: Duration,
+    /// How long a request waits in the tokenizer queue for a thread to start it before routing
+    /// on load alone (once started, it is tokenized).
+    pub queue_timeout: Duration,
 }
 
 impl Default for TokenizeLimits {
     fn default() -> Self {
         TokenizeLimits {
             max_body_bytes: DEFAULT_TOKENIZE_MAX_BODY_BYTES,
-            permit_timeout: DEFAULT_TOKENIZE_PERMIT_TIMEOUT,
+            queue_timeout: DEFAULT_TOKENIZE_QUEUE_TIMEOUT,
         }
     }
 }
 
 /// Why a request was routed without tokenizing it (`kvpick_tokenize_skipped_total{reason}`).
 pub const SKIP_BODY_TOO_LARGE: &str = "body_too_large";
-pub const SKIP_PERMIT_TIMEOUT: &str = "permit_timeout";
+pub const SKIP_QUEUE_TIMEOUT: &str = "queue_timeout";
+pub const SKIP_QUEUE_FULL: &str = "queue_full";
 
 /// Default bound of each model's prefix cache, in tokens (~12 bytes per token plus the text).
 pub const DEFAULT_PREFIX_CACHE_TOKENS: usize = 2_000_000;
@@ -437,7 +440,7 @@ impl TokenizeMetrics {
         let skipped = IntCounterVec::new(
             Opts::new(
                 "kvpick_tokenize_skipped_total",
-                "Prompts routed on load alone without tokenizing, by reason (body_too_large, permit_timeout)",
+                "Prompts routed on load alone without tokenizing, by reason (body_too_large, queue_timeout, queue_full)",
             ),
             &["model", "reason"],
         )
@@ -456,11 +459,11 @@ impl TokenizeMetrics {
     }
 }
 
-/// Every configured model's tokenizer, plus a bound on concurrent CPU-bound tokenizations.
+/// Every configured model's tokenizer, plus the pool their CPU-bound work runs on.
 pub struct Tokenizers {
     models: HashMap<String, Arc<ModelTokenizer>>,
     metrics: TokenizeMetrics,
-    cpu: Arc<Semaphore>,
+    pool: TokenizerPool,
     limits: TokenizeLimits,
 }
 
@@ -539,13 +542,19 @@ impl Tokenizers {
                 }),
             );
         }
-        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
         Ok(Tokenizers {
             models,
             metrics: TokenizeMetrics::register(registry),
-            cpu: Arc::new(Semaphore::new(cpus.max(1))),
+            pool: TokenizerPool::per_core()
+                .map_err(|e| anyhow::anyhow!("cannot start the tokenizer threads: {e}"))?,
             limits: TokenizeLimits::default(),
         })
+    }
+
+    /// The same registry on another pool (tests size it).
+    pub fn with_pool(mut self, pool: TokenizerPool) -> Self {
+        self.pool = pool;
+        self
     }
 
     /// The same registry with other [`TokenizeLimits`].
@@ -660,33 +669,34 @@ impl Tokenizers {
                 .with_label_values(&[&m.model, stage])
                 .inc();
         };
-        // Parse and tokenize on the blocking pool: 100k-token prompts take milliseconds.
-        let permit = match tokio::time::timeout(
-            self.limits.permit_timeout,
-            Arc::clone(&self.cpu).acquire_owned(),
-        )
-        .await
+        // Parse and tokenize on the pool: 100k-token prompts take milliseconds.
+        let job_model = Arc::clone(m);
+        let job_body = body.clone();
+        let local = match self
+            .pool
+            .run(self.limits.queue_timeout, move || {
+                tokenize_blocking(&job_model, endpoint, &job_body)
+            })
+            .await
         {
-            Ok(Ok(p)) => p,
-            Ok(Err(_)) => {
+            Ok(local) => local,
+            Err(PoolError::QueueTimeout) => {
+                return TokenizeOutcome::Skipped {
+                    reason: SKIP_QUEUE_TIMEOUT,
+                }
+            }
+            Err(PoolError::QueueFull) => {
+                return TokenizeOutcome::Skipped {
+                    reason: SKIP_QUEUE_FULL,
+                }
+            }
+            Err(e @ PoolError::Panicked(_)) => Err(("tokenizer", e.to_string())),
+            Err(PoolError::Stopped) => {
                 return TokenizeOutcome::Fallback {
                     reason: "shutting down".into(),
                 }
             }
-            Err(_) => {
-                return TokenizeOutcome::Skipped {
-                    reason: SKIP_PERMIT_TIMEOUT,
-                }
-            }
         };
-        let job_model = Arc::clone(m);
-        let job_body = body.clone();
-        let local = tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            tokenize_blocking(&job_model, endpoint, &job_body)
-        })
-        .await
-        .unwrap_or_else(|e| Err(("tokenizer", format!("tokenizer task failed: {e}"))));
         let (spec, failure) = match local {
             Ok(Local::Done(ids, source)) => {
                 return TokenizeOutcome::Tokens { ids, source };
@@ -948,30 +958,42 @@ mod limit_tests {
         );
     }
 
-    /// Paused clock: the permit deadline passes as soon as the runtime is idle, so this takes
-    /// no wall time; without a deadline the wait would never end (the outer timeout says so).
-    #[tokio::test(start_paused = true)]
+    /// The only tokenizer thread is busy (held by a job until released): the request waits its
+    /// queue deadline (real time: a paused clock would jump past it while the thread works), then
+    /// routes on load alone.
+    #[tokio::test]
     async fn waiting_for_a_busy_tokenizer_times_out_to_load_only() {
         let t = tokenizers(TokenizeLimits {
-            permit_timeout: Duration::from_millis(20),
+            queue_timeout: Duration::from_millis(20),
             ..TokenizeLimits::default()
-        });
-        let all = t.cpu.available_permits() as u32;
-        let held = Arc::clone(&t.cpu).acquire_many_owned(all).await.unwrap();
+        })
+        .with_pool(TokenizerPool::new(1, 1).unwrap());
+        let (release, hold) = std::sync::mpsc::channel::<()>();
+        let (started_tx, started) = tokio::sync::oneshot::channel();
+        let t = Arc::new(t);
+        let busy = {
+            let t = Arc::clone(&t);
+            tokio::spawn(async move {
+                t.pool
+                    .run(Duration::from_secs(3600), move || {
+                        let _ = started_tx.send(());
+                        let _ = hold.recv();
+                    })
+                    .await
+            })
+        };
+        started.await.unwrap();
         let outcome = tokio::time::timeout(Duration::from_secs(60), t.tokenize("m", chat("hi")))
             .await
-            .expect("the permit wait has a deadline");
+            .expect("the queue wait has a deadline");
         assert_eq!(
             outcome,
             TokenizeOutcome::Skipped {
-                reason: SKIP_PERMIT_TIMEOUT
+                reason: SKIP_QUEUE_TIMEOUT
             }
         );
-        assert_eq!(skipped(&t, SKIP_PERMIT_TIMEOUT), 1);
-        drop(held);
-        assert!(matches!(
-            t.tokenize("m", chat("hi")).await,
-            TokenizeOutcome::Tokens { .. }
-        ));
+        assert_eq!(skipped(&t, SKIP_QUEUE_TIMEOUT), 1);
+        drop(release);
+        busy.await.unwrap().unwrap();
     }
 }
