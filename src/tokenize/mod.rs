@@ -12,9 +12,12 @@ pub mod fast;
 pub mod json;
 pub mod pool;
 pub mod prefix_cache;
+pub mod pretok;
 pub mod prompt;
 pub mod render;
 pub mod template;
+#[cfg(test)]
+mod test_shapes;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
