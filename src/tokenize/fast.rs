@@ -63,6 +63,9 @@ pub struct FastEncoder {
     normalized_added: Option<AddedSet>,
     pre: PreTokenizer,
     byte_chars: [char; 256],
+    /// A WordLevel model's unknown-token id (`Some(None)`: it has none), so a piece is one
+    /// vocabulary look-up instead of a `Token` with an owned copy of its text.
+    word_level_unk: Option<Option<u32>>,
 }
 
 #[derive(Deserialize)]
@@ -93,6 +96,8 @@ struct AddedTokenShape {
 struct ModelShape {
     #[serde(rename = "type")]
     kind: Option<String>,
+    #[serde(default)]
+    unk_token: Option<String>,
 }
 
 impl FastEncoder {
@@ -118,6 +123,13 @@ impl FastEncoder {
         // The loaded pre-tokenizer as `tokenizers` serializes it: legacy fields resolved.
         let pre = serde_json::to_value(tokenizer.get_pre_tokenizer()).map_err(|e| e.to_string())?;
         let pre = PreTokenizer::from_json(Some(&pre))?;
+        let word_level_unk = (shape.model.kind.as_deref() == Some("WordLevel")).then(|| {
+            shape
+                .model
+                .unk_token
+                .as_deref()
+                .and_then(|unk| tokenizer.get_model().token_to_id(unk))
+        });
         let mut raw = Vec::new();
         let mut normalized = Vec::new();
         for t in shape.added_tokens {
@@ -142,6 +154,7 @@ impl FastEncoder {
             normalized_added: AddedSet::new(normalized)?,
             pre,
             byte_chars: bytes_to_unicode(),
+            word_level_unk,
         })
     }
 
@@ -187,6 +200,13 @@ impl FastEncoder {
     ) -> Result<(), String> {
         let model = self.tokenizer.get_model();
         match self.pre.mapping {
+            Mapping::Identity if self.word_level_unk.is_some() => {
+                let id = model
+                    .token_to_id(&text[start..end])
+                    .or(self.word_level_unk.flatten())
+                    .ok_or("WordLevel: unknown word and no unk_token in the vocabulary")?;
+                out.push(id, start, end);
+            }
             Mapping::Identity => {
                 let tokens = model
                     .tokenize(&text[start..end])

@@ -6,6 +6,7 @@
 //! an outcome the host turns into load-only routing.
 
 pub mod anthropic;
+pub mod boundary;
 pub mod cli;
 pub mod conversation;
 pub mod fast;
