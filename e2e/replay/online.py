@@ -191,7 +191,25 @@ def tokenize_counts(samples: list[tuple[str, dict[str, str], float]]) -> dict[st
             skipped[reason] = skipped.get(reason, 0) + int(value)
     total = sum(outcomes.values())
     return {"outcomes": outcomes, "skipped": skipped,
-            "skipped_fraction": sum(skipped.values()) / total if total else 0.0}
+            "skipped_fraction": sum(skipped.values()) / total if total else 0.0,
+            "queue_wait_ms": _bucket_quantiles(samples, "kvpick_tokenize_queue_wait_seconds")}
+
+
+def _bucket_quantiles(samples: list[tuple[str, dict[str, str], float]], name: str) -> dict[str, Any]:
+    """p50 / p90 / p99 of a histogram as the upper bound of the bucket holding them (ms)."""
+    buckets: dict[float, float] = {}
+    for n, labels, value in samples:
+        if n == name + "_bucket":
+            le = labels.get("le", "+Inf")
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + value
+    cumulative = sorted(buckets.items())
+    total = cumulative[-1][1] if cumulative else 0.0
+    out: dict[str, Any] = {"count": int(total)}
+    for q in (0.5, 0.9, 0.99):
+        bound = next((b for b, c in cumulative if total and c >= q * total), None)
+        out[f"p{int(q * 100)}_le"] = None if bound is None else bound * 1000
+    return out
 
 
 def _cpu_seconds(pid: int) -> float | None:
@@ -227,10 +245,13 @@ def markdown(report: dict[str, Any]) -> str:
         cpu = kv.get("kvpick_cpu_s")
         per_request = f", kvpick CPU {cpu * 1000 / kv['requests']:.1f} ms per request" if cpu else ""
         lines.append("")
+        wait = tok.get("queue_wait_ms") or {}
+        waits = (f"; queue wait p50/p90/p99 <= {wait.get('p50_le')}/{wait.get('p90_le')}/"
+                 f"{wait.get('p99_le')} ms") if wait.get("count") else ""
         lines.append(f"kvpick tokenization: {tok['skipped_fraction'] * 100:.1f}% skipped "
                      f"({skipped}); outcomes "
                      f"{', '.join(f'{o} {n}' for o, n in sorted(tok['outcomes'].items()))}"
-                     f"{per_request}")
+                     f"{per_request}{waits}")
     for other in ("envoy-round-robin", "sglang-router"):
         peer = pols.get(other)
         if peer and kv and kv["ttft_ms"]["mean"] > 0:

@@ -407,6 +407,8 @@ pub struct TokenizeMetrics {
     pub seconds: HistogramVec,
     /// Requests not tokenized because of a [`TokenizeLimits`] bound, by model and reason.
     pub skipped: IntCounterVec,
+    /// Time a request waited in the tokenizer queue before a thread started it, by model.
+    pub queue_wait: HistogramVec,
 }
 
 impl TokenizeMetrics {
@@ -449,7 +451,20 @@ impl TokenizeMetrics {
             &["model", "reason"],
         )
         .unwrap();
+        let queue_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "kvpick_tokenize_queue_wait_seconds",
+                "Time a prompt waited in the tokenizer queue before a thread started it",
+            )
+            .buckets(vec![
+                1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                0.5, 1.0,
+            ]),
+            &["model"],
+        )
+        .unwrap();
         // Registration fails only if registered twice on one registry (tests reuse metrics).
+        let _ = registry.register(Box::new(queue_wait.clone()));
         let _ = registry.register(Box::new(skipped.clone()));
         let _ = registry.register(Box::new(outcomes.clone()));
         let _ = registry.register(Box::new(errors.clone()));
@@ -459,6 +474,7 @@ impl TokenizeMetrics {
             errors,
             seconds,
             skipped,
+            queue_wait,
         }
     }
 }
@@ -676,14 +692,22 @@ impl Tokenizers {
         // Parse and tokenize on the pool: 100k-token prompts take milliseconds.
         let job_model = Arc::clone(m);
         let job_body = body.clone();
+        let queued = Instant::now();
         let local = match self
             .pool
             .run(self.limits.queue_timeout, move || {
-                tokenize_blocking(&job_model, endpoint, &job_body)
+                let waited = queued.elapsed();
+                (waited, tokenize_blocking(&job_model, endpoint, &job_body))
             })
             .await
         {
-            Ok(local) => local,
+            Ok((waited, local)) => {
+                self.metrics
+                    .queue_wait
+                    .with_label_values(&[&m.model])
+                    .observe(waited.as_secs_f64());
+                local
+            }
             Err(PoolError::QueueTimeout) => {
                 return TokenizeOutcome::Skipped {
                     reason: SKIP_QUEUE_TIMEOUT,
@@ -897,6 +921,14 @@ mod limit_tests {
             }
         );
         assert_eq!(skipped(&t, SKIP_BODY_TOO_LARGE), 1);
+        // The one tokenized request waited in the queue once (the skipped one never queued).
+        assert_eq!(
+            t.metrics()
+                .queue_wait
+                .with_label_values(&["m"])
+                .get_sample_count(),
+            1
+        );
         assert_eq!(
             t.metrics()
                 .outcomes
