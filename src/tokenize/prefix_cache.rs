@@ -292,7 +292,7 @@ pub struct TokenizeError(pub String);
 
 impl IncrementalTokenizer {
     /// Wraps `tokenizer`; with `max_cached_tokens == 0` or when the load-time self-check finds
-    /// the tokenizer is not splittable at line starts, every call tokenizes cold.
+    /// no restart rule holds for the tokenizer (`tokenize::boundary`), every call tokenizes cold.
     pub fn new(tokenizer: Arc<Tokenizer>, max_cached_tokens: usize) -> Self {
         Self::with_fast(tokenizer, None, max_cached_tokens)
     }
