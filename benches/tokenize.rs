@@ -6,8 +6,16 @@
 //! - cached: the previous turn is in the prefix cache; the request adds a new ~1k-token turn.
 //!
 //! Reports the median µs and tokens/s per request, and checks the target (a new 1k-token turn on
-//! a cached 100k-token conversation costs <= 2 ms). Writes `target/bench-tokenize.json`. Without
-//! `--bench` (as under `cargo test`) it runs a small smoke pass (1k and 10k, few iterations).
+//! a cached 100k-token conversation costs <= 2 ms).
+//!
+//! Then the online replay's *text form* (`e2e/replay/mooncake.py`): 12k-token completions prompts
+//! of 4-byte words, tokenized with the sim's WordLevel `tokenizer.json` (`Split(" ",
+//! MergedWithPrevious)`), cold and when a prompt shares 3/4 of its words with the one before (as
+//! the trace's requests share leading blocks): median CPU ms per prompt (the thread's own CPU
+//! time, `CLOCK_THREAD_CPUTIME_ID`, so other processes on the machine do not count).
+//!
+//! Writes `target/bench-tokenize.json`. Without `--bench` (as under `cargo test`) it runs a small
+//! smoke pass (1k and 10k, few iterations). `KVPICK_BENCH_ONLY=text-form` runs only the text form.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
@@ -108,8 +116,129 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// This thread's CPU time so far, in seconds (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_seconds() -> f64 {
+    let t = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
+    t.tv_sec as f64 + t.tv_nsec as f64 / 1e9
+}
+
+/// The sim's 4-byte words ("abc ": three lowercase letters and a space), as
+/// `mooncake.TEXT_WORDS`.
+fn text_form_words() -> Vec<String> {
+    let letters = b'a'..=b'z';
+    let mut words = Vec::with_capacity(26 * 26 * 26);
+    for a in letters.clone() {
+        for b in letters.clone() {
+            for c in letters.clone() {
+                words.push(format!("{}{}{} ", a as char, b as char, c as char));
+            }
+        }
+    }
+    words
+}
+
+/// `mooncake.text_tokenizer_json()`: a WordLevel vocabulary of the words (id = the word's bytes
+/// read little-endian) split after each space.
+fn text_form_tokenizer_json(words: &[String]) -> String {
+    let mut vocab = serde_json::Map::new();
+    for w in words {
+        let id = u32::from_le_bytes(w.as_bytes().try_into().unwrap());
+        vocab.insert(w.clone(), id.into());
+    }
+    vocab.insert("[UNK]".into(), 0.into());
+    serde_json::json!({"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"String": " "},
+            "behavior": "MergedWithPrevious", "invert": false},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"}})
+    .to_string()
+}
+
+/// A text-form prompt of `tokens` words from stream `seed`.
+fn text_form_prompt(words: &[String], seed: u64, tokens: usize) -> String {
+    let mut x = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut s = String::with_capacity(tokens * 4);
+    for _ in 0..tokens {
+        x = x
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        s.push_str(&words[((x >> 33) % words.len() as u64) as usize]);
+    }
+    s
+}
+
+/// The text form: median CPU ms per 12k-token prompt, cold and sharing 3/4 with the previous one.
+fn text_form(iters: usize) -> serde_json::Value {
+    const TOKENS: usize = 12_000;
+    let words = text_form_words();
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-tokenize-text-form");
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("tokenizer.json");
+    std::fs::write(&file, text_form_tokenizer_json(&words)).unwrap();
+    let registry = |cache: usize| {
+        let entry: ModelEntry = serde_yaml::from_str(&format!(
+            "model: m\ntokenizer_json: {}\nprefix_cache_tokens: {cache}\n",
+            file.display()
+        ))
+        .unwrap();
+        Tokenizers::from_entries(&[entry], Path::new("."), &prometheus::Registry::new()).unwrap()
+    };
+    let body = |prompt: &str| {
+        Bytes::from(
+            serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt})).unwrap(),
+        )
+    };
+    let cpu_ms = |model: &kvpick::tokenize::ModelTokenizer, b: &Bytes| {
+        let t = thread_cpu_seconds();
+        let (ids, source) = model.tokenize_body_blocking(b).unwrap().unwrap();
+        assert_eq!(ids.len(), TOKENS);
+        ((thread_cpu_seconds() - t) * 1e3, source)
+    };
+    let cold = registry(0);
+    let cold_model = cold.model("m").unwrap();
+    let cold_ms: Vec<f64> = (0..iters as u64)
+        .map(|i| cpu_ms(cold_model, &body(&text_form_prompt(&words, i, TOKENS))).0)
+        .collect();
+    let cached = registry(4_000_000);
+    let cached_model = cached.model("m").unwrap();
+    let (mut cached_ms, mut hits) = (Vec::new(), 0);
+    for i in 0..iters as u64 {
+        let shared = text_form_prompt(&words, 1000 + i, TOKENS * 3 / 4);
+        let previous = format!("{shared}{}", text_form_prompt(&words, 2000 + i, TOKENS / 4));
+        let next = format!("{shared}{}", text_form_prompt(&words, 3000 + i, TOKENS / 4));
+        cpu_ms(cached_model, &body(&previous));
+        let (ms, source) = cpu_ms(cached_model, &body(&next));
+        cached_ms.push(ms);
+        hits += usize::from(source == kvpick::tokenize::Source::Cached);
+    }
+    let (c, h) = (median(cold_ms), median(cached_ms));
+    println!();
+    println!("| text form (WordLevel) | tokens | cold median CPU ms | cached median CPU ms (3/4 shared with the previous prompt) | cache hit |");
+    println!("|---|---|---|---|---|");
+    println!("| 12k-token completions prompt | {TOKENS} | {c:.2} | {h:.2} | {hits} of {iters} |");
+    serde_json::json!({"text_form_tokens": TOKENS, "text_form_cold_cpu_ms": c,
+        "text_form_cached_cpu_ms": h, "text_form_cache_hits": hits, "text_form_iters": iters})
+}
+
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
+    let text_form_iters = if benching { 15 } else { 2 };
+    let text_form_row = text_form(text_form_iters);
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-tokenize.json");
+    if std::env::var("KVPICK_BENCH_ONLY").is_ok_and(|v| v == "text-form") {
+        if benching {
+            std::fs::write(
+                &out,
+                serde_json::to_string_pretty(&[text_form_row]).unwrap(),
+            )
+            .unwrap();
+            println!("written to {}", out.display());
+        }
+        return;
+    }
     let Some(path) = tokenizer_json() else {
         assert!(
             !benching,
@@ -238,8 +367,8 @@ fn main() {
             );
         }
     }
+    rows.push(text_form_row);
     if benching {
-        let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-tokenize.json");
         std::fs::write(&out, serde_json::to_string_pretty(&rows).unwrap()).unwrap();
         println!("written to {}", out.display());
     }

@@ -69,10 +69,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = crate::tokenize::DEFAULT_TOKENIZE_MAX_BODY_BYTES, value_name = "BYTES")]
     pub tokenize_max_body_bytes: usize,
 
-    /// Milliseconds a request waits for a tokenizer CPU permit (one per core) before it is routed
-    /// on load alone (`kvpick_tokenize_skipped_total{reason="permit_timeout"}`).
-    #[arg(long, default_value_t = 50, value_name = "MS")]
-    pub tokenize_permit_timeout_ms: u64,
+    /// Milliseconds a request waits in the tokenizer queue (one thread per core) for a thread to
+    /// start it before it is routed on load alone
+    /// (`kvpick_tokenize_skipped_total{reason="queue_timeout"}`); once started it is tokenized.
+    #[arg(
+        long,
+        default_value_t = 50,
+        value_name = "MS",
+        visible_alias = "tokenize-permit-timeout-ms"
+    )]
+    pub tokenize_queue_timeout_ms: u64,
 
     /// Kubernetes source: the InferencePool (`inference.networking.k8s.io/v1`) whose pods are the
     /// workers. Excludes --config.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import socket
 import sys
 import time
@@ -176,6 +177,50 @@ def summarize(label: str, results: list[Result], workers: int, sim_speedup: floa
     }
 
 
+def tokenize_counts(samples: list[tuple[str, dict[str, str], float]]) -> dict[str, Any]:
+    """kvpick's tokenization outcomes from its ``/metrics`` samples: requests by outcome, those not
+    tokenized by reason, and the skipped fraction (routed on load alone because a bound said so)."""
+    outcomes: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    for name, labels, value in samples:
+        if name == "kvpick_tokenize_total":
+            outcome = labels.get("outcome", "")
+            outcomes[outcome] = outcomes.get(outcome, 0) + int(value)
+        elif name == "kvpick_tokenize_skipped_total":
+            reason = labels.get("reason", "")
+            skipped[reason] = skipped.get(reason, 0) + int(value)
+    total = sum(outcomes.values())
+    return {"outcomes": outcomes, "skipped": skipped,
+            "skipped_fraction": sum(skipped.values()) / total if total else 0.0,
+            "queue_wait_ms": _bucket_quantiles(samples, "kvpick_tokenize_queue_wait_seconds")}
+
+
+def _bucket_quantiles(samples: list[tuple[str, dict[str, str], float]], name: str) -> dict[str, Any]:
+    """p50 / p90 / p99 of a histogram as the upper bound of the bucket holding them (ms)."""
+    buckets: dict[float, float] = {}
+    for n, labels, value in samples:
+        if n == name + "_bucket":
+            le = labels.get("le", "+Inf")
+            bound = float("inf") if le == "+Inf" else float(le)
+            buckets[bound] = buckets.get(bound, 0.0) + value
+    cumulative = sorted(buckets.items())
+    total = cumulative[-1][1] if cumulative else 0.0
+    out: dict[str, Any] = {"count": int(total)}
+    for q in (0.5, 0.9, 0.99):
+        bound = next((b for b, c in cumulative if total and c >= q * total), None)
+        out[f"p{int(q * 100)}_le"] = None if bound is None else bound * 1000
+    return out
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc``)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['requests']} requests, {report['workers']} workers, arrival speedup "
@@ -194,6 +239,19 @@ def markdown(report: dict[str, Any]) -> str:
             f"{'/'.join(str(n) for n in p['per_worker_requests'])} |")
     pols = {p["policy"]: p for p in report["policies"]}
     kv = pols.get("kvpick")
+    if kv and kv.get("tokenize"):
+        tok = kv["tokenize"]
+        skipped = ", ".join(f"{n} {r}" for r, n in sorted(tok["skipped"].items())) or "none"
+        cpu = kv.get("kvpick_cpu_s")
+        per_request = f", kvpick CPU {cpu * 1000 / kv['requests']:.1f} ms per request" if cpu else ""
+        lines.append("")
+        wait = tok.get("queue_wait_ms") or {}
+        waits = (f"; queue wait p50/p90/p99 <= {wait.get('p50_le')}/{wait.get('p90_le')}/"
+                 f"{wait.get('p99_le')} ms") if wait.get("count") else ""
+        lines.append(f"kvpick tokenization: {tok['skipped_fraction'] * 100:.1f}% skipped "
+                     f"({skipped}); outcomes "
+                     f"{', '.join(f'{o} {n}' for o, n in sorted(tok['outcomes'].items()))}"
+                     f"{per_request}{waits}")
     for other in ("envoy-round-robin", "sglang-router"):
         peer = pols.get(other)
         if peer and kv and kv["ttft_ms"]["mean"] > 0:
@@ -361,9 +419,15 @@ def run_online(trace: Path | str, *, limit: int | None, workers: int, arrival_sp
             if progress:
                 progress(f"{policy}: replaying {len(requests)} requests "
                          f"({requests[-1].at:.0f}s of arrivals) ...")
+            cpu_before = _cpu_seconds(stack.kvpick.process.pid) if stack is not None else None
             results, wall = asyncio.run(replay(url, requests, policy, progress))
             row = summarize(policy, results, workers, sim_speedup)
             row["wall_s"] = wall
+            if stack is not None:
+                row["tokenize"] = tokenize_counts(stack.kvpick.metrics())
+                if cpu_before is not None:
+                    cpu = _cpu_seconds(stack.kvpick.process.pid)
+                    row["kvpick_cpu_s"] = None if cpu is None else cpu - cpu_before
             report["policies"].append(row)
         finally:
             if envoy is not None:

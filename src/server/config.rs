@@ -28,7 +28,7 @@ pub fn tokenizers(
         crate::tokenize::Tokenizers::load(path, registry)?.with_limits(
             crate::tokenize::TokenizeLimits {
                 max_body_bytes: args.tokenize_max_body_bytes,
-                permit_timeout: Duration::from_millis(args.tokenize_permit_timeout_ms),
+                queue_timeout: Duration::from_millis(args.tokenize_queue_timeout_ms),
             },
         ),
     )))

@@ -27,7 +27,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     let tokenizers =
         Tokenizers::load(&args.tokenizer_config, &registry)?.with_limits(super::TokenizeLimits {
             max_body_bytes: usize::MAX,
-            permit_timeout: std::time::Duration::from_secs(3600),
+            queue_timeout: std::time::Duration::from_secs(3600),
         });
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

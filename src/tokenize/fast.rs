@@ -1,24 +1,28 @@
-//! A direct encoder for the common byte-level BPE `tokenizer.json` shape (DeepSeek, Llama 3,
-//! GPT-2 and similar): added tokens, then `Split` regexes (isolated), then `ByteLevel`, then the
-//! BPE model. It does what `Tokenizer::encode(text, false)` does for that shape without the
-//! general pipeline's per-byte alignment bookkeeping, which was most of a tokenization's cost:
-//! the same regexes (`fancy-regex`, as `tokenizers` uses), the same leftmost-longest added-token
-//! matching, and the `tokenizers` BPE model itself for each piece.
+//! A direct encoder for the common `tokenizer.json` shapes: no normalizer, added tokens that do
+//! not strip, a pre-tokenizer `tokenize::pretok` reproduces (`Split` regexes or strings, the
+//! whitespace, punctuation and digit splitters, BERT's, ending in `ByteLevel`, `Metaspace` or
+//! nothing), and any model (BPE, WordLevel, WordPiece, Unigram). That covers DeepSeek, Llama 3,
+//! GPT-2 and Qwen (byte-level BPE), `Metaspace` Unigram / BPE files, WordPiece with a plain
+//! pre-tokenizer, and the sim's WordLevel text form. It does what `Tokenizer::encode(text, false)`
+//! does for those shapes without the general pipeline's per-byte alignment bookkeeping, which was
+//! most of a tokenization's cost: the same regexes (`fancy-regex`, as `tokenizers` uses), the same
+//! leftmost-longest added-token matching, the same split rules, and the `tokenizers` model itself
+//! for each piece.
 //!
-//! It is used only when the file has exactly that shape and, at load, its ids equal
-//! `Tokenizer::encode` on a probe corpus; otherwise the caller keeps the general pipeline. Token
-//! spans are byte ranges of the input, always contiguous. This module owns only that encoder.
+//! It is used only when the file has such a shape and, at load, its ids equal `Tokenizer::encode`
+//! on a probe corpus; otherwise the caller keeps the general pipeline. Token spans are byte ranges
+//! of the input. This module owns only that encoder.
 
 use std::sync::Arc;
 
 use aho_corasick::{AhoCorasick, AhoCorasickBuilder, MatchKind};
-use fancy_regex::Regex;
 use serde::Deserialize;
 use tokenizers::{Model, Tokenizer};
 
-/// GPT-2's pre-tokenization regex, which `ByteLevel { use_regex: true }` applies.
-const BYTE_LEVEL_REGEX: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+use super::pretok::{metaspace_map, Mapping, PreTokenizer};
+
+/// Models whose `tokenize` sees one pre-tokenized piece at a time.
+const MODELS: [&str; 4] = ["BPE", "WordLevel", "WordPiece", "Unigram"];
 
 /// Token ids of a text with each token's byte span.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -57,8 +61,11 @@ pub struct FastEncoder {
     /// Added tokens with `normalized: true`, matched next in what is left (the normalizer is
     /// the identity here).
     normalized_added: Option<AddedSet>,
-    splits: Vec<Regex>,
+    pre: PreTokenizer,
     byte_chars: [char; 256],
+    /// A WordLevel model's unknown-token id (`Some(None)`: it has none), so a piece is one
+    /// vocabulary look-up instead of a `Token` with an owned copy of its text.
+    word_level_unk: Option<Option<u32>>,
 }
 
 #[derive(Deserialize)]
@@ -66,7 +73,6 @@ struct FileShape {
     #[serde(default)]
     added_tokens: Vec<AddedTokenShape>,
     normalizer: Option<serde_json::Value>,
-    pre_tokenizer: Option<serde_json::Value>,
     truncation: Option<serde_json::Value>,
     padding: Option<serde_json::Value>,
     model: ModelShape,
@@ -90,14 +96,21 @@ struct AddedTokenShape {
 struct ModelShape {
     #[serde(rename = "type")]
     kind: Option<String>,
+    #[serde(default)]
+    unk_token: Option<String>,
 }
 
 impl FastEncoder {
     /// The encoder for `tokenizer` loaded from `json` (the file's text), or why not.
     pub fn new(tokenizer: Arc<Tokenizer>, json: &str) -> Result<Self, String> {
         let shape: FileShape = serde_json::from_str(json).map_err(|e| e.to_string())?;
-        if shape.model.kind.as_deref() != Some("BPE") {
-            return Err("model is not BPE".into());
+        if !shape
+            .model
+            .kind
+            .as_deref()
+            .is_some_and(|k| MODELS.contains(&k))
+        {
+            return Err(format!("model {:?} not covered", shape.model.kind));
         }
         if shape.truncation.is_some_and(|v| !v.is_null())
             || shape.padding.is_some_and(|v| !v.is_null())
@@ -107,7 +120,16 @@ impl FastEncoder {
         if !is_identity_normalizer(shape.normalizer.as_ref()) {
             return Err("has a normalizer".into());
         }
-        let splits = split_regexes(shape.pre_tokenizer.as_ref())?;
+        // The loaded pre-tokenizer as `tokenizers` serializes it: legacy fields resolved.
+        let pre = serde_json::to_value(tokenizer.get_pre_tokenizer()).map_err(|e| e.to_string())?;
+        let pre = PreTokenizer::from_json(Some(&pre))?;
+        let word_level_unk = (shape.model.kind.as_deref() == Some("WordLevel")).then(|| {
+            shape
+                .model
+                .unk_token
+                .as_deref()
+                .and_then(|unk| tokenizer.get_model().token_to_id(unk))
+        });
         let mut raw = Vec::new();
         let mut normalized = Vec::new();
         for t in shape.added_tokens {
@@ -130,17 +152,16 @@ impl FastEncoder {
             tokenizer,
             raw_added: AddedSet::new(raw)?,
             normalized_added: AddedSet::new(normalized)?,
-            splits,
+            pre,
             byte_chars: bytes_to_unicode(),
+            word_level_unk,
         })
     }
 
     /// Ids and spans of `text` (no special tokens added), as `Tokenizer::encode(text, false)`.
     pub fn encode(&self, text: &str) -> Result<Encoded, String> {
         let mut out = Encoded::default();
-        let mut mapped = String::new();
-        let mut pieces = Vec::new();
-        let mut next = Vec::new();
+        let mut scratch = Scratch::default();
         for_each_gap(
             self.raw_added.as_ref(),
             text,
@@ -153,24 +174,15 @@ impl FastEncoder {
                     at,
                     out,
                     &mut |gap, at, out| {
+                        let mut pieces = std::mem::take(&mut scratch.pieces);
                         pieces.clear();
-                        pieces.push((at, at + gap.len()));
-                        for regex in &self.splits {
-                            next.clear();
-                            for &(start, end) in &pieces {
-                                split_isolated(regex, text, start, end, &mut next);
-                            }
-                            std::mem::swap(&mut pieces, &mut next);
-                        }
-                        for &(start, end) in &pieces {
-                            self.encode_piece(
-                                &text.as_bytes()[start..end],
-                                start,
-                                &mut mapped,
-                                out,
-                            )?;
-                        }
-                        Ok(())
+                        self.pre
+                            .split(text, (at, at + gap.len()), &mut pieces, &mut scratch.split);
+                        let result = pieces.iter().try_for_each(|&piece| {
+                            self.encode_piece(text, piece, &mut scratch, out)
+                        });
+                        scratch.pieces = pieces;
+                        result
                     },
                 )
             },
@@ -178,31 +190,100 @@ impl FastEncoder {
         Ok(out)
     }
 
+    /// One pre-tokenized piece through the mapping and the model.
     fn encode_piece(
         &self,
-        piece: &[u8],
-        at: usize,
-        mapped: &mut String,
+        text: &str,
+        (start, end): (usize, usize),
+        scratch: &mut Scratch,
         out: &mut Encoded,
     ) -> Result<(), String> {
-        mapped.clear();
-        mapped.extend(piece.iter().map(|&b| self.byte_chars[b as usize]));
-        let tokens = self
-            .tokenizer
-            .get_model()
-            .tokenize(mapped)
-            .map_err(|e| e.to_string())?;
-        let mut pos = at as u32;
-        for token in tokens {
-            // Each mapped char stands for one input byte.
-            let len = token.value.chars().count() as u32;
-            out.ids.push(token.id);
-            out.starts.push(pos);
-            pos += len;
-            out.ends.push(pos);
+        let model = self.tokenizer.get_model();
+        match self.pre.mapping {
+            Mapping::Identity if self.word_level_unk.is_some() => {
+                let id = model
+                    .token_to_id(&text[start..end])
+                    .or(self.word_level_unk.flatten())
+                    .ok_or("WordLevel: unknown word and no unk_token in the vocabulary")?;
+                out.push(id, start, end);
+            }
+            Mapping::Identity => {
+                let tokens = model
+                    .tokenize(&text[start..end])
+                    .map_err(|e| e.to_string())?;
+                for token in tokens {
+                    out.push(token.id, start + token.offsets.0, start + token.offsets.1);
+                }
+            }
+            Mapping::ByteLevel => {
+                scratch.mapped.clear();
+                scratch.origin.clear();
+                for (i, &b) in text.as_bytes()[start..end].iter().enumerate() {
+                    let c = self.byte_chars[b as usize];
+                    scratch.mapped.push(c);
+                    scratch
+                        .origin
+                        .extend(std::iter::repeat_n((start + i) as u32, c.len_utf8()));
+                }
+                scratch.origin.push(end as u32);
+                let tokens = model.tokenize(&scratch.mapped).map_err(|e| e.to_string())?;
+                for token in tokens {
+                    let (s, e) = token.offsets;
+                    out.push(
+                        token.id,
+                        scratch.origin[s] as usize,
+                        scratch.origin[e] as usize,
+                    );
+                }
+            }
+            Mapping::Metaspace {
+                replacement,
+                prepend,
+                split,
+            } => {
+                metaspace_map(
+                    text,
+                    (start, end),
+                    (replacement, prepend, split),
+                    &mut scratch.mapped,
+                    &mut scratch.origin,
+                    &mut scratch.sub,
+                );
+                for &(a, b) in &scratch.sub {
+                    let tokens = model
+                        .tokenize(&scratch.mapped[a..b])
+                        .map_err(|e| e.to_string())?;
+                    for token in tokens {
+                        let (s, e) = (a + token.offsets.0, a + token.offsets.1);
+                        out.push(
+                            token.id,
+                            scratch.origin[s] as usize,
+                            scratch.origin[e] as usize,
+                        );
+                    }
+                }
+            }
         }
         Ok(())
     }
+}
+
+impl Encoded {
+    fn push(&mut self, id: u32, start: usize, end: usize) {
+        self.ids.push(id);
+        self.starts.push(start as u32);
+        self.ends.push(end as u32);
+    }
+}
+
+/// Buffers one encode reuses for every piece.
+#[derive(Default)]
+struct Scratch {
+    pieces: Vec<(usize, usize)>,
+    split: Vec<(usize, usize)>,
+    mapped: String,
+    origin: Vec<u32>,
+    sub: Vec<(usize, usize)>,
 }
 
 type GapFn<'a> = dyn FnMut(&str, usize, &mut Encoded) -> Result<(), String> + 'a;
@@ -239,32 +320,6 @@ fn for_each_gap(
     Ok(())
 }
 
-/// `Split { behavior: Isolated, invert: false }` on `text[start..end]`: matches and the text
-/// between them, empty pieces dropped. Like `tokenizers`, a regex error ends the matching.
-fn split_isolated(
-    regex: &Regex,
-    text: &str,
-    start: usize,
-    end: usize,
-    out: &mut Vec<(usize, usize)>,
-) {
-    let inside = &text[start..end];
-    let mut prev = 0;
-    for m in regex.find_iter(inside) {
-        let Ok(m) = m else { break };
-        if m.start() > prev {
-            out.push((start + prev, start + m.start()));
-        }
-        if m.end() > m.start() {
-            out.push((start + m.start(), start + m.end()));
-        }
-        prev = m.end();
-    }
-    if prev < inside.len() {
-        out.push((start + prev, end));
-    }
-}
-
 fn is_identity_normalizer(normalizer: Option<&serde_json::Value>) -> bool {
     match normalizer {
         None | Some(serde_json::Value::Null) => true,
@@ -275,56 +330,6 @@ fn is_identity_normalizer(normalizer: Option<&serde_json::Value>) -> bool {
                     .is_some_and(|n| n.iter().all(|n| is_identity_normalizer(Some(n))))
         }
     }
-}
-
-/// The regexes of a `Sequence` of isolated `Split`s ending in a plain `ByteLevel` (or a lone
-/// `ByteLevel`), in order.
-fn split_regexes(pre: Option<&serde_json::Value>) -> Result<Vec<Regex>, String> {
-    let steps: Vec<&serde_json::Value> = match pre {
-        Some(v) if v.get("type").and_then(|t| t.as_str()) == Some("Sequence") => v
-            .get("pretokenizers")
-            .and_then(|p| p.as_array())
-            .ok_or("pre_tokenizer sequence without steps")?
-            .iter()
-            .collect(),
-        Some(v) if !v.is_null() => vec![v],
-        _ => return Err("no pre_tokenizer".into()),
-    };
-    let Some((last, splits)) = steps.split_last() else {
-        return Err("empty pre_tokenizer".into());
-    };
-    if last.get("type").and_then(|t| t.as_str()) != Some("ByteLevel") {
-        return Err("pre_tokenizer does not end in ByteLevel".into());
-    }
-    if last.get("add_prefix_space").and_then(|v| v.as_bool()) != Some(false) {
-        return Err("ByteLevel adds a prefix space".into());
-    }
-    let mut regexes = Vec::new();
-    for step in splits {
-        if step.get("type").and_then(|t| t.as_str()) != Some("Split")
-            || step.get("behavior").and_then(|b| b.as_str()) != Some("Isolated")
-            || step.get("invert").and_then(|b| b.as_bool()) != Some(false)
-        {
-            return Err(format!("unsupported pre_tokenizer step {step}"));
-        }
-        let pattern = step.get("pattern").ok_or("Split without pattern")?;
-        let source = if let Some(r) = pattern.get("Regex").and_then(|r| r.as_str()) {
-            r.to_string()
-        } else if let Some(s) = pattern.get("String").and_then(|s| s.as_str()) {
-            fancy_regex::escape(s).into_owned()
-        } else {
-            return Err("Split pattern is neither Regex nor String".into());
-        };
-        regexes.push(Regex::new(&source).map_err(|e| e.to_string())?);
-    }
-    if last
-        .get("use_regex")
-        .and_then(|v| v.as_bool())
-        .unwrap_or(true)
-    {
-        regexes.push(Regex::new(BYTE_LEVEL_REGEX).map_err(|e| e.to_string())?);
-    }
-    Ok(regexes)
 }
 
 /// GPT-2's byte-to-character table that byte-level BPE vocabularies are written in.
@@ -362,6 +367,18 @@ pub fn probe_texts(tokenizer: &Tokenizer) -> Vec<String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
+    // Words of the vocabulary itself, so word-level models see known words, not only unknowns.
+    let mut vocab: Vec<(String, u32)> = tokenizer.get_vocab(false).into_iter().collect();
+    vocab.sort_by_key(|(_, id)| *id);
+    let step = (vocab.len() / 200).max(1);
+    let words: Vec<&str> = vocab
+        .iter()
+        .step_by(step)
+        .map(|(w, _)| w.as_str())
+        .collect();
+    probes.push(words.join(" "));
+    probes.push(words.join(""));
+    probes.push(words.join("\n"));
     let added: Vec<String> = tokenizer
         .get_added_tokens_decoder()
         .values()
@@ -387,98 +404,5 @@ pub fn agrees(fast: &FastEncoder, tokenizer: &Tokenizer) -> bool {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tokenize::prefix_cache::testutil;
-    use rand::{rngs::StdRng, Rng, SeedableRng};
-
-    use testutil::WORDS;
-
-    fn random_text(rng: &mut StdRng, words: usize) -> String {
-        let mut s = String::new();
-        for _ in 0..words {
-            s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
-            if rng.random_bool(0.5) {
-                s.push(' ');
-            }
-        }
-        s
-    }
-
-    fn encoder(json: &str) -> (Arc<Tokenizer>, FastEncoder) {
-        let tokenizer: Arc<Tokenizer> = Arc::new(json.parse().unwrap());
-        let fast = FastEncoder::new(Arc::clone(&tokenizer), json).unwrap();
-        (tokenizer, fast)
-    }
-
-    fn check_equal(tokenizer: &Tokenizer, fast: &FastEncoder, seed: u64) {
-        let mut rng = StdRng::seed_from_u64(seed);
-        for _ in 0..400 {
-            let n = rng.random_range(0..60);
-            let text = random_text(&mut rng, n);
-            let reference = tokenizer.encode(text.as_str(), false).unwrap();
-            let got = fast.encode(&text).unwrap();
-            assert_eq!(got.ids, reference.get_ids(), "on {text:?}");
-            // Spans tile the text.
-            let mut at = 0;
-            for (s, e) in got.starts.iter().zip(&got.ends) {
-                assert_eq!(*s as usize, at, "on {text:?}");
-                assert!(e > s);
-                at = *e as usize;
-            }
-            assert_eq!(at, text.len());
-        }
-    }
-
-    /// ByteLevel with GPT-2's regex and an added token.
-    #[test]
-    fn equals_tokenizers_for_byte_level_with_regex() {
-        let (tokenizer, fast) = encoder(&testutil::tokenizer_json());
-        assert!(agrees(&fast, &tokenizer));
-        check_equal(&tokenizer, &fast, 1);
-    }
-
-    /// A `Sequence` of isolated `Split`s (DeepSeek's) then ByteLevel without its regex, with a
-    /// normalized added token next to a raw one.
-    #[test]
-    fn equals_tokenizers_for_split_sequence() {
-        let mut json: serde_json::Value =
-            serde_json::from_str(&testutil::tokenizer_json()).unwrap();
-        json["pre_tokenizer"] = serde_json::json!({"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": "\\p{N}{1,3}"}, "behavior": "Isolated", "invert": false},
-            {"type": "Split", "pattern": {"Regex": "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+"}, "behavior": "Isolated", "invert": false},
-            {"type": "Split", "pattern": {"Regex": "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"}, "behavior": "Isolated", "invert": false},
-            {"type": "Split", "pattern": {"String": "_"}, "behavior": "Isolated", "invert": false},
-            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
-        ]});
-        json["normalizer"] = serde_json::json!({"type": "Sequence", "normalizers": []});
-        let mut added = json["added_tokens"][0].clone();
-        added["id"] = serde_json::json!(added["id"].as_u64().unwrap() + 1);
-        added["content"] = serde_json::json!("assistant");
-        added["normalized"] = serde_json::json!(true);
-        json["added_tokens"].as_array_mut().unwrap().push(added);
-        let text = json.to_string();
-        let (tokenizer, fast) = encoder(&text);
-        assert!(agrees(&fast, &tokenizer));
-        check_equal(&tokenizer, &fast, 2);
-    }
-
-    #[test]
-    fn other_shapes_are_left_to_the_general_pipeline() {
-        let base: serde_json::Value = serde_json::from_str(&testutil::tokenizer_json()).unwrap();
-        let tokenizer: Arc<Tokenizer> = Arc::new(base.to_string().parse().unwrap());
-        let refused = |edit: &dyn Fn(&mut serde_json::Value)| {
-            let mut json = base.clone();
-            edit(&mut json);
-            FastEncoder::new(Arc::clone(&tokenizer), &json.to_string()).err()
-        };
-        assert!(refused(&|j| j["normalizer"] = serde_json::json!({"type": "NFC"})).is_some());
-        assert!(refused(&|j| j["added_tokens"][0]["lstrip"] = true.into()).is_some());
-        assert!(refused(&|j| j["pre_tokenizer"]["add_prefix_space"] = true.into()).is_some());
-        assert!(refused(&|j| j["truncation"] = serde_json::json!({"max_length": 8})).is_some());
-        assert!(
-            refused(&|j| j["pre_tokenizer"] = serde_json::json!({"type": "Whitespace"})).is_some()
-        );
-        assert!(refused(&|_| {}).is_none());
-    }
-}
+#[path = "fast_tests.rs"]
+mod tests;

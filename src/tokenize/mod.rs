@@ -6,14 +6,19 @@
 //! an outcome the host turns into load-only routing.
 
 pub mod anthropic;
+pub mod boundary;
 pub mod cli;
 pub mod conversation;
 pub mod fast;
 pub mod json;
+pub mod pool;
 pub mod prefix_cache;
+pub mod pretok;
 pub mod prompt;
 pub mod render;
 pub mod template;
+#[cfg(test)]
+mod test_shapes;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -23,10 +28,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
 use serde::Deserialize;
-use tokio::sync::Semaphore;
 
 use conversation::ConversationCache;
 use json::Json;
+use pool::{PoolError, TokenizerPool};
 pub use prefix_cache::IncrementalTokenizer;
 use prompt::{ChatPrompt, ContentFormat, Endpoint, PromptSpec};
 use render::{RenderClient, RenderKind};
@@ -34,32 +39,34 @@ use template::ChatTemplate;
 
 /// Default of `--tokenize-max-body-bytes`: bodies over it are routed on load alone.
 pub const DEFAULT_TOKENIZE_MAX_BODY_BYTES: usize = 4 << 20;
-/// Default of `--tokenize-permit-timeout-ms`.
-pub const DEFAULT_TOKENIZE_PERMIT_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default of `--tokenize-queue-timeout-ms`.
+pub const DEFAULT_TOKENIZE_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
 
-/// Bounds on what one request may cost the tokenizer. Tokenization holds one of a few CPU
-/// permits (one per core); without these, a handful of multi-MiB chat bodies would hold every
-/// permit and every other tokenized request would wait behind them with no deadline.
+/// Bounds on what one request may cost the tokenizer. Tokenization runs on a pool of one thread
+/// per core; without these, a handful of multi-MiB chat bodies would hold every thread and every
+/// other tokenized request would wait behind them with no deadline.
 #[derive(Debug, Clone, Copy)]
 pub struct TokenizeLimits {
     /// Larger request bodies are not tokenized (load-only routing).
     pub max_body_bytes: usize,
-    /// How long a request waits for a CPU permit before routing on load alone.
-    pub permit_timeout: Duration,
+    /// How long a request waits in the tokenizer queue for a thread to start it before routing
+    /// on load alone (once started, it is tokenized).
+    pub queue_timeout: Duration,
 }
 
 impl Default for TokenizeLimits {
     fn default() -> Self {
         TokenizeLimits {
             max_body_bytes: DEFAULT_TOKENIZE_MAX_BODY_BYTES,
-            permit_timeout: DEFAULT_TOKENIZE_PERMIT_TIMEOUT,
+            queue_timeout: DEFAULT_TOKENIZE_QUEUE_TIMEOUT,
         }
     }
 }
 
 /// Why a request was routed without tokenizing it (`kvpick_tokenize_skipped_total{reason}`).
 pub const SKIP_BODY_TOO_LARGE: &str = "body_too_large";
-pub const SKIP_PERMIT_TIMEOUT: &str = "permit_timeout";
+pub const SKIP_QUEUE_TIMEOUT: &str = "queue_timeout";
+pub const SKIP_QUEUE_FULL: &str = "queue_full";
 
 /// Default bound of each model's prefix cache, in tokens (~12 bytes per token plus the text).
 pub const DEFAULT_PREFIX_CACHE_TOKENS: usize = 2_000_000;
@@ -400,6 +407,8 @@ pub struct TokenizeMetrics {
     pub seconds: HistogramVec,
     /// Requests not tokenized because of a [`TokenizeLimits`] bound, by model and reason.
     pub skipped: IntCounterVec,
+    /// Time a request waited in the tokenizer queue before a thread started it, by model.
+    pub queue_wait: HistogramVec,
 }
 
 impl TokenizeMetrics {
@@ -437,12 +446,25 @@ impl TokenizeMetrics {
         let skipped = IntCounterVec::new(
             Opts::new(
                 "kvpick_tokenize_skipped_total",
-                "Prompts routed on load alone without tokenizing, by reason (body_too_large, permit_timeout)",
+                "Prompts routed on load alone without tokenizing, by reason (body_too_large, queue_timeout, queue_full)",
             ),
             &["model", "reason"],
         )
         .unwrap();
+        let queue_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "kvpick_tokenize_queue_wait_seconds",
+                "Time a prompt waited in the tokenizer queue before a thread started it",
+            )
+            .buckets(vec![
+                1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                0.5, 1.0,
+            ]),
+            &["model"],
+        )
+        .unwrap();
         // Registration fails only if registered twice on one registry (tests reuse metrics).
+        let _ = registry.register(Box::new(queue_wait.clone()));
         let _ = registry.register(Box::new(skipped.clone()));
         let _ = registry.register(Box::new(outcomes.clone()));
         let _ = registry.register(Box::new(errors.clone()));
@@ -452,15 +474,16 @@ impl TokenizeMetrics {
             errors,
             seconds,
             skipped,
+            queue_wait,
         }
     }
 }
 
-/// Every configured model's tokenizer, plus a bound on concurrent CPU-bound tokenizations.
+/// Every configured model's tokenizer, plus the pool their CPU-bound work runs on.
 pub struct Tokenizers {
     models: HashMap<String, Arc<ModelTokenizer>>,
     metrics: TokenizeMetrics,
-    cpu: Arc<Semaphore>,
+    pool: TokenizerPool,
     limits: TokenizeLimits,
 }
 
@@ -517,6 +540,10 @@ impl Tokenizers {
                 local = local.is_some(),
                 chat_template = local.as_ref().is_some_and(|l| l.template.is_some()),
                 prefix_cache = local.as_ref().is_some_and(|l| l.tokenizer.cache_enabled()),
+                restart_rules = ?local
+                    .as_ref()
+                    .map(|l| l.tokenizer.restart_rules().names())
+                    .unwrap_or_default(),
                 direct_encoder = local
                     .as_ref()
                     .is_some_and(|l| l.tokenizer.uses_fast_encoder()),
@@ -539,13 +566,19 @@ impl Tokenizers {
                 }),
             );
         }
-        let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
         Ok(Tokenizers {
             models,
             metrics: TokenizeMetrics::register(registry),
-            cpu: Arc::new(Semaphore::new(cpus.max(1))),
+            pool: TokenizerPool::per_core()
+                .map_err(|e| anyhow::anyhow!("cannot start the tokenizer threads: {e}"))?,
             limits: TokenizeLimits::default(),
         })
+    }
+
+    /// The same registry on another pool (tests size it).
+    pub fn with_pool(mut self, pool: TokenizerPool) -> Self {
+        self.pool = pool;
+        self
     }
 
     /// The same registry with other [`TokenizeLimits`].
@@ -648,6 +681,46 @@ impl Tokenizers {
         outcome
     }
 
+    /// The in-process part (parse, render, tokenize) on the pool: its result, or the outcome
+    /// when the pool gave none (queue deadline, full queue, shutdown).
+    async fn run_local(
+        &self,
+        m: &Arc<ModelTokenizer>,
+        endpoint: Endpoint,
+        body: &Bytes,
+    ) -> Result<Result<Local, StageError>, TokenizeOutcome> {
+        // 100k-token prompts take milliseconds: never on the reactor.
+        let job_model = Arc::clone(m);
+        let job_body = body.clone();
+        let queued = Instant::now();
+        let ran = self
+            .pool
+            .run(self.limits.queue_timeout, move || {
+                let waited = queued.elapsed();
+                (waited, tokenize_blocking(&job_model, endpoint, &job_body))
+            })
+            .await;
+        match ran {
+            Ok((waited, local)) => {
+                self.metrics
+                    .queue_wait
+                    .with_label_values(&[&m.model])
+                    .observe(waited.as_secs_f64());
+                Ok(local)
+            }
+            Err(PoolError::QueueTimeout) => Err(TokenizeOutcome::Skipped {
+                reason: SKIP_QUEUE_TIMEOUT,
+            }),
+            Err(PoolError::QueueFull) => Err(TokenizeOutcome::Skipped {
+                reason: SKIP_QUEUE_FULL,
+            }),
+            Err(e @ PoolError::Panicked(_)) => Ok(Err(("tokenizer", e.to_string()))),
+            Err(PoolError::Stopped) => Err(TokenizeOutcome::Fallback {
+                reason: "shutting down".into(),
+            }),
+        }
+    }
+
     async fn tokenize_model(
         &self,
         m: &Arc<ModelTokenizer>,
@@ -660,33 +733,10 @@ impl Tokenizers {
                 .with_label_values(&[&m.model, stage])
                 .inc();
         };
-        // Parse and tokenize on the blocking pool: 100k-token prompts take milliseconds.
-        let permit = match tokio::time::timeout(
-            self.limits.permit_timeout,
-            Arc::clone(&self.cpu).acquire_owned(),
-        )
-        .await
-        {
-            Ok(Ok(p)) => p,
-            Ok(Err(_)) => {
-                return TokenizeOutcome::Fallback {
-                    reason: "shutting down".into(),
-                }
-            }
-            Err(_) => {
-                return TokenizeOutcome::Skipped {
-                    reason: SKIP_PERMIT_TIMEOUT,
-                }
-            }
+        let local = match self.run_local(m, endpoint, &body).await {
+            Ok(local) => local,
+            Err(outcome) => return outcome,
         };
-        let job_model = Arc::clone(m);
-        let job_body = body.clone();
-        let local = tokio::task::spawn_blocking(move || {
-            let _permit = permit;
-            tokenize_blocking(&job_model, endpoint, &job_body)
-        })
-        .await
-        .unwrap_or_else(|e| Err(("tokenizer", format!("tokenizer task failed: {e}"))));
         let (spec, failure) = match local {
             Ok(Local::Done(ids, source)) => {
                 return TokenizeOutcome::Tokens { ids, source };
@@ -833,145 +883,5 @@ fn chat_body(spec: Option<&PromptSpec>, json: &Json) -> Option<(RenderKind, Byte
 }
 
 #[cfg(test)]
-mod limit_tests {
-    use super::*;
-
-    fn tokenizers(limits: TokenizeLimits) -> Tokenizers {
-        let dir = std::env::temp_dir().join(format!("kvpick-limits-{}", uuid::Uuid::new_v4()));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(
-            dir.join("tokenizer.json"),
-            prefix_cache::testutil::tokenizer_json(),
-        )
-        .unwrap();
-        let entries: Vec<ModelEntry> = serde_yaml::from_str(
-            "- model: m\n  tokenizer_json: tokenizer.json\n  chat_template: \"{% for m in messages %}{{ m.content }}\\n{% endfor %}\"\n",
-        )
-        .unwrap();
-        let t = Tokenizers::from_entries(&entries, &dir, &Registry::new()).unwrap();
-        std::fs::remove_dir_all(&dir).unwrap();
-        t.with_limits(limits)
-    }
-
-    fn chat(content: &str) -> Bytes {
-        Bytes::from(
-            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": content}]})
-                .to_string(),
-        )
-    }
-
-    fn skipped(t: &Tokenizers, reason: &str) -> u64 {
-        t.metrics().skipped.with_label_values(&["m", reason]).get()
-    }
-
-    #[tokio::test]
-    async fn bodies_over_the_cap_are_not_tokenized() {
-        let t = tokenizers(TokenizeLimits {
-            max_body_bytes: 100,
-            ..TokenizeLimits::default()
-        });
-        assert!(matches!(
-            t.tokenize("m", chat("hello")).await,
-            TokenizeOutcome::Tokens { .. }
-        ));
-        let big = chat(&"word ".repeat(40));
-        assert!(big.len() > 100);
-        assert_eq!(
-            t.tokenize("m", big).await,
-            TokenizeOutcome::Skipped {
-                reason: SKIP_BODY_TOO_LARGE
-            }
-        );
-        assert_eq!(skipped(&t, SKIP_BODY_TOO_LARGE), 1);
-        assert_eq!(
-            t.metrics()
-                .outcomes
-                .with_label_values(&["m", "fallback"])
-                .get(),
-            1
-        );
-        assert!(!t.admits_body("m", 101));
-        assert_eq!(skipped(&t, SKIP_BODY_TOO_LARGE), 2);
-    }
-
-    #[tokio::test]
-    async fn anthropic_bodies_tokenize_as_their_chat_equivalent_within_the_same_limits() {
-        let t = tokenizers(TokenizeLimits {
-            max_body_bytes: 300,
-            ..TokenizeLimits::default()
-        });
-        let anthropic = Bytes::from(
-            serde_json::json!({"model": "m", "max_tokens": 8, "system": [{"type": "text", "text": "sys"}],
-                "messages": [{"role": "user", "content": [{"type": "text", "text": "hello"}]}]})
-            .to_string(),
-        );
-        let chat = Bytes::from(
-            serde_json::json!({"model": "m", "messages": [{"role": "system", "content": "sys"},
-                {"role": "user", "content": "hello"}]})
-            .to_string(),
-        );
-        let a = t
-            .tokenize_request(Endpoint::Messages, "m", anthropic.clone())
-            .await;
-        assert!(matches!(a, TokenizeOutcome::Tokens { .. }), "{a:?}");
-        assert_eq!(a, t.tokenize("m", chat).await);
-        // Read as an OpenAI chat body it would be a different prompt (no system message).
-        assert_ne!(t.tokenize("m", anthropic).await, a);
-        // The body cap applies unchanged: one byte over it is not tokenized.
-        let mut big =
-            serde_json::json!({"model": "m", "messages": [{"role": "user", "content": ""}]});
-        let len = big.to_string().len();
-        big["messages"][0]["content"] = serde_json::Value::String("x".repeat(301 - len));
-        let big = Bytes::from(big.to_string());
-        assert_eq!(big.len(), 301);
-        assert_eq!(
-            t.tokenize_request(Endpoint::Messages, "m", big).await,
-            TokenizeOutcome::Skipped {
-                reason: SKIP_BODY_TOO_LARGE
-            }
-        );
-        // A malformed Anthropic body falls back (counted), it does not fail.
-        let bad = Bytes::from_static(
-            br#"{"model":"m","messages":[{"role":"user","content":[{"type":"audio"}]}]}"#,
-        );
-        assert!(matches!(
-            t.tokenize_request(Endpoint::Messages, "m", bad).await,
-            TokenizeOutcome::Fallback { .. }
-        ));
-        // SGLang /generate text tokenizes like a completions prompt.
-        let generate = Bytes::from_static(br#"{"text":"hello world","rid":"r"}"#);
-        let completion = Bytes::from_static(br#"{"model":"m","prompt":"hello world"}"#);
-        assert_eq!(
-            t.tokenize_request(Endpoint::SglangGenerate, "m", generate)
-                .await,
-            t.tokenize("m", completion).await
-        );
-    }
-
-    /// Paused clock: the permit deadline passes as soon as the runtime is idle, so this takes
-    /// no wall time; without a deadline the wait would never end (the outer timeout says so).
-    #[tokio::test(start_paused = true)]
-    async fn waiting_for_a_busy_tokenizer_times_out_to_load_only() {
-        let t = tokenizers(TokenizeLimits {
-            permit_timeout: Duration::from_millis(20),
-            ..TokenizeLimits::default()
-        });
-        let all = t.cpu.available_permits() as u32;
-        let held = Arc::clone(&t.cpu).acquire_many_owned(all).await.unwrap();
-        let outcome = tokio::time::timeout(Duration::from_secs(60), t.tokenize("m", chat("hi")))
-            .await
-            .expect("the permit wait has a deadline");
-        assert_eq!(
-            outcome,
-            TokenizeOutcome::Skipped {
-                reason: SKIP_PERMIT_TIMEOUT
-            }
-        );
-        assert_eq!(skipped(&t, SKIP_PERMIT_TIMEOUT), 1);
-        drop(held);
-        assert!(matches!(
-            t.tokenize("m", chat("hi")).await,
-            TokenizeOutcome::Tokens { .. }
-        ));
-    }
-}
+#[path = "limit_tests.rs"]
+mod limit_tests;

@@ -3,21 +3,18 @@
 //! This module owns the cache and the "resume from a safe boundary" rule; it knows nothing about
 //! chat templates, requests or routing (it tokenizes plain text for one tokenizer).
 //!
-//! How it stays exact. A rendered prompt is cut at *checkpoints*: byte positions right after a
-//! `\n`, at least [`CHUNK`] bytes apart, chosen left to right from the text alone, so two texts
-//! that share a prefix share every checkpoint inside it. Each tokenized text (a [`Doc`]: text,
-//! ids, byte offsets) is registered under the xxh3 hash of every checkpoint prefix. A new text
-//! looks up its longest registered checkpoint prefix (verified byte for byte, so a hash collision
-//! cannot mix conversations), extends it to the first byte where the texts differ, keeps the
-//! cached tokens up to a *restart point* before that byte and tokenizes only the rest. The restart point is a token boundary of the cached tokenization that
-//! (a) starts a token that begins exactly where the previous one ended, (b) follows a `\n` and
-//! starts with a non-whitespace character, and (c) lies strictly inside the shared prefix.
-//! Byte-level BPE pre-tokenizers (GPT-2, cl100k, Llama 3, DeepSeek, Qwen regexes) always split
-//! there and decide that split from the characters before it plus one character of look-ahead,
-//! all inside the shared prefix, so the tokens before it are the same in the longer text and
-//! the tokens after it are exactly the tokenization of the remaining text. Tokenizers that are
-//! not local this way (a normalizer or pre-tokenizer that looks across lines) are caught by a
-//! self-check at load time ([`IncrementalTokenizer::new`]) that disables the cache for them.
+//! How it stays exact. A rendered prompt is cut at *checkpoints* (`tokenize::boundary`): byte
+//! positions at least [`CHUNK`] bytes apart where the tokenizer's restart rules put restart
+//! points (after a `\n`, after or at a space), chosen left to right from the text alone, so two
+//! texts that share a prefix share every checkpoint inside it. Each tokenized text (a [`Doc`]:
+//! text, ids, byte offsets) is registered under the xxh3 hash of every checkpoint prefix. A new
+//! text looks up its longest registered checkpoint prefix (verified byte for byte, so a hash
+//! collision cannot mix conversations), extends it to the first byte where the texts differ,
+//! keeps the cached tokens up to a *restart point* before that byte and tokenizes only the rest.
+//! Which restart rules hold depends on the pre-tokenizer (line starts for byte-level BPE, word
+//! starts for whitespace splitters and word-level models, space starts for `Metaspace`); a
+//! self-check at load time ([`IncrementalTokenizer::new`]) picks the ones that hold for this
+//! tokenizer, and a tokenizer for which none holds runs cold.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -25,13 +22,9 @@ use std::sync::Arc;
 use parking_lot::Mutex;
 use tokenizers::Tokenizer;
 
+pub use super::boundary::CHUNK;
+use super::boundary::{self, Rules, Tokens};
 use super::fast::{Encoded, FastEncoder};
-use xxhash_rust::xxh3::Xxh3;
-
-/// Minimum distance between two checkpoints, in bytes.
-pub const CHUNK: usize = 2048;
-/// How far back from a checkpoint a restart point is searched, in tokens.
-const MAX_BACKOFF_TOKENS: usize = 4096;
 
 /// One tokenized text: the text and, per token, its id and byte span.
 #[derive(Debug)]
@@ -281,30 +274,6 @@ impl Inner {
     }
 }
 
-/// Checkpoints of `text`: (length, xxh3 of `text[..length]`), left to right.
-pub fn checkpoints(text: &str) -> Vec<(usize, u64)> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::new();
-    let mut hasher = Xxh3::new();
-    let mut hashed = 0;
-    let mut last = 0;
-    while last + CHUNK < bytes.len() {
-        let from = last + CHUNK - 1;
-        let Some(pos) = bytes[from..].iter().position(|&b| b == b'\n') else {
-            break;
-        };
-        let cut = from + pos + 1;
-        if cut >= bytes.len() {
-            break;
-        }
-        hasher.update(&bytes[hashed..cut]);
-        hashed = cut;
-        out.push((cut, hasher.digest()));
-        last = cut;
-    }
-    out
-}
-
 /// A tokenizer plus its prefix cache: `tokenize(text)` equals a cold
 /// `tokenizer.encode(text, false)` id for id.
 pub struct IncrementalTokenizer {
@@ -312,6 +281,8 @@ pub struct IncrementalTokenizer {
     /// The direct encoder, when the tokenizer has its shape and agrees with it.
     fast: Option<FastEncoder>,
     cache: Option<PrefixCache>,
+    /// The restart rules that hold for this tokenizer (the cache is off when none does).
+    rules: Rules,
 }
 
 /// Tokenization errors (the tokenizer's own, stringified).
@@ -321,7 +292,7 @@ pub struct TokenizeError(pub String);
 
 impl IncrementalTokenizer {
     /// Wraps `tokenizer`; with `max_cached_tokens == 0` or when the load-time self-check finds
-    /// the tokenizer is not splittable at line starts, every call tokenizes cold.
+    /// no restart rule holds for the tokenizer (`tokenize::boundary`), every call tokenizes cold.
     pub fn new(tokenizer: Arc<Tokenizer>, max_cached_tokens: usize) -> Self {
         Self::with_fast(tokenizer, None, max_cached_tokens)
     }
@@ -337,12 +308,20 @@ impl IncrementalTokenizer {
             tokenizer,
             fast,
             cache: None,
+            rules: Rules::default(),
         };
         if max_cached_tokens > 0 {
-            if self_check(|text| inc.encode_spans(text).ok()) {
-                inc.cache = Some(PrefixCache::new(max_cached_tokens));
+            inc.rules = boundary::accepted_rules(|text| {
+                inc.encode_spans(text).ok().map(|e| boundary::Encoding {
+                    ids: e.ids,
+                    starts: e.starts,
+                    ends: e.ends,
+                })
+            });
+            if inc.rules.is_empty() {
+                tracing::warn!("no restart rule holds for this tokenizer: prefix cache disabled");
             } else {
-                tracing::warn!("tokenizer is not splittable at line starts: prefix cache disabled");
+                inc.cache = Some(PrefixCache::new(max_cached_tokens));
             }
         }
         inc
@@ -376,6 +355,11 @@ impl IncrementalTokenizer {
         self.cache.is_some()
     }
 
+    /// The restart rules the cache resumes at (empty: no cache).
+    pub fn restart_rules(&self) -> Rules {
+        self.rules
+    }
+
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.as_ref().map(|c| c.stats()).unwrap_or_default()
     }
@@ -397,7 +381,7 @@ impl IncrementalTokenizer {
         let Some(cache) = &self.cache else {
             return Ok((self.tokenize_cold(text)?, Path::Cold));
         };
-        let checkpoints = checkpoints(text);
+        let checkpoints = boundary::checkpoints(text, self.rules);
         if checkpoints.is_empty() {
             return Ok((self.tokenize_cold(text)?, Path::Cold));
         }
@@ -411,7 +395,12 @@ impl IncrementalTokenizer {
         // The texts agree up to the checkpoint; extend that to where they really diverge,
         // so only the new text (not the rest of the last chunk) is tokenized again.
         let shared = len + common_prefix(&doc.text.as_bytes()[len..], &text.as_bytes()[len..]);
-        let keep = restart_token(&doc, shared).unwrap_or(0);
+        let tokens = Tokens {
+            text: &doc.text,
+            starts: &doc.starts,
+            ends: &doc.ends,
+        };
+        let keep = boundary::restart_token(&tokens, shared, self.rules).unwrap_or(0);
         let from = if keep == 0 {
             0
         } else {
@@ -524,60 +513,6 @@ pub(crate) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
         i += 1;
     }
     i
-}
-
-/// Index of the token to restart from for a text sharing `doc.text[..len]`, per the module rule.
-/// The shared prefix may extend past the text's own end (`len == doc.text.len()`).
-fn restart_token(doc: &Doc, len: usize) -> Option<usize> {
-    let text = doc.text.as_bytes();
-    // First token starting at or after `len`: candidates are before it.
-    let upper = doc.starts.partition_point(|&s| (s as usize) < len);
-    let lower = upper.saturating_sub(MAX_BACKOFF_TOKENS).max(1);
-    (lower..upper).rev().find(|&i| {
-        let start = doc.starts[i] as usize;
-        start < len
-            && start > 0
-            && doc.ends[i - 1] == doc.starts[i]
-            && text[start - 1] == b'\n'
-            && !text[start].is_ascii_whitespace()
-            && doc.text.is_char_boundary(start)
-    })
-}
-
-/// Probes that a tokenizer splits at the restart rule: for texts with lines, the tokenization
-/// from a line start must equal the tail of the whole tokenization.
-fn self_check(encode: impl Fn(&str) -> Option<Encoded>) -> bool {
-    const PROBES: [&str; 4] = [
-        "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHello  world!\n\n  indented 12345 tokens\nDone.",
-        "first line\nsecond line with   spaces   \nthird: 3.14159 and ünïcödé 漢字 テスト\n{\"a\": [1, 2]}\nend",
-        "def f(x):\n    return x  \n\n\nclass A:\n\tpass\n# comment\n",
-        "a\nb\nc\n.\n,\n'\n\"quoted\"\n",
-    ];
-    for probe in PROBES {
-        let Some(whole) = encode(probe) else {
-            return false;
-        };
-        let doc = Doc {
-            text: probe.to_string(),
-            ids: whole.ids,
-            starts: whole.starts,
-            ends: whole.ends,
-            keys: Vec::new(),
-        };
-        for len in 1..probe.len() {
-            let Some(keep) = restart_token(&doc, len) else {
-                continue;
-            };
-            let from = doc.starts[keep] as usize;
-            let Some(tail) = encode(&probe[from..]) else {
-                return false;
-            };
-            if tail.ids != doc.ids[keep..] {
-                return false;
-            }
-        }
-    }
-    true
 }
 
 #[cfg(test)]
@@ -714,8 +649,9 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(7);
         let a = random_text(&mut rng, 20_000);
         let b = format!("{a}{}", random_text(&mut rng, 5_000));
-        let ca = checkpoints(&a);
-        let cb = checkpoints(&b);
+        let rules = Rules::default().with(boundary::Rule::LineStart);
+        let ca = boundary::checkpoints(&a, rules);
+        let cb = boundary::checkpoints(&b, rules);
         assert!(ca.len() > 3);
         assert_eq!(&cb[..ca.len()], &ca[..]);
         for (len, _) in &ca {
