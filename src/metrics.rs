@@ -501,6 +501,8 @@ pub struct EventMetrics {
     pub rank_precise: IntGaugeVec,
     /// KV stores dropped because their block size is not the partition's.
     pub block_size_mismatches: IntCounter,
+    /// Per batch: from the engine's timestamp (`ts`) to the batch applied to the index.
+    pub event_lag: Histogram,
 }
 
 impl EventMetrics {
@@ -564,9 +566,24 @@ impl EventMetrics {
             )
             .unwrap(),
         );
+        let event_lag = register(
+            registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "kvpick_kv_event_lag_seconds",
+                    "Per KV-event batch: from the engine's timestamp (ts) to the batch applied to the index (includes clock skew between hosts)",
+                )
+                .buckets(vec![
+                    5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0,
+                ]),
+            )
+            .unwrap(),
+        );
         EventMetrics {
             rank_precise,
             block_size_mismatches,
+            event_lag,
             kv_events,
             kv_event_gaps,
             kv_replays,

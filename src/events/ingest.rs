@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -27,6 +27,22 @@ const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// in the socket while the replay ran and are read right after it, so anything later that goes
 /// backwards is a new engine run, not a duplicate.
 pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
+
+/// A batch's lag further from the engine's clock than this is no lag but a timestamp in another
+/// unit or epoch (or a clock far off): it is not observed.
+pub const MAX_EVENT_LAG: Duration = Duration::from_secs(3600);
+
+/// Time from an engine's batch timestamp `ts` (seconds since the Unix epoch, as vLLM and SGLang
+/// stamp batches) to `now`; a timestamp slightly ahead (clock skew) is lag 0. `None` when `ts` is
+/// not a plausible wall-clock time (0, not finite, more than [`MAX_EVENT_LAG`] away).
+pub fn event_lag(ts: f64, now: SystemTime) -> Option<Duration> {
+    let now = now.duration_since(UNIX_EPOCH).ok()?.as_secs_f64();
+    let lag = now - ts;
+    if !ts.is_finite() || ts <= 0.0 || lag.abs() > MAX_EVENT_LAG.as_secs_f64() {
+        return None;
+    }
+    Some(Duration::from_secs_f64(lag.max(0.0)))
+}
 
 /// Sequence bookkeeping of one publisher, separate from sockets so it is unit-testable.
 #[derive(Debug, Default)]
@@ -117,6 +133,13 @@ impl RankStream {
         }
         self.core.apply_kv_events(self.rank, &batch.events);
         self.seq.applied(seq);
+        if let Some(lag) = event_lag(batch.ts, SystemTime::now()) {
+            self.core
+                .metrics()
+                .events
+                .event_lag
+                .observe(lag.as_secs_f64());
+        }
     }
 
     /// Handles one live message.
@@ -358,6 +381,23 @@ mod tests {
         assert_eq!(t.classify(4, now), SeqAction::Restart);
         t.restarted();
         assert_eq!(t.classify(0, now), SeqAction::Apply);
+    }
+
+    #[test]
+    fn event_lag_is_wall_clock_since_the_batch_timestamp_and_implausible_stamps_are_none() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
+        let ts = 1_700_000_000.0 - 0.25;
+        assert_eq!(event_lag(ts, now), Some(Duration::from_millis(250)));
+        assert_eq!(
+            event_lag(1_700_000_000.5, now),
+            Some(Duration::ZERO),
+            "a stamp ahead of our clock (skew) is no lag"
+        );
+        let just_over = 1_700_000_000.0 - MAX_EVENT_LAG.as_secs_f64() - 1.0;
+        assert_eq!(event_lag(just_over, now), None, "an hour and a second");
+        assert_eq!(event_lag(0.0, now), None);
+        assert_eq!(event_lag(f64::NAN, now), None);
+        assert_eq!(event_lag(1.7e12, now), None, "milliseconds, not seconds");
     }
 
     /// A replay at subscribe time covers 0..=last. A much later engine restart whose sequence

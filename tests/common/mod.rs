@@ -161,53 +161,9 @@ pub async fn loads(api: &mut Api, model: &str) -> Vec<kvpick::proto::Worker> {
     .workers
 }
 
-/// Serves a fake Kubernetes API server on `listener`: `routes` with `state`; any other request is
-/// logged and answered 404 (a test then fails on what it did not get, with the path in its log).
-pub fn serve_fake_apiserver<S: Clone + Send + Sync + 'static>(
-    listener: tokio::net::TcpListener,
-    routes: axum::Router<S>,
-    state: S,
-) {
-    let app = routes
-        .fallback(|uri: axum::http::Uri| async move {
-            eprintln!("fake apiserver: unexpected request {uri}");
-            (axum::http::StatusCode::NOT_FOUND, "not found")
-        })
-        .with_state(state);
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-}
-
-/// One event of a Kubernetes watch stream: the JSON and a newline.
-pub fn watch_line(event: serde_json::Value) -> axum::body::Bytes {
-    let mut text = event.to_string();
-    text.push('\n');
-    axum::body::Bytes::from(text)
-}
-
-/// The watch event of a resource version the fake server no longer has (410 Expired): the
-/// client must list again.
-pub fn watch_gone() -> serde_json::Value {
-    serde_json::json!({"type": "ERROR", "object": {
-        "kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-        "message": "too old resource version", "reason": "Expired", "code": 410,
-    }})
-}
-
-/// A Kubernetes watch response streaming the events sent into `rx` (see [`watch_line`]) for as
-/// long as its sender lives.
-pub fn watch_response(
-    rx: tokio::sync::mpsc::UnboundedReceiver<axum::body::Bytes>,
-) -> axum::response::Response {
-    use axum::response::IntoResponse;
-    use futures::StreamExt;
-    let body = tokio_stream::wrappers::UnboundedReceiverStream::new(rx)
-        .map(Ok::<axum::body::Bytes, std::convert::Infallible>);
-    (
-        [(axum::http::header::CONTENT_TYPE, "application/json")],
-        axum::body::Body::from_stream(body),
-    )
-        .into_response()
-}
+// The fake Kubernetes API server's building blocks live in the testkit, shared with the benches.
+#[allow(unused_imports)] // each test binary uses some of them
+pub use kvpick_testkit::apiserver::{serve_fake_apiserver, watch_gone, watch_line, watch_response};
 
 /// An ext_proc client of a kvpick gRPC port.
 pub type ExtProcClient =
