@@ -398,18 +398,80 @@ pub fn snapshot<'a>(
     pods: impl IntoIterator<Item = &'a Pod>,
     model: Option<&str>,
 ) -> Vec<WorkerSpec> {
-    let mut specs: Vec<WorkerSpec> = pods
-        .into_iter()
-        .filter_map(|pod| match pod_to_spec(pool, pod, model) {
-            Ok(spec) => spec,
-            Err(err) => {
-                tracing::warn!(pod = %pod.name_any(), err = format!("{err:#}"), "pod is not a worker");
-                None
+    let mut workers = Workers::default();
+    workers.rebuild(pool, pods, model);
+    workers.snapshot()
+}
+
+/// A pod's worker, or `None` (not a worker; an invalid one is logged).
+fn worker_of(pool: &PoolView, pod: &Pod, model: Option<&str>) -> Option<WorkerSpec> {
+    match pod_to_spec(pool, pod, model) {
+        Ok(spec) => spec,
+        Err(err) => {
+            tracing::warn!(pod = %pod.name_any(), err = format!("{err:#}"), "pod is not a worker");
+            None
+        }
+    }
+}
+
+/// The workers of the pods seen so far, one entry per pod that is a worker, in (namespace, name)
+/// order. A pod event converts only that pod, so a status-only change of one pod among thousands
+/// costs one conversion and publishes nothing; a relist, a new pool view and the resync convert
+/// every pod again.
+#[derive(Debug, Default)]
+pub struct Workers {
+    by_pod: BTreeMap<(String, String), WorkerSpec>,
+}
+
+impl Workers {
+    /// Converts every pod again; true when the workers changed.
+    pub fn rebuild<'a>(
+        &mut self,
+        pool: &PoolView,
+        pods: impl IntoIterator<Item = &'a Pod>,
+        model: Option<&str>,
+    ) -> bool {
+        let by_pod: BTreeMap<(String, String), WorkerSpec> = pods
+            .into_iter()
+            .filter_map(|pod| Some((pod_key(pod), worker_of(pool, pod, model)?)))
+            .collect();
+        let changed = by_pod != self.by_pod;
+        self.by_pod = by_pod;
+        changed
+    }
+
+    /// One pod was added or changed, or (`deleted`) is gone; true when its worker changed.
+    pub fn apply(
+        &mut self,
+        pool: &PoolView,
+        pod: &Pod,
+        deleted: bool,
+        model: Option<&str>,
+    ) -> bool {
+        let key = pod_key(pod);
+        let worker = if deleted {
+            None
+        } else {
+            worker_of(pool, pod, model)
+        };
+        match worker {
+            Some(spec) if self.by_pod.get(&key) == Some(&spec) => false,
+            Some(spec) => {
+                self.by_pod.insert(key, spec);
+                true
             }
-        })
-        .collect();
-    specs.sort_by(|a, b| (&a.namespace, &a.name).cmp(&(&b.namespace, &b.name)));
-    specs
+            None => self.by_pod.remove(&key).is_some(),
+        }
+    }
+
+    /// The complete snapshot, sorted by namespace/name.
+    pub fn snapshot(&self) -> Vec<WorkerSpec> {
+        self.by_pod.values().cloned().collect()
+    }
+}
+
+fn pod_key(pod: &Pod) -> (String, String) {
+    (pod.namespace().unwrap_or_default(), pod.name_any())
 }
 
 /// Which pods to watch.
@@ -441,6 +503,7 @@ struct PodWatch {
     store: Store<Pod>,
     events: PodEvents,
     synced: bool,
+    workers: Workers,
 }
 
 fn pod_watch(api: &Api<Pod>, view: &PoolView) -> PodWatch {
@@ -456,6 +519,7 @@ fn pod_watch(api: &Api<Pod>, view: &PoolView) -> PodWatch {
         store,
         events,
         synced: false,
+        workers: Workers::default(),
     }
 }
 
@@ -471,6 +535,155 @@ fn publish(tx: &watch::Sender<Option<Vec<WorkerSpec>>>, snapshot: Vec<WorkerSpec
     });
 }
 
+/// Whether the loop goes on after an event.
+enum Flow {
+    Publish,
+    /// A failed watch: keep what is published, publish nothing now.
+    Skip,
+    Stop,
+}
+
+/// The source between events: the pool, the view it gives, the pod watch and its workers.
+struct Source {
+    pod_api: Api<Pod>,
+    namespace: String,
+    pool_name: String,
+    role_label: String,
+    model: Option<String>,
+    pool_synced: bool,
+    pool_buffer: Option<InferencePool>,
+    pool: Option<InferencePool>,
+    view: Option<PoolView>,
+    pods: Option<PodWatch>,
+    /// The workers changed since the last publication.
+    dirty: bool,
+}
+
+impl Source {
+    fn on_pool_event(
+        &mut self,
+        event: Option<Result<Event<InferencePool>, watcher::Error>>,
+    ) -> Flow {
+        match event {
+            Some(Ok(Event::Init)) => self.pool_buffer = None,
+            Some(Ok(Event::InitApply(p))) => self.pool_buffer = Some(p),
+            Some(Ok(Event::InitDone)) => {
+                self.pool = self.pool_buffer.take();
+                self.pool_synced = true;
+                self.pool_changed();
+            }
+            Some(Ok(Event::Apply(p))) => {
+                self.pool = Some(p);
+                self.pool_changed();
+            }
+            Some(Ok(Event::Delete(_))) => {
+                self.pool = None;
+                self.pool_changed();
+            }
+            Some(Err(err)) => {
+                tracing::warn!(pool = %self.pool_name, %err, "InferencePool watch failed; keeping the last state, retrying");
+            }
+            None => return Flow::Stop,
+        }
+        Flow::Publish
+    }
+
+    /// The pool changed: a new view; a new selector restarts the pod watch, other changes (ports,
+    /// role label) convert the pods already listed again.
+    fn pool_changed(&mut self) {
+        let new_view = match &self.pool {
+            None => {
+                tracing::warn!(pool = %self.pool_name, namespace = %self.namespace, "InferencePool not found: failing closed (empty catalog)");
+                None
+            }
+            Some(p) => match PoolView::from_pool(p).map(|v| v.with_role_label(&self.role_label)) {
+                Ok(v) => Some(v),
+                Err(err) => {
+                    tracing::error!(pool = %self.pool_name, err = format!("{err:#}"), "invalid InferencePool: failing closed (empty catalog)");
+                    None
+                }
+            },
+        };
+        if new_view == self.view {
+            return;
+        }
+        tracing::info!(pool = %self.pool_name, ?new_view, "InferencePool selection changed");
+        self.view = new_view;
+        match &self.view {
+            None => self.pods = None,
+            Some(v) => match &mut self.pods {
+                Some(p) if p.selector == v.selector => {
+                    if p.synced {
+                        let state = p.store.state();
+                        p.workers
+                            .rebuild(v, state.iter().map(|p| &**p), self.model.as_deref());
+                    }
+                    self.dirty = true;
+                }
+                _ => self.pods = Some(pod_watch(&self.pod_api, v)),
+            },
+        }
+    }
+
+    fn on_pod_event(&mut self, event: Option<Result<Event<Pod>, watcher::Error>>) -> Flow {
+        let (Some(view), Some(pods)) = (&self.view, &mut self.pods) else {
+            return Flow::Publish;
+        };
+        let model = self.model.as_deref();
+        match event {
+            Some(Ok(Event::InitDone)) => {
+                pods.synced = true;
+                let state = pods.store.state();
+                pods.workers
+                    .rebuild(view, state.iter().map(|p| &**p), model);
+                self.dirty = true;
+            }
+            Some(Ok(Event::Apply(pod))) if pods.synced => {
+                self.dirty |= pods.workers.apply(view, &pod, false, model);
+            }
+            Some(Ok(Event::Delete(pod))) if pods.synced => {
+                self.dirty |= pods.workers.apply(view, &pod, true, model);
+            }
+            // A relist in progress: the store swaps in the new list at InitDone.
+            Some(Ok(_)) => {}
+            Some(Err(err)) => {
+                tracing::warn!(%err, "pod watch failed; keeping the last state, retrying");
+                return Flow::Skip;
+            }
+            None => return Flow::Stop,
+        }
+        Flow::Publish
+    }
+
+    /// The resync: every pod converted again from the store, and the result published as is.
+    fn resync(&mut self) {
+        if let (Some(view), Some(pods)) = (&self.view, &mut self.pods) {
+            if pods.synced {
+                let state = pods.store.state();
+                pods.workers
+                    .rebuild(view, state.iter().map(|p| &**p), self.model.as_deref());
+            }
+        }
+    }
+
+    /// Publishes the workers when they changed (or always, when `force`).
+    fn publish(&mut self, tx: &watch::Sender<Option<Vec<WorkerSpec>>>, force: bool) {
+        if !self.pool_synced {
+            return;
+        }
+        match (&self.view, &self.pods) {
+            (None, _) => publish(tx, Vec::new(), force),
+            (Some(_), Some(p)) if p.synced && (self.dirty || force) => {
+                publish(tx, p.workers.snapshot(), force);
+                self.dirty = false;
+            }
+            // Unchanged, or the pod list for a new selector is not complete yet: keep what is
+            // published.
+            _ => {}
+        }
+    }
+}
+
 /// Runs the source until every receiver of `tx` is gone.
 // The `select!` branches unwrap a stream only under their own `is_some()` precondition.
 #[allow(clippy::unwrap_used)]
@@ -480,10 +693,8 @@ pub async fn run(
     tx: watch::Sender<Option<Vec<WorkerSpec>>>,
 ) {
     let pod_api: Api<Pod> = Api::namespaced(client.clone(), &config.namespace);
-    let model = config.model.as_deref();
-
     // The pool side: either a fixed view, or a watcher on the named pool.
-    let (mut view, mut pool_events): (Option<PoolView>, Option<PoolEvents>) = match &config.target {
+    let (view, mut pool_events): (Option<PoolView>, Option<PoolEvents>) = match &config.target {
         Target::Selector(view) => (Some(view.clone().with_role_label(&config.role_label)), None),
         Target::Pool { name } => {
             let api: Api<InferencePool> = Api::namespaced(client.clone(), &config.namespace);
@@ -495,406 +706,49 @@ pub async fn run(
             (None, Some(events))
         }
     };
-    let pool_name = match &config.target {
-        Target::Pool { name } => name.clone(),
-        Target::Selector(_) => String::new(),
+    let mut source = Source {
+        pods: view.as_ref().map(|v| pod_watch(&pod_api, v)),
+        pod_api,
+        namespace: config.namespace.clone(),
+        pool_name: match &config.target {
+            Target::Pool { name } => name.clone(),
+            Target::Selector(_) => String::new(),
+        },
+        role_label: config.role_label.clone(),
+        model: config.model.clone(),
+        pool_synced: pool_events.is_none(),
+        pool_buffer: None,
+        pool: None,
+        view,
+        dirty: false,
     };
-    let mut pool_synced = pool_events.is_none();
-    let mut pool_buffer: Option<InferencePool> = None;
-    let mut pool: Option<InferencePool> = None;
-    let mut pods: Option<PodWatch> = view.as_ref().map(|v| pod_watch(&pod_api, v));
-
     let mut resync = tokio::time::interval(config.resync);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     resync.tick().await;
-
     loop {
         let mut force = false;
-        tokio::select! {
+        let flow = tokio::select! {
             event = async { pool_events.as_mut().unwrap().next().await }, if pool_events.is_some() => {
-                let mut pool_changed = false;
-                match event {
-                    Some(Ok(Event::Init)) => pool_buffer = None,
-                    Some(Ok(Event::InitApply(p))) => pool_buffer = Some(p),
-                    Some(Ok(Event::InitDone)) => {
-                        pool = pool_buffer.take();
-                        pool_synced = true;
-                        pool_changed = true;
-                    }
-                    Some(Ok(Event::Apply(p))) => {
-                        pool = Some(p);
-                        pool_changed = true;
-                    }
-                    Some(Ok(Event::Delete(_))) => {
-                        pool = None;
-                        pool_changed = true;
-                    }
-                    Some(Err(err)) => {
-                        tracing::warn!(pool = %pool_name, %err, "InferencePool watch failed; keeping the last state, retrying");
-                    }
-                    None => return,
-                }
-                if pool_changed {
-                    let new_view = match &pool {
-                        None => {
-                            tracing::warn!(pool = %pool_name, namespace = %config.namespace, "InferencePool not found: failing closed (empty catalog)");
-                            None
-                        }
-                        Some(p) => match PoolView::from_pool(p)
-                            .map(|v| v.with_role_label(&config.role_label))
-                        {
-                            Ok(v) => Some(v),
-                            Err(err) => {
-                                tracing::error!(pool = %pool_name, err = format!("{err:#}"), "invalid InferencePool: failing closed (empty catalog)");
-                                None
-                            }
-                        },
-                    };
-                    if new_view != view {
-                        tracing::info!(pool = %pool_name, ?new_view, "InferencePool selection changed");
-                    }
-                    view = new_view;
-                    match &view {
-                        None => pods = None,
-                        Some(v) => {
-                            if pods.as_ref().is_none_or(|p| p.selector != v.selector) {
-                                pods = Some(pod_watch(&pod_api, v));
-                            }
-                        }
-                    }
-                }
+                source.on_pool_event(event)
             }
-            event = async { pods.as_mut().unwrap().events.next().await }, if pods.is_some() => {
-                match event {
-                    Some(Ok(Event::InitDone)) => {
-                        if let Some(p) = pods.as_mut() {
-                            p.synced = true;
-                        }
-                    }
-                    Some(Ok(_)) => {}
-                    Some(Err(err)) => {
-                        tracing::warn!(%err, "pod watch failed; keeping the last state, retrying");
-                        continue;
-                    }
-                    None => return,
-                }
+            event = async { source.pods.as_mut().unwrap().events.next().await }, if source.pods.is_some() => {
+                source.on_pod_event(event)
             }
-            _ = resync.tick() => force = true,
-            _ = tx.closed() => return,
-        }
-
-        if !pool_synced {
-            continue;
-        }
-        match (&view, &pods) {
-            (None, _) => publish(&tx, Vec::new(), force),
-            (Some(v), Some(p)) if p.synced => {
-                let state = p.store.state();
-                publish(&tx, snapshot(v, state.iter().map(|p| &**p), model), force);
+            _ = resync.tick() => {
+                force = true;
+                source.resync();
+                Flow::Publish
             }
-            // The pod list for a new selector is not complete yet: keep what is published.
-            _ => {}
+            _ = tx.closed() => Flow::Stop,
+        };
+        match flow {
+            Flow::Publish => source.publish(&tx, force),
+            Flow::Skip => {}
+            Flow::Stop => return,
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn pod(name: &str, ready: bool, ip: Option<&str>, extra: serde_json::Value) -> Pod {
-        let mut v = serde_json::json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "namespace": "ns", "labels": {"app": "vllm"}},
-            "status": {
-                "conditions": [{"type": "Ready", "status": if ready {"True"} else {"False"}}],
-            },
-        });
-        if let Some(ip) = ip {
-            v["status"]["podIP"] = ip.into();
-        }
-        if let serde_json::Value::Object(extra) = extra {
-            for (k, val) in extra {
-                if let serde_json::Value::Object(m) = val {
-                    for (k2, v2) in m {
-                        v["metadata"][&k][&k2] = v2;
-                    }
-                } else {
-                    v["metadata"][&k] = val;
-                }
-            }
-        }
-        serde_json::from_value(v).unwrap()
-    }
-
-    fn view() -> PoolView {
-        PoolView::new(
-            [("app".to_string(), "vllm".to_string())].into(),
-            vec![8000, 8001],
-        )
-        .unwrap()
-    }
-
-    #[test]
-    fn workers_are_matching_pods_with_an_ip_and_not_ready_ones_drain() {
-        let pods = [
-            pod("a", true, Some("10.0.0.1"), serde_json::json!({})),
-            pod("b", false, Some("10.0.0.2"), serde_json::json!({})),
-            pod("c", true, None, serde_json::json!({})),
-            pod(
-                "d",
-                true,
-                Some("10.0.0.4"),
-                serde_json::json!({"deletionTimestamp": "2025-01-01T00:00:00Z"}),
-            ),
-            pod(
-                "e",
-                true,
-                Some("10.0.0.5"),
-                serde_json::json!({"labels": {"app": "other"}}),
-            ),
-        ];
-        let specs = snapshot(&view(), &pods, Some("m"));
-        let summary: Vec<(&str, bool)> = specs
-            .iter()
-            .map(|s| (s.name.as_str(), s.draining))
-            .collect();
-        assert_eq!(
-            summary,
-            vec![("a", false), ("b", true), ("d", true)],
-            "NotReady (b) and terminating (d) pods drain; c has no IP, e is not selected"
-        );
-        let a = &specs[0];
-        assert_eq!((a.namespace.as_str(), a.name.as_str()), ("ns", "a"));
-        assert_eq!(a.ranks, RankLayout::PerPort(vec![8000, 8001]));
-        assert_eq!(a.kv_events.as_deref(), Some("tcp://10.0.0.1:5557"));
-        assert_eq!(a.kv_replay, None);
-        assert_eq!(a.worker_id(), super::super::worker_id("ns", "a"));
-        assert_eq!(a.block_size, None);
-    }
-
-    #[test]
-    fn a_container_restart_is_a_new_incarnation_and_block_size_comes_from_an_annotation() {
-        let with = |restarts: i32, extra: serde_json::Value| {
-            let mut p = pod("a", true, Some("10.0.0.1"), extra);
-            p.metadata.uid = Some("uid-1".into());
-            p.status.as_mut().unwrap().container_statuses = Some(vec![serde_json::from_value(
-                serde_json::json!({"name": "vllm", "restartCount": restarts, "ready": true,
-                                   "image": "i", "imageID": "", "started": true}),
-            )
-            .unwrap()]);
-            snapshot(&view(), &[p], Some("m")).remove(0)
-        };
-        let first = with(0, serde_json::json!({}));
-        assert_eq!(
-            first.incarnation,
-            with(0, serde_json::json!({})).incarnation
-        );
-        assert_ne!(
-            first.incarnation,
-            with(1, serde_json::json!({})).incarnation
-        );
-        let sized = with(
-            0,
-            serde_json::json!({"annotations": {"kvpick.io/block-size": "64"}}),
-        );
-        assert_eq!(sized.block_size, Some(64));
-        let bad = pod(
-            "a",
-            true,
-            Some("10.0.0.1"),
-            serde_json::json!({"annotations": {"kvpick.io/block-size": "lots"}}),
-        );
-        assert!(
-            snapshot(&view(), &[bad], Some("m")).is_empty(),
-            "refused, with a warning"
-        );
-    }
-
-    #[test]
-    fn roles_come_from_the_role_label_or_one_per_rank_from_the_annotation() {
-        let labelled =
-            |name: &str, extra: serde_json::Value| pod(name, true, Some("10.0.0.1"), extra);
-        let pods = [
-            labelled(
-                "p",
-                serde_json::json!({"labels": {"llm-d.ai/role": "prefill"}}),
-            ),
-            labelled(
-                "d",
-                serde_json::json!({"labels": {"llm-d.ai/role": "decode"}}),
-            ),
-            labelled(
-                "pd",
-                serde_json::json!({"labels": {"llm-d.ai/role": "prefill-decode"}}),
-            ),
-            labelled("none", serde_json::json!({})),
-            labelled(
-                "dp",
-                serde_json::json!({"labels": {"llm-d.ai/role": "decode"},
-                                   "annotations": {"kvpick.io/data-parallel-roles": "prefill, decode"}}),
-            ),
-            labelled(
-                "bad",
-                serde_json::json!({"labels": {"llm-d.ai/role": "encode"}}),
-            ),
-            labelled(
-                "short",
-                serde_json::json!({"annotations": {"kvpick.io/data-parallel-roles": "prefill,decode,decode"}}),
-            ),
-        ];
-        let specs = snapshot(&view(), &pods, Some("m"));
-        let roles: Vec<(&str, Vec<Role>)> = specs
-            .iter()
-            .map(|s| (s.name.as_str(), s.roles.clone()))
-            .collect();
-        assert_eq!(
-            roles,
-            vec![
-                ("d", vec![Role::Decode]),
-                ("dp", vec![Role::Prefill, Role::Decode]),
-                ("none", vec![]),
-                ("p", vec![Role::Prefill]),
-                ("pd", vec![Role::Both]),
-            ],
-            "an unknown role and three roles for two ports are refused"
-        );
-        // Another label key: the llm-d one means nothing then.
-        let custom = view().with_role_label("example.com/role");
-        let pods = [
-            labelled(
-                "p",
-                serde_json::json!({"labels": {"llm-d.ai/role": "prefill"}}),
-            ),
-            labelled(
-                "q",
-                serde_json::json!({"labels": {"example.com/role": "prefill"}}),
-            ),
-        ];
-        let specs = snapshot(&custom, &pods, Some("m"));
-        assert_eq!(specs[0].roles, Vec::<Role>::new());
-        assert_eq!(specs[1].roles, vec![Role::Prefill]);
-    }
-
-    #[test]
-    fn dp_shapes_active_ports_model_and_kv_ports() {
-        let pods = [
-            pod(
-                "mux",
-                true,
-                Some("10.0.0.1"),
-                serde_json::json!({"labels": {"kvpick.io/data-parallel-size": "4", "kvpick.io/model": "lm"}}),
-            ),
-            pod(
-                "active",
-                true,
-                Some("10.0.0.2"),
-                serde_json::json!({
-                    "labels": {"kvpick.io/model": "lm"},
-                    "annotations": {
-                        "inference.networking.k8s.io/active-ports": "8001",
-                        "kvpick.io/kv-events-port": "6000",
-                        "kvpick.io/kv-replay-port": "6100",
-                    },
-                }),
-            ),
-            pod("nomodel", true, Some("10.0.0.3"), serde_json::json!({})),
-            pod(
-                "v6",
-                true,
-                Some("fd00::1"),
-                serde_json::json!({"labels": {"kvpick.io/model": "lm"}, "annotations": {"kvpick.io/kv-events-port": "off"}}),
-            ),
-        ];
-        let specs = snapshot(&view(), &pods, None);
-        let names: Vec<_> = specs.iter().map(|s| s.name.as_str()).collect();
-        assert_eq!(names, ["active", "mux", "v6"]);
-        assert_eq!(specs[0].ranks, RankLayout::Sparse(vec![(1, 8001)]));
-        assert_eq!(
-            specs[0].rank_endpoints()[0].dp_rank,
-            1,
-            "rank keeps its number"
-        );
-        assert_eq!(specs[0].kv_events.as_deref(), Some("tcp://10.0.0.2:6000"));
-        assert_eq!(specs[0].kv_replay.as_deref(), Some("tcp://10.0.0.2:6100"));
-        assert_eq!(
-            specs[1].ranks,
-            RankLayout::Multiplexed {
-                port: 8000,
-                size: 4
-            }
-        );
-        assert_eq!(specs[1].model, "lm");
-        assert_eq!(specs[2].kv_events, None);
-    }
-
-    #[test]
-    fn model_from_the_annotation_holds_a_slash_and_wins_over_the_label() {
-        let pods = [
-            pod(
-                "annotated",
-                true,
-                Some("10.0.0.1"),
-                serde_json::json!({"annotations": {"kvpick.io/model": "meta-llama/Llama-3.1-8B"}}),
-            ),
-            pod(
-                "both",
-                true,
-                Some("10.0.0.2"),
-                serde_json::json!({
-                    "labels": {"kvpick.io/model": "old"},
-                    "annotations": {"kvpick.io/model": "org/new"},
-                }),
-            ),
-            pod(
-                "label",
-                true,
-                Some("10.0.0.3"),
-                serde_json::json!({"labels": {"kvpick.io/model": "lm"}}),
-            ),
-        ];
-        let specs = snapshot(&view(), &pods, None);
-        let models: Vec<_> = specs
-            .iter()
-            .map(|s| (s.name.as_str(), s.model.as_str()))
-            .collect();
-        assert_eq!(
-            models,
-            [
-                ("annotated", "meta-llama/Llama-3.1-8B"),
-                ("both", "org/new"),
-                ("label", "lm")
-            ]
-        );
-    }
-
-    #[test]
-    fn pool_parses_and_validates() {
-        let pool: InferencePool = serde_json::from_value(serde_json::json!({
-            "apiVersion": "inference.networking.k8s.io/v1", "kind": "InferencePool",
-            "metadata": {"name": "p", "namespace": "ns"},
-            "spec": {
-                "selector": {"matchLabels": {"app": "vllm"}},
-                "targetPorts": [{"number": 8000}, {"number": 8001}],
-                "endpointPickerRef": {"name": "kvpick", "port": {"number": 9002}, "failureMode": "FailClose"},
-            },
-        }))
-        .unwrap();
-        let v = PoolView::from_pool(&pool).unwrap();
-        assert_eq!(v, view());
-        assert_eq!(v.label_selector(), "app=vllm");
-        assert_eq!(
-            pool.spec
-                .endpoint_picker_ref
-                .unwrap()
-                .failure_mode
-                .as_deref(),
-            Some("FailClose")
-        );
-        let mut bad = InferencePool::default();
-        bad.spec.target_ports = vec![PortNumber { number: 70000 }];
-        assert!(PoolView::from_pool(&bad).is_err());
-        assert!(parse_selector("a=b, c=d").unwrap().len() == 2);
-        assert!(parse_selector("a").is_err());
-    }
-}
+#[path = "kube_tests.rs"]
+mod tests;

@@ -4,7 +4,9 @@
 //! # Layout
 //! - [`apiserver`]: a fake Kubernetes API server (LIST, WATCH, 410 Gone, outages, the
 //!   InferencePool and its pods) and the pod / pool objects it serves.
-//! - [`publishers`]: simulated KV-event publishers, one ZeroMQ PUB per engine rank, vLLM's wire.
+//! - [`publishers`]: simulated KV-event publishers, one PUB endpoint per engine rank, vLLM's wire.
+//! - [`zmtp`]: those PUB endpoints, speaking ZMTP 3.0 themselves (`zeromq`'s `PubSocket` costs
+//!   ~4 MB each, too much for 8,000 of them).
 //! - [`workload`]: the prompt families both the publishers and the picks derive tokens from.
 //! - [`churn`]: pod changes at a fixed rate, in a realistic mix.
 //! - [`picks`]: an open-loop ext_proc client doing what Envoy does per request.
@@ -28,3 +30,4 @@ pub mod publishers;
 pub mod report;
 pub mod scale;
 pub mod workload;
+pub mod zmtp;

@@ -37,6 +37,9 @@ pub struct PickConfig {
     pub connections: usize,
     pub model: String,
     pub workload: Workload,
+    /// A pick not done within this is abandoned (its stream dropped, as Envoy's ext_proc
+    /// message timeout does) and counts at this latency, a lower bound.
+    pub timeout: Duration,
 }
 
 /// What the picks of one window met.
@@ -48,6 +51,8 @@ pub struct PickTally {
     pub unrouted: u64,
     /// Streams that failed (transport or protocol error).
     pub failed: u64,
+    /// Picks abandoned at the timeout.
+    pub timed_out: u64,
     /// Picks started later than their slot by more than [`LATE`] (the client fell behind).
     pub late_starts: u64,
 }
@@ -87,17 +92,18 @@ pub async fn run(
         }
         let client = clients[started as usize % clients.len()].clone();
         let body = config.workload.completion_body(&config.model, started);
-        let tally = Arc::clone(&tally);
+        let (tally, timeout) = (Arc::clone(&tally), config.timeout);
         tasks.push(tokio::spawn(async move {
-            let outcome = one_pick(client, body).await;
+            let outcome = tokio::time::timeout(timeout, one_pick(client, body)).await;
             if !counted {
                 return;
             }
             let mut tally = tally.lock();
             match outcome {
-                Ok(Some(latency)) => tally.latencies_us.push(latency.as_micros() as u64),
-                Ok(None) => tally.unrouted += 1,
-                Err(_) => tally.failed += 1,
+                Ok(Ok(Some(latency))) => tally.latencies_us.push(latency.as_micros() as u64),
+                Ok(Ok(None)) => tally.unrouted += 1,
+                Ok(Err(_)) => tally.failed += 1,
+                Err(_) => tally.timed_out += 1,
             }
         }));
         started += 1;

@@ -1,5 +1,6 @@
-//! Simulated KV-event publishers: one ZeroMQ PUB socket per engine rank, bound where kvpick
-//! subscribes (the pod's IP, the events port offset by the rank, as vLLM binds them), sending
+//! Simulated KV-event publishers: one ZeroMQ PUB endpoint per engine rank ([`crate::zmtp`]),
+//! bound where kvpick subscribes (the pod's IP, the events port offset by the rank, as vLLM binds
+//! them), sending
 //! vLLM's msgpack `KVEventBatch` (array encoding, `kvpick_sim::sim::wire`) with `ts` = the
 //! wall-clock instant of the send, so kvpick's event-lag histogram measures send -> applied.
 //!
@@ -10,7 +11,7 @@
 //! Owns sockets and the simulated caches' bookkeeping only; it knows nothing of kvpick.
 
 use std::collections::VecDeque;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -20,9 +21,9 @@ use kvpick_core::event::{KvEvent, Medium};
 use kvpick_sim::sim::wire::{encode_batch, Encoding};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, Socket, SocketSend, ZmqMessage};
 
 use crate::workload::Workload;
+use crate::zmtp::{encode, Publisher};
 
 /// Families a rank keeps before it removes the oldest one's blocks.
 const KEPT_FAMILIES: usize = 2;
@@ -31,10 +32,10 @@ const KEPT_FAMILIES: usize = 2;
 pub struct PodPublishers {
     /// Dense index of the pod, the seed of what its ranks cache.
     pub pod: u32,
-    sockets: Vec<PubSocket>,
+    sockets: Vec<Publisher>,
 }
 
-/// Binds `ranks` PUB sockets on `ip`, at `port + rank`.
+/// Binds `ranks` PUB endpoints on `ip`, at `port + rank`.
 pub async fn bind_pod(
     pod: u32,
     ip: IpAddr,
@@ -45,12 +46,7 @@ pub async fn bind_pod(
     for rank in 0..ranks {
         let port = u16::try_from(u32::from(port) + rank)
             .map_err(|_| anyhow::anyhow!("events port {port} + rank {rank} is past 65535"))?;
-        let mut socket = PubSocket::new();
-        socket
-            .bind(&format!("tcp://{ip}:{port}"))
-            .await
-            .map_err(|e| anyhow::anyhow!("binding a KV-event publisher on {ip}:{port}: {e}"))?;
-        sockets.push(socket);
+        sockets.push(Publisher::bind(SocketAddr::new(ip, port)).await?);
     }
     Ok(PodPublishers { pod, sockets })
 }
@@ -69,8 +65,10 @@ pub struct PublishConfig {
 
 /// The running publishers: counts of what they sent, stopped on drop.
 pub struct Publishers {
+    /// Batches handed to at least one subscriber.
     pub sent: Arc<AtomicU64>,
-    pub failed: Arc<AtomicU64>,
+    /// Batches no subscriber took (none connected yet, or every queue full).
+    pub unsent: Arc<AtomicU64>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -80,17 +78,17 @@ impl Publishers {
     pub fn start(pods: Vec<PodPublishers>, config: PublishConfig) -> Publishers {
         let (stop, stopped) = watch::channel(false);
         let sent = Arc::new(AtomicU64::new(0));
-        let failed = Arc::new(AtomicU64::new(0));
+        let unsent = Arc::new(AtomicU64::new(0));
         let tasks = pods
             .into_iter()
             .map(|pod| {
-                let counters = (Arc::clone(&sent), Arc::clone(&failed));
+                let counters = (Arc::clone(&sent), Arc::clone(&unsent));
                 tokio::spawn(run_pod(pod, config, counters, stopped.clone()))
             })
             .collect();
         Publishers {
             sent,
-            failed,
+            unsent,
             stop,
             tasks,
         }
@@ -111,12 +109,14 @@ impl Drop for Publishers {
 }
 
 async fn run_pod(
-    mut pod: PodPublishers,
+    pod: PodPublishers,
     config: PublishConfig,
-    (sent, failed): (Arc<AtomicU64>, Arc<AtomicU64>),
+    (sent, unsent): (Arc<AtomicU64>, Arc<AtomicU64>),
     mut stop: watch::Receiver<bool>,
 ) {
     if config.batches_per_pod_second <= 0.0 || pod.sockets.is_empty() {
+        // Silent engines: the endpoints stay open for kvpick to subscribe to.
+        let _ = stop.changed().await;
         return;
     }
     let period = Duration::from_secs_f64(1.0 / config.batches_per_pod_second);
@@ -137,10 +137,11 @@ async fn run_pod(
         next = (next + 1) % pod.sockets.len();
         let events = caches[rank].next_batch(&config);
         let message = caches[rank].message(&events, rank as u32);
-        match pod.sockets[rank].send(message).await {
-            Ok(()) => sent.fetch_add(1, Ordering::Relaxed),
-            Err(_) => failed.fetch_add(1, Ordering::Relaxed),
-        };
+        if pod.sockets[rank].send(message) > 0 {
+            sent.fetch_add(1, Ordering::Relaxed);
+        } else {
+            unsent.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -214,15 +215,13 @@ impl RankCache {
         events
     }
 
-    /// `[topic, seq, payload]` with `ts` = now, as vLLM frames a batch.
-    pub fn message(&mut self, events: &[KvEvent], dp_rank: u32) -> ZmqMessage {
+    /// `[topic, seq, payload]` with `ts` = now, as vLLM frames a batch (ZMTP-encoded).
+    pub fn message(&mut self, events: &[KvEvent], dp_rank: u32) -> Bytes {
         let ts = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let payload = encode_batch(ts, events, Some(dp_rank), Encoding::Array);
-        let mut message = ZmqMessage::from(Vec::<u8>::new());
-        message.push_back(Bytes::copy_from_slice(&self.seq.to_be_bytes()));
-        message.push_back(Bytes::from(payload));
+        let message = encode(&[b"", &self.seq.to_be_bytes(), &payload]);
         self.seq += 1;
         message
     }

@@ -78,16 +78,22 @@ fn mib(bytes: u64) -> f64 {
 }
 
 fn picks_json(o: &Observed, args: &ScaleArgs, window_s: f64) -> Value {
+    // Abandoned picks count at the timeout: open-loop percentiles must not drop the slowest.
     let mut latencies = o.picks.latencies_us.clone();
+    let routed = latencies.len();
+    let timeout_us = args.pick_timeout_ms.saturating_mul(1_000);
+    latencies.extend(std::iter::repeat_n(timeout_us, o.picks.timed_out as usize));
     latencies.sort_unstable();
     let q = |q: f64| nearest_rank(&latencies, q);
     json!({
         "offered_per_s": args.picks_per_second,
         "started": o.picks_started,
-        "routed": latencies.len(),
-        "routed_per_s": latencies.len() as f64 / window_s,
+        "routed": routed,
+        "routed_per_s": routed as f64 / window_s,
         "unrouted": o.picks.unrouted,
         "failed": o.picks.failed,
+        "timed_out": o.picks.timed_out,
+        "timeout_ms": args.pick_timeout_ms,
         "late_starts": o.picks.late_starts,
         "p50_us": q(0.5), "p90_us": q(0.9), "p99_us": q(0.99), "p999_us": q(0.999),
         "max_us": latencies.last(),
@@ -229,10 +235,11 @@ impl Report {
                     num(&j["picks"]["server_p99_us"], 0)
                 ),
                 format!(
-                    "{} routed/s, {} unrouted, {} failed",
+                    "{} routed/s, {} unrouted, {} failed, {} timed out",
                     num(&j["picks"]["routed_per_s"], 0),
                     j["picks"]["unrouted"],
-                    j["picks"]["failed"]
+                    j["picks"]["failed"],
+                    j["picks"]["timed_out"]
                 ),
             ),
             (

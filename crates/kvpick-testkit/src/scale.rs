@@ -72,6 +72,9 @@ pub struct ScaleArgs {
     /// Seconds of churn, events and picks before the measured window.
     #[arg(long, default_value_t = 5.0)]
     pub warmup_secs: f64,
+    /// Milliseconds after which a pick is abandoned and counted at this latency (a lower bound).
+    #[arg(long, default_value_t = 5_000)]
+    pub pick_timeout_ms: u64,
     /// HTTP/2 connections the picks are spread over.
     #[arg(long, default_value_t = 2)]
     pub connections: usize,
@@ -323,6 +326,7 @@ async fn measure(
             connections: args.connections,
             model: "m".into(),
             workload,
+            timeout: Duration::from_millis(args.pick_timeout_ms.max(1)),
         },
         warmup,
         duration,
