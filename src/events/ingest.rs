@@ -307,40 +307,33 @@ impl RankStream {
     }
 }
 
-/// Keeps one subscription per rank that declares a KV-event endpoint, following catalog changes:
-/// new ranks are subscribed, removed or re-addressed ones stopped, unchanged ones left alone.
+/// Keeps one subscription per rank that declares a KV-event endpoint, following catalog changes
+/// ([`super::Plan`]): new ranks are subscribed, removed or re-addressed ones stopped, unchanged
+/// ones left alone.
 pub async fn manage(core: Arc<SelectionCore>, mut catalog_changes: watch::Receiver<u64>) {
-    let mut running: HashMap<RankKey, (String, Option<String>, JoinHandle<()>)> = HashMap::new();
+    let mut plan = super::Plan::default();
+    let mut running: HashMap<RankKey, JoinHandle<()>> = HashMap::new();
     loop {
-        let desired: HashMap<RankKey, (String, Option<String>)> = core
-            .kv_event_endpoints()
-            .into_iter()
-            .map(|(rank, events, replay)| (rank, (events, replay)))
-            .collect();
-        running.retain(|rank, (events, replay, task)| {
-            let keep = desired
-                .get(rank)
-                .is_some_and(|(e, r)| e == events && r == replay);
-            if !keep {
+        let change = core.inner().with_records(|records| plan.update(records));
+        for rank in change.stop {
+            if let Some(task) = running.remove(&rank) {
                 task.abort();
             }
-            keep
-        });
-        for (rank, (events, replay)) in desired {
-            if running.contains_key(&rank) {
-                continue;
-            }
+        }
+        for (rank, endpoint, replay) in change.start {
             let stream = RankStream {
                 core: Arc::clone(&core),
                 rank,
-                endpoint: events.clone(),
-                replay: replay.clone(),
+                endpoint,
+                replay,
                 seq: SequenceTracker::default(),
             };
-            running.insert(rank, (events, replay, tokio::spawn(stream.run())));
+            if let Some(old) = running.insert(rank, tokio::spawn(stream.run())) {
+                old.abort();
+            }
         }
         if catalog_changes.changed().await.is_err() {
-            for (_, (_, _, task)) in running {
+            for task in running.into_values() {
                 task.abort();
             }
             return;

@@ -149,6 +149,7 @@ impl Report {
                 "warmup_s": args.warmup_secs, "duration_s": args.duration_secs,
                 "connections": args.connections, "quick": args.quick,
                 "kvpick_args": args.kvpick_args,
+                "kvpick_bin": args.kvpick_bin.as_ref().map(|p| p.display().to_string()),
             },
             "startup": {
                 "bind_publishers_s": startup.bind_publishers_s,

@@ -93,6 +93,9 @@ pub struct ScaleArgs {
     /// A smoke run at tiny size (4 pods × 2 ranks, 2 s): checks the benchmark works, not kvpick's speed.
     #[arg(long)]
     pub quick: bool,
+    /// Another kvpick binary to run (before/after comparisons); default: the one cargo built.
+    #[arg(long)]
+    pub kvpick_bin: Option<PathBuf>,
     /// Extra `kvpick serve` flag (repeatable), e.g. `--kvpick-arg=--max-prompt-blocks=64`.
     #[arg(long = "kvpick-arg", allow_hyphen_values = true)]
     pub kvpick_args: Vec<String>,
@@ -180,6 +183,7 @@ fn pod_object(args: &ScaleArgs, i: u32) -> serde_json::Value {
 /// Runs the benchmark against `binary` (`kvpick`), writes the JSON report and returns it.
 pub async fn run(binary: &Path, args: ScaleArgs) -> anyhow::Result<Report> {
     let args = args.resolved();
+    let binary = args.kvpick_bin.as_deref().unwrap_or(binary);
     args.validate()?;
     let workload = args.workload();
 

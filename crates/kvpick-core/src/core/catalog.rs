@@ -243,6 +243,18 @@ impl Core {
         self.catalog.lock().records().cloned().collect()
     }
 
+    /// Runs `visit` over every worker record without copying them, under the catalog lock (so
+    /// `visit` must be short and must not call back into the core): a host that follows the
+    /// catalog through thousands of workers reads what changed instead of cloning them all.
+    pub fn with_records<R>(
+        &self,
+        visit: impl FnOnce(&mut dyn Iterator<Item = &WorkerRecord>) -> R,
+    ) -> R {
+        let catalog = self.catalog.lock();
+        let mut records = catalog.records();
+        visit(&mut records)
+    }
+
     /// The catalog with per-rank load, sorted by worker name.
     pub fn list_workers(&self, model: Option<&str>) -> Vec<WorkerView> {
         let records: Vec<WorkerRecord> = self
