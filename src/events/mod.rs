@@ -116,9 +116,9 @@ pub struct Plan {
 
 impl Plan {
     /// Brings the plan to `records` (the whole catalog); returns what to stop and start.
-    pub fn update<'a>(
+    pub fn update(
         &mut self,
-        records: &mut dyn Iterator<Item = &'a WorkerRecord>,
+        records: &mut dyn Iterator<Item = &WorkerRecord>,
     ) -> PlanChange {
         let mut change = PlanChange::default();
         let mut seen = std::collections::HashSet::new();
