@@ -116,10 +116,7 @@ pub struct Plan {
 
 impl Plan {
     /// Brings the plan to `records` (the whole catalog); returns what to stop and start.
-    pub fn update(
-        &mut self,
-        records: &mut dyn Iterator<Item = &WorkerRecord>,
-    ) -> PlanChange {
+    pub fn update(&mut self, records: &mut dyn Iterator<Item = &WorkerRecord>) -> PlanChange {
         let mut change = PlanChange::default();
         let mut seen = std::collections::HashSet::new();
         for record in records {

@@ -269,7 +269,9 @@ impl Catalog {
     /// Replaces `source`'s workers with `specs` and diffs the union of all sources against the
     /// records: duplicate ids anywhere in the union are refused before anything changes;
     /// unchanged workers are skipped; changed and new ones are upserted; workers absent from every
-    /// source are deleted. Returns the counts and the changes per partition, in key order.
+    /// source are deleted. Returns the counts and the changes per partition, in key order. Only
+    /// changed and new workers are copied: a snapshot of thousands of workers of which one changed
+    /// costs a comparison per worker.
     pub fn replace_source(
         &mut self,
         source: SourceName,
@@ -293,72 +295,72 @@ impl Catalog {
             }
         }
         self.sources.insert(source, specs);
-        let desired: HashMap<u64, WorkerSpec> = self
+        let desired: HashMap<u64, &WorkerSpec> = self
             .sources
             .values()
             .flatten()
-            .map(|s| (s.worker_id(), s.clone()))
+            .map(|s| (s.worker_id(), s))
             .collect();
-        Ok(self.diff(desired))
+        Ok(diff(&mut self.records, desired))
     }
+}
 
-    fn diff(
-        &mut self,
-        mut desired: HashMap<u64, WorkerSpec>,
-    ) -> (ApplyReport, BTreeMap<PartitionKey, PartitionChanges>) {
-        let mut report = ApplyReport::default();
-        let mut changes: BTreeMap<PartitionKey, PartitionChanges> = BTreeMap::new();
-        let mut existing: Vec<u64> = self.records.keys().copied().collect();
-        existing.sort_unstable();
-        for id in existing {
-            let Some(old) = self.records.get(&id).cloned() else {
-                continue;
-            };
-            match desired.remove(&id) {
-                None => {
+/// The records brought to `desired`: what changed, per partition.
+fn diff(
+    records: &mut HashMap<u64, WorkerRecord>,
+    mut desired: HashMap<u64, &WorkerSpec>,
+) -> (ApplyReport, BTreeMap<PartitionKey, PartitionChanges>) {
+    let mut report = ApplyReport::default();
+    let mut changes: BTreeMap<PartitionKey, PartitionChanges> = BTreeMap::new();
+    let mut existing: Vec<u64> = records.keys().copied().collect();
+    existing.sort_unstable();
+    for id in existing {
+        let Some(old) = records.get(&id) else {
+            continue;
+        };
+        match desired.remove(&id) {
+            None => {
+                if let Some(old) = records.remove(&id) {
                     changes
                         .entry(old.partition_key())
                         .or_default()
                         .gone
                         .push(old);
-                    self.records.remove(&id);
-                    report.removed += 1;
                 }
-                Some(spec) if spec == old.spec => report.unchanged += 1,
-                Some(spec) => {
-                    let new = WorkerRecord::new(id, spec);
-                    if new.partition_key() != old.partition_key() {
+                report.removed += 1;
+            }
+            Some(spec) if *spec == old.spec => report.unchanged += 1,
+            Some(spec) => {
+                let new = WorkerRecord::new(id, spec.clone());
+                let key = new.partition_key();
+                if let Some(old) = records.insert(id, new.clone()) {
+                    if old.partition_key() != key {
                         changes
                             .entry(old.partition_key())
                             .or_default()
                             .gone
                             .push(old);
                     }
-                    changes
-                        .entry(new.partition_key())
-                        .or_default()
-                        .upserts
-                        .push(new.clone());
-                    self.records.insert(id, new);
-                    report.updated += 1;
                 }
+                changes.entry(key).or_default().upserts.push(new);
+                report.updated += 1;
             }
         }
-        let mut added: Vec<(u64, WorkerSpec)> = desired.into_iter().collect();
-        added.sort_by_key(|(id, _)| *id);
-        for (id, spec) in added {
-            let new = WorkerRecord::new(id, spec);
-            changes
-                .entry(new.partition_key())
-                .or_default()
-                .upserts
-                .push(new.clone());
-            self.records.insert(id, new);
-            report.added += 1;
-        }
-        report.partitions_published = changes.len();
-        (report, changes)
     }
+    let mut added: Vec<(u64, &WorkerSpec)> = desired.into_iter().collect();
+    added.sort_by_key(|(id, _)| *id);
+    for (id, spec) in added {
+        let new = WorkerRecord::new(id, spec.clone());
+        changes
+            .entry(new.partition_key())
+            .or_default()
+            .upserts
+            .push(new.clone());
+        records.insert(id, new);
+        report.added += 1;
+    }
+    report.partitions_published = changes.len();
+    (report, changes)
 }
 
 #[cfg(test)]
@@ -372,6 +374,87 @@ mod tests {
         assert_ne!(a, worker_id("ns", "pod-b"));
         assert_ne!(a, worker_id("other", "pod-a"));
         assert!(a < (1u64 << 53));
+    }
+
+    fn keys(
+        changes: &BTreeMap<PartitionKey, PartitionChanges>,
+    ) -> Vec<(String, Vec<String>, Vec<String>)> {
+        changes
+            .iter()
+            .map(|(k, c)| {
+                let names = |rs: &[WorkerRecord]| rs.iter().map(|r| r.spec.name.clone()).collect();
+                (k.model.clone(), names(&c.gone), names(&c.upserts))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_snapshot_changes_only_what_differs_and_a_duplicate_changes_nothing() {
+        let w = |name: &str, model: &str| {
+            WorkerSpec::for_test(name, model, RankLayout::PerPort(vec![1]))
+        };
+        let mut catalog = Catalog::default();
+        let (report, changes) = catalog
+            .replace_source("s", vec![w("a", "m"), w("b", "m"), w("c", "m")])
+            .unwrap();
+        assert_eq!((report.added, report.partitions_published), (3, 1));
+        assert_eq!(
+            keys(&changes),
+            [("m".into(), vec![], vec!["a".into(), "b".into(), "c".into()])]
+        );
+
+        // b drains, c moves to another model, a is unchanged, d is new; then c leaves.
+        let mut b = w("b", "m");
+        b.draining = true;
+        let (report, changes) = catalog
+            .replace_source("s", vec![w("a", "m"), b, w("c", "n"), w("d", "m")])
+            .unwrap();
+        assert_eq!(
+            (
+                report.unchanged,
+                report.updated,
+                report.added,
+                report.removed
+            ),
+            (1, 2, 1, 0)
+        );
+        let mut got = keys(&changes);
+        for (_, gone, upserts) in &mut got {
+            gone.sort();
+            upserts.sort();
+        }
+        assert_eq!(
+            got,
+            [
+                ("m".into(), vec!["c".into()], vec!["b".into(), "d".into()]),
+                ("n".into(), vec![], vec!["c".into()]),
+            ]
+        );
+        assert_eq!(
+            catalog.record(worker_id("static", "b")).unwrap().lifecycle,
+            Lifecycle::Draining
+        );
+
+        // Another source naming d: refused, and nothing changes.
+        let err = catalog.replace_source("t", vec![w("d", "m")]).unwrap_err();
+        assert!(
+            matches!(err, CatalogError::DuplicateWorker { .. }),
+            "{err:?}"
+        );
+        assert_eq!(catalog.records().count(), 4);
+        assert!(catalog.source("t").is_empty());
+
+        let (report, changes) = catalog
+            .replace_source("s", vec![w("a", "m"), w("d", "m")])
+            .unwrap();
+        assert_eq!((report.removed, report.unchanged), (2, 2));
+        assert_eq!(
+            keys(&changes),
+            [
+                ("m".into(), vec!["b".into()], vec![]),
+                ("n".into(), vec!["c".into()], vec![]),
+            ]
+        );
     }
 
     #[test]

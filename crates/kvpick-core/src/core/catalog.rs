@@ -19,8 +19,9 @@ impl Core {
         specs: Vec<WorkerSpec>,
         now: Instant,
     ) -> Result<(ApplyReport, Facts), CatalogError> {
-        self.modify_source(source, |list| *list = specs, now)
-            .map(|((), report, facts)| (report, facts))
+        // The snapshot replaces the list whole: nothing of the old one to copy.
+        let catalog = self.catalog.lock();
+        self.reconcile(catalog, source, specs, now)
     }
 
     /// Edits one source's worker list with `edit` and reconciles, all under the catalog lock, so
@@ -31,9 +32,22 @@ impl Core {
         edit: impl FnOnce(&mut Vec<WorkerSpec>) -> R,
         now: Instant,
     ) -> Result<(R, ApplyReport, Facts), CatalogError> {
-        let mut catalog = self.catalog.lock();
+        let catalog = self.catalog.lock();
         let mut list = catalog.source(source).to_vec();
         let result = edit(&mut list);
+        let (report, facts) = self.reconcile(catalog, source, list, now)?;
+        Ok((result, report, facts))
+    }
+
+    /// Makes `list` the source's workers and reconciles the partitions, the catalog lock held
+    /// until the partitions have their batches.
+    fn reconcile(
+        &self,
+        mut catalog: parking_lot::MutexGuard<'_, Catalog>,
+        source: SourceName,
+        list: Vec<WorkerSpec>,
+        now: Instant,
+    ) -> Result<(ApplyReport, Facts), CatalogError> {
         let (mut report, changes) = catalog.replace_source(source, list)?;
         let mut facts = Facts::default();
         let mut changed = Vec::new();
@@ -61,7 +75,7 @@ impl Core {
         for partition in &changed {
             self.pump_partition(partition, now, &mut facts);
         }
-        Ok((result, report, facts))
+        Ok((report, facts))
     }
 
     /// Adds or replaces one worker of a source (matched by name) and reconciles.
