@@ -32,13 +32,25 @@ pub enum Change {
 pub struct Plan {
     not_ready: VecDeque<usize>,
     next_pod: usize,
+    /// Restarts become status-only updates (to measure the rest of the churn without the cost
+    /// of forgetting restarted engines' blocks).
+    pub no_restarts: bool,
 }
 
 impl Plan {
+    /// The cluster mix, or with `no_restarts` the restarts' slots as status-only updates.
+    pub fn new(no_restarts: bool) -> Plan {
+        Plan {
+            no_restarts,
+            ..Plan::default()
+        }
+    }
+
     /// The `n`-th change: `(pod index, change)`.
     pub fn next(&mut self, n: u64, pods: usize) -> (usize, Change) {
         let pods = pods.max(1);
         let change = match n % 10 {
+            5..=7 if self.no_restarts => Change::StatusOnly,
             5..=7 => Change::Restart,
             8 => Change::NotReady,
             9 if self.not_ready.len() >= NOT_READY_POOL.min(pods - 1) => Change::Ready,
@@ -99,13 +111,18 @@ pub struct ChurnTally {
     pub late: u64,
 }
 
-/// Changes `names`' pods at `rate` per second for `duration`.
-pub async fn run(fake: Fake, names: Vec<String>, rate: f64, duration: Duration) -> ChurnTally {
+/// Changes `names`' pods at `rate` per second for `duration`, in `plan`'s mix.
+pub async fn run(
+    fake: Fake,
+    names: Vec<String>,
+    rate: f64,
+    duration: Duration,
+    mut plan: Plan,
+) -> ChurnTally {
     let mut tally = ChurnTally::default();
     if rate <= 0.0 || names.is_empty() {
         return tally;
     }
-    let mut plan = Plan::default();
     let start = Instant::now();
     loop {
         let due = start + Duration::from_secs_f64(tally.changes as f64 / rate);
@@ -168,6 +185,18 @@ mod tests {
         assert_ne!(touched["status"], pod["status"]);
         let out = apply(pod, Change::NotReady, 4);
         assert_eq!(out["status"]["conditions"][0]["status"], "False");
+    }
+
+    #[test]
+    fn without_restarts_their_slots_are_status_only_updates() {
+        let mut plan = Plan::new(true);
+        let changes: Vec<Change> = (0..100).map(|n| plan.next(n, 1_000).1).collect();
+        assert!(!changes.contains(&Change::Restart));
+        // 8 of every 10, and slot 9 until ten pods are out (n = 99 brings the first back).
+        assert_eq!(
+            changes.iter().filter(|c| **c == Change::StatusOnly).count(),
+            80 + 9
+        );
     }
 
     #[test]

@@ -141,6 +141,7 @@ impl Report {
             "parameters": {
                 "pods": args.pods, "ranks_per_pod": args.ranks, "ranks": wanted,
                 "pod_changes_per_second": args.pod_changes_per_second,
+                "no_restarts": args.no_restarts,
                 "picks_per_second": args.picks_per_second,
                 "events_per_rank_second": args.events_per_rank_second,
                 "blocks_per_event": args.blocks_per_event,

@@ -45,6 +45,10 @@ pub struct ScaleArgs {
     /// Pod changes per second (see `churn` for the mix).
     #[arg(long, default_value_t = 100.0)]
     pub pod_changes_per_second: f64,
+    /// Container restarts in the churn become status-only updates (isolates the cost of
+    /// forgetting restarted engines' blocks).
+    #[arg(long)]
+    pub no_restarts: bool,
     /// Picks per second, open loop, through ext_proc.
     #[arg(long, default_value_t = 2_000.0)]
     pub picks_per_second: f64,
@@ -322,6 +326,7 @@ async fn measure(
         names,
         args.pod_changes_per_second,
         warmup + duration,
+        crate::churn::Plan::new(args.no_restarts),
     ));
     let picks = tokio::spawn(crate::picks::run(
         format!("http://127.0.0.1:{}", kvpick.grpc),
