@@ -53,6 +53,8 @@ pub struct PickTally {
     pub failed: u64,
     /// Picks abandoned at the timeout.
     pub timed_out: u64,
+    /// The first failure's message (what `failed` counts), for the report.
+    pub first_error: Option<String>,
     /// Picks started later than their slot by more than [`LATE`] (the client fell behind).
     pub late_starts: u64,
 }
@@ -102,7 +104,10 @@ pub async fn run(
             match outcome {
                 Ok(Ok(Some(latency))) => tally.latencies_us.push(latency.as_micros() as u64),
                 Ok(Ok(None)) => tally.unrouted += 1,
-                Ok(Err(_)) => tally.failed += 1,
+                Ok(Err(err)) => {
+                    tally.failed += 1;
+                    tally.first_error.get_or_insert_with(|| format!("{err:#}"));
+                }
                 Err(_) => tally.timed_out += 1,
             }
         }));

@@ -93,6 +93,7 @@ fn picks_json(o: &Observed, args: &ScaleArgs, window_s: f64) -> Value {
         "unrouted": o.picks.unrouted,
         "failed": o.picks.failed,
         "timed_out": o.picks.timed_out,
+        "first_error": o.picks.first_error,
         "timeout_ms": args.pick_timeout_ms,
         "late_starts": o.picks.late_starts,
         "p50_us": q(0.5), "p90_us": q(0.9), "p99_us": q(0.99), "p999_us": q(0.999),
@@ -194,10 +195,21 @@ impl Report {
     /// The short stdout table.
     pub fn table(&self) -> String {
         let j = &self.json;
-        let num = |v: &Value, digits: usize| match v.as_f64() {
-            Some(x) => format!("{x:.digits$}"),
-            None => "-".to_string(),
-        };
+        let p = &j["parameters"];
+        let mut out = format!(
+            "scale: {} pods x {} ranks, {} pod changes/s, {} picks/s, {} event batches/rank/s, {} s\n",
+            p["pods"], p["ranks_per_pod"], p["pod_changes_per_second"], p["picks_per_second"],
+            p["events_per_rank_second"], p["duration_s"]
+        );
+        out.push_str("| measure | value | note |\n|---|---|---|\n");
+        for (name, value, note) in self.rows() {
+            out.push_str(&format!("| {name} | {value} | {note} |\n"));
+        }
+        out
+    }
+
+    fn rows(&self) -> Vec<(&'static str, String, String)> {
+        let j = &self.json;
         let met = |key: &str| {
             if j["targets"][key] == true {
                 "met"
@@ -205,56 +217,52 @@ impl Report {
                 "MISSED"
             }
         };
-        let p = &j["parameters"];
-        let rows = [
+        let (s, k, e) = (&j["startup"], &j["picks"], &j["events"]);
+        vec![
             (
-                "start-up: first LIST -> ready".to_string(),
-                format!("{} s", num(&j["startup"]["first_list_to_ready_s"], 3)),
+                "start-up: first LIST -> ready",
+                format!("{} s", num(&s["first_list_to_ready_s"], 3)),
                 format!("<= 5 s: {}", met("ready_within_5s")),
             ),
             (
-                "start-up: first LIST -> all subscribed".to_string(),
-                format!("{} s", num(&j["startup"]["first_list_to_subscribed_s"], 2)),
+                "start-up: first LIST -> all subscribed",
+                format!("{} s", num(&s["first_list_to_subscribed_s"], 2)),
                 format!(
                     "{} of {}",
-                    j["startup"]["subscriptions_connected"], j["startup"]["subscriptions_wanted"]
+                    s["subscriptions_connected"], s["subscriptions_wanted"]
                 ),
             ),
             (
-                "pick p50 / p99 (client)".to_string(),
-                format!(
-                    "{} / {} µs",
-                    num(&j["picks"]["p50_us"], 0),
-                    num(&j["picks"]["p99_us"], 0)
-                ),
+                "pick p50 / p99 (client)",
+                format!("{} / {} µs", num(&k["p50_us"], 0), num(&k["p99_us"], 0)),
                 format!("p99 <= 1 ms: {}", met("pick_p99_within_1ms")),
             ),
             (
-                "pick p50 / p99 (kvpick histogram)".to_string(),
+                "pick p50 / p99 (kvpick histogram)",
                 format!(
                     "{} / {} µs",
-                    num(&j["picks"]["server_p50_us"], 0),
-                    num(&j["picks"]["server_p99_us"], 0)
+                    num(&k["server_p50_us"], 0),
+                    num(&k["server_p99_us"], 0)
                 ),
                 format!(
                     "{} routed/s, {} unrouted, {} failed, {} timed out",
-                    num(&j["picks"]["routed_per_s"], 0),
-                    j["picks"]["unrouted"],
-                    j["picks"]["failed"],
-                    j["picks"]["timed_out"]
+                    num(&k["routed_per_s"], 0),
+                    k["unrouted"],
+                    k["failed"],
+                    k["timed_out"]
                 ),
             ),
             (
-                "event lag p50 / p99".to_string(),
+                "event lag p50 / p99",
                 format!(
                     "{} / {} ms",
-                    num(&j["events"]["lag_p50_ms"], 2),
-                    num(&j["events"]["lag_p99_ms"], 2)
+                    num(&e["lag_p50_ms"], 2),
+                    num(&e["lag_p99_ms"], 2)
                 ),
                 format!("p99 <= 50 ms: {}", met("event_lag_p99_within_50ms")),
             ),
             (
-                "kvpick RSS end / peak".to_string(),
+                "kvpick RSS end / peak",
                 format!(
                     "{} / {} MiB",
                     num(&j["memory"]["rss_mib_end"], 1),
@@ -263,7 +271,7 @@ impl Report {
                 String::new(),
             ),
             (
-                "CPU cores: kvpick / bench".to_string(),
+                "CPU cores: kvpick / bench",
                 format!(
                     "{} / {}",
                     num(&j["cpu"]["kvpick_cores"], 2),
@@ -271,21 +279,19 @@ impl Report {
                 ),
                 format!(
                     "{} events applied/s, {} pod changes",
-                    num(&j["events"]["events_applied_per_s"], 0),
+                    num(&e["events_applied_per_s"], 0),
                     j["churn"]["changes"]
                 ),
             ),
-        ];
-        let mut out = format!(
-            "scale: {} pods x {} ranks, {} pod changes/s, {} picks/s, {} event batches/rank/s, {} s\n",
-            p["pods"], p["ranks_per_pod"], p["pod_changes_per_second"], p["picks_per_second"],
-            p["events_per_rank_second"], p["duration_s"]
-        );
-        out.push_str("| measure | value | note |\n|---|---|---|\n");
-        for (name, value, note) in rows {
-            out.push_str(&format!("| {name} | {value} | {note} |\n"));
-        }
-        out
+        ]
+    }
+}
+
+/// A number with `digits` decimals, or `-` when absent.
+fn num(v: &Value, digits: usize) -> String {
+    match v.as_f64() {
+        Some(x) => format!("{x:.digits$}"),
+        None => "-".to_string(),
     }
 }
 

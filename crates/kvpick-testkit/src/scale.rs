@@ -184,13 +184,8 @@ fn pod_object(args: &ScaleArgs, i: u32) -> serde_json::Value {
     p.build()
 }
 
-/// Runs the benchmark against `binary` (`kvpick`), writes the JSON report and returns it.
-pub async fn run(binary: &Path, args: ScaleArgs) -> anyhow::Result<Report> {
-    let args = args.resolved();
-    let binary = args.kvpick_bin.as_deref().unwrap_or(binary);
-    args.validate()?;
-    let workload = args.workload();
-
+/// The simulated fleet: every rank's publisher bound and sending, the pool and its pods served.
+async fn start_fleet(args: &ScaleArgs) -> anyhow::Result<(Publishers, Fake, f64)> {
     let bind_start = Instant::now();
     let mut sockets = Vec::with_capacity(args.pods as usize);
     for i in 0..args.pods {
@@ -200,19 +195,22 @@ pub async fn run(binary: &Path, args: ScaleArgs) -> anyhow::Result<Report> {
     let publishers = Publishers::start(
         sockets,
         PublishConfig {
-            workload,
+            workload: args.workload(),
             blocks_per_batch: args.blocks_per_event,
             batches_per_pod_second: args.events_per_rank_second * f64::from(args.ranks),
             pods: args.pods,
         },
     );
-
     let fake = Fake::start(false).await?;
     fake.put_pool(pool_object(json!({"app": "vllm"}), &[8000]));
     for i in 0..args.pods {
-        fake.put_pod(pod_object(&args, i));
+        fake.put_pod(pod_object(args, i));
     }
+    Ok((publishers, fake, bind_seconds))
+}
 
+/// `kvpick serve`'s flags: the fake's pool through its API, then the caller's extras.
+fn serve_flags(args: &ScaleArgs, fake: &Fake) -> Vec<String> {
     let mut flags: Vec<String> = [
         "--secure-serving=false",
         "--flow-watch-crds=false",
@@ -227,29 +225,33 @@ pub async fn run(binary: &Path, args: ScaleArgs) -> anyhow::Result<Report> {
     .map(|s| s.to_string())
     .collect();
     flags.extend(args.kvpick_args.iter().cloned());
+    flags
+}
+
+/// Runs the benchmark against `binary` (`kvpick`), writes the JSON report and returns it.
+pub async fn run(binary: &Path, args: ScaleArgs) -> anyhow::Result<Report> {
+    let args = args.resolved();
+    let binary = args.kvpick_bin.as_deref().unwrap_or(binary);
+    args.validate()?;
+    let (publishers, fake, bind_seconds) = start_fleet(&args).await?;
     let spawned = Instant::now();
-    let mut kvpick = Kvpick::start(binary, &flags).await?;
+    let mut kvpick = Kvpick::start(binary, &serve_flags(&args, &fake)).await?;
     let ready = wait_ready(&mut kvpick, Duration::from_secs(120)).await?;
     let first_list = fake
         .first_pod_list()
         .context("kvpick became ready without listing pods")?;
     let subscriptions = wait_subscriptions(&kvpick, &args).await?;
 
-    let observed = measure(&kvpick, &fake, &args, workload).await?;
-    let report = Report::new(
-        &args,
-        crate::report::Startup {
-            bind_publishers_s: bind_seconds,
-            spawn_to_first_list_s: first_list.saturating_duration_since(spawned).as_secs_f64(),
-            first_list_to_ready_s: ready.saturating_duration_since(first_list).as_secs_f64(),
-            subscriptions_connected: subscriptions.0,
-            first_list_to_subscribed_s: subscriptions
-                .1
-                .map(|t| t.saturating_duration_since(first_list).as_secs_f64()),
-        },
-        observed,
-        publishers.sent(),
-    );
+    let observed = measure(&kvpick, &fake, &args, args.workload()).await?;
+    let since_list = |t: Instant| t.saturating_duration_since(first_list).as_secs_f64();
+    let startup = crate::report::Startup {
+        bind_publishers_s: bind_seconds,
+        spawn_to_first_list_s: first_list.saturating_duration_since(spawned).as_secs_f64(),
+        first_list_to_ready_s: since_list(ready),
+        subscriptions_connected: subscriptions.0,
+        first_list_to_subscribed_s: subscriptions.1.map(since_list),
+    };
+    let report = Report::new(&args, startup, observed, publishers.sent());
     drop(publishers);
     let log = args
         .kvpick_log
