@@ -3,12 +3,18 @@
 //! 1,000 pods × 8 data-parallel ranks, 100 pod changes/s, a KV-event publisher per rank and
 //! 2,000 ext_proc picks/s, prints a table and writes `target/bench-scale.json`
 //! (`kvpick_testkit::scale`; `-- --help` lists the flags, `-- --quick` is the smoke size).
+//! Without `--bench` (as under `cargo test --all-targets`) it makes the `--quick` run only, into
+//! `target/bench-scale-smoke.json`.
 
 use clap::Parser;
 use kvpick_testkit::scale::{run, ScaleArgs};
 
 fn main() -> anyhow::Result<()> {
     let mut args = ScaleArgs::parse();
+    if !args.bench {
+        args.quick = true;
+        args.out = "target/bench-scale-smoke.json".into();
+    }
     if args.out.is_relative() {
         args.out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(&args.out);
     }

@@ -103,7 +103,7 @@ pub struct ScaleArgs {
     /// Extra `kvpick serve` flag (repeatable), e.g. `--kvpick-arg=--max-prompt-blocks=64`.
     #[arg(long = "kvpick-arg", allow_hyphen_values = true)]
     pub kvpick_args: Vec<String>,
-    /// Passed by `cargo bench`; ignored.
+    /// Passed by `cargo bench` (without it the bench binary makes its smoke run).
     #[arg(long, hide = true)]
     pub bench: bool,
 }
