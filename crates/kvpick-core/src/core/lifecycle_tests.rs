@@ -98,6 +98,78 @@ fn a_new_incarnation_forgets_the_cache_and_a_metadata_change_does_not() {
 }
 
 #[test]
+fn a_restarted_data_parallel_worker_forgets_every_rank_and_only_its_own() {
+    let core = Core::new(CoreConfig::default());
+    let dp = WorkerSpec {
+        ranks: RankLayout::Multiplexed { port: 1, size: 4 },
+        ..worker("dp", 1)
+    };
+    let b = worker("b", 2);
+    apply(&core, vec![dp.clone(), b.clone()]);
+    for dp_rank in 0..4 {
+        let event = KvEvent::BlockStored {
+            block_hashes: vec![11, 12, 13, 14],
+            parent_block_hash: None,
+            token_ids: tokens(),
+            block_size: BS as u32,
+            lora_id: None,
+            medium: Medium::Gpu,
+            lora_name: None,
+            cache_salt: None,
+            group_idx: None,
+        };
+        let key = RankKey {
+            dp_rank,
+            ..rank(&dp)
+        };
+        assert_eq!(
+            core.apply_kv_events(key, &[event], Instant::now())
+                .0
+                .applied,
+            1
+        );
+    }
+    announce(&core, &b);
+    let cached = |core: &Core| -> Vec<(String, u32)> {
+        let request = SelectionRequest {
+            model: Some("m".into()),
+            prompt: PromptInput::Tokens(tokens()),
+            ..Default::default()
+        };
+        let (_, ranks) = core.overlap_scores(&request, Instant::now()).unwrap();
+        let mut out: Vec<(String, u32)> = ranks
+            .iter()
+            .filter(|(_, d)| d.gpu > 0)
+            .map(|(r, _)| (r.worker_name.clone(), r.key.dp_rank))
+            .collect();
+        out.sort();
+        out
+    };
+    let mut all: Vec<(String, u32)> = (0..4)
+        .map(|r| ("dp".to_string(), r))
+        .chain([("b".to_string(), 0)])
+        .collect();
+    all.sort();
+    assert_eq!(cached(&core), all);
+    let restarted = WorkerSpec {
+        incarnation: 3,
+        ..dp.clone()
+    };
+    apply(&core, vec![restarted.clone(), b.clone()]);
+    assert_eq!(
+        cached(&core),
+        [("b".to_string(), 0)],
+        "all four ranks restarted"
+    );
+    apply(&core, vec![b]);
+    assert_eq!(
+        cached(&core),
+        [("b".to_string(), 0)],
+        "deleting dp keeps b's blocks"
+    );
+}
+
+#[test]
 fn a_draining_worker_keeps_its_load_until_it_is_ready_again_or_deleted() {
     let core = Core::new(CoreConfig::default());
     let (a, b) = (worker("a", 1), worker("b", 2));

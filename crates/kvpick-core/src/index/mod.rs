@@ -502,14 +502,26 @@ impl PrefixIndex {
 
     /// Forgets every block of `rank` (rank left, engine restarted, `AllBlocksCleared`).
     pub fn clear_rank(&mut self, rank: RankKey) {
-        let Some(id) = self.rank_ids.remove(&rank) else {
+        self.clear_ranks(&[rank]);
+    }
+
+    /// Forgets every block of each of `ranks` in one pass over the index: a pod whose engine
+    /// restarted (or that left) clears all its data-parallel ranks for the price of one.
+    pub fn clear_ranks(&mut self, ranks: &[RankKey]) {
+        let ids: Vec<u32> = ranks
+            .iter()
+            .filter_map(|rank| self.rank_ids.remove(rank))
+            .collect();
+        if ids.is_empty() {
             return;
-        };
+        }
         let (slab, free) = (&mut self.slab, &mut self.free_slab);
         self.blocks
-            .retain(|_, entry| retain_holders(entry, slab, free, |h| h.rank_id() != id));
-        self.ranks[id as usize] = None;
-        self.free_ranks.push(id);
+            .retain(|_, entry| retain_holders(entry, slab, free, |h| !ids.contains(&h.rank_id())));
+        for id in ids {
+            self.ranks[id as usize] = None;
+            self.free_ranks.push(id);
+        }
         self.rank_epoch = self.rank_epoch.wrapping_add(1);
     }
 
@@ -1204,6 +1216,38 @@ mod tests {
         assert_eq!(idx.len(), 2);
         idx.remove(rank(1), 1, Tier::Gpu);
         assert!(matches(&idx, &[1], now).is_empty());
+    }
+
+    #[test]
+    fn clearing_ranks_at_once_is_clearing_them_one_by_one() {
+        let fill = || {
+            let mut idx = PrefixIndex::new(1_000, Instant::now());
+            idx.insert(rank(1), &[1, 2, 3], Tier::Gpu, None);
+            idx.insert(rank(2), &[1, 2], Tier::Host, None);
+            idx.insert(rank(3), &[1, 4], Tier::Gpu, None);
+            idx.insert(rank(4), &[5], Tier::Gpu, None);
+            idx
+        };
+        let now = Instant::now();
+        let mut one_by_one = fill();
+        one_by_one.clear_rank(rank(1));
+        one_by_one.clear_rank(rank(4));
+        let mut at_once = fill();
+        at_once.clear_ranks(&[rank(1), rank(4), rank(9)]);
+        for idx in [&one_by_one, &at_once] {
+            assert_eq!(idx.len(), 3, "blocks 1, 2, 4 stay: others hold them");
+            let got = matches(idx, &[1, 2, 3], now);
+            assert!(!got.contains_key(&rank(1)));
+            assert_eq!(got[&rank(2)].host, 2);
+            assert_eq!(got[&rank(3)].gpu, 1);
+            assert!(matches(idx, &[5], now).is_empty());
+        }
+        // The freed ids are reused, and a re-added rank starts empty.
+        at_once.insert(rank(1), &[7], Tier::Gpu, None);
+        assert_eq!(matches(&at_once, &[1], now).get(&rank(1)), None);
+        assert_eq!(matches(&at_once, &[7], now)[&rank(1)].gpu, 1);
+        at_once.clear_ranks(&[]);
+        assert_eq!(at_once.len(), 4);
     }
 
     /// Random operation sequences against a plain map of (block, rank, tier) -> state.

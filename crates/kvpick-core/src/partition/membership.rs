@@ -111,9 +111,12 @@ impl Partition {
             })
             .map(|(k, _)| *k)
             .collect();
+        // One pass over the index for all of them (drop_rank's own clear then finds nothing).
+        state.kv.write().clear_ranks(&stale);
         for key in stale {
             Self::drop_rank(state, key, now, facts, dropped);
         }
+        let mut restarted = Vec::new();
         let lora: Arc<[String]> = record.spec.lora_adapters.clone().into();
         let name: Arc<str> = record.spec.name.as_str().into();
         for rank in &record.ranks {
@@ -143,11 +146,10 @@ impl Partition {
                 tie: 0,
             });
             if slot.incarnation != record.spec.incarnation {
-                // The engine restarted under the same worker: its KV cache is empty now.
+                // The engine restarted under the same worker: its KV cache is empty now (its
+                // blocks are forgotten below, with the worker's other ranks, in one pass).
                 slot.incarnation = record.spec.incarnation;
-                let mut kv = state.kv.write();
-                kv.clear_rank(key);
-                kv.precise.remove(&key);
+                restarted.push(key);
                 slot.events_seen = false;
                 slot.engine = None;
             }
@@ -163,6 +165,13 @@ impl Partition {
                     dp_rank: key.dp_rank,
                     precise: false,
                 });
+            }
+        }
+        if !restarted.is_empty() {
+            let mut kv = state.kv.write();
+            kv.clear_ranks(&restarted);
+            for key in &restarted {
+                kv.precise.remove(key);
             }
         }
     }
@@ -181,6 +190,8 @@ impl Partition {
             .filter(|k| k.worker_id == worker_id)
             .copied()
             .collect();
+        // One pass over the index for all of them (drop_rank's own clear then finds nothing).
+        state.kv.write().clear_ranks(&keys);
         for key in keys {
             Self::drop_rank(state, key, now, facts, dropped);
         }

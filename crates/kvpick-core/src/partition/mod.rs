@@ -160,8 +160,15 @@ impl Kv {
 
     /// Forgets a rank's blocks and engine map.
     fn clear_rank(&mut self, rank: RankKey) {
-        self.index.clear_rank(rank);
-        self.engines.remove(&rank);
+        self.clear_ranks(&[rank]);
+    }
+
+    /// Forgets the blocks and engine maps of several ranks in one pass over the index.
+    fn clear_ranks(&mut self, ranks: &[RankKey]) {
+        self.index.clear_ranks(ranks);
+        for rank in ranks {
+            self.engines.remove(rank);
+        }
     }
 }
 
