@@ -4,7 +4,11 @@
 
 #![warn(clippy::arithmetic_side_effects)]
 
+use std::borrow::Cow;
+
 use serde::Deserialize;
+
+pub mod scan;
 
 /// Which API a body was sent to, as far as reading its prompt cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -97,49 +101,131 @@ struct Envelope<'a> {
     input_ids: Option<&'a serde_json::value::RawValue>,
 }
 
+/// A prompt-bearing field as it was read: its raw JSON, or the token ids of a field that is a flat
+/// JSON array of u32 (what [`token_ids`] returns for that raw JSON), which the streaming scanner
+/// ([`scan`]) reads as they arrive instead of keeping the text.
+#[derive(Debug)]
+pub(crate) enum RawField<'a> {
+    Json(Cow<'a, [u8]>),
+    Ids(Vec<u32>),
+}
+
+impl RawField<'_> {
+    fn into_token_ids(self) -> Result<Vec<u32>, Self> {
+        match self {
+            RawField::Ids(ids) => Ok(ids),
+            RawField::Json(raw) => token_ids(&raw).ok_or(RawField::Json(raw)),
+        }
+    }
+}
+
+/// The envelope's fields, however the body was read (serde over the whole body, or the
+/// streaming scanner): `model` and `stream` as serde values, the rest as raw JSON (borrowed from
+/// the body, or copied out of its chunks). A field sent as `null` is absent, as serde reads an
+/// `Option`.
+#[derive(Debug, Default)]
+pub(crate) struct Fields<'a> {
+    pub(crate) model: Option<serde_json::Value>,
+    pub(crate) stream: Option<serde_json::Value>,
+    pub(crate) cache_salt: Option<Cow<'a, [u8]>>,
+    pub(crate) prompt: Option<RawField<'a>>,
+    pub(crate) messages: Option<Cow<'a, [u8]>>,
+    pub(crate) tools: Option<Cow<'a, [u8]>>,
+    pub(crate) instructions: Option<Cow<'a, [u8]>>,
+    pub(crate) input: Option<RawField<'a>>,
+    pub(crate) system: Option<Cow<'a, [u8]>>,
+    pub(crate) text: Option<RawField<'a>>,
+    pub(crate) input_ids: Option<RawField<'a>>,
+}
+
 /// Token ids as sent, or the first list of a batch of them.
-fn token_ids_or_first(raw: &str) -> Option<Vec<u32>> {
-    token_ids(raw).or_else(|| {
-        serde_json::from_str::<Vec<Vec<u32>>>(raw)
+fn token_ids_or_first(raw: RawField<'_>) -> Result<Vec<u32>, Cow<'_, [u8]>> {
+    match raw.into_token_ids() {
+        Ok(ids) => Ok(ids),
+        Err(RawField::Json(raw)) => serde_json::from_slice::<Vec<Vec<u32>>>(&raw)
             .ok()
             .and_then(|batch| batch.into_iter().next())
-    })
+            .ok_or(raw),
+        // `into_token_ids` gives ids back as `Ok`.
+        Err(RawField::Ids(ids)) => Ok(ids),
+    }
 }
 
 /// A prompt field that is text to tokenize (or token ids): ids, the string, or the raw JSON.
-fn text_or_ids(raw: &serde_json::value::RawValue) -> Prompt {
-    if let Some(ids) = token_ids_or_first(raw.get()) {
-        return Prompt::TokenIds(ids);
-    }
-    match serde_json::from_str::<String>(raw.get()) {
-        Ok(text) => Prompt::Text(text.into_bytes()),
-        Err(_) => Prompt::Text(raw.get().as_bytes().to_vec()),
+fn text_or_ids(raw: RawField<'_>) -> Prompt {
+    match token_ids_or_first(raw) {
+        Ok(ids) => Prompt::TokenIds(ids),
+        Err(raw) => text_or_raw(raw),
     }
 }
 
-/// The prompt-bearing fields in the order they render, each ended by NUL.
-fn joined(parts: &[Option<&serde_json::value::RawValue>]) -> Prompt {
-    let mut text = Vec::new();
-    for raw in parts.iter().flatten() {
-        text.extend_from_slice(raw.get().as_bytes());
+/// A JSON string's text, or the raw JSON when it is not a string.
+fn text_or_raw(raw: Cow<'_, [u8]>) -> Prompt {
+    match serde_json::from_slice::<String>(&raw) {
+        Ok(text) => Prompt::Text(text.into_bytes()),
+        Err(_) => Prompt::Text(raw.into_owned()),
+    }
+}
+
+/// The prompt-bearing fields in the order they render, each ended by NUL. One field copied out
+/// of the chunks already is the text (no second copy).
+fn joined<const N: usize>(parts: [Option<Cow<'_, [u8]>>; N]) -> Prompt {
+    let len: usize = parts
+        .iter()
+        .flatten()
+        .map(|p| p.len().saturating_add(1))
+        .sum();
+    let mut present = parts.into_iter().flatten();
+    let (Some(first), second) = (present.next(), present.next()) else {
+        return Prompt::Absent;
+    };
+    let mut text = match (first, &second) {
+        (Cow::Owned(only), None) => only,
+        (first, _) => {
+            let mut text = Vec::with_capacity(len);
+            text.extend_from_slice(&first);
+            text
+        }
+    };
+    text.push(0);
+    for part in second.into_iter().chain(present) {
+        text.extend_from_slice(&part);
         text.push(0);
     }
-    if text.is_empty() {
-        Prompt::Absent
-    } else {
-        Prompt::Text(text)
+    Prompt::Text(text)
+}
+
+/// Whether the streaming scanner may read this field of a body sent to `endpoint` as ids (a
+/// flat u32 array): only where the prompt logic below asks for ids before anything else. Every
+/// other field stays raw JSON.
+pub(crate) fn reads_as_ids(endpoint: Endpoint, field: &str) -> bool {
+    matches!(
+        (endpoint, field),
+        (Endpoint::Generate, "prompt")
+            | (Endpoint::Embeddings, "input")
+            | (Endpoint::SglangGenerate, "input_ids")
+    )
+}
+
+/// The raw JSON of a field [`reads_as_ids`] never reads as ids.
+fn json_of(field: Option<RawField<'_>>) -> Option<Cow<'_, [u8]>> {
+    match field {
+        Some(RawField::Json(raw)) => Some(raw),
+        Some(RawField::Ids(_)) | None => None,
     }
 }
 
-impl Envelope<'_> {
-    fn prompt_for(&self, endpoint: Endpoint) -> Prompt {
+impl Fields<'_> {
+    fn prompt_for(self, endpoint: Endpoint) -> Prompt {
         match endpoint {
             Endpoint::Generate => self.prompt(),
             // Anthropic: tools and system render before the conversation.
-            Endpoint::Messages => joined(&[self.tools, self.system, self.messages]),
+            Endpoint::Messages => joined([self.tools, self.system, self.messages]),
             Endpoint::Embeddings => self.input.map_or(Prompt::Absent, text_or_ids),
             Endpoint::SglangGenerate => {
-                let ids = self.input_ids.filter(|raw| raw.get() != "null");
+                let ids = self
+                    .input_ids
+                    .filter(|raw| !matches!(raw, RawField::Json(j) if **j == *b"null"));
                 match ids.or(self.text) {
                     Some(raw) => text_or_ids(raw),
                     None => Prompt::Absent,
@@ -148,18 +234,62 @@ impl Envelope<'_> {
         }
     }
 
-    fn prompt(&self) -> Prompt {
+    fn prompt(self) -> Prompt {
         if let Some(raw) = self.prompt {
-            if let Some(ids) = token_ids(raw.get()) {
-                return Prompt::TokenIds(ids);
-            }
-            if let Ok(text) = serde_json::from_str::<String>(raw.get()) {
-                return Prompt::Text(text.into_bytes());
-            }
-            return Prompt::Text(raw.get().as_bytes().to_vec());
+            return match raw.into_token_ids() {
+                Ok(ids) => Prompt::TokenIds(ids),
+                Err(RawField::Json(raw)) => text_or_raw(raw),
+                Err(RawField::Ids(ids)) => Prompt::TokenIds(ids),
+            };
         }
         // Tools render before the conversation in chat templates, so they lead the prefix too.
-        joined(&[self.tools, self.instructions, self.messages, self.input])
+        let input = json_of(self.input);
+        joined([self.tools, self.instructions, self.messages, input])
+    }
+
+    /// What the body tells the router, or the client error it is.
+    pub(crate) fn into_parsed(self, endpoint: Endpoint) -> Result<ParsedBody, BodyError> {
+        let model = match &self.model {
+            // SGLang's native API names no model: the request goes to any partition.
+            None | Some(serde_json::Value::Null) if endpoint == Endpoint::SglangGenerate => None,
+            None | Some(serde_json::Value::Null) => return Err(BodyError::MissingModel),
+            Some(serde_json::Value::String(s)) if !s.is_empty() => Some(s.clone()),
+            Some(_) => return Err(BodyError::InvalidModel),
+        };
+        let stream = matches!(self.stream, Some(serde_json::Value::Bool(true)));
+        let cache_salt = self
+            .cache_salt
+            .as_deref()
+            .and_then(|raw| serde_json::from_slice::<String>(raw).ok());
+        let prompt = self.prompt_for(endpoint);
+        Ok(ParsedBody {
+            model,
+            stream,
+            cache_salt,
+            prompt,
+        })
+    }
+}
+
+impl<'a> Envelope<'a> {
+    fn into_fields(self) -> Fields<'a> {
+        let raw = |v: Option<&'a serde_json::value::RawValue>| {
+            v.map(|r| Cow::Borrowed(r.get().as_bytes()))
+        };
+        let field = |v: Option<&'a serde_json::value::RawValue>| raw(v).map(RawField::Json);
+        Fields {
+            model: self.model,
+            stream: self.stream,
+            cache_salt: raw(self.cache_salt),
+            prompt: field(self.prompt),
+            messages: raw(self.messages),
+            tools: raw(self.tools),
+            instructions: raw(self.instructions),
+            input: field(self.input),
+            system: raw(self.system),
+            text: field(self.text),
+            input_ids: field(self.input_ids),
+        }
     }
 }
 
@@ -167,8 +297,8 @@ impl Envelope<'_> {
 /// is most of a request's CPU. `raw` is already valid JSON (it came out of the envelope); whatever
 /// this loop does not recognise (signs, fractions, exponents, overflow, non-numbers) goes to
 /// serde, so the result is always exactly `serde_json::from_str::<Vec<u32>>(raw).ok()`.
-fn token_ids(raw: &str) -> Option<Vec<u32>> {
-    fast_token_ids(raw.as_bytes()).or_else(|| serde_json::from_str::<Vec<u32>>(raw).ok())
+fn token_ids(raw: &[u8]) -> Option<Vec<u32>> {
+    fast_token_ids(raw).or_else(|| serde_json::from_slice::<Vec<u32>>(raw).ok())
 }
 
 fn fast_token_ids(bytes: &[u8]) -> Option<Vec<u32>> {
@@ -246,24 +376,7 @@ pub fn parse_request_body_for(
     }
     let envelope: Envelope<'_> =
         serde_json::from_slice(body).map_err(|e| BodyError::Malformed(short_json_error(&e)))?;
-    let prompt = envelope.prompt_for(endpoint);
-    let model = match envelope.model {
-        // SGLang's native API names no model: the request goes to any partition.
-        None | Some(serde_json::Value::Null) if endpoint == Endpoint::SglangGenerate => None,
-        None | Some(serde_json::Value::Null) => return Err(BodyError::MissingModel),
-        Some(serde_json::Value::String(s)) if !s.is_empty() => Some(s),
-        Some(_) => return Err(BodyError::InvalidModel),
-    };
-    let stream = matches!(envelope.stream, Some(serde_json::Value::Bool(true)));
-    let cache_salt = envelope
-        .cache_salt
-        .and_then(|raw| serde_json::from_str::<String>(raw.get()).ok());
-    Ok(Some(ParsedBody {
-        model,
-        stream,
-        cache_salt,
-        prompt,
-    }))
+    envelope.into_fields().into_parsed(endpoint).map(Some)
 }
 
 /// serde_json's message without echoing client input: its errors only carry a category and a
@@ -309,7 +422,7 @@ mod tests {
         ];
         for raw in cases {
             assert_eq!(
-                token_ids(raw),
+                token_ids(raw.as_bytes()),
                 serde_json::from_str::<Vec<u32>>(raw).ok(),
                 "{raw:?}"
             );
@@ -323,7 +436,7 @@ mod tests {
                 .collect();
             let raw = format!("[{raw}]");
             assert_eq!(
-                token_ids(&raw),
+                token_ids(raw.as_bytes()),
                 serde_json::from_str::<Vec<u32>>(&raw).ok(),
                 "{raw:?}"
             );

@@ -1,27 +1,27 @@
-//! The Envoy ext_proc host: a tonic `ExternalProcessor` service that runs one [`StreamMachine`]
-//! per Envoy stream and forwards its answers. It translates protocol only; every decision is the
-//! selection core's.
+//! The Envoy ext_proc host: the `envoy.service.ext_proc.v3.ExternalProcessor` gRPC service
+//! (tonic, with [`codec::ExtProcCodec`] so body chunks stay the received buffers) that runs one
+//! [`StreamMachine`] per Envoy stream and forwards its answers. It translates protocol only;
+//! every decision is the selection core's.
 
 pub mod budget;
+pub mod codec;
 pub mod pd_headers;
 pub mod stream;
 
 use std::pin::Pin;
 use std::sync::Arc;
 
-use envoy_types::pb::envoy::service::ext_proc::v3::{
-    external_processor_server::{ExternalProcessor, ExternalProcessorServer},
-    ProcessingRequest, ProcessingResponse,
-};
 use futures::Stream;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::codegen::{http, Body, BoxFuture, Bytes, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::selection::SelectionCore;
 use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
 pub use budget::{BodyBudget, BodyLease, DEFAULT_BUDGET_BYTES};
+use codec::{ExtProcCodec, Inbound, Outbound};
 pub use pd_headers::PdProtocol;
 pub use stream::StreamMachine;
 
@@ -137,23 +137,77 @@ impl ExtProcService {
         self.live.clone()
     }
 
-    pub fn into_server(self) -> ExternalProcessorServer<Self> {
-        ExternalProcessorServer::new(self)
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20)
+    pub fn into_server(self) -> ExtProcServer {
+        ExtProcServer { service: self }
     }
 }
 
-type ResponseStream = Pin<Box<dyn Stream<Item = Result<ProcessingResponse, Status>> + Send>>;
+/// The stream of answers to one Envoy stream.
+pub type ResponseStream = Pin<Box<dyn Stream<Item = Result<Outbound, Status>> + Send>>;
 
-#[tonic::async_trait]
-impl ExternalProcessor for ExtProcService {
-    type ProcessStream = ResponseStream;
+/// Largest gRPC message either way (a body chunk is at most [`stream::MAX_BODY_CHUNK`] bytes).
+const MAX_MESSAGE_BYTES: usize = 64 << 20;
 
-    async fn process(
+/// The gRPC method Envoy calls.
+const PROCESS_PATH: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
+
+/// The ext_proc gRPC service, as `envoy-types`' generated `ExternalProcessorServer` serves it
+/// (same name, method, message limits and status for an unknown method) but with
+/// [`ExtProcCodec`], which keeps body chunks as the received bytes.
+#[derive(Clone)]
+pub struct ExtProcServer {
+    service: ExtProcService,
+}
+
+impl tonic::server::NamedService for ExtProcServer {
+    const NAME: &'static str = "envoy.service.ext_proc.v3.ExternalProcessor";
+}
+
+struct ProcessMethod(ExtProcService);
+
+impl tonic::server::StreamingService<Inbound> for ProcessMethod {
+    type Response = Outbound;
+    type ResponseStream = ResponseStream;
+    type Future = BoxFuture<Response<ResponseStream>, Status>;
+
+    fn call(&mut self, request: Request<Streaming<Inbound>>) -> Self::Future {
+        let service = self.0.clone();
+        Box::pin(async move { service.process(request) })
+    }
+}
+
+impl<B> Service<http::Request<B>> for ExtProcServer
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if request.uri().path() != PROCESS_PATH {
+            return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
+        }
+        let method = ProcessMethod(self.service.clone());
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(ExtProcCodec)
+                .apply_max_message_size_config(Some(MAX_MESSAGE_BYTES), Some(MAX_MESSAGE_BYTES));
+            Ok(grpc.streaming(method, request).await)
+        })
+    }
+}
+
+impl ExtProcService {
+    /// Serves one Envoy stream: a task runs its [`StreamMachine`] and sends the answers.
+    fn process(
         &self,
-        request: Request<Streaming<ProcessingRequest>>,
-    ) -> Result<Response<Self::ProcessStream>, Status> {
+        request: Request<Streaming<Inbound>>,
+    ) -> Result<Response<ResponseStream>, Status> {
         if self.draining.as_ref().is_some_and(|d| *d.borrow()) {
             return Err(Status::unavailable("kvpick: shutting down"));
         }
@@ -163,7 +217,7 @@ impl ExternalProcessor for ExtProcService {
             machine.set_trace_context(grpc_trace_context(request.metadata()));
         }
         let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel::<Result<ProcessingResponse, Status>>(64);
+        let (tx, rx) = mpsc::channel::<Result<Outbound, Status>>(64);
         let metrics = self.core.metrics().clone();
         let tokenizers = self.settings.tokenizers.clone();
         let core = Arc::clone(&self.core);

@@ -6,14 +6,16 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use bytes::Bytes;
 use envoy_types::pb::envoy::config::core::v3::{HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request, processing_response, HeadersResponse, HttpBody, HttpHeaders,
-    ProcessingRequest, ProcessingResponse, TrailersResponse,
+    ProcessingResponse, TrailersResponse,
 };
 use tonic::Status;
 
 use crate::epp_metrics::Stage;
+use crate::request::scan::{BodyScanner, Scanned};
 use crate::request::{parse_request_body_for, BodyError, ParsedBody, Prompt};
 use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::ToHttpStatus;
@@ -27,6 +29,7 @@ use crate::usage::UsageTracker;
 use kvpick_core::request::check_session_id_len;
 
 use super::budget::BodyLease;
+use super::codec::{BodySide, Inbound, Outbound};
 use super::ExtProcSettings;
 
 mod response;
@@ -37,7 +40,7 @@ use trace::{trace_tokenize, TraceSeed};
 pub use wire::immediate;
 use wire::{
     body_chunks, body_error_message, check_protocol, header_bytes, header_len, header_value,
-    headers_response, one, session_key, set_header, streamed_body, string_entries, BodyBuf,
+    headers_response, one, session_key, set_header, string_entries, BodyBuf,
 };
 
 /// Largest body chunk sent back to Envoy in one streamed_response.
@@ -77,7 +80,7 @@ enum Phase {
 /// What one inbound message produced.
 #[derive(Debug, Default)]
 pub struct Step {
-    pub responses: Vec<ProcessingResponse>,
+    pub responses: Vec<Outbound>,
     /// True after an ImmediateResponse: the stream is over for us.
     pub finished: bool,
     /// The host must tokenize this prompt and call [`StreamMachine::resume`] with the outcome
@@ -107,7 +110,7 @@ struct QueuedRoute {
 /// A request body held while its request is routed, echoed (with the answer to its trailers)
 /// after the headers response.
 struct BodyTail {
-    body: Vec<Vec<u8>>,
+    body: Vec<Bytes>,
     lease: BodyLease,
     end_of_stream: bool,
     /// The body ended with trailers: answer them after routing.
@@ -122,12 +125,15 @@ impl BodyTail {
             .extend(body_chunks(self.body, self.end_of_stream));
         step.body_lease = Some(self.lease);
         if self.trailers {
-            step.responses.push(ProcessingResponse {
-                response: Some(processing_response::Response::RequestTrailers(
-                    TrailersResponse::default(),
-                )),
-                ..Default::default()
-            });
+            step.responses.push(
+                ProcessingResponse {
+                    response: Some(processing_response::Response::RequestTrailers(
+                        TrailersResponse::default(),
+                    )),
+                    ..Default::default()
+                }
+                .into(),
+            );
         }
     }
 }
@@ -161,6 +167,10 @@ pub struct StreamMachine {
     subset: Option<EndpointFilter>,
     body: BodyBuf,
     body_started: Option<Instant>,
+    /// Reads the request body as it arrives (`crate::request::scan`); `None` once it is done.
+    scanner: Option<BodyScanner>,
+    /// Time spent scanning the body so far (the EPP parse stage).
+    scan_time: std::time::Duration,
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
     first_byte_seen: bool,
@@ -200,12 +210,10 @@ impl StreamMachine {
             request_id: None,
             conformance_filter: None,
             subset: None,
-            body: BodyBuf {
-                chunks: Vec::new(),
-                len: 0,
-                lease: settings.body_budget.lease(),
-            },
+            body: BodyBuf::new(settings.body_budget.lease()),
             body_started: None,
+            scanner: None,
+            scan_time: std::time::Duration::ZERO,
             reservation: None,
             picked_at: None,
             first_byte_seen: false,
@@ -233,8 +241,13 @@ impl StreamMachine {
         self.reservation.as_ref().map(|r| r.booking_id())
     }
 
-    /// Handles one message. `Err` ends the gRPC stream with that status.
-    pub fn handle(&mut self, message: ProcessingRequest) -> Result<Step, Status> {
+    /// Handles one message (a `ProcessingRequest`, or one read by [`super::codec`] with its body
+    /// chunk apart). `Err` ends the gRPC stream with that status.
+    pub fn handle(&mut self, message: impl Into<Inbound>) -> Result<Step, Status> {
+        let Inbound {
+            message,
+            body: chunk,
+        } = message.into();
         if let Some(config) = &message.protocol_config {
             check_protocol(config)?;
         }
@@ -250,11 +263,11 @@ impl StreamMachine {
             return Ok(Step::default());
         }
         if self.phase == Phase::LocalReply {
-            return Ok(self.on_local_reply(request));
+            return Ok(self.on_local_reply(request, chunk));
         }
         match request {
             Request::RequestHeaders(h) => self.on_request_headers(h),
-            Request::RequestBody(b) => self.on_request_body(b),
+            Request::RequestBody(b) => self.on_request_body(b, chunk),
             Request::RequestTrailers(_) => self.on_request_trailers(),
             Request::ResponseHeaders(_)
             | Request::ResponseBody(_)
@@ -262,10 +275,10 @@ impl StreamMachine {
                 if self.phase != Phase::Response =>
             {
                 self.start_local_reply();
-                Ok(self.on_local_reply(request))
+                Ok(self.on_local_reply(request, chunk))
             }
             Request::ResponseHeaders(h) => self.on_response_headers(h),
-            Request::ResponseBody(b) => Ok(self.on_response_body(b)),
+            Request::ResponseBody(b) => Ok(self.on_response_body(b, chunk)),
             Request::ResponseTrailers(_) => {
                 self.release();
                 Ok(one(processing_response::Response::ResponseTrailers(
@@ -282,21 +295,27 @@ impl StreamMachine {
         tracing::debug!(phase = ?self.phase, "response before routing: Envoy's local reply, passed through");
         self.phase = Phase::LocalReply;
         drop(self.body.take());
+        self.scanner = None;
         self.pending = None;
     }
 
     /// Passes a local reply's response messages through unchanged. Request messages after
     /// it are ignored: the request is over for Envoy, and failing the stream now would make
     /// Envoy reset the client instead of sending its status.
-    fn on_local_reply(&mut self, request: processing_request::Request) -> Step {
+    fn on_local_reply(&mut self, request: processing_request::Request, chunk: Bytes) -> Step {
         use processing_request::Request;
         match request {
             Request::ResponseHeaders(_) => one(processing_response::Response::ResponseHeaders(
                 HeadersResponse::default(),
             )),
-            Request::ResponseBody(b) => one(processing_response::Response::ResponseBody(
-                streamed_body(b.body, b.end_of_stream),
-            )),
+            Request::ResponseBody(b) => Step {
+                responses: vec![Outbound::streamed_body(
+                    BodySide::Response,
+                    chunk,
+                    b.end_of_stream,
+                )],
+                ..Step::default()
+            },
             Request::ResponseTrailers(_) => one(processing_response::Response::ResponseTrailers(
                 TrailersResponse::default(),
             )),
@@ -413,26 +432,33 @@ impl StreamMachine {
             return Ok(self.route(None, started, true));
         }
         self.phase = Phase::RequestBody;
+        let endpoint = crate::tokenize::prompt::Endpoint::from_path(&self.path);
+        self.scanner = Some(BodyScanner::new(endpoint, self.content_type.as_deref()));
         if let Some(t) = &mut self.trace {
             t.body_started();
         }
         Ok(Step::default())
     }
 
-    fn on_request_body(&mut self, body: HttpBody) -> Result<Step, Status> {
+    fn on_request_body(&mut self, body: HttpBody, chunk: Bytes) -> Result<Step, Status> {
         if self.phase != Phase::RequestBody {
             return Err(Status::failed_precondition(
                 "request body received outside the request body phase",
             ));
         }
         self.body_started.get_or_insert_with(Instant::now);
-        if self.body.len + body.body.len() > self.settings.max_body_bytes {
+        if self.body.len + chunk.len() > self.settings.max_body_bytes {
             return Ok(self.reject_too_large());
         }
-        if !self.body.lease.try_grow(body.body.len()) {
+        if !self.body.lease.try_grow(chunk.len()) {
             return Ok(self.reject_budget());
         }
-        self.body.push(body.body);
+        if let Some(scanner) = &mut self.scanner {
+            let started = Instant::now();
+            scanner.feed(&chunk);
+            self.scan_time += started.elapsed();
+        }
+        self.body.push(chunk);
         if !body.end_of_stream {
             return Ok(Step::default());
         }
@@ -463,23 +489,29 @@ impl StreamMachine {
         }
     }
 
-    /// The body parsed for its API (by the request path), timed as the EPP's parse stage. An
-    /// associated function: `whole` borrows the stream's body buffer.
-    fn parse_body(
-        path: &str,
-        content_type: Option<&str>,
-        metrics: &crate::metrics::Metrics,
-        epp: &mut crate::epp_metrics::EppRequest,
-        whole: &[u8],
-    ) -> Result<Option<ParsedBody>, BodyError> {
-        let endpoint = crate::tokenize::prompt::Endpoint::from_path(path);
+    /// The body parsed for its API (by the request path): what the scanner read while it
+    /// arrived, or serde over the whole body when the scanner left it undecided (or the body was
+    /// rewritten since). Timed, scanning included, as the EPP's parse stage.
+    fn parse_body(&mut self) -> Result<Option<ParsedBody>, BodyError> {
+        let endpoint = crate::tokenize::prompt::Endpoint::from_path(&self.path);
         let parse_started = Instant::now();
-        let parsed = parse_request_body_for(endpoint, content_type, whole);
-        metrics
-            .epp
-            .stage(Stage::Parse, parse_started.elapsed().as_secs_f64());
+        let scanned = match self.scanner.take() {
+            Some(scanner) => scanner.finish(&self.body.chunks),
+            None => Scanned::Undecided(crate::request::scan::Undecided::Incomplete),
+        };
+        let parsed = match scanned {
+            Scanned::Parsed(parsed) => parsed,
+            Scanned::Undecided(why) => {
+                tracing::trace!(?why, "request body left to serde");
+                let whole = self.body.contiguous();
+                parse_request_body_for(endpoint, self.content_type.as_deref(), &whole)
+            }
+        };
+        let seconds = (self.scan_time + parse_started.elapsed()).as_secs_f64();
+        self.core.metrics().epp.stage(Stage::Parse, seconds);
         if let Ok(p) = &parsed {
-            epp.body(p.as_ref().and_then(|p| p.model.as_deref()), whole.len());
+            let model = p.as_ref().and_then(|p| p.model.as_deref());
+            self.epp.body(model, self.body.len);
         }
         parsed
     }
@@ -505,16 +537,9 @@ impl StreamMachine {
         if let Some(step) = self.rewrite_model() {
             return Ok(step);
         }
-        let whole = self.body.contiguous();
-        let content_type = self.content_type.as_deref();
-        let metrics = self.core.metrics();
-        let parsed = Self::parse_body(&self.path, content_type, metrics, &mut self.epp, &whole);
-        let mut parsed = match parsed {
+        let mut parsed = match self.parse_body() {
             Ok(parsed) => parsed,
-            Err(err) => {
-                drop(whole);
-                return Ok(self.reject(400, &body_error_message(&err)));
-            }
+            Err(err) => return Ok(self.reject(400, &body_error_message(&err))),
         };
         if let Some(p) = &mut parsed {
             let tokenizer_model = self.tokenizer_model(p.model.as_deref());
@@ -525,14 +550,14 @@ impl StreamMachine {
                     .settings
                     .tokenizers
                     .as_ref()
-                    .is_some_and(|t| t.admits_body(&model, whole.len()))
+                    .is_some_and(|t| t.admits_body(&model, self.body.len))
             {
                 // Too big to tokenize: load-only, as for a failed tokenization, and no copy.
                 p.prompt = Prompt::Absent;
             } else if wants_tokens {
                 // The job needs its own contiguous copy (it runs off this task while the
                 // chunks wait to be echoed): it is buffered body too, so it takes budget.
-                let job_body = bytes::Bytes::from(whole.into_owned());
+                let job_body = Bytes::from(self.body.contiguous().into_owned());
                 if !self.body.lease.try_grow(job_body.len()) {
                     return Ok(self.reject_budget());
                 }
@@ -557,7 +582,6 @@ impl StreamMachine {
                 });
             }
         }
-        drop(whole);
         let shared_session = self.core.shared().is_some() && self.session_id.is_some();
         if let Some(p) = parsed.take_if(|_| shared_session) {
             let tail = self.held_body(body_end_of_stream);
@@ -654,8 +678,9 @@ impl StreamMachine {
         if !self.body.lease.try_grow(grow) {
             return Some(self.reject_budget());
         }
-        self.body.len = rewritten.body.len();
-        self.body.chunks = vec![rewritten.body];
+        self.body.replace(rewritten.body);
+        // The scanner read the body as sent: the rewritten one is parsed whole.
+        self.scanner = None;
         None
     }
 
@@ -860,7 +885,7 @@ impl StreamMachine {
             metrics.epp.scheduled(seconds);
         }
         Step {
-            responses: vec![response],
+            responses: vec![response.into()],
             ..Step::default()
         }
     }
@@ -966,6 +991,7 @@ impl StreamMachine {
         }
         self.phase = Phase::Finished;
         drop(self.body.take());
+        self.scanner = None;
         self.pending = None;
         self.queued = None;
         self.core
@@ -975,7 +1001,7 @@ impl StreamMachine {
             .with_label_values(&[&status.to_string()])
             .inc();
         Step {
-            responses: vec![immediate(status, message)],
+            responses: vec![immediate(status, message).into()],
             finished: true,
             ..Step::default()
         }

@@ -5,7 +5,7 @@ use crate::selection::CoreConfig;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, HeaderMutation, HttpTrailers, ProtocolConfiguration,
+    body_mutation, HeaderMutation, HttpTrailers, ProcessingRequest, ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use processing_response::Response as R;
@@ -132,20 +132,24 @@ fn metadata_destination(r: &ProcessingResponse) -> String {
     }
 }
 
-fn streamed(r: &ProcessingResponse) -> (&[u8], bool) {
+/// A streamed body chunk: the message must be a body response, and its chunk is kept apart
+/// by the codec's [`Outbound`].
+fn streamed(r: &Outbound) -> (&[u8], bool) {
     let common = match r.response.as_ref().unwrap() {
         R::RequestBody(b) | R::ResponseBody(b) => b.response.as_ref().unwrap(),
         other => panic!("not a body response: {other:?}"),
     };
-    match common
-        .body_mutation
-        .as_ref()
-        .unwrap()
-        .mutation
-        .as_ref()
-        .unwrap()
-    {
-        body_mutation::Mutation::StreamedResponse(s) => (&s.body, s.end_of_stream),
+    let mutation = common.body_mutation.as_ref().unwrap().mutation.as_ref();
+    match mutation.unwrap() {
+        body_mutation::Mutation::StreamedResponse(s) => {
+            let (chunk, end_of_stream) = r.streamed_chunk().expect("the chunk");
+            assert_eq!(s.end_of_stream, end_of_stream);
+            assert!(
+                s.body.is_empty(),
+                "the chunk is not copied into the message"
+            );
+            (chunk, end_of_stream)
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -1457,13 +1461,14 @@ fn local_replies_before_routing_pass_through_unchanged() {
         }
         let step = m.handle(response_headers("text/plain")).expect(what);
         assert!(!step.finished);
-        match step.responses[..] {
-            [ProcessingResponse {
+        assert_eq!(step.responses.len(), 1, "{what}");
+        match &*step.responses[0] {
+            ProcessingResponse {
                 response: Some(R::ResponseHeaders(HeadersResponse { response: None })),
                 dynamic_metadata: None,
                 ..
-            }] => {}
-            ref other => panic!("{what}: {other:?}"),
+            } => {}
+            other => panic!("{what}: {other:?}"),
         }
         assert_eq!(
             settings.body_budget.in_use(),
@@ -1478,7 +1483,7 @@ fn local_replies_before_routing_pass_through_unchanged() {
         let step = m.handle(response_trailers()).expect(what);
         assert!(
             matches!(
-                step.responses[..],
+                step.responses.iter().map(|r| &**r).collect::<Vec<_>>()[..],
                 [ProcessingResponse {
                     response: Some(R::ResponseTrailers(_)),
                     ..
@@ -2115,3 +2120,6 @@ mod reset;
 
 #[path = "stream_trace_tests.rs"]
 mod trace;
+
+#[path = "stream_scan_tests.rs"]
+mod scan;

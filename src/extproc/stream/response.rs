@@ -5,6 +5,7 @@
 //!
 //! It must not route or touch the request phase's state (body, pending or queued route).
 
+use bytes::Bytes;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_response, CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders,
 };
@@ -13,7 +14,8 @@ use tonic::Status;
 use crate::selection::session::SessionOutcome;
 use crate::usage::UsageTracker;
 
-use super::wire::{header_value, one, set_header, streamed_body};
+use super::super::codec::{BodySide, Outbound};
+use super::wire::{header_value, one, set_header};
 use super::{Step, StreamMachine, CONFORMANCE_SERVED_HEADER};
 
 impl StreamMachine {
@@ -88,8 +90,8 @@ impl StreamMachine {
         )))
     }
 
-    pub(super) fn on_response_body(&mut self, body: HttpBody) -> Step {
-        if !body.body.is_empty() && !self.first_byte_seen {
+    pub(super) fn on_response_body(&mut self, body: HttpBody, chunk: Bytes) -> Step {
+        if !chunk.is_empty() && !self.first_byte_seen {
             self.first_byte_seen = true;
             if let Some(t) = &self.trace {
                 t.first_byte();
@@ -107,13 +109,14 @@ impl StreamMachine {
             }
         }
         if let Some(usage) = &mut self.usage {
-            usage.feed(&body.body);
+            usage.feed(&chunk);
         }
-        self.epp.response_chunk(body.body.len());
+        self.epp.response_chunk(chunk.len());
         let end = body.end_of_stream;
-        let step = one(processing_response::Response::ResponseBody(streamed_body(
-            body.body, end,
-        )));
+        let step = Step {
+            responses: vec![Outbound::streamed_body(BodySide::Response, chunk, end)],
+            ..Step::default()
+        };
         if end {
             self.release();
         }

@@ -1,14 +1,16 @@
 //! The ext_proc messages of a stream as values: header values read as Envoy sent them, header
-//! mutations and load-balancing metadata built, the request body buffered ([`BodyBuf`]) and
-//! echoed in chunks, immediate responses. No state of the stream machine lives here.
+//! mutations and load-balancing metadata built, the request body buffered ([`BodyBuf`], the
+//! received chunks themselves) and echoed in chunks, immediate responses. No state of the stream
+//! machine lives here.
 
+use bytes::{Bytes, BytesMut};
 use envoy_types::pb::envoy::config::core::v3::{
     header_value_option::HeaderAppendAction, HeaderValue, HeaderValueOption,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, processing_response, BodyMutation, BodyResponse, CommonResponse, HeaderMutation,
-    HeadersResponse, ImmediateResponse, ProcessingResponse, StreamedBodyResponse,
+    processing_response, CommonResponse, HeaderMutation, HeadersResponse, ImmediateResponse,
+    ProcessingResponse,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
@@ -16,6 +18,7 @@ use tonic::Status;
 use crate::request::BodyError;
 
 use super::super::budget::BodyLease;
+use super::super::codec::{BodySide, Outbound};
 use super::{Step, DESTINATION_HEADER, LB_NAMESPACE, MAX_BODY_CHUNK};
 
 pub(super) fn check_protocol(
@@ -165,100 +168,140 @@ pub(super) fn lb_metadata(destination: &str) -> Struct {
     }
 }
 
-pub(super) fn streamed_body(body: Vec<u8>, end_of_stream: bool) -> BodyResponse {
-    BodyResponse {
-        response: Some(CommonResponse {
-            body_mutation: Some(BodyMutation {
-                mutation: Some(body_mutation::Mutation::StreamedResponse(
-                    StreamedBodyResponse {
-                        body,
-                        end_of_stream,
-                        ..Default::default()
-                    },
-                )),
-            }),
-            ..Default::default()
-        }),
-    }
-}
-
 /// Below this size a body chunk is appended to the previous one instead of kept alone, so a
 /// peer sending many tiny chunks costs a copy of a few bytes, not an allocation and an echoed
 /// message each.
 pub(super) const COALESCE_BELOW: usize = 1024;
 
+/// A piece of the buffered body: a chunk as received (a slice of the gRPC message it came in),
+/// or small chunks copied together.
+#[derive(Debug)]
+pub(super) enum Piece {
+    Received(Bytes),
+    Coalesced(BytesMut),
+}
+
+impl AsRef<[u8]> for Piece {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Piece::Received(b) => b,
+            Piece::Coalesced(b) => b,
+        }
+    }
+}
+
+impl Piece {
+    fn into_bytes(self) -> Bytes {
+        match self {
+            Piece::Received(b) => b,
+            Piece::Coalesced(b) => b.freeze(),
+        }
+    }
+}
+
 /// The request body as Envoy sent it, chunk by chunk. Echoing the received chunks themselves
 /// (moved, not copied) saves a copy of the body; the lease holds its bytes in the global budget.
 #[derive(Debug)]
 pub(super) struct BodyBuf {
-    pub(super) chunks: Vec<Vec<u8>>,
+    pub(super) chunks: Vec<Piece>,
     pub(super) len: usize,
     pub(super) lease: BodyLease,
 }
 
 impl BodyBuf {
-    pub(super) fn push(&mut self, chunk: Vec<u8>) {
+    pub(super) fn new(lease: BodyLease) -> Self {
+        BodyBuf {
+            chunks: Vec::new(),
+            len: 0,
+            lease,
+        }
+    }
+
+    /// Keeps a chunk. A small one is copied onto the previous piece (a run of them costs one
+    /// copy of that piece, then amortised appends) or into a piece of its own, so it neither
+    /// becomes an echoed message of its own nor holds the buffer it was received in.
+    pub(super) fn push(&mut self, chunk: Bytes) {
         if chunk.is_empty() {
             return;
         }
         self.len += chunk.len();
-        if chunk.len() < COALESCE_BELOW {
-            if let Some(last) = self.chunks.last_mut() {
-                if last.len() + chunk.len() <= MAX_BODY_CHUNK {
-                    last.extend_from_slice(&chunk);
-                    return;
+        if chunk.len() >= COALESCE_BELOW {
+            self.chunks.push(Piece::Received(chunk));
+            return;
+        }
+        if let Some(last) = self.chunks.last_mut() {
+            if last.as_ref().len() + chunk.len() <= MAX_BODY_CHUNK {
+                match last {
+                    Piece::Coalesced(owned) => owned.extend_from_slice(&chunk),
+                    Piece::Received(received) => {
+                        let mut owned = BytesMut::with_capacity(received.len() + COALESCE_BELOW);
+                        owned.extend_from_slice(received);
+                        owned.extend_from_slice(&chunk);
+                        *last = Piece::Coalesced(owned);
+                    }
                 }
+                return;
             }
         }
-        self.chunks.push(chunk);
+        self.chunks
+            .push(Piece::Coalesced(BytesMut::from(&chunk[..])));
     }
 
-    /// The whole body in one slice: borrowed when Envoy sent it in one chunk (the usual case
-    /// for small requests), else one copy for the parser.
+    /// The whole body in one slice: borrowed when it is one piece (the usual case for small
+    /// requests), else one copy for the parser.
     pub(super) fn contiguous(&self) -> std::borrow::Cow<'_, [u8]> {
         match self.chunks.as_slice() {
             [] => std::borrow::Cow::Borrowed(&[]),
-            [one] => std::borrow::Cow::Borrowed(one),
-            many => std::borrow::Cow::Owned(many.concat()),
+            [one] => std::borrow::Cow::Borrowed(one.as_ref()),
+            many => {
+                let mut whole = Vec::with_capacity(self.len);
+                for piece in many {
+                    whole.extend_from_slice(piece.as_ref());
+                }
+                std::borrow::Cow::Owned(whole)
+            }
         }
     }
 
+    /// Replaces the body with `body` (a rewritten one).
+    pub(super) fn replace(&mut self, body: Vec<u8>) {
+        self.len = body.len();
+        self.chunks = vec![Piece::Received(Bytes::from(body))];
+    }
+
     /// The chunks and the lease covering them; leaves an empty buffer with a fresh lease.
-    pub(super) fn take(&mut self) -> (Vec<Vec<u8>>, BodyLease) {
+    pub(super) fn take(&mut self) -> (Vec<Bytes>, BodyLease) {
         self.len = 0;
         let fresh = self.lease.fresh();
-        (
-            std::mem::take(&mut self.chunks),
-            std::mem::replace(&mut self.lease, fresh),
-        )
+        let chunks = std::mem::take(&mut self.chunks)
+            .into_iter()
+            .map(Piece::into_bytes)
+            .collect();
+        (chunks, std::mem::replace(&mut self.lease, fresh))
     }
 }
 
 /// The request body echoed back in chunks of at most [`MAX_BODY_CHUNK`] bytes, the received
-/// chunks moved as they are (only a chunk over the limit is split, which copies it); an empty
-/// body is still answered (Envoy needs a body response to continue).
-pub(super) fn body_chunks(chunks: Vec<Vec<u8>>, end_of_stream: bool) -> Vec<ProcessingResponse> {
-    let mut pieces: Vec<Vec<u8>> = Vec::with_capacity(chunks.len());
+/// chunks moved as they are (a chunk over the limit is cut into slices of itself); an empty body
+/// is still answered (Envoy needs a body response to continue).
+pub(super) fn body_chunks(chunks: Vec<Bytes>, end_of_stream: bool) -> Vec<Outbound> {
+    let mut pieces: Vec<Bytes> = Vec::with_capacity(chunks.len());
     for chunk in chunks {
-        if chunk.len() <= MAX_BODY_CHUNK {
-            pieces.push(chunk);
-        } else {
-            pieces.extend(chunk.chunks(MAX_BODY_CHUNK).map(<[u8]>::to_vec));
+        let mut chunk = chunk;
+        while chunk.len() > MAX_BODY_CHUNK {
+            pieces.push(chunk.split_to(MAX_BODY_CHUNK));
         }
+        pieces.push(chunk);
     }
     if pieces.is_empty() {
-        pieces.push(Vec::new());
+        pieces.push(Bytes::new());
     }
     let n = pieces.len();
     pieces
         .into_iter()
         .enumerate()
-        .map(|(i, piece)| ProcessingResponse {
-            response: Some(processing_response::Response::RequestBody(streamed_body(
-                piece,
-                end_of_stream && i + 1 == n,
-            ))),
-            ..Default::default()
+        .map(|(i, piece)| {
+            Outbound::streamed_body(BodySide::Request, piece, end_of_stream && i + 1 == n)
         })
         .collect()
 }
@@ -268,7 +311,8 @@ pub(super) fn one(response: processing_response::Response) -> Step {
         responses: vec![ProcessingResponse {
             response: Some(response),
             ..Default::default()
-        }],
+        }
+        .into()],
         ..Step::default()
     }
 }

@@ -1,0 +1,84 @@
+//! Reading a request body on the ext_proc path: serde over the whole body once it is buffered
+//! (the chunks joined first, as the stream did before the scanner) against the streaming scanner
+//! (`src/request/scan.rs`) fed the same chunks as they arrive, for the overhead benchmark's
+//! bodies (`e2e/bench_overhead.py`: a token-id prompt and a chat, 1 KB / 32 KB / 220 KB) in
+//! 16 KB chunks, Envoy's usual size. Run: `cargo bench --bench body`.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a bench harness: a panic is a failure report
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use kvpick::request::scan::{BodyScanner, Scanned};
+use kvpick::request::{parse_request_body_for, Endpoint};
+
+const SIZES: [(&str, usize); 3] = [("1KB", 1024), ("32KB", 32 << 10), ("220KB", 220 << 10)];
+const CHUNK: usize = 16 << 10;
+
+fn token_body(size: usize) -> Vec<u8> {
+    let mut ids = Vec::new();
+    let mut len = r#"{"model":"m1","prompt":[7]}"#.len();
+    let mut i = 0u64;
+    while len < size {
+        let id = (1000 + (i * 7919) % 120_000).to_string();
+        len += id.len() + 1;
+        ids.push(id);
+        i += 1;
+    }
+    format!(r#"{{"model":"m1","prompt":[7,{}]}}"#, ids.join(",")).into_bytes()
+}
+
+fn chat_body(size: usize) -> Vec<u8> {
+    let mut words = Vec::new();
+    let mut len = 120;
+    let mut i = 0u64;
+    while len < size {
+        let w = format!("word{}", (i * 7919) % 5000);
+        len += w.len() + 1;
+        words.push(w);
+        i += 1;
+    }
+    format!(
+        r#"{{"model": "m1", "messages": [{{"role": "system", "content": "You are a helpful assistant."}}, {{"role": "user", "content": "7 {}"}}]}}"#,
+        words.join(" ")
+    )
+    .into_bytes()
+}
+
+fn bench(c: &mut Criterion) {
+    let mut group = c.benchmark_group("request_body");
+    for (name, size) in SIZES {
+        for (variant, body) in [("ids", token_body(size)), ("chat", chat_body(size))] {
+            let chunks: Vec<&[u8]> = body.chunks(CHUNK).collect();
+            let id = format!("{variant}/{name}");
+            group.throughput(Throughput::Bytes(body.len() as u64));
+            group.bench_with_input(
+                BenchmarkId::new("serde_whole", &id),
+                &chunks,
+                |b, chunks| {
+                    b.iter(|| {
+                        let whole = chunks.concat();
+                        parse_request_body_for(Endpoint::Generate, Some("application/json"), &whole)
+                            .unwrap()
+                            .unwrap()
+                    })
+                },
+            );
+            group.bench_with_input(BenchmarkId::new("scanner", &id), &chunks, |b, chunks| {
+                b.iter(|| {
+                    let mut scanner =
+                        BodyScanner::new(Endpoint::Generate, Some("application/json"));
+                    for chunk in chunks {
+                        scanner.feed(chunk);
+                    }
+                    match scanner.finish(chunks) {
+                        Scanned::Parsed(parsed) => parsed.unwrap().unwrap(),
+                        Scanned::Undecided(why) => panic!("left to serde: {why:?}"),
+                    }
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
