@@ -18,8 +18,12 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Duration;
 use std::time::Instant;
 
+mod shards;
+
 use crate::types::RankKey;
 pub use crate::types::{Tier, TierDepths};
+use shards::Shards;
+pub use shards::PURGE_SHARDS;
 
 /// `state` flag: a permanent holder; the low bits are its reference count.
 const PERMANENT: u32 = 1 << 31;
@@ -143,109 +147,9 @@ fn fingerprint(who: u32) -> u64 {
     )
 }
 
-/// Block keys are already xxh3 outputs (uniformly distributed), so hashing them again (SipHash)
-/// only costs time on the lookup path: use the key itself.
-#[derive(Default)]
-struct PreHashed(u64);
-
-impl Hasher for PreHashed {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only u64 keys are hashed here; fold anything else in so it is still correct.
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ *b as u64;
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = n;
-    }
-}
-
-type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>>;
-
-/// Shards of the block table, so the periodic purge of expired entries walks one shard at a time
-/// (bounded work under the partition lock) instead of the whole index.
-pub const PURGE_SHARDS: usize = 16;
-
-/// The block table split by bits 40..44 of the (already uniform) key, which the table itself
-/// uses neither for its bucket index (low bits) nor for its control bytes (top 7 bits).
-#[derive(Debug)]
-struct Shards<V> {
-    maps: Vec<PreHashedMap<V>>,
-}
-
-impl<V> Default for Shards<V> {
-    fn default() -> Self {
-        Shards {
-            maps: (0..PURGE_SHARDS).map(|_| PreHashedMap::default()).collect(),
-        }
-    }
-}
-
-impl<V> Shards<V> {
-    fn shard(key: &BlockKey) -> usize {
-        ((key.0[1] >> 8) as usize) % PURGE_SHARDS
-    }
-
-    fn map(&self, key: &BlockKey) -> &PreHashedMap<V> {
-        &self.maps[Self::shard(key)]
-    }
-
-    fn map_mut(&mut self, key: &BlockKey) -> &mut PreHashedMap<V> {
-        &mut self.maps[Self::shard(key)]
-    }
-
-    fn get(&self, key: &BlockKey) -> Option<&V> {
-        self.map(key).get(key)
-    }
-
-    fn get_mut(&mut self, key: &BlockKey) -> Option<&mut V> {
-        self.map_mut(key).get_mut(key)
-    }
-
-    fn entry(&mut self, key: BlockKey) -> std::collections::hash_map::Entry<'_, BlockKey, V> {
-        self.map_mut(&key).entry(key)
-    }
-
-    fn remove(&mut self, key: &BlockKey) -> Option<V> {
-        self.map_mut(key).remove(key)
-    }
-
-    fn len(&self) -> usize {
-        self.maps.iter().map(HashMap::len).sum()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.maps.iter().all(HashMap::is_empty)
-    }
-
-    fn values(&self) -> impl Iterator<Item = &V> {
-        self.maps.iter().flat_map(HashMap::values)
-    }
-
-    fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
-        self.maps.iter_mut().flat_map(HashMap::values_mut)
-    }
-
-    #[cfg(test)]
-    fn keys(&self) -> impl Iterator<Item = &BlockKey> {
-        self.maps.iter().flat_map(HashMap::keys)
-    }
-
-    #[cfg(test)]
-    fn contains_key(&self, key: &BlockKey) -> bool {
-        self.map(key).contains_key(key)
-    }
-
-    fn retain(&mut self, mut keep: impl FnMut(&BlockKey, &mut V) -> bool) {
-        for m in &mut self.maps {
-            m.retain(&mut keep);
-        }
-    }
-}
-
+/// From this capacity on, eviction works a shard at a time (each shard then holds thousands of
+/// blocks, enough for its ages to stand for the table's).
+const SHARDED_EVICTION_FROM: usize = 65_536;
 /// Hashes `u64` keys of unknown distribution (engine block hashes: sometimes small integers)
 /// with one splitmix64 finalizer instead of SipHash.
 #[derive(Default)]
@@ -529,51 +433,55 @@ impl PrefixIndex {
     /// (down to 15/16 of capacity) so its O(blocks) pass is paid once per many inserts, and no
     /// ordered structure has to be maintained on every touch. On big indexes the LRU cutoff is
     /// estimated from a sample of ~4k blocks, exact when that misses.
+    /// Over `max_blocks`, evicts the least recently touched blocks. A big index evicts a shard
+    /// at a time ([`PrefixIndex::evict_shard_step`]) so no insert pays for a pass over the whole
+    /// table under the partition lock; a small one evicts exactly, over the whole table.
     fn evict_over_capacity(&mut self) {
         if self.blocks.len() <= self.max_blocks {
             return;
         }
-        let target = self.max_blocks - self.max_blocks / 16;
-        let len = self.blocks.len();
-        if len > 65_536 {
-            let step = len / 4096;
-            let mut sample: Vec<u32> = self
-                .blocks
-                .values()
-                .step_by(step)
-                .map(|e| e.touched)
-                .collect();
-            let k = ((len - target) * sample.len() / len).clamp(1, sample.len()) - 1;
-            let (_, cutoff, _) = sample.select_nth_unstable(k);
-            let cutoff = *cutoff;
-            self.evict_where(|touched| touched <= cutoff, usize::MAX);
-            if self.blocks.len() <= self.max_blocks {
-                return;
-            }
+        if self.max_blocks < SHARDED_EVICTION_FROM {
+            self.evict_exact();
+            return;
         }
+        while self.blocks.len() > self.max_blocks {
+            self.evict_shard_step();
+        }
+    }
+
+    /// Evicts the oldest sixteenth of the largest shard. Keys spread uniformly over the shards,
+    /// so every shard's ages follow the same distribution and its oldest sixteenth is (about)
+    /// its share of the table's; taking the largest shard keeps the shards level and makes
+    /// progress when keys do not spread (engine block hashes that are small integers).
+    fn evict_shard_step(&mut self) {
+        let Some(map) = self.blocks.maps.iter_mut().max_by_key(|m| m.len()) else {
+            return;
+        };
+        let len = map.len();
+        let excess = (len / 16).max(1);
+        // The cutoff from a sample of about 4,096 ages: walking the table's control bytes to
+        // every `step`-th entry reads only those entries, so a step costs one pass (the retain).
+        let step = (len / 4_096).max(1);
+        let mut ticks: Vec<u32> = map.values().step_by(step).map(|e| e.touched).collect();
+        let k = (excess * ticks.len() / len).clamp(1, ticks.len()) - 1;
+        let (_, cutoff, _) = ticks.select_nth_unstable(k);
+        let cutoff = *cutoff;
+        drop(ticks);
+        let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, excess);
+        map.retain(|_, entry| !evict(entry));
+    }
+
+    /// Evicts down to `max_blocks - max_blocks / 16`, exactly by age over the whole table.
+    fn evict_exact(&mut self) {
+        let target = self.max_blocks - self.max_blocks / 16;
         let excess = self.blocks.len() - target;
         let mut ticks: Vec<u32> = self.blocks.values().map(|e| e.touched).collect();
         let (_, cutoff, _) = ticks.select_nth_unstable(excess - 1);
         let cutoff = *cutoff;
         drop(ticks);
         // Ties at the cutoff: evict only as many as needed.
-        self.evict_where(|touched| touched <= cutoff, excess);
-    }
-
-    /// Drops up to `limit` blocks whose LRU tick `evict` accepts.
-    fn evict_where(&mut self, evict: impl Fn(u32) -> bool, mut limit: usize) {
-        let (slab, free) = (&mut self.slab, &mut self.free_slab);
-        self.blocks.retain(|_, entry| {
-            if limit > 0 && evict(entry.touched) {
-                limit -= 1;
-                if entry.holder.who == MULTI {
-                    release_slab(slab, free, entry.multi());
-                }
-                false
-            } else {
-                true
-            }
-        });
+        let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, excess);
+        self.blocks.retain(|_, entry| !evict(entry));
     }
 
     /// Drops expired entries of every shard; moves the time epoch forward when expiries near the
@@ -976,6 +884,26 @@ fn retain_holders(
             multi.refresh();
             true
         }
+    }
+}
+
+/// The eviction test of a table pass: true for up to `limit` entries touched at or before
+/// `cutoff` (ties at the cutoff go only as far as needed), whose slab lists it frees.
+fn evicting<'a>(
+    slab: &'a mut [Multi],
+    free: &'a mut Vec<u32>,
+    cutoff: u32,
+    mut limit: usize,
+) -> impl FnMut(&Entry) -> bool + 'a {
+    move |entry| {
+        if limit == 0 || entry.touched > cutoff {
+            return false;
+        }
+        limit -= 1;
+        if entry.holder.who == MULTI {
+            release_slab(slab, free, entry.multi());
+        }
+        true
     }
 }
 
@@ -1450,6 +1378,41 @@ mod tests {
             .filter(|h| idx.blocks.contains_key(&BlockKey::new(*h)))
             .count();
         assert_eq!(oldest, 0);
+    }
+
+    /// A big index at capacity evicts a shard's oldest sixteenth per step, not a sixteenth of
+    /// the whole table: an insert one block over capacity removes about `cap / 256` blocks, and
+    /// what goes is old (the newest half of everything inserted is always kept).
+    #[test]
+    fn big_indexes_evict_one_shard_at_a_time_and_keep_the_recent() {
+        let cap = 4 * SHARDED_EVICTION_FROM;
+        let mut idx = PrefixIndex::new(cap, Instant::now());
+        let keys: Vec<u64> = (0..3 * cap as u64).map(crate::hash::text_id_u64).collect();
+        idx.insert(rank(1), &keys[..cap], Tier::Gpu, None);
+        assert_eq!(idx.len(), cap, "at capacity, nothing evicted");
+        idx.insert(rank(1), &keys[cap..=cap], Tier::Gpu, None);
+        let removed = cap + 1 - idx.len();
+        assert!(
+            (cap / 256 * 3 / 4..cap / 256 * 5 / 4).contains(&removed),
+            "one shard's sixteenth ({removed} of {cap})"
+        );
+        for chunk in keys[cap + 1..].chunks(1_000) {
+            idx.insert(rank(1), chunk, Tier::Gpu, None);
+            assert!(idx.len() <= cap);
+        }
+        assert!(idx.len() >= cap - cap / 64, "evicts in small steps");
+        let recent = &keys[keys.len() - cap / 2..];
+        let kept = recent
+            .iter()
+            .filter(|h| idx.blocks.contains_key(&BlockKey::new(**h)))
+            .count();
+        assert_eq!(kept, recent.len(), "the newest half is kept");
+        let oldest = &keys[..cap];
+        let survivors = oldest
+            .iter()
+            .filter(|h| idx.blocks.contains_key(&BlockKey::new(**h)))
+            .count();
+        assert_eq!(survivors, 0, "the first capacity's worth is gone");
     }
 
     /// A purge step walks one shard: an index full of expired predictions is emptied over

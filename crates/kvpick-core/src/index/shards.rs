@@ -1,0 +1,114 @@
+//! The block table of the KV index, split into shards by key bits, with the identity hasher its
+//! (already uniform) keys need. Owns only the table's layout; what an entry means, eviction and
+//! purging stay in the index ([`super`]).
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+use super::BlockKey;
+
+/// Block keys are already xxh3 outputs (uniformly distributed), so hashing them again (SipHash)
+/// only costs time on the lookup path: use the key itself.
+#[derive(Default)]
+pub(super) struct PreHashed(u64);
+
+impl Hasher for PreHashed {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed here; fold anything else in so it is still correct.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ *b as u64;
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n;
+    }
+}
+
+pub(super) type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>>;
+
+/// Shards of the block table, so the periodic purge of expired entries walks one shard at a time
+/// (bounded work under the partition lock) instead of the whole index.
+pub const PURGE_SHARDS: usize = 16;
+
+/// The block table split by bits 40..44 of the (already uniform) key, which the table itself
+/// uses neither for its bucket index (low bits) nor for its control bytes (top 7 bits).
+#[derive(Debug)]
+pub(super) struct Shards<V> {
+    pub(super) maps: Vec<PreHashedMap<V>>,
+}
+
+impl<V> Default for Shards<V> {
+    fn default() -> Self {
+        Shards {
+            maps: (0..PURGE_SHARDS).map(|_| PreHashedMap::default()).collect(),
+        }
+    }
+}
+
+impl<V> Shards<V> {
+    pub(super) fn shard(key: &BlockKey) -> usize {
+        ((key.0[1] >> 8) as usize) % PURGE_SHARDS
+    }
+
+    pub(super) fn map(&self, key: &BlockKey) -> &PreHashedMap<V> {
+        &self.maps[Self::shard(key)]
+    }
+
+    pub(super) fn map_mut(&mut self, key: &BlockKey) -> &mut PreHashedMap<V> {
+        &mut self.maps[Self::shard(key)]
+    }
+
+    pub(super) fn get(&self, key: &BlockKey) -> Option<&V> {
+        self.map(key).get(key)
+    }
+
+    pub(super) fn get_mut(&mut self, key: &BlockKey) -> Option<&mut V> {
+        self.map_mut(key).get_mut(key)
+    }
+
+    pub(super) fn entry(
+        &mut self,
+        key: BlockKey,
+    ) -> std::collections::hash_map::Entry<'_, BlockKey, V> {
+        self.map_mut(&key).entry(key)
+    }
+
+    pub(super) fn remove(&mut self, key: &BlockKey) -> Option<V> {
+        self.map_mut(key).remove(key)
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.maps.iter().map(HashMap::len).sum()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.maps.iter().all(HashMap::is_empty)
+    }
+
+    pub(super) fn values(&self) -> impl Iterator<Item = &V> {
+        self.maps.iter().flat_map(HashMap::values)
+    }
+
+    pub(super) fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.maps.iter_mut().flat_map(HashMap::values_mut)
+    }
+
+    #[cfg(test)]
+    pub(super) fn keys(&self) -> impl Iterator<Item = &BlockKey> {
+        self.maps.iter().flat_map(HashMap::keys)
+    }
+
+    #[cfg(test)]
+    pub(super) fn contains_key(&self, key: &BlockKey) -> bool {
+        self.map(key).contains_key(key)
+    }
+
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(&BlockKey, &mut V) -> bool) {
+        for m in &mut self.maps {
+            m.retain(&mut keep);
+        }
+    }
+}
