@@ -3,7 +3,12 @@
 //! 8k-token prompt, every rank holding the prompt's first 8 blocks), every rank already precise
 //! (one KV event applied). Each run lasts `--seconds` (default 2); pick threads book and free
 //! (`select_and_reserve` then drop), the event thread applies 16-block `BlockStored` batches
-//! round robin over the ranks. Prints a table and writes `target/bench-concurrency.json`.
+//! round robin over the ranks. Two prompt mixes: *shared* (every pick sends the same 8k-token
+//! prompt, so every pick rewrites the same 512 predicted index entries: true sharing between
+//! the cores) and *distinct* (each pick thread cycles through 64 conversations of its own that
+//! share only the 8 blocks every rank holds, as different clients do). Prints a table and writes
+//! `target/bench-concurrency.json`.
+//! `--only shared:2:0` runs one row (prompts, pick threads, event threads), for profiling.
 //! Without `--bench` (as under `cargo test`) it runs a short smoke of each mode.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench harness: a panic is a failure report
@@ -27,7 +32,37 @@ const EVENT_BLOCKS: usize = 16;
 struct Fixture {
     core: Arc<SelectionCore>,
     request: SelectionRequest,
+    /// The warm prompt's block hashes (its first 8 are held by every rank).
+    prompt: Vec<u64>,
     ranks: Vec<RankKey>,
+}
+
+/// Conversations each pick thread cycles through in the distinct mix.
+const CONVERSATIONS: u64 = 64;
+
+#[derive(Clone, Copy, PartialEq)]
+enum Prompts {
+    Shared,
+    Distinct,
+}
+
+impl Prompts {
+    fn name(self) -> &'static str {
+        match self {
+            Prompts::Shared => "shared",
+            Prompts::Distinct => "distinct",
+        }
+    }
+}
+
+/// The block hashes of conversation `c` of pick thread `t`: the 8 shared blocks, then its own.
+fn conversation(prompt: &[u64], t: usize, c: u64) -> Vec<u64> {
+    let salt = ((t as u64 + 1) << 48) ^ ((c + 1) << 32);
+    prompt[..8]
+        .iter()
+        .copied()
+        .chain(prompt[8..].iter().map(|h| h ^ salt))
+        .collect()
 }
 
 fn fixture() -> Fixture {
@@ -71,7 +106,7 @@ fn fixture() -> Fixture {
         request_id: "bench".into(),
         model: Some("m".into()),
         prompt: PromptInput::BlockHashes {
-            seq_hashes: prompt,
+            seq_hashes: prompt.clone(),
             prompt_tokens: PROMPT_TOKENS as u64,
         },
         ..Default::default()
@@ -79,6 +114,7 @@ fn fixture() -> Fixture {
     Fixture {
         core,
         request,
+        prompt,
         ranks,
     }
 }
@@ -103,7 +139,13 @@ fn stored(rank: u64, batch: u64) -> KvEvent {
 
 /// Picks per second over `threads` pick threads and events per second from `event_threads`
 /// event threads, all running for `run`.
-fn measure(f: &Fixture, threads: usize, event_threads: usize, run: Duration) -> (f64, f64) {
+fn measure(
+    f: &Fixture,
+    prompts: Prompts,
+    threads: usize,
+    event_threads: usize,
+    run: Duration,
+) -> (f64, f64) {
     let stop = Arc::new(AtomicBool::new(false));
     let picks = Arc::new(AtomicU64::new(0));
     let events = Arc::new(AtomicU64::new(0));
@@ -111,13 +153,26 @@ fn measure(f: &Fixture, threads: usize, event_threads: usize, run: Duration) -> 
     std::thread::scope(|s| {
         for t in 0..threads {
             let (stop, picks) = (Arc::clone(&stop), Arc::clone(&picks));
-            let mut request = f.request.clone();
+            let mut requests: Vec<SelectionRequest> = match prompts {
+                Prompts::Shared => vec![f.request.clone()],
+                Prompts::Distinct => (0..CONVERSATIONS)
+                    .map(|c| SelectionRequest {
+                        prompt: PromptInput::BlockHashes {
+                            seq_hashes: conversation(&f.prompt, t, c),
+                            prompt_tokens: PROMPT_TOKENS as u64,
+                        },
+                        ..f.request.clone()
+                    })
+                    .collect(),
+            };
             s.spawn(move || {
                 let mut n = 0u64;
                 while !stop.load(Ordering::Relaxed) {
+                    let k = requests.len();
+                    let request = &mut requests[n as usize % k];
                     request.request_id = format!("t{t}-{n}");
                     drop(std::hint::black_box(
-                        f.core.select_and_reserve(&request).unwrap(),
+                        f.core.select_and_reserve(request).unwrap(),
                     ));
                     n += 1;
                 }
@@ -156,32 +211,44 @@ fn main() {
         .map_or(2.0, |s| s.parse().expect("--seconds N"));
     let f = fixture();
     if !benching {
-        let (p, _) = measure(&f, 2, 0, Duration::from_millis(50));
-        let (_, e) = measure(&f, 1, 1, Duration::from_millis(50));
-        assert!(p > 0.0 && e > 0.0);
+        let (p, _) = measure(&f, Prompts::Shared, 2, 0, Duration::from_millis(50));
+        let (d, e) = measure(&f, Prompts::Distinct, 1, 1, Duration::from_millis(50));
+        assert!(p > 0.0 && d > 0.0 && e > 0.0);
         println!("concurrency bench smoke: ok (run `cargo bench --bench concurrency` to measure)");
         return;
     }
+    // `--only distinct:2:0`: one row (prompts, pick threads, event threads), for profiling.
+    let only: Option<String> = std::env::args().skip_while(|a| a != "--only").nth(1);
     let run = Duration::from_secs_f64(seconds);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("{RANKS} ranks, {cores} cores, {seconds} s per run\n");
     println!(
-        "| pick threads | event threads | picks/s | x one thread | events/s (16 blocks each) |"
+        "| prompts | pick threads | event threads | picks/s | x one thread | events/s (16 blocks each) |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     let mut rows = Vec::new();
-    let mut one = 0.0;
-    for (threads, event_threads) in [(1, 0), (2, 0), (4, 0), (0, 1), (1, 1), (2, 1)] {
-        let (p, e) = measure(&f, threads, event_threads, run);
-        if threads == 1 && event_threads == 0 {
-            one = p;
+    for prompts in [Prompts::Shared, Prompts::Distinct] {
+        let mut one = 0.0;
+        for (threads, event_threads) in [(1, 0), (2, 0), (4, 0), (0, 1), (1, 1), (2, 1)] {
+            if prompts == Prompts::Distinct && threads == 0 {
+                continue; // events alone do not depend on the prompts
+            }
+            let row = format!("{}:{threads}:{event_threads}", prompts.name());
+            if only.as_ref().is_some_and(|o| *o != row) {
+                continue;
+            }
+            let (p, e) = measure(&f, prompts, threads, event_threads, run);
+            if threads == 1 && event_threads == 0 {
+                one = p;
+            }
+            let ratio = if one > 0.0 { p / one } else { 0.0 };
+            let name = prompts.name();
+            println!("| {name} | {threads} | {event_threads} | {p:.0} | {ratio:.2} | {e:.0} |");
+            rows.push(serde_json::json!({
+                "prompts": name, "pick_threads": threads, "event_threads": event_threads,
+                "picks_per_s": p, "events_per_s": e, "cores": cores,
+            }));
         }
-        let ratio = if one > 0.0 { p / one } else { 0.0 };
-        println!("| {threads} | {event_threads} | {p:.0} | {ratio:.2} | {e:.0} |");
-        rows.push(serde_json::json!({
-            "pick_threads": threads, "event_threads": event_threads,
-            "picks_per_s": p, "events_per_s": e, "cores": cores,
-        }));
     }
     let out =
         std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-concurrency.json");
