@@ -307,6 +307,7 @@ impl PrefixIndex {
         // eviction takes chains from their tails, as engines do.
         self.tick += n;
         let holder = Holder { who, state };
+        self.blocks.grow_one_early(self.max_blocks / PURGE_SHARDS);
         for (i, &h) in seq_hashes.iter().enumerate() {
             let touched = self.tick - (i as u32).min(n - 1);
             match self.blocks.entry(BlockKey::new(h)) {
@@ -1413,6 +1414,45 @@ mod tests {
             .filter(|h| idx.blocks.contains_key(&BlockKey::new(**h)))
             .count();
         assert_eq!(survivors, 0, "the first capacity's worth is gone");
+    }
+
+    /// While a big index fills, its shards grow one insert at a time (never all 16 in the same
+    /// insert, which would rehash the whole table at once), and no shard grows past what a full
+    /// index needs.
+    #[test]
+    fn shards_grow_one_insert_at_a_time_while_the_index_fills() {
+        let cap = 1 << 20;
+        let mut idx = PrefixIndex::new(cap, Instant::now());
+        let capacities = |idx: &PrefixIndex| -> Vec<usize> {
+            idx.blocks.maps.iter().map(|m| m.capacity()).collect()
+        };
+        let mut before = capacities(&idx);
+        let mut most_grown_at_once = 0;
+        for r in 0..600u64 {
+            let keys: Vec<u64> = (0..2_300u64)
+                .map(|b| crate::hash::text_id_u64((r << 32) | b))
+                .collect();
+            idx.insert(rank(1), &keys, Tier::Gpu, None);
+            let after = capacities(&idx);
+            // A growth doubles a shard; deletions only move `capacity()` a little.
+            let grown = before
+                .iter()
+                .zip(&after)
+                .filter(|(b, a)| **a > **b * 3 / 2)
+                .count();
+            // Small tables (a few hundred blocks a shard) still grow naturally, together.
+            if before.iter().all(|&c| c >= 8_192) {
+                most_grown_at_once = most_grown_at_once.max(grown);
+            }
+            before = after;
+        }
+        assert!(idx.len() > cap - cap / 64, "filled to capacity");
+        assert_eq!(most_grown_at_once, 1, "one shard per insert");
+        let share = cap / PURGE_SHARDS;
+        assert!(
+            before.iter().all(|&c| c >= share && c < 4 * share),
+            "each shard holds its share, not more than the next step: {before:?}"
+        );
     }
 
     /// A purge step walks one shard: an index full of expired predictions is emptied over

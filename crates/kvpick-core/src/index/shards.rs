@@ -80,6 +80,22 @@ impl<V> Shards<V> {
         self.map_mut(key).remove(key)
     }
 
+    /// Grows (doubles) at most one shard early: the first with less than a quarter of its
+    /// capacity left, if that capacity is below `share` (the blocks each shard holds once the
+    /// index is full, so it would grow anyway). Keys spread evenly, so every shard reaches its
+    /// growth point at about the same insert; growing them one insert at a time spreads the
+    /// rehashing over 16 inserts instead of stalling one for the whole table.
+    pub(super) fn grow_one_early(&mut self, share: usize) {
+        let due = self.maps.iter_mut().find(|m| {
+            let capacity = m.capacity();
+            capacity < share && capacity - m.len() < capacity / 4
+        });
+        if let Some(m) = due {
+            let left = m.capacity() - m.len();
+            m.reserve(left + 1);
+        }
+    }
+
     pub(super) fn len(&self) -> usize {
         self.maps.iter().map(HashMap::len).sum()
     }
