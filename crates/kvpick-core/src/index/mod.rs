@@ -3,7 +3,9 @@
 //! may carry an expiry (approximate / predicted entries inserted from routing decisions); expired
 //! entries count as absent and are purged lazily. Entries from KV events are permanent and
 //! reference-counted (an engine may store the same block twice). Memory is bounded by
-//! `max_blocks` with eviction of the least recently touched blocks.
+//! `max_blocks` with eviction of the least recently touched blocks. The table is split into
+//! `shards`; purging, eviction (in a big index) and early growth each work one shard at a
+//! time, so no single operation walks or rehashes the whole table under the partition lock.
 //!
 //! Layout, for memory (ARCHITECTURE.md §7: ≤ 64 bytes per indexed (block, rank) pair): ranks are interned
 //! to dense `u32` ids, a holder is 8 bytes (`id << 2 | tier`, then a refcount or an expiry in
