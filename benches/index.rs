@@ -6,7 +6,7 @@
 //! - `find_matches` latency (p50/p99) for 32-block prompts taken from the trace;
 //! - memory per indexed (block, rank) pair, measured with a counting allocator;
 //! - inserts into a full index (1M blocks, 2,300-block prompts that are all new, as 220 KB
-//!   bodies of token ids are): p50/p90/p99 and the mean once eviction runs, which is what the
+//!   bodies of token ids are): p50/p90/p99, the maximum and the mean once eviction runs, which is what the
 //!   eviction of least recently touched blocks costs a pick under the partition lock.
 //!
 //! Writes `target/bench-index.json` and prints a table. Without `--bench` (as under `cargo test`)

@@ -152,6 +152,7 @@ fn fingerprint(who: u32) -> u64 {
 /// From this capacity on, eviction works a shard at a time (each shard then holds thousands of
 /// blocks, enough for its ages to stand for the table's).
 const SHARDED_EVICTION_FROM: usize = 65_536;
+
 /// Hashes `u64` keys of unknown distribution (engine block hashes: sometimes small integers)
 /// with one splitmix64 finalizer instead of SipHash.
 #[derive(Default)]
@@ -432,13 +433,10 @@ impl PrefixIndex {
         self.rank_epoch = self.rank_epoch.wrapping_add(1);
     }
 
-    /// Evicts the least recently touched blocks once over capacity. Eviction works in batches
-    /// (down to 15/16 of capacity) so its O(blocks) pass is paid once per many inserts, and no
-    /// ordered structure has to be maintained on every touch. On big indexes the LRU cutoff is
-    /// estimated from a sample of ~4k blocks, exact when that misses.
-    /// Over `max_blocks`, evicts the least recently touched blocks. A big index evicts a shard
-    /// at a time ([`PrefixIndex::evict_shard_step`]) so no insert pays for a pass over the whole
-    /// table under the partition lock; a small one evicts exactly, over the whole table.
+    /// Over `max_blocks`, evicts the least recently touched blocks, in batches so no ordered
+    /// structure has to be kept on every touch. A big index evicts a shard at a time
+    /// ([`PrefixIndex::evict_shard_step`]) so no insert pays for a pass over the whole table
+    /// under the partition lock; a small one evicts exactly, down to 15/16 of capacity.
     fn evict_over_capacity(&mut self) {
         if self.blocks.len() <= self.max_blocks {
             return;
