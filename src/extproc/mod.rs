@@ -12,8 +12,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures::Stream;
-use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::ReceiverStream;
+use tokio::sync::watch;
 use tonic::codegen::{http, Body, BoxFuture, Bytes, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status, Streaming};
 
@@ -203,7 +202,9 @@ where
 }
 
 impl ExtProcService {
-    /// Serves one Envoy stream: a task runs its [`StreamMachine`] and sends the answers.
+    /// Serves one Envoy stream. The answer stream itself drives the stream's [`StreamMachine`]
+    /// ([`Driver`]): hyper's task for the HTTP/2 stream polls it, reads the next message and
+    /// encodes the answers in the same poll, so a message costs no hand-off to another task.
     fn process(
         &self,
         request: Request<Streaming<Inbound>>,
@@ -216,80 +217,122 @@ impl ExtProcService {
         if self.settings.tracer.is_some() {
             machine.set_trace_context(grpc_trace_context(request.metadata()));
         }
-        let mut inbound = request.into_inner();
-        let (tx, rx) = mpsc::channel::<Result<Outbound, Status>>(64);
-        let metrics = self.core.metrics().clone();
-        let tokenizers = self.settings.tokenizers.clone();
-        let core = Arc::clone(&self.core);
-        tokio::spawn(async move {
-            let end = loop {
-                let message = tokio::select! {
-                    m = inbound.message() => m,
-                    _ = tx.closed() => break "envoy_gone",
-                };
-                match message {
-                    Ok(Some(message)) => match machine.handle(message) {
-                        Ok(mut step) => {
-                            if let Some(job) = step.tokenize.take() {
-                                let outcome = match &tokenizers {
-                                    Some(t) => tokio::select! {
-                                        o = t.tokenize_request(
-                                            Endpoint::from_path(&job.path),
-                                            &job.model,
-                                            job.body,
-                                        ) => o,
-                                        _ = tx.closed() => break "envoy_gone",
-                                    },
-                                    None => TokenizeOutcome::NotApplicable,
-                                };
-                                step = machine.resume(outcome);
-                            }
-                            if let Some(job) = step.session_lookup.take() {
-                                tokio::select! {
-                                    () = core.prefetch_session(job) => {},
-                                    _ = tx.closed() => break "envoy_gone",
-                                }
-                                step = machine.resume_after_lookup();
-                            }
-                            if let Some(waiter) = step.queue.take() {
-                                // Dropping the waiter (Envoy gone: the client disconnected)
-                                // takes the request out of the queue at once.
-                                let outcome = tokio::select! {
-                                    o = waiter.wait() => o,
-                                    _ = tx.closed() => break "gone_while_queued",
-                                };
-                                step = machine.resume_after_queue(outcome);
-                            }
-                            for response in step.responses {
-                                if tx.send(Ok(response)).await.is_err() {
-                                    break;
-                                }
-                            }
-                        }
-                        Err(status) => {
-                            tracing::warn!(code = ?status.code(), message = status.message(), "ext_proc stream rejected");
-                            let _ = tx.send(Err(status)).await;
-                            break "protocol_error";
-                        }
-                    },
-                    Ok(None) => break "closed",
-                    Err(status) => {
-                        tracing::debug!(%status, "ext_proc stream ended by Envoy or unreadable");
-                        // Answer with the error: when Envoy is gone nobody reads it, but for a
-                        // message that cannot be decoded a clean end of stream would let Envoy
-                        // carry on with the request without a pick.
-                        let _ = tx.try_send(Err(status));
-                        break "reset";
-                    }
-                }
-            };
-            metrics.extproc.streams.with_label_values(&[end]).inc();
-            machine.end_trace(end);
-            // Dropping the machine frees any booking still held (client disconnect mid-stream).
-            drop(machine);
-            drop(live);
+        let driver = Driver {
+            machine,
+            inbound: request.into_inner(),
+            outbox: Vec::new().into_iter(),
+            lease: None,
+            tokenizers: self.settings.tokenizers.clone(),
+            core: Arc::clone(&self.core),
+            end: None,
+            queued: false,
+            _live: live,
+        };
+        let answers = futures::stream::unfold(driver, |mut driver| async move {
+            let answer = driver.next_answer().await?;
+            Some((answer, driver))
         });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(answers)))
+    }
+}
+
+/// One Envoy stream being served: its machine, its inbound messages and the answers not yet
+/// handed to tonic. Dropping it (the stream ended, or hyper dropped the answer stream because
+/// Envoy went away) counts how the stream ended, ends its trace and, with the machine, frees
+/// any booking still held.
+struct Driver {
+    machine: StreamMachine,
+    inbound: Streaming<Inbound>,
+    outbox: std::vec::IntoIter<Outbound>,
+    /// The budget held by the echoed body in `outbox`, released once all of it is handed on.
+    lease: Option<BodyLease>,
+    tokenizers: Option<Arc<Tokenizers>>,
+    core: Arc<SelectionCore>,
+    /// How the stream ended, once it has; dropped before that = Envoy went away.
+    end: Option<&'static str>,
+    /// True while the request waits in the flow-control queue.
+    queued: bool,
+    _live: LiveStream,
+}
+
+impl Driver {
+    /// The next answer to send, reading and handling inbound messages until there is one;
+    /// `None` once the stream is over.
+    async fn next_answer(&mut self) -> Option<Result<Outbound, Status>> {
+        loop {
+            if let Some(answer) = self.outbox.next() {
+                return Some(Ok(answer));
+            }
+            self.lease = None;
+            if self.end.is_some() {
+                return None;
+            }
+            match self.inbound.message().await {
+                Ok(Some(message)) => match self.machine.handle(message) {
+                    Ok(step) => self.run(step).await,
+                    Err(status) => {
+                        tracing::warn!(code = ?status.code(), message = status.message(), "ext_proc stream rejected");
+                        self.end = Some("protocol_error");
+                        return Some(Err(status));
+                    }
+                },
+                Ok(None) => self.end = Some("closed"),
+                Err(status) => {
+                    tracing::debug!(%status, "ext_proc stream ended by Envoy or unreadable");
+                    // Answer with the error: when Envoy is gone nobody reads it, but for a
+                    // message that cannot be decoded a clean end of stream would let Envoy
+                    // carry on with the request without a pick.
+                    self.end = Some("reset");
+                    return Some(Err(status));
+                }
+            }
+        }
+    }
+
+    /// Finishes what one message started (tokenizing, a shared-state session lookup, a wait
+    /// in the queue) and queues its answers.
+    async fn run(&mut self, mut step: stream::Step) {
+        if let Some(job) = step.tokenize.take() {
+            let outcome = match &self.tokenizers {
+                Some(t) => {
+                    t.tokenize_request(Endpoint::from_path(&job.path), &job.model, job.body)
+                        .await
+                }
+                None => TokenizeOutcome::NotApplicable,
+            };
+            step = self.machine.resume(outcome);
+        }
+        if let Some(job) = step.session_lookup.take() {
+            self.core.prefetch_session(job).await;
+            step = self.machine.resume_after_lookup();
+        }
+        if let Some(waiter) = step.queue.take() {
+            // Dropping the driver here (Envoy gone: the client disconnected) drops the
+            // waiter, which takes the request out of the queue at once.
+            self.queued = true;
+            let outcome = waiter.wait().await;
+            self.queued = false;
+            step = self.machine.resume_after_queue(outcome);
+        }
+        self.outbox = std::mem::take(&mut step.responses).into_iter();
+        self.lease = step.body_lease.take();
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let end = self.end.unwrap_or(if self.queued {
+            "gone_while_queued"
+        } else {
+            "envoy_gone"
+        });
+        self.core
+            .metrics()
+            .extproc
+            .streams
+            .with_label_values(&[end])
+            .inc();
+        self.machine.end_trace(end);
     }
 }
 
@@ -306,3 +349,6 @@ fn grpc_trace_context(metadata: &tonic::metadata::MetadataMap) -> crate::telemet
     }
     headers
 }
+
+#[cfg(test)]
+mod host_tests;
