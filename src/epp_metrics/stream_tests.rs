@@ -7,20 +7,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request, HttpBody, HttpHeaders, ProcessingRequest,
 };
 
-use crate::catalog::{RankLayout, WorkerSpec};
 use crate::extproc::{ExtProcSettings, StreamMachine};
-use crate::metrics::Metrics;
 use crate::selection::{CoreConfig, SelectionCore};
 
 fn core(config: CoreConfig) -> Arc<SelectionCore> {
-    let core = SelectionCore::new(config, Metrics::new());
-    core.apply_snapshot(vec![WorkerSpec::for_test(
-        "a",
-        "m",
-        RankLayout::PerPort(vec![8000]),
-    )])
-    .unwrap();
-    core
+    crate::selection::one_rank_core(config)
 }
 
 fn machine(core: &Arc<SelectionCore>) -> StreamMachine {

@@ -13,32 +13,20 @@ use tokio::sync::mpsc;
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 
 use super::*;
-use crate::catalog::{RankLayout, WorkerSpec};
-use crate::metrics::Metrics;
 use crate::selection::CoreConfig;
 use kvpick_core::FlowConfig;
 
 /// One rank that takes one request at a time; the rest wait in the queue.
 fn one_at_a_time() -> Arc<SelectionCore> {
-    let core = SelectionCore::new(
-        CoreConfig {
-            seed: Some(1),
-            flow: FlowConfig {
-                queue_timeout: Duration::from_secs(300),
-                saturation: crate::selection::ONE_SLOT,
-                ..FlowConfig::default()
-            },
-            ..Default::default()
+    crate::selection::one_rank_core(CoreConfig {
+        seed: Some(1),
+        flow: FlowConfig {
+            queue_timeout: Duration::from_secs(300),
+            saturation: crate::selection::ONE_SLOT,
+            ..FlowConfig::default()
         },
-        Metrics::new(),
-    );
-    core.apply_snapshot(vec![WorkerSpec::for_test(
-        "a",
-        "m",
-        RankLayout::PerPort(vec![8000]),
-    )])
-    .unwrap();
-    core
+        ..Default::default()
+    })
 }
 
 async fn serve(service: ExtProcService) -> String {

@@ -1606,21 +1606,15 @@ mod queue {
     use std::time::Duration;
 
     pub(super) fn one_at_a_time(timeout: Duration) -> Arc<SelectionCore> {
-        let core = SelectionCore::new(
-            CoreConfig {
-                seed: Some(1),
-                flow: FlowConfig {
-                    queue_timeout: timeout,
-                    saturation: crate::selection::ONE_SLOT,
-                    ..FlowConfig::default()
-                },
-                ..Default::default()
+        crate::selection::one_rank_core(CoreConfig {
+            seed: Some(1),
+            flow: FlowConfig {
+                queue_timeout: timeout,
+                saturation: crate::selection::ONE_SLOT,
+                ..FlowConfig::default()
             },
-            Metrics::new(),
-        );
-        core.apply_snapshot(vec![worker("a", "m", RankLayout::PerPort(vec![8000]))])
-            .unwrap();
-        core
+            ..Default::default()
+        })
     }
 
     /// Client priorities are clamped to the policy's bands: these tests queue in 9, 0 and -1.

@@ -414,5 +414,18 @@ pub(crate) const ONE_SLOT: kvpick_core::SaturationLimits = kvpick_core::Saturati
     engine_kv_usage: None,
 };
 
+/// A core over one worker `a` of model `m` with one rank (port 8000), for tests.
+#[cfg(test)]
+pub(crate) fn one_rank_core(config: CoreConfig) -> Arc<SelectionCore> {
+    let core = SelectionCore::new(config, Metrics::new());
+    core.apply_snapshot(vec![crate::catalog::WorkerSpec::for_test(
+        "a",
+        "m",
+        crate::catalog::RankLayout::PerPort(vec![8000]),
+    )])
+    .unwrap_or_else(|e| panic!("{e}"));
+    core
+}
+
 #[cfg(test)]
 mod tests;
