@@ -222,10 +222,7 @@ impl ExtProcService {
             inbound: request.into_inner(),
             outbox: Vec::new().into_iter(),
             lease: None,
-            tokenizers: self.settings.tokenizers.clone(),
-            core: Arc::clone(&self.core),
             end: None,
-            queued: false,
             _live: live,
         };
         let answers = futures::stream::unfold(driver, |mut driver| async move {
@@ -246,12 +243,8 @@ struct Driver {
     outbox: std::vec::IntoIter<Outbound>,
     /// The budget held by the echoed body in `outbox`, released once all of it is handed on.
     lease: Option<BodyLease>,
-    tokenizers: Option<Arc<Tokenizers>>,
-    core: Arc<SelectionCore>,
     /// How the stream ended, once it has; dropped before that = Envoy went away.
     end: Option<&'static str>,
-    /// True while the request waits in the flow-control queue.
-    queued: bool,
     _live: LiveStream,
 }
 
@@ -293,7 +286,7 @@ impl Driver {
     /// in the queue) and queues its answers.
     async fn run(&mut self, mut step: stream::Step) {
         if let Some(job) = step.tokenize.take() {
-            let outcome = match &self.tokenizers {
+            let outcome = match &self.machine.settings().tokenizers {
                 Some(t) => {
                     t.tokenize_request(Endpoint::from_path(&job.path), &job.model, job.body)
                         .await
@@ -303,15 +296,13 @@ impl Driver {
             step = self.machine.resume(outcome);
         }
         if let Some(job) = step.session_lookup.take() {
-            self.core.prefetch_session(job).await;
+            self.machine.core().prefetch_session(job).await;
             step = self.machine.resume_after_lookup();
         }
         if let Some(waiter) = step.queue.take() {
             // Dropping the driver here (Envoy gone: the client disconnected) drops the
             // waiter, which takes the request out of the queue at once.
-            self.queued = true;
             let outcome = waiter.wait().await;
-            self.queued = false;
             step = self.machine.resume_after_queue(outcome);
         }
         self.outbox = std::mem::take(&mut step.responses).into_iter();
@@ -321,12 +312,13 @@ impl Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        let end = self.end.unwrap_or(if self.queued {
+        let end = self.end.unwrap_or(if self.machine.is_queued() {
             "gone_while_queued"
         } else {
             "envoy_gone"
         });
-        self.core
+        self.machine
+            .core()
             .metrics()
             .extproc
             .streams

@@ -241,6 +241,21 @@ impl StreamMachine {
         self.reservation.as_ref().map(|r| r.booking_id())
     }
 
+    /// The core this stream picks from.
+    pub fn core(&self) -> &Arc<SelectionCore> {
+        &self.core
+    }
+
+    pub fn settings(&self) -> &ExtProcSettings {
+        &self.settings
+    }
+
+    /// True while the request waits in the flow-control queue (between the [`Step`] that
+    /// carried its [`Waiter`] and [`StreamMachine::resume_after_queue`]).
+    pub fn is_queued(&self) -> bool {
+        self.queued.is_some()
+    }
+
     /// Handles one message (a `ProcessingRequest`, or one read by [`super::codec`] with its body
     /// chunk apart). `Err` ends the gRPC stream with that status.
     pub fn handle(&mut self, message: impl Into<Inbound>) -> Result<Step, Status> {
