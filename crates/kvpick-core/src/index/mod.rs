@@ -463,11 +463,9 @@ impl PrefixIndex {
         // The cutoff from a sample of about 4,096 ages: walking the table's control bytes to
         // every `step`-th entry reads only those entries, so a step costs one pass (the retain).
         let step = (len / 4_096).max(1);
-        let mut ticks: Vec<u32> = map.values().step_by(step).map(|e| e.touched).collect();
+        let ticks: Vec<u32> = map.values().step_by(step).map(|e| e.touched).collect();
         let k = (excess * ticks.len() / len).clamp(1, ticks.len()) - 1;
-        let (_, cutoff, _) = ticks.select_nth_unstable(k);
-        let cutoff = *cutoff;
-        drop(ticks);
+        let cutoff = nth_oldest(ticks, k);
         let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, excess);
         map.retain(|_, entry| !evict(entry));
     }
@@ -476,10 +474,8 @@ impl PrefixIndex {
     fn evict_exact(&mut self) {
         let target = self.max_blocks - self.max_blocks / 16;
         let excess = self.blocks.len() - target;
-        let mut ticks: Vec<u32> = self.blocks.values().map(|e| e.touched).collect();
-        let (_, cutoff, _) = ticks.select_nth_unstable(excess - 1);
-        let cutoff = *cutoff;
-        drop(ticks);
+        let ticks: Vec<u32> = self.blocks.values().map(|e| e.touched).collect();
+        let cutoff = nth_oldest(ticks, excess - 1);
         // Ties at the cutoff: evict only as many as needed.
         let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, excess);
         self.blocks.retain(|_, entry| !evict(entry));
@@ -886,6 +882,11 @@ fn retain_holders(
             true
         }
     }
+}
+
+/// The `k`-th smallest (0-based) of the LRU ticks: the eviction cutoff.
+fn nth_oldest(mut ticks: Vec<u32>, k: usize) -> u32 {
+    *ticks.select_nth_unstable(k).1
 }
 
 /// The eviction test of a table pass: true for up to `limit` entries touched at or before
