@@ -539,7 +539,8 @@ impl PrefixIndex {
     ///
     /// Holders are sorted by `(rank id, tier)`, so a block is a merge-join against the ranks
     /// still matching; a block whose holder set equals the previous block's (a shared prefix)
-    /// and has nothing expired is skipped in O(1). A rank's depth in a tier is the block index
+    /// and has nothing expired is skipped in O(1), and one whose holders are all live and in the
+    /// GPU tier is a plain sorted-set intersection. A rank's depth in a tier is the block index
     /// at which it stopped matching there.
     pub fn find_matches(&self, seq_hashes: &[u64], now: Instant) -> Vec<(RankKey, TierDepths)> {
         self.matches_from(seq_hashes, 0, self.units(now))
@@ -674,20 +675,23 @@ impl PrefixIndex {
                 break;
             };
             let i = i as u32;
-            let (holders, set_id, fresh) = match entry.holder.who {
+            let (holders, set_id, fresh, gpu_only) = match entry.holder.who {
                 MULTI => {
                     let m = &self.slab[entry.multi() as usize];
+                    let fresh = m.min_expiry == 0 || m.min_expiry > now;
+                    let gpu_only = fresh && m.gpu as usize == m.holders.len();
+                    (m.holders.as_slice(), m.set_id, fresh, gpu_only)
+                }
+                who => {
+                    let live = entry.holder.live(now);
+                    let gpu_only = live && entry.holder.tier() == 0;
                     (
-                        m.holders.as_slice(),
-                        m.set_id,
-                        m.min_expiry == 0 || m.min_expiry > now,
+                        std::slice::from_ref(&entry.holder),
+                        fingerprint(who),
+                        live,
+                        gpu_only,
                     )
                 }
-                who => (
-                    std::slice::from_ref(&entry.holder),
-                    fingerprint(who),
-                    entry.holder.live(now),
-                ),
             };
             let groups = RankGroups {
                 holders,
@@ -696,7 +700,11 @@ impl PrefixIndex {
             };
             if i == start {
                 open_matches(groups, &mut entries, &mut live, start);
-            } else if !(fresh && set_id == prev_set) {
+            } else if fresh && set_id == prev_set {
+                // The same live holders as the block before: nobody's tiers changed.
+            } else if gpu_only {
+                narrow_to_gpu_holders(holders, &mut entries, &mut live, i);
+            } else {
                 narrow_matches(groups, &mut entries, &mut live, i);
             }
             prev_set = set_id;
@@ -799,6 +807,33 @@ fn narrow_matches(
             }
         }
         ends[2] == OPEN
+    });
+}
+
+/// [`narrow_matches`] for a block whose holders are all live and all in the GPU tier (one per
+/// rank, the common case): a rank among them keeps every tier it still matches in, any other
+/// rank stops matching at `i` in every tier. A plain sorted-set intersection, without grouping
+/// holders by rank or testing their expiry.
+#[inline]
+fn narrow_to_gpu_holders(
+    holders: &[Holder],
+    entries: &mut [(u32, [u32; 3])],
+    live: &mut Vec<usize>,
+    i: u32,
+) {
+    let mut next = 0usize;
+    live.retain(|&at| {
+        let (rank, ends) = &mut entries[at];
+        while next < holders.len() && holders[next].rank_id() < *rank {
+            next += 1;
+        }
+        let held = next < holders.len() && holders[next].rank_id() == *rank;
+        if !held {
+            for end in ends.iter_mut().filter(|e| **e == OPEN) {
+                *end = i;
+            }
+        }
+        held
     });
 }
 
@@ -1052,9 +1087,12 @@ mod tests {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let now = Instant::now();
-        for _ in 0..300 {
+        for _ in 0..600 {
             let mut idx = PrefixIndex::new(10_000, Instant::now());
             let chain: Vec<u64> = (0..24).map(|_| rng.random_range(0..40)).collect();
+            // Half the indexes mostly GPU-tier, so blocks held only in the GPU tier by live
+            // holders (`narrow_to_gpu_holders`) are common, not only the mixed-tier walk.
+            let gpu_heavy = rng.random_bool(0.5);
             for _ in 0..rng.random_range(1..30) {
                 let rank = RankKey {
                     worker_id: rng.random_range(0..6),
@@ -1062,8 +1100,12 @@ mod tests {
                 };
                 let start = rng.random_range(0..chain.len());
                 let end = rng.random_range(start..=chain.len());
-                let tier = [Tier::Gpu, Tier::Host, Tier::Disk][rng.random_range(0..3)];
-                let expires = match rng.random_range(0..3) {
+                let tier = if gpu_heavy && rng.random_bool(0.85) {
+                    Tier::Gpu
+                } else {
+                    [Tier::Gpu, Tier::Host, Tier::Disk][rng.random_range(0..3)]
+                };
+                let expires = match rng.random_range(0..if gpu_heavy { 5 } else { 3 }) {
                     0 => None,
                     1 => Some(now - Duration::from_secs(1)),
                     _ => Some(now + Duration::from_secs(1)),
