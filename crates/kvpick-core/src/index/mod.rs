@@ -576,18 +576,12 @@ impl PrefixIndex {
             let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
                 break;
             };
-            let (holders, set_id, fresh) = match entry.holder.who {
-                MULTI => {
-                    let m = &self.slab[entry.multi() as usize];
-                    let fresh = m.min_expiry == 0 || m.min_expiry > now;
-                    (m.holders.as_slice(), m.set_id, fresh)
-                }
-                who => (
-                    std::slice::from_ref(&entry.holder),
-                    fingerprint(who),
-                    entry.holder.live(now),
-                ),
-            };
+            let BlockHolders {
+                holders,
+                set_id,
+                fresh,
+                ..
+            } = self.block_holders(entry, now);
             // The same live holders as the block before: the rank's tiers did not change.
             let same = fresh && prev_set == Some(set_id);
             prev_set = Some(set_id);
@@ -618,6 +612,31 @@ impl PrefixIndex {
             gpu: d[0],
             host: d[1],
             disk: d[2],
+        }
+    }
+
+    /// What the match walks need to know of a block's holders, inline or in the slab.
+    fn block_holders<'a>(&'a self, entry: &'a Entry, now: u32) -> BlockHolders<'a> {
+        match entry.holder.who {
+            MULTI => {
+                let m = &self.slab[entry.multi() as usize];
+                let fresh = m.min_expiry == 0 || m.min_expiry > now;
+                BlockHolders {
+                    holders: m.holders.as_slice(),
+                    set_id: m.set_id,
+                    fresh,
+                    gpu_only: fresh && m.gpu as usize == m.holders.len(),
+                }
+            }
+            who => {
+                let fresh = entry.holder.live(now);
+                BlockHolders {
+                    holders: std::slice::from_ref(&entry.holder),
+                    set_id: fingerprint(who),
+                    fresh,
+                    gpu_only: fresh && entry.holder.tier() == 0,
+                }
+            }
         }
     }
 
@@ -675,24 +694,12 @@ impl PrefixIndex {
                 break;
             };
             let i = i as u32;
-            let (holders, set_id, fresh, gpu_only) = match entry.holder.who {
-                MULTI => {
-                    let m = &self.slab[entry.multi() as usize];
-                    let fresh = m.min_expiry == 0 || m.min_expiry > now;
-                    let gpu_only = fresh && m.gpu as usize == m.holders.len();
-                    (m.holders.as_slice(), m.set_id, fresh, gpu_only)
-                }
-                who => {
-                    let live = entry.holder.live(now);
-                    let gpu_only = live && entry.holder.tier() == 0;
-                    (
-                        std::slice::from_ref(&entry.holder),
-                        fingerprint(who),
-                        live,
-                        gpu_only,
-                    )
-                }
-            };
+            let BlockHolders {
+                holders,
+                set_id,
+                fresh,
+                gpu_only,
+            } = self.block_holders(entry, now);
             let groups = RankGroups {
                 holders,
                 pos: 0,
@@ -761,6 +768,18 @@ impl Matches {
             },
         }
     }
+}
+
+/// A block's holders as [`PrefixIndex::block_holders`] sees them.
+struct BlockHolders<'a> {
+    /// Sorted by `who`.
+    holders: &'a [Holder],
+    /// Equal ids = (almost surely) equal holder sets.
+    set_id: u64,
+    /// No holder has expired.
+    fresh: bool,
+    /// Every holder is live and in the GPU tier (so one per rank).
+    gpu_only: bool,
 }
 
 /// A tier still matching in [`PrefixIndex::find_matches`].
