@@ -94,7 +94,9 @@ impl Partition {
         if withdraw(state, &mut predicted) {
             facts.push(self.index_fact(state, None));
         }
-        let may_eject = may_eject(state, &config.outlier);
+        // Only a failure can eject, and counting the ejected ranks walks the whole table: a
+        // success (nearly every answer) must not pay for it at thousands of ranks.
+        let may_eject = class == ResponseClass::ServerError && may_eject(state, &config.outlier);
         let Some(slot) = state.ranks.get_mut(&rank) else {
             return true;
         };

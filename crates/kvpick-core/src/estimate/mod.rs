@@ -26,6 +26,8 @@ use std::collections::HashMap;
 
 use crate::types::RankKey;
 
+mod ratios;
+
 /// A rank's factor never leaves `[1/MAX_SCALE, MAX_SCALE]`: one stalled response must not
 /// make a rank look 100x slower for the next thousand picks.
 pub const MAX_SCALE: f64 = 4.0;
@@ -129,6 +131,8 @@ pub struct TtftEstimator {
     rank_decay: f64,
     line: Sums,
     ranks: HashMap<RankKey, RankSums>,
+    /// The ratios of the ranks with `min_observations`, kept in order as they change.
+    ratios: ratios::Ratios,
     /// Median observed/predicted ratio over the ranks with `min_observations`, refreshed on every
     /// observation (1 until one has).
     median_ratio: f64,
@@ -146,6 +150,7 @@ impl TtftEstimator {
             rank_decay: decay_for(config.rank_half_life),
             line: Sums::default(),
             ranks: HashMap::new(),
+            ratios: ratios::Ratios::default(),
             median_ratio: 1.0,
             min_ratio: None,
             coefficients: Self::prior(&config),
@@ -223,11 +228,19 @@ impl TtftEstimator {
         let scale = self.rank_scale(&key);
         let predicted = self.coefficients.predict(tokens);
         let rank = self.ranks.entry(key).or_default();
+        let before = *rank;
         rank.w = rank.w * self.rank_decay + 1.0;
         rank.observed = rank.observed * self.rank_decay + observed_seconds + SCALE_TIME_FLOOR;
         rank.predicted = rank.predicted * self.rank_decay + predicted + SCALE_TIME_FLOOR;
+        let after = *rank;
         self.line.add(tokens, observed_seconds / scale, self.decay);
         self.coefficients = self.fit();
+        if let Some(ratio) = self.ratio(&before) {
+            self.ratios.remove(ratio);
+        }
+        if let Some(ratio) = self.ratio(&after) {
+            self.ratios.insert(ratio);
+        }
         self.refresh_median_ratio();
     }
 
@@ -235,31 +248,15 @@ impl TtftEstimator {
     /// The minimum is taken over every ratio, finite or not (a rank's scale uses its ratio
     /// as it is), so [`TtftEstimator::min_scale`] stays a true lower bound.
     fn refresh_median_ratio(&mut self) {
-        let all = self.ranks.values().filter_map(|r| self.ratio(r));
-        self.min_ratio = all.fold(None, |m: Option<f64>, r| {
-            Some(match m {
-                Some(m) if m.is_nan() || m <= r => m,
-                _ => r,
-            })
-        });
-        let mut ratios: Vec<f64> = self
-            .ranks
-            .values()
-            .filter_map(|r| self.ratio(r))
-            .filter(|r| r.is_finite() && *r > 0.0)
-            .collect();
-        // The element a full sort would put at len/2, found in linear time.
-        let mid = ratios.len() / 2;
-        self.median_ratio = if ratios.is_empty() {
-            1.0
-        } else {
-            *ratios.select_nth_unstable_by(mid, f64::total_cmp).1
-        };
+        self.min_ratio = self.ratios.min();
+        self.median_ratio = self.ratios.median();
     }
 
     /// Forgets a rank that left the partition.
     pub fn forget(&mut self, key: &RankKey) {
-        self.ranks.remove(key);
+        if let Some(ratio) = self.ranks.remove(key).and_then(|r| self.ratio(&r)) {
+            self.ratios.remove(ratio);
+        }
         self.refresh_median_ratio();
     }
 
