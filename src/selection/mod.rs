@@ -257,6 +257,12 @@ impl SelectionCore {
         reaped
     }
 
+    /// Sweeps cleared ranks' holders out of the indexes, one shard per call
+    /// ([`kvpick_core::Core::sweep_cleared_ranks`]).
+    pub fn sweep_cleared_ranks(&self, now: tokio::time::Instant) -> usize {
+        self.core.sweep_cleared_ranks(now.into_std())
+    }
+
     /// Number of live bookings.
     pub fn live_bookings(&self) -> usize {
         self.core.live_bookings()

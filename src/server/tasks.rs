@@ -18,6 +18,9 @@ use crate::metrics::Metrics;
 use crate::selection::SelectionCore;
 use crate::shared::{SharedConfig, SharedState};
 
+/// How often cleared ranks' holders are swept out of the indexes (one shard per tick).
+const SWEEP_INTERVAL: Duration = Duration::from_millis(250);
+
 use super::{CatalogSource, ServeArgs};
 
 /// `--tracing`: the OpenTelemetry exporter (none with tracing off).
@@ -193,6 +196,16 @@ pub(super) fn spawn_maintenance(core: &Arc<SelectionCore>) {
             }
         });
     }
+    let sweeper = Arc::clone(core);
+    tokio::spawn(async move {
+        // A cleared rank's id is reusable after one sweep step per index shard: 16 steps of
+        // 1/16 of the index each, 4 s after the last restart, instead of a pass per restart.
+        let mut tick = tokio::time::interval(SWEEP_INTERVAL);
+        loop {
+            tick.tick().await;
+            sweeper.sweep_cleared_ranks(tokio::time::Instant::now());
+        }
+    });
     let core = Arc::clone(core);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(10));

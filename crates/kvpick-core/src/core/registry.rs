@@ -171,6 +171,15 @@ impl Core {
         (reaped, facts)
     }
 
+    /// One purge step on every partition whose index still lists cleared ranks' holders
+    /// ([`crate::index::PrefixIndex::clear_ranks`]); returns the partitions swept. The host
+    /// calls it often (a cleared id is reusable after one step per shard), while the
+    /// expired-entry purge rides on [`Core::reap_expired`].
+    pub fn sweep_cleared_ranks(&self, now: Instant) -> usize {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        partitions.iter().filter(|p| p.sweep_cleared(now)).count()
+    }
+
     /// Number of live bookings.
     pub fn live_bookings(&self) -> usize {
         self.bookings.len()

@@ -20,6 +20,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Duration;
 use std::time::Instant;
 
+mod retire;
 mod shards;
 
 use crate::types::RankKey;
@@ -192,6 +193,12 @@ pub struct PrefixIndex {
     /// Interned id -> rank (`None`: free id, reusable).
     ranks: Vec<Option<RankKey>>,
     free_ranks: Vec<u32>,
+    /// Cleared ranks' ids: `None` in `ranks`, their holders still in the table until the purge
+    /// steps drop them ([`retire`]).
+    retiring: retire::Retiring,
+    /// XOR of every interned rank's GPU-tier fingerprint: the holder-set id of a block every
+    /// live rank holds in the GPU tier, and no other holder ([`PrefixIndex::universal_prefix`]).
+    live_gpu_set: u64,
     /// Time unit 1 = this instant; units are milliseconds.
     epoch: Instant,
     tick: u32,
@@ -211,6 +218,8 @@ impl PrefixIndex {
             rank_epoch: INDEX_EPOCHS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32,
             ranks: Vec::new(),
             free_ranks: Vec::new(),
+            retiring: retire::Retiring::default(),
+            live_gpu_set: 0,
             // Slightly in the past, so instants a little before creation still order correctly.
             epoch: now.checked_sub(Duration::from_secs(3600)).unwrap_or(now),
             tick: 0,
@@ -274,8 +283,16 @@ impl PrefixIndex {
             }
         };
         self.rank_ids.insert(rank, id);
+        self.live_gpu_set ^= fingerprint(id << 2);
         self.rank_epoch = self.rank_epoch.wrapping_add(1);
         id
+    }
+
+    /// A cleared rank's id, whose holders are still in the table (skipped by every walk).
+    fn retired(ranks: &[Option<RankKey>], holder: &Holder) -> bool {
+        ranks
+            .get(holder.rank_id() as usize)
+            .is_none_or(Option::is_none)
     }
 
     // Holders only name interned ids, so a miss is a bug in this module, not bad input.
@@ -413,24 +430,29 @@ impl PrefixIndex {
         self.clear_ranks(&[rank]);
     }
 
-    /// Forgets every block of each of `ranks` in one pass over the index: a pod whose engine
-    /// restarted (or that left) clears all its data-parallel ranks for the price of one.
+    /// Forgets every block of each of `ranks` at once, without a pass over the index: their ids
+    /// retire (matches skip their holders from now on; a rank interned again gets a new id) and
+    /// the purge steps drop the holders later ([`retire`]). A pod whose engine restarts, or an
+    /// engine repeating `AllBlocksCleared`, costs O(ranks), not O(index), under the lock.
     pub fn clear_ranks(&mut self, ranks: &[RankKey]) {
-        let ids: Vec<u32> = ranks
-            .iter()
-            .filter_map(|rank| self.rank_ids.remove(rank))
-            .collect();
-        if ids.is_empty() {
-            return;
-        }
-        let (slab, free) = (&mut self.slab, &mut self.free_slab);
-        self.blocks
-            .retain(|_, entry| retain_holders(entry, slab, free, |h| !ids.contains(&h.rank_id())));
-        for id in ids {
+        let mut cleared = false;
+        for rank in ranks {
+            let Some(id) = self.rank_ids.remove(rank) else {
+                continue;
+            };
             self.ranks[id as usize] = None;
-            self.free_ranks.push(id);
+            self.live_gpu_set ^= fingerprint(id << 2);
+            self.retiring.retire(id);
+            cleared = true;
         }
-        self.rank_epoch = self.rank_epoch.wrapping_add(1);
+        if cleared {
+            self.rank_epoch = self.rank_epoch.wrapping_add(1);
+        }
+    }
+
+    /// Cleared ranks whose holders the purge steps have not yet all dropped.
+    pub fn retiring_ranks(&self) -> usize {
+        self.retiring.len()
     }
 
     /// Over `max_blocks`, evicts the least recently touched blocks, in batches so no ordered
@@ -496,17 +518,27 @@ impl PrefixIndex {
         let now_units = self.units(now);
         let shard = self.purge_cursor % PURGE_SHARDS;
         self.purge_cursor = (shard + 1) % PURGE_SHARDS;
-        let (slab, free) = (&mut self.slab, &mut self.free_slab);
+        let sweeping = !self.retiring.is_empty();
+        let (slab, free, ranks) = (&mut self.slab, &mut self.free_slab, &self.ranks);
+        let retired = |h: &Holder| Self::retired(ranks, h);
         self.blocks.maps[shard].retain(|_, entry| {
-            let fresh = match entry.holder.who {
+            let (fresh, clean) = match entry.holder.who {
                 MULTI => {
                     let m = &slab[entry.multi() as usize];
-                    m.min_expiry == 0 || m.min_expiry > now_units
+                    let clean = !sweeping || !m.holders.iter().any(retired);
+                    (m.min_expiry == 0 || m.min_expiry > now_units, clean)
                 }
-                _ => entry.holder.live(now_units),
+                _ => (
+                    entry.holder.live(now_units),
+                    !sweeping || !retired(&entry.holder),
+                ),
             };
-            fresh || retain_holders(entry, slab, free, |h| h.live(now_units))
+            (fresh && clean)
+                || retain_holders(entry, slab, free, |h| h.live(now_units) && !retired(h))
         });
+        // Every shard has now been purged of these ids' holders: they may name new ranks.
+        let ready = self.retiring.stepped();
+        self.free_ranks.extend(ready);
         if now_units >= REBASE_AT {
             self.rebase(now, now_units);
         }
@@ -663,15 +695,15 @@ impl PrefixIndex {
             let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
                 break;
             };
-            let universal = match entry.holder.who {
-                MULTI => {
-                    let m = &self.slab[entry.multi() as usize];
-                    m.gpu as usize == everyone
-                        && m.holders.len() == everyone
-                        && (m.min_expiry == 0 || m.min_expiry > now)
-                }
-                _ => everyone == 1 && entry.holder.tier() == 0 && entry.holder.live(now),
-            };
+            // Every live rank, in the GPU tier, fresh, and no other holder (a cleared rank's
+            // holders may still be listed: the set id tells them apart from a live rank's).
+            let BlockHolders {
+                holders,
+                set_id,
+                gpu_only,
+                ..
+            } = self.block_holders(entry, now);
+            let universal = gpu_only && holders.len() == everyone && set_id == self.live_gpu_set;
             if !universal {
                 break;
             }
@@ -706,7 +738,7 @@ impl PrefixIndex {
                 now,
             };
             if i == start {
-                open_matches(groups, &mut entries, &mut live, start);
+                open_matches(groups, &mut entries, &mut live, start, &self.ranks);
             } else if fresh && set_id == prev_set {
                 // The same live holders as the block before: nobody's tiers changed.
             } else if gpu_only {
@@ -793,8 +825,14 @@ fn open_matches(
     entries: &mut Vec<(u32, [u32; 3])>,
     live: &mut Vec<usize>,
     start: u32,
+    ranks: &[Option<RankKey>],
 ) {
     while let Some((rank, tiers)) = groups.next_group() {
+        // A cleared rank's holders wait for the purge: it matches nothing. Every later block
+        // narrows these entries, so skipping it here skips it everywhere.
+        if ranks.get(rank as usize).is_none_or(Option::is_none) {
+            continue;
+        }
         let ends = tiers.map(|present| if present { OPEN } else { start });
         entries.push((rank, ends));
         live.push(entries.len() - 1);
@@ -1064,6 +1102,7 @@ mod tests {
             _ => vec![entry.holder],
         };
         list.into_iter()
+            .filter(|x| !PrefixIndex::retired(&idx.ranks, x))
             .map(|x| (idx.rank_of(x.rank_id()), x))
             .collect()
     }
@@ -1204,7 +1243,12 @@ mod tests {
             "block 2 evicted"
         );
         idx.clear_rank(rank(2));
-        assert_eq!(idx.len(), 2);
+        assert!(
+            matches(&idx, &[3], now).get(&rank(2)).is_none(),
+            "cleared at once"
+        );
+        idx.purge_expired(now);
+        assert_eq!(idx.len(), 2, "its blocks go with the purge");
         idx.remove(rank(1), 1, Tier::Gpu);
         assert!(matches(&idx, &[1], now).is_empty());
     }
@@ -1225,7 +1269,12 @@ mod tests {
         one_by_one.clear_rank(rank(4));
         let mut at_once = fill();
         at_once.clear_ranks(&[rank(1), rank(4), rank(9)]);
-        for idx in [&one_by_one, &at_once] {
+        for idx in [&mut one_by_one, &mut at_once] {
+            assert_eq!(idx.len(), 5, "the blocks stay until the purge");
+            let got = matches(idx, &[1, 2, 3], now);
+            assert!(!got.contains_key(&rank(1)), "but match nothing at once");
+            assert!(matches(idx, &[5], now).is_empty());
+            idx.purge_expired(now);
             assert_eq!(idx.len(), 3, "blocks 1, 2, 4 stay: others hold them");
             let got = matches(idx, &[1, 2, 3], now);
             assert!(!got.contains_key(&rank(1)));
@@ -1239,6 +1288,37 @@ mod tests {
         assert_eq!(matches(&at_once, &[7], now)[&rank(1)].gpu, 1);
         at_once.clear_ranks(&[]);
         assert_eq!(at_once.len(), 4);
+    }
+
+    #[test]
+    fn a_cleared_rank_matches_nothing_before_the_purge_and_its_id_carries_nothing_after() {
+        let now = Instant::now();
+        let mut idx = PrefixIndex::new(1_000, now);
+        idx.insert(rank(1), &[1, 2], Tier::Gpu, None);
+        idx.insert(rank(3), &[1, 2], Tier::Gpu, None);
+        idx.insert(rank(2), &[9], Tier::Gpu, None);
+        idx.clear_rank(rank(3));
+        // Block 1 lists two holders, as many as there are live ranks, but one is the cleared
+        // rank's: it is not the shared prefix of ranks 1 and 2.
+        let over = idx.find_matches_over(&[1, 2], now);
+        assert_eq!(over.base, 0);
+        assert_eq!(over.depths_of(&rank(2)).disk, 0);
+        assert_eq!(over.depths_of(&rank(1)).gpu, 2);
+        assert_eq!(idx.retiring_ranks(), 1);
+        // A rank interned before the purge does not inherit the cleared id's holders.
+        idx.insert(rank(4), &[7], Tier::Gpu, None);
+        assert!(!matches(&idx, &[1, 2], now).contains_key(&rank(4)));
+        idx.purge_expired(now);
+        assert_eq!(idx.retiring_ranks(), 0);
+        // Nor does one that takes the freed id after it.
+        idx.insert(rank(5), &[8], Tier::Gpu, None);
+        assert_eq!(idx.rank_ids[&rank(5)], 1, "the cleared rank's id, reused");
+        let got = matches(&idx, &[1, 2], now);
+        assert_eq!(got.keys().collect::<Vec<_>>(), vec![&rank(1)]);
+        // Once only live holders are left, the shared prefix is recognised again.
+        idx.clear_ranks(&[rank(2), rank(4), rank(5)]);
+        idx.purge_expired(now);
+        assert_eq!(idx.find_matches_over(&[1, 2], now).base, 2);
     }
 
     /// Random operation sequences against a plain map of (block, rank, tier) -> state.
@@ -1416,8 +1496,10 @@ mod tests {
         idx.insert(rank(2), &[1], Tier::Gpu, None);
         assert_eq!(idx.slab.len(), 1);
         idx.clear_rank(rank(2));
+        assert!(!idx.rank_ids.contains_key(&rank(2)), "rank id retired");
+        idx.purge_expired(Instant::now());
         assert_eq!(idx.free_slab.len(), 1, "list freed when one holder is left");
-        assert!(!idx.rank_ids.contains_key(&rank(2)), "rank id released");
+        assert_eq!(idx.free_ranks, vec![1], "id free after a purge round");
     }
 
     #[test]

@@ -407,6 +407,16 @@ impl Partition {
         true
     }
 
+    /// One purge step while the index still lists cleared ranks' holders (KV side only: picks
+    /// and the state lock are not held up); false when there is nothing to sweep.
+    pub fn sweep_cleared(&self, now: Instant) -> bool {
+        if self.kv.read().index.retiring_ranks() == 0 {
+            return false;
+        }
+        self.kv.write().index.purge_expired_step(now);
+        true
+    }
+
     /// Reaps API bookings older than `ttl` (returned) and purges expired index entries and idle
     /// sessions. A stream's booking never expires: its stream's guard frees it when the stream
     /// ends, however long the response runs.
