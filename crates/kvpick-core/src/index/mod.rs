@@ -22,11 +22,13 @@ use std::time::Instant;
 
 mod retire;
 mod shards;
+mod walk;
 
 use crate::types::RankKey;
 pub use crate::types::{Tier, TierDepths};
 use shards::Shards;
 pub use shards::PURGE_SHARDS;
+use walk::{narrow_matches, narrow_to_gpu_holders, open_matches, BlockHolders, RankGroups, OPEN};
 
 /// `state` flag: a permanent holder; the low bits are its reference count.
 const PERMANENT: u32 = 1 << 31;
@@ -150,6 +152,10 @@ fn fingerprint(who: u32) -> u64 {
     )
 }
 
+/// Retiring ids the shared-prefix check looks past ([`PrefixIndex::universal_but_retired`]): a
+/// binary search per id per shared block; beyond this many it waits for the sweep.
+const MAX_RETIRED_CHECKED: usize = 64;
+
 /// From this capacity on, eviction works a shard at a time (each shard then holds thousands of
 /// blocks, enough for its ages to stand for the table's).
 const SHARDED_EVICTION_FROM: usize = 65_536;
@@ -183,7 +189,8 @@ static INDEX_EPOCHS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 #[derive(Debug)]
 pub struct PrefixIndex {
     blocks: Shards<Entry>,
-    /// The shard the next [`PrefixIndex::purge_expired_step`] purges.
+    /// The shard the next purge step purges. Only `purge_shard_step` moves it, one shard per
+    /// step, so any [`PURGE_SHARDS`] consecutive steps visit every shard: what frees a retired id.
     purge_cursor: usize,
     slab: Vec<Multi>,
     free_slab: Vec<u32>,
@@ -460,6 +467,17 @@ impl PrefixIndex {
     /// ([`PrefixIndex::evict_shard_step`]) so no insert pays for a pass over the whole table
     /// under the partition lock; a small one evicts exactly, down to 15/16 of capacity.
     fn evict_over_capacity(&mut self) {
+        // Cleared ranks' blocks go first, shard by shard: the clear left them for the sweep, and
+        // they must not push live blocks out (an eager clear would have freed them already).
+        // At most one round: every id retired before it is then free.
+        let mut swept = 0;
+        while self.blocks.len() > self.max_blocks
+            && !self.retiring.is_empty()
+            && swept < PURGE_SHARDS
+        {
+            self.purge_shard_step(None);
+            swept += 1;
+        }
         if self.blocks.len() <= self.max_blocks {
             return;
         }
@@ -516,32 +534,36 @@ impl PrefixIndex {
     /// Expired entries already count as absent; purging only returns their memory.
     pub fn purge_expired_step(&mut self, now: Instant) {
         let now_units = self.units(now);
+        self.purge_shard_step(Some(now_units));
+        if now_units >= REBASE_AT {
+            self.rebase(now, now_units);
+        }
+    }
+
+    /// One shard (the next, round robin): drops cleared ranks' holders and, at `now_units`,
+    /// expired ones. Every step, with or without a time, counts toward freeing retired ids.
+    fn purge_shard_step(&mut self, now_units: Option<u32>) {
         let shard = self.purge_cursor % PURGE_SHARDS;
         self.purge_cursor = (shard + 1) % PURGE_SHARDS;
         let sweeping = !self.retiring.is_empty();
         let (slab, free, ranks) = (&mut self.slab, &mut self.free_slab, &self.ranks);
         let retired = |h: &Holder| Self::retired(ranks, h);
+        let live = |h: &Holder| now_units.is_none_or(|now| h.live(now));
         self.blocks.maps[shard].retain(|_, entry| {
             let (fresh, clean) = match entry.holder.who {
                 MULTI => {
                     let m = &slab[entry.multi() as usize];
                     let clean = !sweeping || !m.holders.iter().any(retired);
-                    (m.min_expiry == 0 || m.min_expiry > now_units, clean)
+                    let fresh = now_units.is_none_or(|now| m.min_expiry == 0 || m.min_expiry > now);
+                    (fresh, clean)
                 }
-                _ => (
-                    entry.holder.live(now_units),
-                    !sweeping || !retired(&entry.holder),
-                ),
+                _ => (live(&entry.holder), !sweeping || !retired(&entry.holder)),
             };
-            (fresh && clean)
-                || retain_holders(entry, slab, free, |h| h.live(now_units) && !retired(h))
+            (fresh && clean) || retain_holders(entry, slab, free, |h| live(h) && !retired(h))
         });
         // Every shard has now been purged of these ids' holders: they may name new ranks.
         let ready = self.retiring.stepped();
         self.free_ranks.extend(ready);
-        if now_units >= REBASE_AT {
-            self.rebase(now, now_units);
-        }
     }
 
     /// Moves the epoch to (about) `now`; every remaining expiring holder expires after `now`.
@@ -700,16 +722,36 @@ impl PrefixIndex {
             let BlockHolders {
                 holders,
                 set_id,
+                fresh,
                 gpu_only,
-                ..
             } = self.block_holders(entry, now);
-            let universal = gpu_only && holders.len() == everyone && set_id == self.live_gpu_set;
+            let universal = (gpu_only && holders.len() == everyone && set_id == self.live_gpu_set)
+                || (fresh && self.universal_but_retired(holders, set_id, everyone));
             if !universal {
                 break;
             }
             base += 1;
         }
         base
+    }
+
+    /// Whether these holders, less those of cleared ranks still waiting for the sweep, are every
+    /// live rank in the GPU tier: restarts every few seconds must not turn the shared-prefix
+    /// shortcut off for good. Bounded: with many ids retiring it waits for the sweep.
+    fn universal_but_retired(&self, holders: &[Holder], set_id: u64, everyone: usize) -> bool {
+        if self.retiring.is_empty() || self.retiring.len() > MAX_RETIRED_CHECKED {
+            return false;
+        }
+        let (mut live, mut set) = (holders.len(), set_id);
+        for id in self.retiring.ids() {
+            let from = holders.partition_point(|h| h.rank_id() < id);
+            for h in holders[from..].iter().take_while(|h| h.rank_id() == id) {
+                live = live.saturating_sub(1);
+                set ^= fingerprint(h.who);
+            }
+        }
+        // Equal holder-set ids: the live holders are exactly the live ranks' GPU holders.
+        live > 0 && live == everyone && set == self.live_gpu_set
     }
 
     /// The matches from block `start` on, given that every rank holds the blocks before it:
@@ -800,98 +842,6 @@ impl Matches {
             },
         }
     }
-}
-
-/// A block's holders as [`PrefixIndex::block_holders`] sees them.
-struct BlockHolders<'a> {
-    /// Sorted by `who`.
-    holders: &'a [Holder],
-    /// Equal ids = (almost surely) equal holder sets.
-    set_id: u64,
-    /// No holder has expired.
-    fresh: bool,
-    /// Every holder is live and in the GPU tier (so one per rank).
-    gpu_only: bool,
-}
-
-/// A tier still matching in [`PrefixIndex::find_matches`].
-const OPEN: u32 = u32::MAX;
-
-/// The first block's holders start the match: one entry per rank, each tier open where held
-/// (a tier not held ends at `start`, the blocks every rank holds).
-#[inline]
-fn open_matches(
-    mut groups: RankGroups,
-    entries: &mut Vec<(u32, [u32; 3])>,
-    live: &mut Vec<usize>,
-    start: u32,
-    ranks: &[Option<RankKey>],
-) {
-    while let Some((rank, tiers)) = groups.next_group() {
-        // A cleared rank's holders wait for the purge: it matches nothing. Every later block
-        // narrows these entries, so skipping it here skips it everywhere.
-        if ranks.get(rank as usize).is_none_or(Option::is_none) {
-            continue;
-        }
-        let ends = tiers.map(|present| if present { OPEN } else { start });
-        entries.push((rank, ends));
-        live.push(entries.len() - 1);
-    }
-}
-
-/// Block `i`'s holders, merge-joined against the ranks still matching (both in rank-id
-/// order): a tier a rank no longer holds ends at `i`; a rank held in no tier leaves `live`.
-#[inline]
-fn narrow_matches(
-    mut groups: RankGroups,
-    entries: &mut [(u32, [u32; 3])],
-    live: &mut Vec<usize>,
-    i: u32,
-) {
-    let mut pending = groups.next_group();
-    live.retain(|&at| {
-        let (rank, ends) = &mut entries[at];
-        while pending.is_some_and(|(r, _)| r < *rank) {
-            pending = groups.next_group();
-        }
-        let here = match pending {
-            Some((r, tiers)) if r == *rank => tiers,
-            _ => [false; 3],
-        };
-        for t in 0..3 {
-            if ends[t] == OPEN && !here[t] {
-                ends[t] = i;
-            }
-        }
-        ends[2] == OPEN
-    });
-}
-
-/// [`narrow_matches`] for a block whose holders are all live and all in the GPU tier (one per
-/// rank, the common case): a rank among them keeps every tier it still matches in, any other
-/// rank stops matching at `i` in every tier. A plain sorted-set intersection, without grouping
-/// holders by rank or testing their expiry.
-#[inline]
-fn narrow_to_gpu_holders(
-    holders: &[Holder],
-    entries: &mut [(u32, [u32; 3])],
-    live: &mut Vec<usize>,
-    i: u32,
-) {
-    let mut next = 0usize;
-    live.retain(|&at| {
-        let (rank, ends) = &mut entries[at];
-        while next < holders.len() && holders[next].rank_id() < *rank {
-            next += 1;
-        }
-        let held = next < holders.len() && holders[next].rank_id() == *rank;
-        if !held {
-            for end in ends.iter_mut().filter(|e| **e == OPEN) {
-                *end = i;
-            }
-        }
-        held
-    });
 }
 
 /// Adds `holder` to a block: merged into the same (rank, tier) if present, else inserted in order.
@@ -1004,37 +954,6 @@ fn evicting<'a>(
 fn release_slab(slab: &mut [Multi], free: &mut Vec<u32>, at: u32) {
     slab[at as usize] = Multi::default();
     free.push(at);
-}
-
-/// Walks a block's holders (sorted by rank id, then tier) one rank at a time, yielding which
-/// tiers hold the block on that rank, counting a faster tier for every slower one, skipping
-/// expired holders.
-struct RankGroups<'a> {
-    holders: &'a [Holder],
-    pos: usize,
-    now: u32,
-}
-
-impl RankGroups<'_> {
-    fn next_group(&mut self) -> Option<(u32, [bool; 3])> {
-        while self.pos < self.holders.len() {
-            let rank = self.holders[self.pos].rank_id();
-            let mut tiers = [false; 3];
-            while self.pos < self.holders.len() && self.holders[self.pos].rank_id() == rank {
-                let holder = self.holders[self.pos];
-                if holder.live(self.now) {
-                    for t in tiers.iter_mut().skip(holder.tier()) {
-                        *t = true;
-                    }
-                }
-                self.pos += 1;
-            }
-            if tiers[2] {
-                return Some((rank, tiers));
-            }
-        }
-        None
-    }
 }
 
 #[cfg(test)]
@@ -1244,7 +1163,7 @@ mod tests {
         );
         idx.clear_rank(rank(2));
         assert!(
-            matches(&idx, &[3], now).get(&rank(2)).is_none(),
+            !matches(&idx, &[3], now).contains_key(&rank(2)),
             "cleared at once"
         );
         idx.purge_expired(now);
@@ -1305,6 +1224,11 @@ mod tests {
         assert_eq!(over.depths_of(&rank(2)).disk, 0);
         assert_eq!(over.depths_of(&rank(1)).gpu, 2);
         assert_eq!(idx.retiring_ranks(), 1);
+        // Where every live rank holds the block beside the cleared one, it is still shared.
+        idx.insert(rank(2), &[1, 2], Tier::Gpu, None);
+        assert_eq!(idx.find_matches_over(&[1, 2], now).base, 2);
+        idx.remove(rank(2), 1, Tier::Gpu);
+        idx.remove(rank(2), 2, Tier::Gpu);
         // A rank interned before the purge does not inherit the cleared id's holders.
         idx.insert(rank(4), &[7], Tier::Gpu, None);
         assert!(!matches(&idx, &[1, 2], now).contains_key(&rank(4)));
@@ -1319,6 +1243,30 @@ mod tests {
         idx.clear_ranks(&[rank(2), rank(4), rank(5)]);
         idx.purge_expired(now);
         assert_eq!(idx.find_matches_over(&[1, 2], now).base, 2);
+    }
+
+    #[test]
+    fn a_cleared_ranks_blocks_make_room_before_live_blocks_are_evicted() {
+        let now = Instant::now();
+        for capacity in [100, SHARDED_EVICTION_FROM] {
+            let mut idx = PrefixIndex::new(capacity, now);
+            let half = capacity as u64 / 2;
+            let older: Vec<u64> = (0..half).collect();
+            idx.insert(rank(1), &older, Tier::Gpu, None);
+            let restarted: Vec<u64> = (half..2 * half).collect();
+            idx.insert(rank(2), &restarted, Tier::Gpu, None);
+            idx.clear_rank(rank(2));
+            // The restarted engine stores as many new blocks: room comes from its old ones.
+            let fresh: Vec<u64> = (2 * half..3 * half).collect();
+            idx.insert(rank(2), &fresh, Tier::Gpu, None);
+            assert!(idx.len() <= capacity);
+            assert_eq!(
+                matches(&idx, &older, now)[&rank(1)].gpu as u64,
+                half,
+                "no live block of rank 1 evicted (capacity {capacity})"
+            );
+            assert_eq!(matches(&idx, &fresh, now)[&rank(2)].gpu as u64, half);
+        }
     }
 
     /// Random operation sequences against a plain map of (block, rank, tier) -> state.

@@ -30,6 +30,10 @@ impl Retiring {
         self.pending.len()
     }
 
+    pub fn ids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.pending.iter().map(|(id, _)| *id)
+    }
+
     /// Counts one purge step; returns the ids every shard has been purged of since.
     pub fn stepped(&mut self) -> Vec<u32> {
         self.steps = self.steps.wrapping_add(1);

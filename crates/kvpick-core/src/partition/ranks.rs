@@ -257,6 +257,7 @@ impl RankTable {
 }
 
 #[cfg(test)]
+#[allow(clippy::arithmetic_side_effects)] // small test numbers, not network input
 mod tests {
     use super::*;
     use rand::rngs::StdRng;
