@@ -42,6 +42,28 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
+    /// An idle, schedulable rank of worker `w{port}` at 10.0.0.1:`port` (unit tests).
+    #[cfg(test)]
+    pub fn for_test(port: u16) -> Self {
+        Slot {
+            worker_name: Arc::from(format!("w{port}").as_str()),
+            endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
+            multiplexed: false,
+            lora_adapters: Arc::from(Vec::<String>::new()),
+            role: Role::Both,
+            schedulable: true,
+            kv_events: false,
+            incarnation: 0,
+            events_seen: false,
+            load: RankLoad::default(),
+            remote_load: RankLoad::default(),
+            engine: None,
+            api_bookings: 0,
+            health: Default::default(),
+            tie: 0,
+        }
+    }
+
     /// What the decision sees: this process's bookings plus the other replicas'.
     pub fn total_load(&self) -> RankLoad {
         let (local, remote) = (&self.load, &self.remote_load);
@@ -264,23 +286,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     fn slot(port: u16) -> Slot {
-        Slot {
-            worker_name: Arc::from(format!("w{port}").as_str()),
-            endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
-            multiplexed: false,
-            lora_adapters: Arc::from(Vec::<String>::new()),
-            role: Role::Both,
-            schedulable: true,
-            kv_events: false,
-            incarnation: 0,
-            events_seen: false,
-            load: RankLoad::default(),
-            remote_load: RankLoad::default(),
-            engine: None,
-            api_bookings: 0,
-            health: Default::default(),
-            tie: 0,
-        }
+        Slot::for_test(port)
     }
 
     /// Every rank's place in the load order and tie ticket.

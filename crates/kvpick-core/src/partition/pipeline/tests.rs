@@ -1,6 +1,5 @@
 //! One test (or more) per pipeline stage: each fails when its rule is broken.
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use super::*;
@@ -11,23 +10,7 @@ fn key(worker_id: u64, dp_rank: u32) -> RankKey {
 }
 
 fn slot(port: u16) -> Slot {
-    Slot {
-        worker_name: Arc::from(format!("w{port}").as_str()),
-        endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
-        multiplexed: false,
-        lora_adapters: Arc::from(Vec::<String>::new()),
-        role: crate::types::Role::Both,
-        schedulable: true,
-        kv_events: false,
-        incarnation: 0,
-        events_seen: false,
-        load: RankLoad::default(),
-        remote_load: RankLoad::default(),
-        engine: None,
-        api_bookings: 0,
-        health: Default::default(),
-        tie: 0,
-    }
+    Slot::for_test(port)
 }
 
 /// Three workers, one rank each (ports 8001..8003), plus worker 4 with two ranks (8004, 8005).
