@@ -5,8 +5,9 @@
 //! (`select_and_reserve` then drop), the event thread applies 16-block `BlockStored` batches
 //! round robin over the ranks. Two prompt mixes: *shared* (every pick sends the same 8k-token
 //! prompt, so every pick rewrites the same 512 predicted index entries: true sharing between
-//! the cores) and *distinct* (each pick thread cycles through 64 conversations of its own that
-//! share only the 8 blocks every rank holds, as different clients do). Prints a table and writes
+//! the cores) and *distinct* (64 conversations that share only the 8 blocks every rank holds, as
+//! different clients do, split between the pick threads: each thread cycles through its own
+//! share, so the working set is the same at every thread count). Prints a table and writes
 //! `target/bench-concurrency.json`.
 //! `--only shared:2:0` runs one row (prompts, pick threads, event threads), for profiling.
 //! Without `--bench` (as under `cargo test`) it runs a short smoke of each mode.
@@ -37,7 +38,9 @@ struct Fixture {
     ranks: Vec<RankKey>,
 }
 
-/// Conversations each pick thread cycles through in the distinct mix.
+/// Conversations of the distinct mix, split between the pick threads: a fixed total, so more
+/// threads do not also mean more index to keep in cache (with 64 per thread, one thread given
+/// 128 ran at 56% of its 64-conversation rate).
 const CONVERSATIONS: u64 = 64;
 
 #[derive(Clone, Copy, PartialEq)]
@@ -155,7 +158,7 @@ fn measure(
             let (stop, picks) = (Arc::clone(&stop), Arc::clone(&picks));
             let mut requests: Vec<SelectionRequest> = match prompts {
                 Prompts::Shared => vec![f.request.clone()],
-                Prompts::Distinct => (0..CONVERSATIONS)
+                Prompts::Distinct => (0..(CONVERSATIONS / threads as u64).max(1))
                     .map(|c| SelectionRequest {
                         prompt: PromptInput::BlockHashes {
                             seq_hashes: conversation(&f.prompt, t, c),
