@@ -152,6 +152,11 @@ fn fingerprint(who: u32) -> u64 {
     )
 }
 
+/// A cleared rank's id, whose holders are still in the table (skipped by every walk).
+fn retired(ranks: &[Option<RankKey>], id: u32) -> bool {
+    ranks.get(id as usize).is_none_or(Option::is_none)
+}
+
 /// Retiring ids the shared-prefix check looks past ([`PrefixIndex::universal_but_retired`]): a
 /// binary search per id per shared block; beyond this many it waits for the sweep.
 const MAX_RETIRED_CHECKED: usize = 64;
@@ -293,13 +298,6 @@ impl PrefixIndex {
         self.live_gpu_set ^= fingerprint(id << 2);
         self.rank_epoch = self.rank_epoch.wrapping_add(1);
         id
-    }
-
-    /// A cleared rank's id, whose holders are still in the table (skipped by every walk).
-    fn retired(ranks: &[Option<RankKey>], holder: &Holder) -> bool {
-        ranks
-            .get(holder.rank_id() as usize)
-            .is_none_or(Option::is_none)
     }
 
     // Holders only name interned ids, so a miss is a bug in this module, not bad input.
@@ -547,7 +545,7 @@ impl PrefixIndex {
         self.purge_cursor = (shard + 1) % PURGE_SHARDS;
         let sweeping = !self.retiring.is_empty();
         let (slab, free, ranks) = (&mut self.slab, &mut self.free_slab, &self.ranks);
-        let retired = |h: &Holder| Self::retired(ranks, h);
+        let retired = |h: &Holder| retired(ranks, h.rank_id());
         let live = |h: &Holder| now_units.is_none_or(|now| h.live(now));
         self.blocks.maps[shard].retain(|_, entry| {
             let (fresh, clean) = match entry.holder.who {
@@ -1021,7 +1019,7 @@ mod tests {
             _ => vec![entry.holder],
         };
         list.into_iter()
-            .filter(|x| !PrefixIndex::retired(&idx.ranks, x))
+            .filter(|x| !retired(&idx.ranks, x.rank_id()))
             .map(|x| (idx.rank_of(x.rank_id()), x))
             .collect()
     }
@@ -1266,6 +1264,25 @@ mod tests {
                 "no live block of rank 1 evicted (capacity {capacity})"
             );
             assert_eq!(matches(&idx, &fresh, now)[&rank(2)].gpu as u64, half);
+        }
+    }
+
+    #[test]
+    fn the_shared_prefix_check_looks_past_at_most_64_retiring_ids() {
+        let now = Instant::now();
+        for (cleared, base) in [(MAX_RETIRED_CHECKED, 1), (MAX_RETIRED_CHECKED + 1, 0)] {
+            let mut idx = PrefixIndex::new(1_000, now);
+            for w in 0..=cleared as u64 {
+                idx.insert(rank(w), &[1], Tier::Gpu, None);
+            }
+            let gone: Vec<RankKey> = (1..=cleared as u64).map(rank).collect();
+            idx.clear_ranks(&gone);
+            let over = idx.find_matches_over(&[1], now);
+            assert_eq!(over.base, base, "{cleared} retiring");
+            // Either way the one live rank matches the block.
+            assert_eq!(over.depths_of(&rank(0)).gpu, 1);
+            idx.purge_expired(now);
+            assert_eq!(idx.find_matches_over(&[1], now).base, 1, "after the sweep");
         }
     }
 

@@ -3,7 +3,7 @@
 //! block's holders by rank. Owns only these loops; what a holder is, the table and the walk's
 //! order stay in the index ([`super`]).
 
-use super::{Holder, RankKey};
+use super::{retired, Holder, RankKey};
 
 /// A block's holders as [`super::PrefixIndex::block_holders`] sees them.
 pub(super) struct BlockHolders<'a> {
@@ -33,7 +33,7 @@ pub(super) fn open_matches(
     while let Some((rank, tiers)) = groups.next_group() {
         // A cleared rank's holders wait for the purge: it matches nothing. Every later block
         // narrows these entries, so skipping it here skips it everywhere.
-        if ranks.get(rank as usize).is_none_or(Option::is_none) {
+        if retired(ranks, rank) {
             continue;
         }
         let ends = tiers.map(|present| if present { OPEN } else { start });
