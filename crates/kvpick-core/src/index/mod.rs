@@ -610,6 +610,7 @@ impl PrefixIndex {
         Matches {
             base,
             ranks: self.matches_from(seq_hashes, base, now),
+            epoch: self.rank_epoch,
         }
     }
 
@@ -822,6 +823,9 @@ impl PrefixIndex {
 pub struct Matches {
     pub base: u32,
     pub ranks: Vec<(RankKey, TierDepths)>,
+    /// [`PrefixIndex::rank_epoch`] when they were taken: `base` speaks for the ranks interned
+    /// then.
+    pub epoch: u64,
 }
 
 impl Matches {

@@ -328,6 +328,7 @@ impl Partition {
         facts: &mut Facts,
     ) -> Result<Admitted, SelectError> {
         let prompt = self.prompt_of(request, config);
+        let early = self.early_matches(request, &prompt, config, now);
         let mut guard = self.state.lock();
         let state = &mut *guard;
         // Held (no rank to serve it yet), or tried just now against an empty queue and found
@@ -344,6 +345,7 @@ impl Partition {
                 now,
                 admission: Some(&check),
                 exhaustive: false,
+                matches: early.as_ref(),
             };
             if let Some(answer) = self.try_at_once(state, &ask, claims, facts) {
                 return answer;
@@ -536,6 +538,7 @@ impl Partition {
                 now,
                 admission: Some(&Check::new(&queued.request, enqueued)),
                 exhaustive: false,
+                matches: None,
             };
             match self.try_release(state, ticket, &ask, claims, facts) {
                 Some(result) => outcomes.deliver(ticket, result, facts),

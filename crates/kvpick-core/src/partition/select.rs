@@ -23,6 +23,9 @@ pub(super) struct Ask<'a> {
     pub admission: Option<&'a admission::Check>,
     /// Cost every eligible rank (the full path), never the bounded search ([`super::sparse`]).
     pub exhaustive: bool,
+    /// The prompt's matches, read before the state lock was taken (so concurrent picks read
+    /// the index in parallel); `None` reads them under it.
+    pub matches: Option<&'a crate::index::Matches>,
 }
 
 /// The prompt's matches, read once and only when a stage needs them.
@@ -39,13 +42,15 @@ impl LazyMatches {
 
     /// One rank's depths: from the matches when read, else from the index for that rank only.
     pub fn depths_of(&self, state: &State, ask: &Ask, rank: &RankKey) -> TierDepths {
-        match &self.0 {
-            Some(m) => m.depths_of(rank),
-            None => state
-                .kv
-                .read()
-                .index
-                .rank_depths(rank, &ask.prompt.seq_hashes, ask.now),
+        match (&self.0, ask.matches) {
+            (Some(m), _) | (None, Some(m)) => m.depths_of(rank),
+            (None, None) => {
+                state
+                    .kv
+                    .read()
+                    .index
+                    .rank_depths(rank, &ask.prompt.seq_hashes, ask.now)
+            }
         }
     }
 }
@@ -115,6 +120,7 @@ impl Partition {
         facts: &mut Facts,
     ) -> Result<SelectOutcome, SelectError> {
         let prompt = self.prompt_of(request, config);
+        let early = self.early_matches(request, &prompt, config, now);
         let check = saturation_gate.then(|| admission::Check::new(request, now));
         let ask = Ask {
             prompt: &prompt,
@@ -124,6 +130,7 @@ impl Partition {
             now,
             admission: check.as_ref(),
             exhaustive: false,
+            matches: early.as_ref(),
         };
         let mut guard = self.state.lock();
         self.select_in(&mut guard, &ask, facts)
@@ -249,14 +256,42 @@ impl Partition {
         }
         let all_interned = state.all_interned();
         let kv = state.kv.read();
+        if let Some(early) = ask.matches {
+            // Read before the lock: good when it needs no rank the index did not know then.
+            if early.base == 0 || (all_interned && early.epoch == kv.index.rank_epoch()) {
+                return early.clone();
+            }
+        }
         if all_interned {
             kv.index.find_matches_over(&ask.prompt.seq_hashes, ask.now)
         } else {
             crate::index::Matches {
                 base: 0,
                 ranks: kv.index.find_matches(&ask.prompt.seq_hashes, ask.now),
+                epoch: kv.index.rank_epoch(),
             }
         }
+    }
+
+    /// The prompt's matches read without the state lock (see [`Ask::matches`]); none for a
+    /// request a hard-bound session will most likely keep on its rank (only that rank's
+    /// overlap is needed then, [`super::sparse`]).
+    pub(super) fn early_matches(
+        &self,
+        request: &SelectionRequest,
+        prompt: &PromptBlocks,
+        config: &CoreConfig,
+        now: Instant,
+    ) -> Option<crate::index::Matches> {
+        let hard_session = request.session_id.is_some()
+            && request.fallbacks == 0
+            && config.sessions.mode == crate::session::AffinityMode::Hard;
+        (!prompt.seq_hashes.is_empty() && !hard_session).then(|| {
+            self.kv
+                .read()
+                .index
+                .find_matches_over(&prompt.seq_hashes, now)
+        })
     }
 
     /// Every rank's matched depths in rank order (the full path's form): the listed ranks, and

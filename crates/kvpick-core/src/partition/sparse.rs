@@ -442,6 +442,8 @@ impl Partition {
     ) -> [PathAnswer; 2] {
         let check = admission::Check::new(request, now);
         let prompt = self.prompt_of(request, config);
+        // The search gets the matches as `select` reads them, before the lock.
+        let early = self.early_matches(request, &prompt, config, now);
         let mut guard = self.state.lock();
         let allowed = Allowed {
             subset: request.subset.as_ref(),
@@ -456,6 +458,7 @@ impl Partition {
                 now,
                 admission: flow.then_some(&check),
                 exhaustive,
+                matches: if exhaustive { None } else { early.as_ref() },
             };
             let mut facts = Facts::default();
             let mut field = self
