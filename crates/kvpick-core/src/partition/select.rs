@@ -275,7 +275,9 @@ impl Partition {
 
     /// The prompt's matches read without the state lock (see [`Ask::matches`]); none for a
     /// request a hard-bound session will most likely keep on its rank (only that rank's
-    /// overlap is needed then, [`super::sparse`]).
+    /// overlap is needed then, [`super::sparse`]). Read inside the state lock instead, a pick
+    /// waiting for an event's KV write lock would hold every other pick up: the scale benchmark
+    /// collapsed that way in 3 of 10 runs (docs/benchmarks.md, concurrency).
     pub(super) fn early_matches(
         &self,
         request: &SelectionRequest,
