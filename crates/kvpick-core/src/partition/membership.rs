@@ -128,22 +128,15 @@ impl Partition {
             if new_rank {
                 state.kv.write().members.insert(key);
             }
-            let slot = state.ranks.get_or_insert_with(key, || Slot {
-                worker_name: Arc::clone(&name),
-                endpoint: rank.endpoint,
-                multiplexed: rank.multiplexed,
-                lora_adapters: Arc::clone(&lora),
-                role: rank.role,
-                schedulable: false,
-                kv_events: false,
-                incarnation: record.spec.incarnation,
-                events_seen: false,
-                load: RankLoad::default(),
-                remote_load: RankLoad::default(),
-                engine: None,
-                api_bookings: 0,
-                health: Default::default(),
-                tie: 0,
+            let slot = state.ranks.get_or_insert_with(key, || {
+                Slot::new(
+                    Arc::clone(&name),
+                    rank.endpoint,
+                    rank.multiplexed,
+                    Arc::clone(&lora),
+                    rank.role,
+                    record.spec.incarnation,
+                )
             });
             if slot.incarnation != record.spec.incarnation {
                 // The engine restarted under the same worker: its KV cache is empty now (its

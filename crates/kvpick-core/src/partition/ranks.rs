@@ -42,18 +42,24 @@ pub(crate) struct Slot {
 }
 
 impl Slot {
-    /// An idle, schedulable rank of worker `w{port}` at 10.0.0.1:`port` (unit tests).
-    #[cfg(test)]
-    pub fn for_test(port: u16) -> Self {
+    /// A rank just added to the table: idle, not yet schedulable, no KV events seen.
+    pub fn new(
+        worker_name: Arc<str>,
+        endpoint: SocketAddr,
+        multiplexed: bool,
+        lora_adapters: Arc<[String]>,
+        role: Role,
+        incarnation: u64,
+    ) -> Self {
         Slot {
-            worker_name: Arc::from(format!("w{port}").as_str()),
-            endpoint: SocketAddr::from(([10, 0, 0, 1], port)),
-            multiplexed: false,
-            lora_adapters: Arc::from(Vec::<String>::new()),
-            role: Role::Both,
-            schedulable: true,
+            worker_name,
+            endpoint,
+            multiplexed,
+            lora_adapters,
+            role,
+            schedulable: false,
             kv_events: false,
-            incarnation: 0,
+            incarnation,
             events_seen: false,
             load: RankLoad::default(),
             remote_load: RankLoad::default(),
@@ -61,6 +67,22 @@ impl Slot {
             api_bookings: 0,
             health: Default::default(),
             tie: 0,
+        }
+    }
+
+    /// An idle, schedulable rank of worker `w{port}` at 10.0.0.1:`port` (unit tests).
+    #[cfg(test)]
+    pub fn for_test(port: u16) -> Self {
+        Slot {
+            schedulable: true,
+            ..Slot::new(
+                Arc::from(format!("w{port}").as_str()),
+                SocketAddr::from(([10, 0, 0, 1], port)),
+                false,
+                Arc::from(Vec::<String>::new()),
+                Role::Both,
+                0,
+            )
         }
     }
 
