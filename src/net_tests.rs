@@ -1,7 +1,8 @@
 //! The accept loop's bounds over loopback, each with input just over it: the connection past
 //! `--max-connections` is closed while those under it are served; a TLS handshake past
 //! `--max-concurrent-tls-handshakes` waits for a slot; a silent handshake is closed at
-//! `--tls-handshake-timeout`; the flags refuse values out of range.
+//! `--tls-handshake-timeout`; TLS records read ahead together all arrive; the flags refuse
+//! values out of range.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -143,6 +144,39 @@ async fn a_silent_handshake_is_closed_at_the_timeout() {
     })
     .await;
     assert_eq!(metrics.open.with_label_values(&["grpc"]).get(), 0);
+}
+
+/// With OpenSSL's read-ahead (`tls::acceptor`) one socket read can take several records; the
+/// ones beyond the first wait in OpenSSL's buffer, not in the socket. A reader that then waited
+/// on the socket would hang: here the client sends three records before the server reads any
+/// and then stays silent, and all three must still arrive.
+#[tokio::test]
+async fn records_read_ahead_together_are_all_delivered() {
+    use tokio::io::AsyncWriteExt;
+    let tls = crate::tls::server(None).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (sent_tx, sent_rx) = tokio::sync::oneshot::channel();
+    let client = tokio::spawn(async move {
+        let mut c = tls_client(addr).await.unwrap();
+        for record in 1..=3u8 {
+            c.write_all(&[record; 100]).await.unwrap();
+        }
+        c.flush().await.unwrap();
+        sent_tx.send(()).unwrap();
+        c
+    });
+    let (tcp, _) = listener.accept().await.unwrap();
+    let mut server = tls_handshake(&tls, tcp).await.unwrap();
+    sent_rx.await.unwrap();
+    let mut got = vec![0u8; 300];
+    tokio::time::timeout(Duration::from_secs(10), server.read_exact(&mut got))
+        .await
+        .expect("every record arrives although the socket has nothing more")
+        .unwrap();
+    let want: Vec<u8> = (1..=3u8).flat_map(|r| [r; 100]).collect();
+    assert_eq!(got, want);
+    drop(client.await.unwrap());
 }
 
 #[derive(Parser)]
