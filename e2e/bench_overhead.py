@@ -187,7 +187,9 @@ def main() -> None:
     workdir = harness.new_workdir("bench-overhead")
     rows = []
     try:
-        for size_name, variant, path, body_path, conc, n in cases(args, workdir, CONCURRENCY):
+        concurrency = [int(c) for c in args.concurrency.split(",")]
+        for size_name, variant, path, body_path, conc, n in cases(args, workdir, concurrency,
+                                                                 args.variants):
             base = load(off.url() + path, body_path, conc, n, args.rate)
             cpu0 = proc_cpu_seconds(kv.process.pid)
             with_kv = load(on.url() + path, body_path, conc, n, args.rate)
