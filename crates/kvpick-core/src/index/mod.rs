@@ -194,8 +194,8 @@ static INDEX_EPOCHS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64
 #[derive(Debug)]
 pub struct PrefixIndex {
     blocks: Shards<Entry>,
-    /// The shard the next purge step purges. Only `purge_shard_step` moves it, one shard per
-    /// step, so any [`PURGE_SHARDS`] consecutive steps visit every shard: what frees a retired id.
+    /// The step (of [`PURGE_SHARDS`]) the next purge runs. Only `purge_shard_step` moves it, so
+    /// any [`PURGE_SHARDS`] consecutive steps visit every shard: what frees a retired id.
     purge_cursor: usize,
     slab: Vec<Multi>,
     free_slab: Vec<u32>,
@@ -221,7 +221,7 @@ impl PrefixIndex {
     /// An empty index; `now` anchors its clock (expiries are kept relative to it).
     pub fn new(max_blocks: usize, now: Instant) -> Self {
         PrefixIndex {
-            blocks: Shards::default(),
+            blocks: Shards::for_capacity(max_blocks.max(1)),
             purge_cursor: 0,
             slab: Vec::new(),
             free_slab: Vec::new(),
@@ -332,7 +332,8 @@ impl PrefixIndex {
         // eviction takes chains from their tails, as engines do.
         self.tick += n;
         let holder = Holder { who, state };
-        self.blocks.grow_one_early(self.max_blocks / PURGE_SHARDS);
+        self.blocks
+            .grow_one_early(self.max_blocks / self.blocks.maps.len());
         for (i, &h) in seq_hashes.iter().enumerate() {
             let touched = self.tick - (i as u32).min(n - 1);
             match self.blocks.entry(BlockKey::new(h)) {
@@ -538,16 +539,16 @@ impl PrefixIndex {
         }
     }
 
-    /// One shard (the next, round robin): drops cleared ranks' holders and, at `now_units`,
-    /// expired ones. Every step, with or without a time, counts toward freeing retired ids.
+    /// One purge step (the next sixteenth of the shards, round robin): drops cleared ranks'
+    /// holders and, at `now_units`, expired ones. Every step, with or without a time, counts toward freeing retired ids.
     fn purge_shard_step(&mut self, now_units: Option<u32>) {
-        let shard = self.purge_cursor % PURGE_SHARDS;
-        self.purge_cursor = (shard + 1) % PURGE_SHARDS;
+        let step = self.purge_cursor % PURGE_SHARDS;
+        self.purge_cursor = (step + 1) % PURGE_SHARDS;
         let sweeping = !self.retiring.is_empty();
         let (slab, free, ranks) = (&mut self.slab, &mut self.free_slab, &self.ranks);
         let retired = |h: &Holder| retired(ranks, h.rank_id());
         let live = |h: &Holder| now_units.is_none_or(|now| h.live(now));
-        self.blocks.maps[shard].retain(|_, entry| {
+        let mut keep = |_: &BlockKey, entry: &mut Entry| {
             let (fresh, clean) = match entry.holder.who {
                 MULTI => {
                     let m = &slab[entry.multi() as usize];
@@ -558,7 +559,12 @@ impl PrefixIndex {
                 _ => (live(&entry.holder), !sweeping || !retired(&entry.holder)),
             };
             (fresh && clean) || retain_holders(entry, slab, free, |h| live(h) && !retired(h))
-        });
+        };
+        // This step's sixteenth of the shards (every one when there are only 16).
+        let shards = self.blocks.maps.len();
+        for shard in (step..shards).step_by(PURGE_SHARDS) {
+            self.blocks.maps[shard].retain(&mut keep);
+        }
         // Every shard has now been purged of these ids' holders: they may name new ranks.
         let ready = self.retiring.stepped();
         self.free_ranks.extend(ready);
@@ -1530,14 +1536,20 @@ mod tests {
     /// index needs.
     #[test]
     fn shards_grow_one_insert_at_a_time_while_the_index_fills() {
-        let cap = 1 << 20;
+        // 16 shards, and (two of them per purge step) 32.
+        for cap in [1 << 20, 1 << 21] {
+            grows_one_insert_at_a_time(cap);
+        }
+    }
+
+    fn grows_one_insert_at_a_time(cap: usize) {
         let mut idx = PrefixIndex::new(cap, Instant::now());
         let capacities = |idx: &PrefixIndex| -> Vec<usize> {
             idx.blocks.maps.iter().map(|m| m.capacity()).collect()
         };
         let mut before = capacities(&idx);
         let mut most_grown_at_once = 0;
-        for r in 0..600u64 {
+        for r in 0..((600 * cap as u64) >> 20) {
             let keys: Vec<u64> = (0..2_300u64)
                 .map(|b| crate::hash::text_id_u64((r << 32) | b))
                 .collect();
@@ -1557,19 +1569,47 @@ mod tests {
         }
         assert!(idx.len() > cap - cap / 64, "filled to capacity");
         assert_eq!(most_grown_at_once, 1, "one shard per insert");
-        let share = cap / PURGE_SHARDS;
+        let share = cap / idx.blocks.maps.len();
+        assert!(share <= shards::MAX_SHARE);
         assert!(
             before.iter().all(|&c| c >= share && c < 4 * share),
             "each shard holds its share, not more than the next step: {before:?}"
         );
     }
 
-    /// A purge step walks one shard: an index full of expired predictions is emptied over
-    /// [`PURGE_SHARDS`] steps, each removing about its share, never all at once.
+    /// The shard count grows with the capacity, so no shard's table (rehashed whole when it
+    /// grows, under the KV write lock) holds more than `MAX_SHARE` blocks of a full index:
+    /// 16 shards up to 16 × `MAX_SHARE`, 32 from one block more.
+    #[test]
+    fn no_shard_holds_more_than_its_share_of_a_full_index() {
+        let at_limit = PURGE_SHARDS * shards::MAX_SHARE;
+        for (cap, shards) in [
+            (1, 16),
+            (100, 16),
+            (1 << 20, 16),
+            (at_limit, 16),
+            (at_limit + 1, 32),
+            (32 << 20, 512),
+        ] {
+            let idx = PrefixIndex::new(cap, Instant::now());
+            assert_eq!(idx.blocks.maps.len(), shards, "capacity {cap}");
+            assert!(cap.div_ceil(shards) <= shards::MAX_SHARE);
+        }
+    }
+
+    /// A purge step walks a sixteenth of the shards: an index full of expired predictions is
+    /// emptied over [`PURGE_SHARDS`] steps, each removing about its share, never all at once,
+    /// with 16 shards and with 32 (two a step).
     #[test]
     fn purging_is_incremental_one_shard_per_step() {
+        for cap in [1 << 20, 1 << 21] {
+            purges_a_sixteenth_per_step(cap);
+        }
+    }
+
+    fn purges_a_sixteenth_per_step(cap: usize) {
         let t0 = Instant::now();
-        let mut idx = PrefixIndex::new(1 << 20, t0);
+        let mut idx = PrefixIndex::new(cap, t0);
         let rank = RankKey {
             worker_id: 1,
             dp_rank: 0,

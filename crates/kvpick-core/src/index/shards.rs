@@ -29,36 +29,53 @@ impl Hasher for PreHashed {
 
 pub(super) type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>>;
 
-/// Shards of the block table, so the periodic purge of expired entries walks one shard at a time
-/// (bounded work under the partition lock) instead of the whole index.
+/// Purge steps per sweep of the block table: each periodic step walks 1/16 of it (bounded work
+/// under the partition lock) instead of the whole index.
 pub const PURGE_SHARDS: usize = 16;
 
-/// The block table split by bits 40..44 of the (already uniform) key, which the table itself
-/// uses neither for its bucket index (low bits) nor for its control bytes (top 7 bits).
+/// Most blocks one shard holds once the index is full. A shard's table grows by rehashing all of
+/// it in one insert, under the KV write lock every pick of the partition needs; bounding a
+/// shard bounds that stall (about 1.5 ms at this size on the 2-core machine), whatever
+/// `--index-max-blocks` is. With 16 shards a 32M-block index grew in 16 inserts of ~155 ms each.
+pub(super) const MAX_SHARE: usize = 65_536;
+
+/// Most shards (bits 40..56 of the key pick one).
+const MAX_SHARDS: usize = 1 << 16;
+
+/// The block table split by bits 40.. of the (already uniform) key, which the table itself
+/// uses neither for its bucket index (low bits) nor for its control bytes (top 7 bits): at least
+/// [`PURGE_SHARDS`], a power of two, enough that none holds more than [`MAX_SHARE`] blocks.
 #[derive(Debug)]
 pub(super) struct Shards<V> {
     pub(super) maps: Vec<PreHashedMap<V>>,
-}
-
-impl<V> Default for Shards<V> {
-    fn default() -> Self {
-        Shards {
-            maps: (0..PURGE_SHARDS).map(|_| PreHashedMap::default()).collect(),
-        }
-    }
+    /// `maps.len() - 1`.
+    mask: usize,
 }
 
 impl<V> Shards<V> {
-    pub(super) fn shard(key: &BlockKey) -> usize {
-        ((key.0[1] >> 8) as usize) % PURGE_SHARDS
+    /// Enough shards for an index of `max_blocks`.
+    pub(super) fn for_capacity(max_blocks: usize) -> Self {
+        let count = max_blocks
+            .div_ceil(MAX_SHARE)
+            .next_power_of_two()
+            .clamp(PURGE_SHARDS, MAX_SHARDS);
+        Shards {
+            maps: (0..count).map(|_| PreHashedMap::default()).collect(),
+            mask: count - 1,
+        }
+    }
+
+    pub(super) fn shard(&self, key: &BlockKey) -> usize {
+        ((key.0[1] >> 8) as usize) & self.mask
     }
 
     pub(super) fn map(&self, key: &BlockKey) -> &PreHashedMap<V> {
-        &self.maps[Self::shard(key)]
+        &self.maps[self.shard(key)]
     }
 
     pub(super) fn map_mut(&mut self, key: &BlockKey) -> &mut PreHashedMap<V> {
-        &mut self.maps[Self::shard(key)]
+        let shard = self.shard(key);
+        &mut self.maps[shard]
     }
 
     pub(super) fn get(&self, key: &BlockKey) -> Option<&V> {
