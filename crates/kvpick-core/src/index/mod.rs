@@ -221,7 +221,7 @@ impl PrefixIndex {
     /// An empty index; `now` anchors its clock (expiries are kept relative to it).
     pub fn new(max_blocks: usize, now: Instant) -> Self {
         PrefixIndex {
-            blocks: Shards::for_capacity(max_blocks.max(1)),
+            blocks: Shards::for_capacity(max_blocks),
             purge_cursor: 0,
             slab: Vec::new(),
             free_slab: Vec::new(),
@@ -540,7 +540,8 @@ impl PrefixIndex {
     }
 
     /// One purge step (the next sixteenth of the shards, round robin): drops cleared ranks'
-    /// holders and, at `now_units`, expired ones. Every step, with or without a time, counts toward freeing retired ids.
+    /// holders and, at `now_units`, expired ones. Every step, with or without a time, counts
+    /// toward freeing retired ids.
     fn purge_shard_step(&mut self, now_units: Option<u32>) {
         let step = self.purge_cursor % PURGE_SHARDS;
         self.purge_cursor = (step + 1) % PURGE_SHARDS;
@@ -1601,7 +1602,7 @@ mod tests {
     /// emptied over [`PURGE_SHARDS`] steps, each removing about its share, never all at once,
     /// with 16 shards and with 32 (two a step).
     #[test]
-    fn purging_is_incremental_one_shard_per_step() {
+    fn purging_is_incremental_a_sixteenth_per_step() {
         for cap in [1 << 20, 1 << 21] {
             purges_a_sixteenth_per_step(cap);
         }

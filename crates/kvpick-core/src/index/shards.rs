@@ -101,7 +101,8 @@ impl<V> Shards<V> {
     /// capacity left, if that capacity is below `share` (the blocks each shard holds once the
     /// index is full, so it would grow anyway). Keys spread evenly, so every shard reaches its
     /// growth point at about the same insert; growing them one insert at a time spreads the
-    /// rehashing over 16 inserts instead of stalling one for the whole table.
+    /// rehashing over as many inserts as there are shards instead of stalling one for the whole
+    /// table.
     pub(super) fn grow_one_early(&mut self, share: usize) {
         let due = self.maps.iter_mut().find(|m| {
             let capacity = m.capacity();
