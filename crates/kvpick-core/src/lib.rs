@@ -44,6 +44,7 @@ pub mod outlier;
 mod partition;
 pub mod request;
 pub mod session;
+mod spin;
 pub mod types;
 
 use std::net::SocketAddr;

@@ -129,6 +129,13 @@ impl Core {
         }
     }
 
+    /// The partition a request resolves to (tests of the partition's internals).
+    #[cfg(test)]
+    pub(crate) fn partition_for_test(&self, request: &SelectionRequest) -> Arc<Partition> {
+        self.resolve_partition(request)
+            .unwrap_or_else(|e| panic!("no partition: {e:?}"))
+    }
+
     /// The partition for `key`, created lazily.
     pub(super) fn partition(&self, key: &PartitionKey, now: Instant) -> Arc<Partition> {
         if let Some(p) = self.partitions.read().get(key) {

@@ -202,6 +202,9 @@ pub struct PrefixIndex {
     rank_ids: HashMap<RankKey, u32>,
     /// Bumped when a rank is interned or cleared ([`PrefixIndex::rank_epoch`]).
     rank_epoch: u64,
+    /// Where `rank_epoch` is also published, for readers without the index's lock
+    /// ([`PrefixIndex::publish_rank_epoch`]).
+    epoch_cell: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
     /// Interned id -> rank (`None`: free id, reusable).
     ranks: Vec<Option<RankKey>>,
     free_ranks: Vec<u32>,
@@ -228,6 +231,7 @@ impl PrefixIndex {
             rank_ids: HashMap::new(),
             // Distinct per index, so a replaced index never repeats an epoch a cache saw.
             rank_epoch: INDEX_EPOCHS.fetch_add(1, std::sync::atomic::Ordering::Relaxed) << 32,
+            epoch_cell: None,
             ranks: Vec::new(),
             free_ranks: Vec::new(),
             retiring: retire::Retiring::default(),
@@ -296,7 +300,7 @@ impl PrefixIndex {
         };
         self.rank_ids.insert(rank, id);
         self.live_gpu_set ^= fingerprint(id << 2);
-        self.rank_epoch = self.rank_epoch.wrapping_add(1);
+        self.bump_rank_epoch();
         id
     }
 
@@ -452,7 +456,7 @@ impl PrefixIndex {
             cleared = true;
         }
         if cleared {
-            self.rank_epoch = self.rank_epoch.wrapping_add(1);
+            self.bump_rank_epoch();
         }
     }
 
@@ -712,6 +716,20 @@ impl PrefixIndex {
     /// Changes whenever a rank is interned or cleared.
     pub fn rank_epoch(&self) -> u64 {
         self.rank_epoch
+    }
+
+    /// Keeps `cell` equal to [`PrefixIndex::rank_epoch`] from now on, so a caller holding the
+    /// index behind a lock can tell whether a rank was interned or cleared without taking it.
+    pub fn publish_rank_epoch(&mut self, cell: std::sync::Arc<std::sync::atomic::AtomicU64>) {
+        cell.store(self.rank_epoch, std::sync::atomic::Ordering::Release);
+        self.epoch_cell = Some(cell);
+    }
+
+    fn bump_rank_epoch(&mut self) {
+        self.rank_epoch = self.rank_epoch.wrapping_add(1);
+        if let Some(cell) = &self.epoch_cell {
+            cell.store(self.rank_epoch, std::sync::atomic::Ordering::Release);
+        }
     }
 
     /// How many leading blocks of the prompt every interned rank holds, fresh, in the GPU tier.

@@ -329,8 +329,34 @@ impl Partition {
     ) -> Result<Admitted, SelectError> {
         let prompt = self.prompt_of(request, config);
         let early = self.early_matches(request, &prompt, config, now);
-        let mut guard = self.state.lock();
-        let state = &mut *guard;
+        let mut guard = self.lock_state();
+        let admitted = self.admit_in(
+            &mut guard,
+            request,
+            ticket,
+            (prompt, early.as_ref()),
+            claims,
+            config,
+            now,
+            facts,
+        );
+        guard.unlock(facts);
+        admitted
+    }
+
+    /// [`Partition::admit`] on locked state, with the prompt and its matches read before.
+    #[allow(clippy::too_many_arguments)]
+    fn admit_in(
+        self: &Arc<Self>,
+        state: &mut State,
+        request: &SelectionRequest,
+        ticket: u64,
+        (prompt, early): (PromptBlocks, Option<&crate::index::Matches>),
+        claims: &dyn Claims,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> Result<Admitted, SelectError> {
         // Held (no rank to serve it yet), or tried just now against an empty queue and found
         // saturated: a release pass would only try it again.
         let holding = holds(state, config);
@@ -345,7 +371,7 @@ impl Partition {
                 now,
                 admission: Some(&check),
                 exhaustive: false,
-                matches: early.as_ref(),
+                matches: early,
             };
             if let Some(answer) = self.try_at_once(state, &ask, claims, facts) {
                 return answer;
@@ -488,8 +514,9 @@ impl Partition {
         if self.queued.load(Ordering::Acquire) == 0 {
             return;
         }
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         self.pump_locked(&mut guard, claims, config, now, facts, None);
+        guard.unlock(facts);
     }
 
     /// Expires requests past their deadline, then tries up to `max_scan` requests in release
@@ -595,7 +622,7 @@ impl Partition {
     /// Takes a waiting request out because its client went away; false when it is no longer
     /// waiting (already released: its outcome is, or will be, a [`Fact::Dequeued`]).
     pub(crate) fn cancel(&self, ticket: u64, now: Instant, facts: &mut Facts) -> bool {
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         let Some(w) = state.queue.take(ticket, false) else {
             return false;
         };
@@ -619,7 +646,7 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> Option<SelectError> {
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         let w = state.queue.take(ticket, false)?;
         let error = expired(&w, config, now, facts);
         self.queued.store(state.queue.len(), Ordering::Release);
@@ -629,7 +656,7 @@ impl Partition {
     /// What the queue keeps of a waiting request.
     #[cfg(test)]
     pub(crate) fn queued(&self, ticket: u64) -> Option<Arc<Queued>> {
-        let state = self.state.lock();
+        let state = self.lock_state();
         state.queue.get(ticket).map(|w| Arc::clone(&w.payload))
     }
 
@@ -643,6 +670,6 @@ impl Partition {
         if self.queue_len() == 0 {
             return None;
         }
-        self.state.lock().queue.next_deadline()
+        self.lock_state().queue.next_deadline()
     }
 }

@@ -125,12 +125,8 @@ impl Partition {
         let hashes = &pick.prompt.seq_hashes;
         state.bookings.insert(pick.booking_id.to_string(), booking);
         if !hashes.is_empty() {
-            state
-                .kv
-                .write()
-                .index
-                .insert(pick.rank, hashes, Tier::Gpu, now.checked_add(ttl));
-            facts.push(self.index_fact(state, None));
+            // Written once the state lock is released ([`super::deferred`]).
+            state.predict(pick.rank, hashes, now.checked_add(ttl));
             facts.push(Fact::PredictedOverlap(
                 f64::from(pick.overlap.gpu) / hashes.len() as f64,
             ));
@@ -237,7 +233,7 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> Option<bool> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         let state = &mut *guard;
         let id = &booking.0;
         // The field, not `State::booking_mut`: the rank table and estimator are borrowed too.
@@ -314,7 +310,7 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> bool {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         let state = &mut *guard;
         let Some(b) = state.booking(booking) else {
             return false;
@@ -335,7 +331,7 @@ impl Partition {
     }
 
     pub fn free(&self, booking: &BookingRef, now: Instant, facts: &mut Facts) -> bool {
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         if state
             .bookings
             .get(&booking.0)
@@ -356,7 +352,7 @@ impl Partition {
         served: SocketAddr,
         facts: &mut Facts,
     ) -> bool {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         let state = &mut *guard;
         let Some(current) = state
             .bookings
@@ -427,7 +423,7 @@ impl Partition {
         ttl_sessions: Duration,
         facts: &mut Facts,
     ) -> Vec<BookingRef> {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         let state = &mut *guard;
         let expired: Vec<BookingRef> = state
             .bookings
@@ -443,12 +439,12 @@ impl Partition {
             }
         }
         // One shard per reap: bounded work under the lock; expired entries already count as absent.
-        state.kv.write().index.purge_expired_step(now);
+        state.kv_write().index.purge_expired_step(now);
         let idle = state.sessions.reap(now, ttl_sessions);
         facts.push(Fact::SessionsLive(negative(idle as u64)));
         facts.push(Fact::SessionsExpired(idle as u64));
         let bytes = {
-            let kv = state.kv.read();
+            let kv = state.kv_read();
             let engine_bytes: usize = kv
                 .engines
                 .values()

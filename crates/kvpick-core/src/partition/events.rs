@@ -203,7 +203,7 @@ impl Partition {
                 };
             }
         }
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         let state = &mut *guard;
         if state.ranks.get(&rank).is_none() {
             return EventStats {
@@ -212,13 +212,14 @@ impl Partition {
             };
         }
         self.learn_block_size(state, events, now);
-        let stats = self.apply_to(&mut state.kv.write(), rank, events);
+        let stats = self.apply_to(&mut state.kv_write(), rank, events);
         if stats.applied > 0 {
             if let Some(slot) = state.ranks.get_mut(&rank).filter(|s| !s.events_seen) {
                 slot.events_seen = true;
-                state.kv.write().precise.insert(rank);
+                let worker = Arc::clone(&slot.worker_name);
+                state.kv_write().precise.insert(rank);
                 facts.push(Fact::RankPrecise {
-                    worker: Arc::clone(&slot.worker_name),
+                    worker,
                     dp_rank: rank.dp_rank,
                     precise: true,
                 });
@@ -260,7 +261,7 @@ impl Partition {
             state.declared_block_size = Some(size);
             // One KV write for the reset and the new size (events may apply without the state
             // lock once `block_size_known` is set).
-            let mut kv = state.kv.write();
+            let mut kv = state.kv_write();
             if size != self.block_size() {
                 kv.reset(now);
                 self.block_size
@@ -272,7 +273,7 @@ impl Partition {
 
     /// Forgets every block of a rank (engine restart).
     pub fn clear_rank(&self, rank: RankKey) {
-        let state = self.state.lock();
-        state.kv.write().clear_rank(rank);
+        let state = self.lock_state();
+        state.kv_write().clear_rank(rank);
     }
 }

@@ -51,7 +51,7 @@ pub(crate) fn may_probe(holder: Holder) -> bool {
 fn withdraw(state: &mut State, predicted: &mut Predicted) -> bool {
     let mut dropped = false;
     for (rank, hash) in predicted.iter_mut().filter_map(Option::take) {
-        dropped |= state.kv.write().index.drop_expiring(rank, hash, Tier::Gpu);
+        dropped |= state.kv_write().index.drop_expiring(rank, hash, Tier::Gpu);
     }
     dropped
 }
@@ -68,7 +68,7 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> bool {
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         let state = &mut *guard;
         let Some(b) = state.booking_mut(booking) else {
             return false;

@@ -21,7 +21,7 @@ impl Partition {
             failed: Vec::new(),
             dropped_bookings: Vec::new(),
         };
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         for record in gone {
             Self::drop_worker(
                 &mut state,
@@ -78,7 +78,7 @@ impl Partition {
                 state.declared_block_size = Some(declared);
                 // One KV write for the reset and the new size: events applying without the
                 // state lock never see one without the other.
-                let mut kv = state.kv.write();
+                let mut kv = state.kv_write();
                 if afresh {
                     // Engine hashes map to our hashes of the old size: both start afresh.
                     kv.reset(now);
@@ -112,7 +112,7 @@ impl Partition {
             .map(|(k, _)| *k)
             .collect();
         // One pass over the index for all of them (drop_rank's own clear then finds nothing).
-        state.kv.write().clear_ranks(&stale);
+        state.kv_write().clear_ranks(&stale);
         for key in stale {
             Self::drop_rank(state, key, now, facts, dropped);
         }
@@ -126,7 +126,7 @@ impl Partition {
             };
             let new_rank = state.ranks.get(&key).is_none();
             if new_rank {
-                state.kv.write().members.insert(key);
+                state.kv_write().members.insert(key);
             }
             let slot = state.ranks.get_or_insert_with(key, || {
                 Slot::new(
@@ -161,7 +161,7 @@ impl Partition {
             }
         }
         if !restarted.is_empty() {
-            let mut kv = state.kv.write();
+            let mut kv = state.kv_write();
             kv.clear_ranks(&restarted);
             for key in &restarted {
                 kv.precise.remove(key);
@@ -184,7 +184,7 @@ impl Partition {
             .copied()
             .collect();
         // One pass over the index for all of them (drop_rank's own clear then finds nothing).
-        state.kv.write().clear_ranks(&keys);
+        state.kv_write().clear_ranks(&keys);
         for key in keys {
             Self::drop_rank(state, key, now, facts, dropped);
         }
@@ -204,7 +204,7 @@ impl Partition {
         // The rank's engine is gone (deleted, moved, re-addressed): what it cached must not
         // attract requests if a worker of the same id comes back with a fresh engine.
         {
-            let mut kv = state.kv.write();
+            let mut kv = state.kv_write();
             kv.clear_rank(key);
             kv.members.remove(&key);
             kv.precise.remove(&key);

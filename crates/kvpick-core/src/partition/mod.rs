@@ -16,6 +16,7 @@
 
 mod admission;
 mod booking;
+mod deferred;
 mod events;
 mod health;
 mod load_order;
@@ -29,11 +30,10 @@ pub(crate) mod sparse;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -56,6 +56,7 @@ use crate::hash;
 use crate::index::{PrefixIndex, Tier, TierDepths};
 use crate::request::{Holder, SelectionRequest};
 use crate::session::{Bound, Invalidation, SessionOutcome, SessionTable};
+use crate::spin::{SpinMutex, SpinRwLock};
 use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
 use crate::{PickedRank, Selection};
 
@@ -104,8 +105,14 @@ struct State {
     declared_block_size: Option<u32>,
     ranks: RankTable,
     /// The index side, shared with [`Partition::kv`]: taken after this state's lock, never
-    /// before it.
-    kv: Arc<RwLock<Kv>>,
+    /// before it, and only through [`State::kv_read`] / [`State::kv_write`] (which write the
+    /// deferred predictions first).
+    kv_lock: Arc<SpinRwLock<Kv>>,
+    /// Predictions booked under this lock, not yet written ([`deferred`]).
+    deferred: std::cell::RefCell<Vec<deferred::Prediction>>,
+    /// [`Kv::clears`] and [`Kv::rank_epoch`], readable without the KV lock.
+    clears: Arc<AtomicU64>,
+    rank_epoch: Arc<AtomicU64>,
     bookings: HashMap<String, Booking>,
     sessions: SessionTable,
     estimator: TtftEstimator,
@@ -123,14 +130,14 @@ impl State {
     /// Every rank in the table is interned in the index (checked again only after a rank was
     /// interned, cleared, added or removed).
     fn all_interned(&self) -> bool {
-        let kv = self.kv.read();
-        let epochs = (kv.index.rank_epoch(), self.ranks.epoch());
         let (index_epoch, table_epoch, all) = self.interned.get();
-        if (index_epoch, table_epoch) == epochs {
+        if (index_epoch, table_epoch) == (self.index_epoch(), self.ranks.epoch()) {
             return all;
         }
+        let kv = self.kv_read();
         let all = self.ranks.keys().all(|k| kv.index.holds_rank(k));
-        self.interned.set((epochs.0, epochs.1, all));
+        self.interned
+            .set((kv.index.rank_epoch(), self.ranks.epoch(), all));
         all
     }
 }
@@ -149,12 +156,19 @@ pub(crate) struct Kv {
     precise: std::collections::HashSet<RankKey>,
     /// `State::declared_block_size` is set: events can no longer change the block size.
     block_size_known: bool,
+    /// Counts resets and rank clears (bumped under the KV write lock): a deferred prediction
+    /// made before one is not written ([`deferred`]).
+    clears: Arc<AtomicU64>,
+    /// The index's rank epoch, published ([`PrefixIndex::publish_rank_epoch`]).
+    rank_epoch: Arc<AtomicU64>,
 }
 
 impl Kv {
     /// Starts the index afresh (a new block size).
     fn reset(&mut self, now: Instant) {
+        self.clears.fetch_add(1, Ordering::AcqRel);
         self.index = PrefixIndex::new(self.index.capacity(), now);
+        self.index.publish_rank_epoch(Arc::clone(&self.rank_epoch));
         self.engines.clear();
     }
 
@@ -165,6 +179,7 @@ impl Kv {
 
     /// Forgets the blocks and engine maps of several ranks in one pass over the index.
     fn clear_ranks(&mut self, ranks: &[RankKey]) {
+        self.clears.fetch_add(1, Ordering::AcqRel);
         self.index.clear_ranks(ranks);
         for rank in ranks {
             self.engines.remove(rank);
@@ -215,9 +230,9 @@ pub(crate) struct Partition {
     pub(crate) key: Arc<PartitionKey>,
     schedulable: AtomicUsize,
     block_size: AtomicU32,
-    state: Mutex<State>,
+    state: SpinMutex<State>,
     /// The KV side ([`Kv`]); the same lock `State::kv` holds.
-    kv: Arc<RwLock<Kv>>,
+    kv: Arc<SpinRwLock<Kv>>,
     /// Requests in `state.queue` (read without the lock: an empty queue costs nothing).
     queued: AtomicUsize,
 }
@@ -251,22 +266,31 @@ impl Partition {
             }
             None => StdRng::from_os_rng(),
         };
-        let kv = Arc::new(RwLock::new(Kv {
-            index: PrefixIndex::new(config.index_max_blocks, now),
+        let clears = deferred::clear_counter();
+        let rank_epoch = Arc::new(AtomicU64::new(0));
+        let mut index = PrefixIndex::new(config.index_max_blocks, now);
+        index.publish_rank_epoch(Arc::clone(&rank_epoch));
+        let kv = Arc::new(SpinRwLock::new(Kv {
+            index,
             engines: HashMap::new(),
             members: Default::default(),
             precise: Default::default(),
             block_size_known: false,
+            clears: Arc::clone(&clears),
+            rank_epoch: Arc::clone(&rank_epoch),
         }));
         Partition {
             key: Arc::new(key),
             kv: Arc::clone(&kv),
             schedulable: AtomicUsize::new(0),
             block_size: AtomicU32::new(DEFAULT_BLOCK_SIZE),
-            state: Mutex::new(State {
+            state: SpinMutex::new(State {
                 declared_block_size: None,
                 ranks: RankTable::default(),
-                kv,
+                kv_lock: kv,
+                deferred: Default::default(),
+                clears,
+                rank_epoch,
                 bookings: HashMap::new(),
                 sessions: SessionTable::default(),
                 estimator: TtftEstimator::new(config.estimator),
@@ -288,7 +312,7 @@ impl Partition {
     }
 
     pub fn serves_adapter(&self, model: &str) -> bool {
-        let state = self.state.lock();
+        let state = self.lock_state();
         let serves = state
             .ranks
             .values()
@@ -303,14 +327,23 @@ impl Partition {
     fn index_fact(&self, state: &State, bytes: Option<usize>) -> Fact {
         Fact::IndexSize {
             partition: Arc::clone(&self.key),
-            blocks: state.kv.read().index.len(),
+            blocks: state.kv_read().index.len(),
             bytes,
+        }
+    }
+
+    /// The index size of a locked KV side, as a fact.
+    fn index_size_of(&self, kv: &Kv) -> Fact {
+        Fact::IndexSize {
+            partition: Arc::clone(&self.key),
+            blocks: kv.index.len(),
+            bytes: None,
         }
     }
 
     /// The index size, as a fact (after KV events).
     pub fn index_size(&self) -> Fact {
-        let state = self.state.lock();
+        let state = self.lock_state();
         self.index_fact(&state, None)
     }
 }

@@ -15,7 +15,7 @@ use crate::decide::{Candidate, Decision};
 use crate::disagg::{self, PrefillChoice};
 use crate::error::SelectError;
 use crate::facts::Facts;
-use crate::index::{Tier, TierDepths};
+use crate::index::TierDepths;
 use crate::types::{RankKey, Role};
 
 use super::pipeline::{PromptBlocks, SaturationView};
@@ -160,13 +160,7 @@ pub(crate) fn book_leg(
     };
     facts.push(load_fact(slot, rank));
     let hashes = &pick.prompt.seq_hashes;
-    if !hashes.is_empty() {
-        state
-            .kv
-            .write()
-            .index
-            .insert(rank, hashes, Tier::Gpu, now.checked_add(ttl));
-    }
+    state.predict(rank, hashes, now.checked_add(ttl));
     Some(leg)
 }
 

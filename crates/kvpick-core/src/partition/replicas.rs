@@ -8,7 +8,7 @@ impl Partition {
     /// Sets every rank's load booked by other replicas: `loads` names it, a rank it does not
     /// name has none.
     pub fn set_remote_loads(&self, loads: &HashMap<RankKey, RankLoad>) {
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         for (key, slot) in state.ranks.slots_mut() {
             slot.remote_load = loads.get(key).copied().unwrap_or_default();
         }
@@ -16,7 +16,7 @@ impl Partition {
 
     /// Appends this process's own load of every rank that has any.
     pub fn local_loads(&self, out: &mut Vec<(RankKey, RankLoad)>) {
-        let state = self.state.lock();
+        let state = self.lock_state();
         out.extend(
             state
                 .ranks
@@ -34,7 +34,7 @@ impl Partition {
         ttl: Duration,
         facts: &mut Facts,
     ) -> Option<RankKey> {
-        let lookup = self.state.lock().sessions.bound_rank(sid, now, ttl);
+        let lookup = self.lock_state().sessions.bound_rank(sid, now, ttl);
         if lookup.expired {
             facts.push(Fact::SessionsLive(-1));
             facts.push(Fact::SessionsExpired(1));
@@ -54,7 +54,7 @@ impl Partition {
         facts: &mut Facts,
     ) -> crate::session::Installed {
         use crate::session::Installed;
-        let mut state = self.state.lock();
+        let mut state = self.lock_state();
         if state.ranks.get(&rank).is_none() {
             return Installed::UnknownRank;
         }
@@ -69,7 +69,7 @@ impl Partition {
 
     /// Stores a rank's engine-metrics reading; false when the rank is not in the partition.
     pub fn record_engine_metrics(&self, key: RankKey, metrics: crate::EngineMetrics) -> bool {
-        match self.state.lock().ranks.get_mut(&key) {
+        match self.lock_state().ranks.get_mut(&key) {
             Some(slot) => {
                 slot.engine = Some(metrics);
                 true
@@ -79,7 +79,7 @@ impl Partition {
     }
 
     pub fn load_of(&self, key: RankKey) -> Option<RankLoad> {
-        self.state.lock().ranks.get(&key).map(|s| s.load)
+        self.lock_state().ranks.get(&key).map(|s| s.load)
     }
 
     /// Inserts blocks for a rank (KV events, tests, warm-up).

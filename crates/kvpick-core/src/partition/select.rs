@@ -46,8 +46,7 @@ impl LazyMatches {
             (Some(m), _) | (None, Some(m)) => m.depths_of(rank),
             (None, None) => {
                 state
-                    .kv
-                    .read()
+                    .kv_read()
                     .index
                     .rank_depths(rank, &ask.prompt.seq_hashes, ask.now)
             }
@@ -132,9 +131,10 @@ impl Partition {
             exhaustive: false,
             matches: early.as_ref(),
         };
-        let mut guard = self.state.lock();
-        self.select_in(&mut guard, &ask, facts)
-            .map_err(Refusal::into_error)
+        let mut guard = self.lock_state();
+        let outcome = self.select_in(&mut guard, &ask, facts);
+        guard.unlock(facts);
+        outcome.map_err(Refusal::into_error)
     }
 
     /// The pipeline on locked state, stage by stage. With `ask.admission` (flow control)
@@ -255,13 +255,14 @@ impl Partition {
             return crate::index::Matches::default();
         }
         let all_interned = state.all_interned();
-        let kv = state.kv.read();
         if let Some(early) = ask.matches {
-            // Read before the lock: good when it needs no rank the index did not know then.
-            if early.base == 0 || (all_interned && early.epoch == kv.index.rank_epoch()) {
+            // Read before the lock: good when it needs no rank the index did not know then
+            // (told without the KV lock, which an insert or event may hold meanwhile).
+            if early.base == 0 || (all_interned && early.epoch == state.index_epoch()) {
                 return early.clone();
             }
         }
+        let kv = state.kv_read();
         if all_interned {
             kv.index.find_matches_over(&ask.prompt.seq_hashes, ask.now)
         } else {
@@ -612,7 +613,7 @@ impl Partition {
             .find_matches(&prompt.seq_hashes, now)
             .into_iter()
             .collect();
-        let state = self.state.lock();
+        let state = self.lock_state();
         let ranks = state
             .ranks
             .iter()

@@ -444,7 +444,7 @@ impl Partition {
         let prompt = self.prompt_of(request, config);
         // The search gets the matches as `select` reads them, before the lock.
         let early = self.early_matches(request, &prompt, config, now);
-        let mut guard = self.state.lock();
+        let mut guard = self.lock_state();
         let allowed = Allowed {
             subset: request.subset.as_ref(),
             adapter: request.model.as_deref().filter(|m| *m != self.key.model),

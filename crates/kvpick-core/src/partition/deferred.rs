@@ -1,0 +1,260 @@
+//! A pick's predicted index entries, written after the partition's state lock is released
+//! instead of inside it. Owns the state guard ([`StateGuard`]) that writes them on unlock and
+//! the state's access to the KV side ([`State::kv_read`], [`State::kv_write`]), which writes them
+//! first; what an entry means stays with the index, when one is predicted with the booking.
+//!
+//! Why: a booked pick inserts every prompt block for its rank (hundreds of hash-table writes),
+//! and while that ran under the state lock every other pick of the partition waited for it.
+//! Deferred, the state lock covers only the decision and the booking, and the insert waits
+//! only for the KV write lock.
+//!
+//! Nothing observable changes in any sequential order of operations: a deferred insert is
+//! written before anything under the state lock reads or writes the KV side again, and, once
+//! the lock is released, before the releasing call returns. So the next pick's walk, a KV event
+//! applied under the state lock, a failed request's withdrawal or a clear all see it as if it
+//! had been written at booking time. Only an operation racing the releasing thread on another
+//! core can find it not yet written — as it could find the pick not yet made. One such race is
+//! closed: a rank cleared (left, restarted, new block size) between the booking and the write
+//! gets no predicted entries from before its clear.
+
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use parking_lot::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
+
+use super::{Kv, Partition, State};
+use crate::facts::Facts;
+use crate::index::Tier;
+use crate::spin::SpinRwLock;
+use crate::types::RankKey;
+
+/// One pick's predicted (or approximate) entries for one rank, not yet in the index.
+#[derive(Debug)]
+pub(super) struct Prediction {
+    rank: RankKey,
+    hashes: Vec<u64>,
+    expires: Option<Instant>,
+    /// [`Kv::clears`] when it was predicted: a clear since then drops it.
+    clears: u64,
+}
+
+/// Writes the predictions into the index, except those of ranks cleared since; true when any
+/// was written.
+fn write(kv: &mut Kv, pending: Vec<Prediction>) -> bool {
+    let clears = kv.clears.load(Ordering::Acquire);
+    let mut wrote = false;
+    for p in pending {
+        if p.clears == clears {
+            kv.index.insert(p.rank, &p.hashes, Tier::Gpu, p.expires);
+            wrote = true;
+        }
+    }
+    wrote
+}
+
+impl State {
+    /// Records that `rank` will hold the prompt `hashes` (predicted entries, or approximate
+    /// ones with the longer TTL): written when the KV side is next touched or the lock released.
+    pub(super) fn predict(&self, rank: RankKey, hashes: &[u64], expires: Option<Instant>) {
+        if hashes.is_empty() {
+            return;
+        }
+        self.deferred.borrow_mut().push(Prediction {
+            rank,
+            hashes: hashes.to_vec(),
+            expires,
+            clears: self.clears.load(Ordering::Acquire),
+        });
+    }
+
+    /// The index's rank epoch as the KV side would read it (deferred predictions may intern
+    /// ranks), without its lock when nothing is deferred.
+    pub(super) fn index_epoch(&self) -> u64 {
+        if self.deferred.borrow().is_empty() {
+            self.rank_epoch.load(Ordering::Acquire)
+        } else {
+            self.kv_read().index.rank_epoch()
+        }
+    }
+
+    /// The KV side for reading, with every deferred prediction written first.
+    pub(super) fn kv_read(&self) -> RwLockReadGuard<'_, Kv> {
+        if self.deferred.borrow().is_empty() {
+            return self.kv_lock.read();
+        }
+        RwLockWriteGuard::downgrade(self.kv_write())
+    }
+
+    /// The KV side for writing, with every deferred prediction written first.
+    pub(super) fn kv_write(&self) -> RwLockWriteGuard<'_, Kv> {
+        let mut kv = self.kv_lock.write();
+        let pending = self.deferred.take();
+        if !pending.is_empty() {
+            write(&mut kv, pending);
+        }
+        kv
+    }
+}
+
+/// The partition's state, locked; on release it writes the predictions made under it (after
+/// the state lock is let go, before the KV write lock is taken).
+pub(super) struct StateGuard<'a> {
+    state: Option<MutexGuard<'a, State>>,
+    kv: &'a SpinRwLock<Kv>,
+    partition: &'a Partition,
+}
+
+impl Partition {
+    /// Locks the partition's state ([`StateGuard`]).
+    pub(super) fn lock_state(&self) -> StateGuard<'_> {
+        StateGuard {
+            state: Some(self.state.lock()),
+            kv: &self.kv,
+            partition: self,
+        }
+    }
+}
+
+impl StateGuard<'_> {
+    /// Releases the lock, writes the deferred predictions and, when any was written, reports
+    /// the index's new size.
+    pub(super) fn unlock(mut self, facts: &mut Facts) {
+        if self.release() {
+            facts.push(self.partition.index_size_of(&self.kv.read()));
+        }
+    }
+
+    fn release(&mut self) -> bool {
+        let Some(state) = self.state.take() else {
+            return false;
+        };
+        let pending = state.deferred.take();
+        drop(state);
+        !pending.is_empty() && write(&mut self.kv.write(), pending)
+    }
+}
+
+impl Drop for StateGuard<'_> {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+// The guard holds the state from construction until `release`, which only `unlock` and `drop`
+// call, each consuming the guard: a dereference never finds it empty.
+#[allow(clippy::expect_used)]
+impl Deref for StateGuard<'_> {
+    type Target = State;
+    fn deref(&self) -> &State {
+        self.state.as_deref().expect("state guard in use")
+    }
+}
+
+#[allow(clippy::expect_used)]
+impl DerefMut for StateGuard<'_> {
+    fn deref_mut(&mut self) -> &mut State {
+        self.state.as_deref_mut().expect("state guard in use")
+    }
+}
+
+/// A fresh counter of clears, shared by a partition's state and its KV side.
+pub(super) fn clear_counter() -> Arc<std::sync::atomic::AtomicU64> {
+    Arc::new(std::sync::atomic::AtomicU64::new(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use crate::catalog::RankLayout;
+    use crate::facts::{Fact, Facts};
+    use crate::request::{PromptInput, SelectionRequest};
+    use crate::types::RankKey;
+    use crate::{Core, CoreConfig, WorkerSpec};
+
+    /// One worker with two ranks; the partition, both rank keys and a request for it.
+    fn partition() -> (std::sync::Arc<super::Partition>, RankKey, RankKey) {
+        let core = Core::new(CoreConfig::default());
+        let spec = WorkerSpec::for_test("w", "m", RankLayout::PerPort(vec![1, 2]));
+        core.apply_source_snapshot("catalog", vec![spec], Instant::now())
+            .unwrap();
+        let request = SelectionRequest {
+            model: Some("m".into()),
+            prompt: PromptInput::Tokens(Vec::new()),
+            ..Default::default()
+        };
+        let partition = core.partition_for_test(&request);
+        let mut ranks: Vec<RankKey> = partition.lock_state().ranks.keys().copied().collect();
+        ranks.sort();
+        (partition, ranks[0], ranks[1])
+    }
+
+    const HASHES: [u64; 3] = [11, 12, 13];
+
+    fn depth(partition: &super::Partition, rank: RankKey) -> u32 {
+        let kv = partition.kv.read();
+        kv.index
+            .find_matches(&HASHES, Instant::now())
+            .into_iter()
+            .find(|(r, _)| *r == rank)
+            .map_or(0, |(_, d)| d.gpu)
+    }
+
+    #[test]
+    fn a_prediction_is_written_when_the_state_lock_is_released_and_its_size_reported() {
+        let (partition, rank, _) = partition();
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        // Not yet: the insert waits for the state lock's release.
+        assert_eq!(partition.kv.read().index.len(), 0);
+        let mut facts = Facts::default();
+        guard.unlock(&mut facts);
+        assert_eq!(depth(&partition, rank), 3);
+        assert!(facts
+            .iter()
+            .any(|f| matches!(f, Fact::IndexSize { blocks: 3, .. })));
+    }
+
+    #[test]
+    fn the_kv_side_read_under_the_lock_sees_the_prediction_first() {
+        let (partition, rank, _) = partition();
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        let matched = guard.kv_read().index.find_matches(&HASHES, Instant::now());
+        assert_eq!(matched.len(), 1);
+        assert_eq!(matched[0].1.gpu, 3);
+        drop(guard);
+        // Written once, not again at the release.
+        assert_eq!(partition.kv.read().index.len(), 3);
+    }
+
+    #[test]
+    fn a_drop_without_unlock_still_writes_the_prediction() {
+        let (partition, rank, _) = partition();
+        {
+            let guard = partition.lock_state();
+            guard.predict(rank, &HASHES, None);
+        }
+        assert_eq!(depth(&partition, rank), 3);
+    }
+
+    #[test]
+    fn a_clear_between_the_booking_and_the_write_drops_the_prediction() {
+        let (partition, rank, other) = partition();
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        // What a thread clearing a rank (engine restart, rank gone) does while this one still
+        // holds its prediction: the KV write lock only, past the state lock.
+        partition.kv.write().clear_ranks(&[other]);
+        drop(guard);
+        assert_eq!(depth(&partition, rank), 0);
+        assert_eq!(partition.kv.read().index.len(), 0);
+        // Predictions made after the clear are written as usual.
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        drop(guard);
+        assert_eq!(depth(&partition, rank), 3);
+    }
+}
