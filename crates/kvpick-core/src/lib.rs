@@ -17,6 +17,7 @@
 //! - [`disagg`]: the pure prefill/decode pair decision (decode rank, whether to split, prefill
 //!   rank), for partitions whose ranks declare roles.
 //! - [`session`]: the session-affinity table.
+//! - `spin`: the partition's locks, which spin briefly before they park.
 //! - [`flow`]: flow control's queue discipline (bands, fair queuing, EDF) and saturation rule.
 //! - `partition`: one `(model, routing_group)` behind one lock; its `pipeline` runs the selection
 //!   stages (eligibility, pin, adapter, busy, candidates, decide, affinity, fallbacks), then books.
