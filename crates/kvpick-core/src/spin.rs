@@ -94,25 +94,52 @@ mod tests {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Barrier};
 
-    #[test]
-    fn a_waiter_gets_the_mutex_once_the_holder_lets_go() {
+    /// Holds `lock` for `hold` after `waiter` has started, checking that the waiter never gets
+    /// in meanwhile, then releases it; returns what the waiter read.
+    fn hold_while_a_waiter_waits(hold: Duration) -> u64 {
         let lock = Arc::new(SpinMutex::new(0u64));
-        let held = lock.lock();
+        let started = Arc::new(Barrier::new(2));
+        let inside = Arc::new(AtomicBool::new(false));
+        let mut held = lock.lock();
         let waiter = {
-            let lock = Arc::clone(&lock);
+            let (lock, started, inside) =
+                (Arc::clone(&lock), Arc::clone(&started), Arc::clone(&inside));
             std::thread::spawn(move || {
-                *lock.lock() += 1;
+                started.wait();
+                let mut guard = lock.lock();
+                inside.store(true, Ordering::SeqCst);
+                *guard += 1;
+                *guard
             })
         };
+        started.wait();
+        let until = Instant::now() + hold;
+        while Instant::now() < until {
+            assert!(
+                !inside.load(Ordering::SeqCst),
+                "the waiter ran past a held lock"
+            );
+            std::hint::spin_loop();
+        }
+        *held = 41;
         drop(held);
-        waiter.join().unwrap();
-        assert_eq!(*lock.lock(), 1);
+        waiter.join().unwrap()
     }
 
     #[test]
-    fn a_waiter_past_the_spin_limit_parks_and_still_gets_the_lock() {
-        // The holder keeps the lock far longer than the spin: the waiter must fall back to
-        // parking, then acquire once released (released only after the waiter started).
+    fn a_waiter_inside_the_spin_gets_the_mutex_once_the_holder_lets_go() {
+        // Released well within the spin: the waiter is spinning, not parked.
+        assert_eq!(hold_while_a_waiter_waits(SPIN_LIMIT / 4), 42);
+    }
+
+    #[test]
+    fn a_waiter_held_off_past_the_spin_limit_still_gets_the_mutex() {
+        // Held far past the spin: the waiter has fallen back to parking and must be woken.
+        assert_eq!(hold_while_a_waiter_waits(SPIN_LIMIT * 50), 42);
+    }
+
+    #[test]
+    fn a_reader_held_off_past_the_spin_limit_by_a_writer_still_gets_the_lock() {
         let lock = Arc::new(SpinRwLock::new(0u64));
         let started = Arc::new(Barrier::new(2));
         let done = Arc::new(AtomicBool::new(false));
@@ -128,9 +155,8 @@ mod tests {
             })
         };
         started.wait();
-        // Long enough that any spin has given up (parked waiters are woken by the unlock).
-        let deadline = Instant::now() + SPIN_LIMIT * 50;
-        while Instant::now() < deadline {
+        let until = Instant::now() + SPIN_LIMIT * 50;
+        while Instant::now() < until {
             assert!(
                 !done.load(Ordering::SeqCst),
                 "the reader ran past a held write lock"

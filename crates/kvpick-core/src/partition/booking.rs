@@ -79,7 +79,8 @@ impl Booking {
 
 impl Partition {
     /// The last stage: binds or reuses the session, installs the booking and its load, and
-    /// inserts the prompt's blocks as predicted (or approximate) entries for the picked rank.
+    /// predicts the prompt's blocks (predicted or approximate entries) for the picked rank,
+    /// written to the index once the state lock is released ([`super::deferred`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn book(
         &self,

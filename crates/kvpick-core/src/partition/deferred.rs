@@ -8,17 +8,18 @@
 //! Deferred, the state lock covers only the decision and the booking, and the insert waits
 //! only for the KV write lock.
 //!
-//! Nothing observable changes in any sequential order of operations: a deferred insert is
+//! No decision changes in any sequential order of operations (the index-size fact now comes at
+//! the release, not at the booking): a deferred insert is
 //! written before anything under the state lock reads or writes the KV side again, and, once
 //! the lock is released, before the releasing call returns. So the next pick's walk, a KV event
 //! applied under the state lock, a failed request's withdrawal or a clear all see it as if it
 //! had been written at booking time. Only an operation racing the releasing thread on another
 //! core can find it not yet written — as it could find the pick not yet made. One such race is
-//! closed: a rank cleared (left, restarted, new block size) between the booking and the write
-//! gets no predicted entries from before its clear.
+//! closed: a rank cleared (left, restarted, `AllBlocksCleared`, new block size) between the
+//! booking and the write gets no predicted entries from before its clear ([`ClearLog`]).
 
 use std::ops::{Deref, DerefMut};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -36,17 +37,53 @@ pub(super) struct Prediction {
     rank: RankKey,
     hashes: Vec<u64>,
     expires: Option<Instant>,
-    /// [`Kv::clears`] when it was predicted: a clear since then drops it.
+    /// [`Kv::clears`] when it was predicted: a clear of its rank since then drops it.
     clears: u64,
 }
 
-/// Writes the predictions into the index, except those of ranks cleared since; true when any
-/// was written.
+/// Clears remembered by number, so a deferred prediction can tell whether its own rank was
+/// cleared since it was made: past this many, an older prediction is dropped unchecked.
+pub(super) const CLEARS_KEPT: usize = 64;
+
+/// The KV side's recent clears, numbered by [`Kv::clears`]: the ranks each cleared, or `None`
+/// for a reset (every rank).
+#[derive(Debug, Default)]
+pub(super) struct ClearLog {
+    entries: std::collections::VecDeque<(u64, Option<Vec<RankKey>>)>,
+}
+
+impl ClearLog {
+    /// Numbers and remembers a clear of `ranks` (`None`: all of them).
+    pub(super) fn record(&mut self, counter: &AtomicU64, ranks: Option<&[RankKey]>) {
+        let number = counter.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+        if self.entries.len() == CLEARS_KEPT {
+            self.entries.pop_front();
+        }
+        self.entries
+            .push_back((number, ranks.map(<[RankKey]>::to_vec)));
+    }
+
+    /// Whether `rank` may have been cleared after clear number `since` (true when the clears
+    /// since are no longer all remembered).
+    fn cleared_since(&self, since: u64, rank: RankKey) -> bool {
+        let oldest = self.entries.front().map_or(u64::MAX, |e| e.0);
+        if oldest > since.wrapping_add(1) {
+            return true;
+        }
+        self.entries
+            .iter()
+            .filter(|(number, _)| *number > since)
+            .any(|(_, ranks)| ranks.as_ref().is_none_or(|r| r.contains(&rank)))
+    }
+}
+
+/// Writes the predictions into the index, except those whose rank was cleared since; true when
+/// any was written.
 fn write(kv: &mut Kv, pending: Vec<Prediction>) -> bool {
     let clears = kv.clears.load(Ordering::Acquire);
     let mut wrote = false;
     for p in pending {
-        if p.clears == clears {
+        if p.clears == clears || !kv.clear_log.cleared_since(p.clears, p.rank) {
             kv.index.insert(p.rank, &p.hashes, Tier::Gpu, p.expires);
             wrote = true;
         }
@@ -91,15 +128,15 @@ impl State {
     pub(super) fn kv_write(&self) -> RwLockWriteGuard<'_, Kv> {
         let mut kv = self.kv_lock.write();
         let pending = self.deferred.take();
-        if !pending.is_empty() {
-            write(&mut kv, pending);
+        if !pending.is_empty() && write(&mut kv, pending) {
+            self.index_grew.set(true);
         }
         kv
     }
 }
 
-/// The partition's state, locked; on release it writes the predictions made under it (after
-/// the state lock is let go, before the KV write lock is taken).
+/// The partition's state, locked; on release it lets the state lock go, then writes the
+/// predictions made under it under the KV write lock.
 pub(super) struct StateGuard<'a> {
     state: Option<MutexGuard<'a, State>>,
     kv: &'a SpinRwLock<Kv>,
@@ -118,8 +155,8 @@ impl Partition {
 }
 
 impl StateGuard<'_> {
-    /// Releases the lock, writes the deferred predictions and, when any was written, reports
-    /// the index's new size.
+    /// Releases the lock, writes the deferred predictions and, when any prediction made under
+    /// the lock was written (now or earlier, before a KV access), reports the index's new size.
     pub(super) fn unlock(mut self, facts: &mut Facts) {
         if self.release() {
             facts.push(self.partition.index_size_of(&self.kv.read()));
@@ -131,8 +168,10 @@ impl StateGuard<'_> {
             return false;
         };
         let pending = state.deferred.take();
+        let grew = state.index_grew.replace(false);
         drop(state);
-        !pending.is_empty() && write(&mut self.kv.write(), pending)
+        let wrote = !pending.is_empty() && write(&mut self.kv.write(), pending);
+        grew || wrote
     }
 }
 
@@ -160,8 +199,8 @@ impl DerefMut for StateGuard<'_> {
 }
 
 /// A fresh counter of clears, shared by a partition's state and its KV side.
-pub(super) fn clear_counter() -> Arc<std::sync::atomic::AtomicU64> {
-    Arc::new(std::sync::atomic::AtomicU64::new(0))
+pub(super) fn clear_counter() -> Arc<AtomicU64> {
+    Arc::new(AtomicU64::new(0))
 }
 
 #[cfg(test)]
@@ -240,21 +279,94 @@ mod tests {
         assert_eq!(depth(&partition, rank), 3);
     }
 
+    // The window these tests stand for: the predicting thread has let the state lock go and not
+    // yet taken the KV write lock when another thread clears (a pod change under the state lock,
+    // an engine's AllBlocksCleared on the KV-only path). A clear taken while the guard is held
+    // reaches the same check.
+
     #[test]
-    fn a_clear_between_the_booking_and_the_write_drops_the_prediction() {
+    fn a_clear_of_the_rank_between_the_booking_and_the_write_drops_its_prediction() {
         let (partition, rank, other) = partition();
         let guard = partition.lock_state();
         guard.predict(rank, &HASHES, None);
-        // What a thread clearing a rank (engine restart, rank gone) does while this one still
-        // holds its prediction: the KV write lock only, past the state lock.
-        partition.kv.write().clear_ranks(&[other]);
+        guard.predict(other, &HASHES, None);
+        partition.kv.write().clear_ranks(&[rank]);
         drop(guard);
         assert_eq!(depth(&partition, rank), 0);
-        assert_eq!(partition.kv.read().index.len(), 0);
+        // Another rank's prediction is not the cleared rank's: it stays.
+        assert_eq!(depth(&partition, other), 3);
         // Predictions made after the clear are written as usual.
         let guard = partition.lock_state();
         guard.predict(rank, &HASHES, None);
         drop(guard);
         assert_eq!(depth(&partition, rank), 3);
+    }
+
+    #[test]
+    fn an_engines_all_blocks_cleared_drops_the_ranks_pending_prediction() {
+        let (partition, rank, _) = partition();
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        let stats = partition.apply_to(
+            &mut partition.kv.write(),
+            rank,
+            &[crate::event::KvEvent::AllBlocksCleared],
+        );
+        assert_eq!(stats.applied, 1);
+        drop(guard);
+        assert_eq!(depth(&partition, rank), 0);
+    }
+
+    #[test]
+    fn clearing_no_rank_is_no_clear() {
+        let (partition, rank, _) = partition();
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        let before = partition
+            .kv
+            .read()
+            .clears
+            .load(std::sync::atomic::Ordering::Acquire);
+        partition.kv.write().clear_ranks(&[]);
+        let after = partition
+            .kv
+            .read()
+            .clears
+            .load(std::sync::atomic::Ordering::Acquire);
+        assert_eq!(before, after);
+        drop(guard);
+        assert_eq!(depth(&partition, rank), 3);
+    }
+
+    /// `n` clears of other ranks while `rank`'s prediction waits.
+    fn prediction_after_clears_of_others(n: usize) -> u32 {
+        let (partition, rank, other) = partition();
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        for _ in 0..n {
+            partition.kv.write().clear_ranks(&[other]);
+        }
+        drop(guard);
+        depth(&partition, rank)
+    }
+
+    #[test]
+    fn clears_of_other_ranks_keep_the_prediction_while_remembered_and_drop_it_past_that() {
+        assert_eq!(prediction_after_clears_of_others(super::CLEARS_KEPT), 3);
+        // One more than the log keeps: whether `rank` was among them is no longer known.
+        assert_eq!(prediction_after_clears_of_others(super::CLEARS_KEPT + 1), 0);
+    }
+
+    #[test]
+    fn a_prediction_written_before_a_kv_access_is_still_reported_at_unlock() {
+        let (partition, rank, _) = partition();
+        let guard = partition.lock_state();
+        guard.predict(rank, &HASHES, None);
+        drop(guard.kv_read());
+        let mut facts = Facts::default();
+        guard.unlock(&mut facts);
+        assert!(facts
+            .iter()
+            .any(|f| matches!(f, Fact::IndexSize { blocks: 3, .. })));
     }
 }

@@ -229,9 +229,21 @@ impl Partition {
     }
 
     /// Applies the events to the index and the rank's engine map.
-    fn apply_to(&self, kv: &mut super::Kv, rank: RankKey, events: &[KvEvent]) -> EventStats {
+    pub(super) fn apply_to(
+        &self,
+        kv: &mut super::Kv,
+        rank: RankKey,
+        events: &[KvEvent],
+    ) -> EventStats {
         let mut stats = EventStats::default();
         let block_size = self.block_size() as usize;
+        if events
+            .iter()
+            .any(|e| matches!(e, KvEvent::AllBlocksCleared))
+        {
+            // Predictions of this rank made before the clear and not yet written are dropped.
+            kv.clear_log.record(&kv.clears, Some(&[rank]));
+        }
         let super::Kv { index, engines, .. } = kv;
         let map = engines.entry(rank).or_default();
         for event in events {

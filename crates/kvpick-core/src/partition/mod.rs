@@ -110,6 +110,8 @@ struct State {
     kv_lock: Arc<SpinRwLock<Kv>>,
     /// Predictions booked under this lock, not yet written ([`deferred`]).
     deferred: std::cell::RefCell<Vec<deferred::Prediction>>,
+    /// Some were written under this lock (before a KV access): the release reports the size.
+    index_grew: std::cell::Cell<bool>,
     /// [`Kv::clears`] and [`Kv::rank_epoch`], readable without the KV lock.
     clears: Arc<AtomicU64>,
     rank_epoch: Arc<AtomicU64>,
@@ -156,9 +158,11 @@ pub(crate) struct Kv {
     precise: std::collections::HashSet<RankKey>,
     /// `State::declared_block_size` is set: events can no longer change the block size.
     block_size_known: bool,
-    /// Counts resets and rank clears (bumped under the KV write lock): a deferred prediction
-    /// made before one is not written ([`deferred`]).
+    /// Counts resets and rank clears (bumped under the KV write lock), and remembers the recent
+    /// ones: a deferred prediction of a rank cleared since it was made is not written
+    /// ([`deferred`]).
     clears: Arc<AtomicU64>,
+    clear_log: deferred::ClearLog,
     /// The index's rank epoch, published ([`PrefixIndex::publish_rank_epoch`]).
     rank_epoch: Arc<AtomicU64>,
 }
@@ -166,7 +170,7 @@ pub(crate) struct Kv {
 impl Kv {
     /// Starts the index afresh (a new block size).
     fn reset(&mut self, now: Instant) {
-        self.clears.fetch_add(1, Ordering::AcqRel);
+        self.clear_log.record(&self.clears, None);
         self.index = PrefixIndex::new(self.index.capacity(), now);
         self.index.publish_rank_epoch(Arc::clone(&self.rank_epoch));
         self.engines.clear();
@@ -179,7 +183,10 @@ impl Kv {
 
     /// Forgets the blocks and engine maps of several ranks in one pass over the index.
     fn clear_ranks(&mut self, ranks: &[RankKey]) {
-        self.clears.fetch_add(1, Ordering::AcqRel);
+        if ranks.is_empty() {
+            return;
+        }
+        self.clear_log.record(&self.clears, Some(ranks));
         self.index.clear_ranks(ranks);
         for rank in ranks {
             self.engines.remove(rank);
@@ -231,7 +238,7 @@ pub(crate) struct Partition {
     schedulable: AtomicUsize,
     block_size: AtomicU32,
     state: SpinMutex<State>,
-    /// The KV side ([`Kv`]); the same lock `State::kv` holds.
+    /// The KV side ([`Kv`]); the same lock `State::kv_lock` holds.
     kv: Arc<SpinRwLock<Kv>>,
     /// Requests in `state.queue` (read without the lock: an empty queue costs nothing).
     queued: AtomicUsize,
@@ -277,6 +284,7 @@ impl Partition {
             precise: Default::default(),
             block_size_known: false,
             clears: Arc::clone(&clears),
+            clear_log: deferred::ClearLog::default(),
             rank_epoch: Arc::clone(&rank_epoch),
         }));
         Partition {
@@ -289,6 +297,7 @@ impl Partition {
                 ranks: RankTable::default(),
                 kv_lock: kv,
                 deferred: Default::default(),
+                index_grew: Default::default(),
                 clears,
                 rank_epoch,
                 bookings: HashMap::new(),
