@@ -28,20 +28,28 @@ pub(crate) const SPIN_LIMIT: Duration = Duration::from_micros(100);
 /// Spin-loop hints between two looks at the clock (the clock costs ~20 ns; a hint 10–40 ns).
 const SPINS_PER_CHECK: u32 = 64;
 
-/// Spins while `busy`, trying `acquire` whenever it is not, for up to [`SPIN_LIMIT`].
-fn spin_acquire<G>(busy: impl Fn() -> bool, mut acquire: impl FnMut() -> Option<G>) -> Option<G> {
+/// A guard from `try_acquire` at once; else from it again whenever `busy` turns false, for up
+/// to [`SPIN_LIMIT`]; else from `block` (parking until the lock is free).
+fn acquire<G>(
+    mut try_acquire: impl FnMut() -> Option<G>,
+    busy: impl Fn() -> bool,
+    block: impl FnOnce() -> G,
+) -> G {
+    if let Some(guard) = try_acquire() {
+        return guard;
+    }
     let started = Instant::now();
     loop {
         for _ in 0..SPINS_PER_CHECK {
             std::hint::spin_loop();
             if !busy() {
-                if let Some(guard) = acquire() {
-                    return Some(guard);
+                if let Some(guard) = try_acquire() {
+                    return guard;
                 }
             }
         }
         if started.elapsed() >= SPIN_LIMIT {
-            return None;
+            return block();
         }
     }
 }
@@ -56,10 +64,11 @@ impl<T> SpinMutex<T> {
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        if let Some(guard) = self.0.try_lock() {
-            return guard;
-        }
-        spin_acquire(|| self.0.is_locked(), || self.0.try_lock()).unwrap_or_else(|| self.0.lock())
+        acquire(
+            || self.0.try_lock(),
+            || self.0.is_locked(),
+            || self.0.lock(),
+        )
     }
 }
 
@@ -73,18 +82,19 @@ impl<T> SpinRwLock<T> {
     }
 
     pub(crate) fn read(&self) -> RwLockReadGuard<'_, T> {
-        if let Some(guard) = self.0.try_read() {
-            return guard;
-        }
-        spin_acquire(|| self.0.is_locked_exclusive(), || self.0.try_read())
-            .unwrap_or_else(|| self.0.read())
+        acquire(
+            || self.0.try_read(),
+            || self.0.is_locked_exclusive(),
+            || self.0.read(),
+        )
     }
 
     pub(crate) fn write(&self) -> RwLockWriteGuard<'_, T> {
-        if let Some(guard) = self.0.try_write() {
-            return guard;
-        }
-        spin_acquire(|| self.0.is_locked(), || self.0.try_write()).unwrap_or_else(|| self.0.write())
+        acquire(
+            || self.0.try_write(),
+            || self.0.is_locked(),
+            || self.0.write(),
+        )
     }
 }
 

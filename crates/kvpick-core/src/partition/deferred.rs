@@ -28,7 +28,6 @@ use parking_lot::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 use super::{Kv, Partition, State};
 use crate::facts::Facts;
 use crate::index::Tier;
-use crate::spin::SpinRwLock;
 use crate::types::RankKey;
 
 /// One pick's predicted (or approximate) entries for one rank, not yet in the index.
@@ -37,7 +36,8 @@ pub(super) struct Prediction {
     rank: RankKey,
     hashes: Vec<u64>,
     expires: Option<Instant>,
-    /// [`Kv::clears`] when it was predicted: a clear of its rank since then drops it.
+    /// The latest clear's number ([`ClearLog`]) when it was predicted: a clear of its rank since
+    /// then drops it.
     clears: u64,
 }
 
@@ -45,17 +45,31 @@ pub(super) struct Prediction {
 /// cleared since it was made: past this many, an older prediction is dropped unchecked.
 pub(super) const CLEARS_KEPT: usize = 64;
 
-/// The KV side's recent clears, numbered by [`Kv::clears`]: the ranks each cleared, or `None`
-/// for a reset (every rank).
-#[derive(Debug, Default)]
+/// The KV side's recent clears, numbered by a counter the state reads without the KV lock: the
+/// ranks each cleared, or `None` for a reset (every rank).
+#[derive(Debug)]
 pub(super) struct ClearLog {
+    /// The number of the latest clear (0: none yet); shared with [`State`].
+    counter: Arc<AtomicU64>,
     entries: std::collections::VecDeque<(u64, Option<Vec<RankKey>>)>,
 }
 
 impl ClearLog {
+    pub(super) fn new(counter: Arc<AtomicU64>) -> Self {
+        ClearLog {
+            counter,
+            entries: Default::default(),
+        }
+    }
+
+    /// The number of the latest clear.
+    pub(super) fn latest(&self) -> u64 {
+        self.counter.load(Ordering::Acquire)
+    }
+
     /// Numbers and remembers a clear of `ranks` (`None`: all of them).
-    pub(super) fn record(&mut self, counter: &AtomicU64, ranks: Option<&[RankKey]>) {
-        let number = counter.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+    pub(super) fn record(&mut self, ranks: Option<&[RankKey]>) {
+        let number = self.counter.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
         if self.entries.len() == CLEARS_KEPT {
             self.entries.pop_front();
         }
@@ -66,6 +80,9 @@ impl ClearLog {
     /// Whether `rank` may have been cleared after clear number `since` (true when the clears
     /// since are no longer all remembered).
     fn cleared_since(&self, since: u64, rank: RankKey) -> bool {
+        if since == self.latest() {
+            return false;
+        }
         let oldest = self.entries.front().map_or(u64::MAX, |e| e.0);
         if oldest > since.wrapping_add(1) {
             return true;
@@ -80,10 +97,9 @@ impl ClearLog {
 /// Writes the predictions into the index, except those whose rank was cleared since; true when
 /// any was written.
 fn write(kv: &mut Kv, pending: Vec<Prediction>) -> bool {
-    let clears = kv.clears.load(Ordering::Acquire);
     let mut wrote = false;
     for p in pending {
-        if p.clears == clears || !kv.clear_log.cleared_since(p.clears, p.rank) {
+        if !kv.clear_log.cleared_since(p.clears, p.rank) {
             kv.index.insert(p.rank, &p.hashes, Tier::Gpu, p.expires);
             wrote = true;
         }
@@ -139,7 +155,6 @@ impl State {
 /// predictions made under it under the KV write lock.
 pub(super) struct StateGuard<'a> {
     state: Option<MutexGuard<'a, State>>,
-    kv: &'a SpinRwLock<Kv>,
     partition: &'a Partition,
 }
 
@@ -148,7 +163,6 @@ impl Partition {
     pub(super) fn lock_state(&self) -> StateGuard<'_> {
         StateGuard {
             state: Some(self.state.lock()),
-            kv: &self.kv,
             partition: self,
         }
     }
@@ -159,7 +173,10 @@ impl StateGuard<'_> {
     /// the lock was written (now or earlier, before a KV access), reports the index's new size.
     pub(super) fn unlock(mut self, facts: &mut Facts) {
         if self.release() {
-            facts.push(self.partition.index_size_of(&self.kv.read()));
+            facts.push(
+                self.partition
+                    .index_size_of(&self.partition.kv.read(), None),
+            );
         }
     }
 
@@ -170,7 +187,7 @@ impl StateGuard<'_> {
         let pending = state.deferred.take();
         let grew = state.index_grew.replace(false);
         drop(state);
-        let wrote = !pending.is_empty() && write(&mut self.kv.write(), pending);
+        let wrote = !pending.is_empty() && write(&mut self.partition.kv.write(), pending);
         grew || wrote
     }
 }
@@ -196,11 +213,6 @@ impl DerefMut for StateGuard<'_> {
     fn deref_mut(&mut self) -> &mut State {
         self.state.as_deref_mut().expect("state guard in use")
     }
-}
-
-/// A fresh counter of clears, shared by a partition's state and its KV side.
-pub(super) fn clear_counter() -> Arc<AtomicU64> {
-    Arc::new(AtomicU64::new(0))
 }
 
 #[cfg(test)]
@@ -322,18 +334,9 @@ mod tests {
         let (partition, rank, _) = partition();
         let guard = partition.lock_state();
         guard.predict(rank, &HASHES, None);
-        let before = partition
-            .kv
-            .read()
-            .clears
-            .load(std::sync::atomic::Ordering::Acquire);
+        let before = partition.kv.read().clear_log.latest();
         partition.kv.write().clear_ranks(&[]);
-        let after = partition
-            .kv
-            .read()
-            .clears
-            .load(std::sync::atomic::Ordering::Acquire);
-        assert_eq!(before, after);
+        assert_eq!(partition.kv.read().clear_log.latest(), before);
         drop(guard);
         assert_eq!(depth(&partition, rank), 3);
     }

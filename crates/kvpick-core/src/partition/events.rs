@@ -242,7 +242,7 @@ impl Partition {
             .any(|e| matches!(e, KvEvent::AllBlocksCleared))
         {
             // Predictions of this rank made before the clear and not yet written are dropped.
-            kv.clear_log.record(&kv.clears, Some(&[rank]));
+            kv.clear_log.record(Some(&[rank]));
         }
         let super::Kv { index, engines, .. } = kv;
         let map = engines.entry(rank).or_default();

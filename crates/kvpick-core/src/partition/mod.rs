@@ -112,7 +112,8 @@ struct State {
     deferred: std::cell::RefCell<Vec<deferred::Prediction>>,
     /// Some were written under this lock (before a KV access): the release reports the size.
     index_grew: std::cell::Cell<bool>,
-    /// [`Kv::clears`] and [`Kv::rank_epoch`], readable without the KV lock.
+    /// The latest clear's number ([`Kv::clear_log`]) and [`Kv::rank_epoch`], readable without
+    /// the KV lock.
     clears: Arc<AtomicU64>,
     rank_epoch: Arc<AtomicU64>,
     bookings: HashMap<String, Booking>,
@@ -158,10 +159,8 @@ pub(crate) struct Kv {
     precise: std::collections::HashSet<RankKey>,
     /// `State::declared_block_size` is set: events can no longer change the block size.
     block_size_known: bool,
-    /// Counts resets and rank clears (bumped under the KV write lock), and remembers the recent
-    /// ones: a deferred prediction of a rank cleared since it was made is not written
-    /// ([`deferred`]).
-    clears: Arc<AtomicU64>,
+    /// Resets and rank clears, numbered (under the KV write lock), the recent ones remembered: a
+    /// deferred prediction of a rank cleared since it was made is not written ([`deferred`]).
     clear_log: deferred::ClearLog,
     /// The index's rank epoch, published ([`PrefixIndex::publish_rank_epoch`]).
     rank_epoch: Arc<AtomicU64>,
@@ -170,7 +169,7 @@ pub(crate) struct Kv {
 impl Kv {
     /// Starts the index afresh (a new block size).
     fn reset(&mut self, now: Instant) {
-        self.clear_log.record(&self.clears, None);
+        self.clear_log.record(None);
         self.index = PrefixIndex::new(self.index.capacity(), now);
         self.index.publish_rank_epoch(Arc::clone(&self.rank_epoch));
         self.engines.clear();
@@ -186,7 +185,7 @@ impl Kv {
         if ranks.is_empty() {
             return;
         }
-        self.clear_log.record(&self.clears, Some(ranks));
+        self.clear_log.record(Some(ranks));
         self.index.clear_ranks(ranks);
         for rank in ranks {
             self.engines.remove(rank);
@@ -273,7 +272,7 @@ impl Partition {
             }
             None => StdRng::from_os_rng(),
         };
-        let clears = deferred::clear_counter();
+        let clears = Arc::new(AtomicU64::new(0));
         let rank_epoch = Arc::new(AtomicU64::new(0));
         let mut index = PrefixIndex::new(config.index_max_blocks, now);
         index.publish_rank_epoch(Arc::clone(&rank_epoch));
@@ -283,8 +282,7 @@ impl Partition {
             members: Default::default(),
             precise: Default::default(),
             block_size_known: false,
-            clears: Arc::clone(&clears),
-            clear_log: deferred::ClearLog::default(),
+            clear_log: deferred::ClearLog::new(Arc::clone(&clears)),
             rank_epoch: Arc::clone(&rank_epoch),
         }));
         Partition {
@@ -334,19 +332,15 @@ impl Partition {
     }
 
     fn index_fact(&self, state: &State, bytes: Option<usize>) -> Fact {
-        Fact::IndexSize {
-            partition: Arc::clone(&self.key),
-            blocks: state.kv_read().index.len(),
-            bytes,
-        }
+        self.index_size_of(&state.kv_read(), bytes)
     }
 
-    /// The index size of a locked KV side, as a fact.
-    fn index_size_of(&self, kv: &Kv) -> Fact {
+    /// The index size of a locked KV side (and its heap bytes when measured), as a fact.
+    fn index_size_of(&self, kv: &Kv, bytes: Option<usize>) -> Fact {
         Fact::IndexSize {
             partition: Arc::clone(&self.key),
             blocks: kv.index.len(),
-            bytes: None,
+            bytes,
         }
     }
 
