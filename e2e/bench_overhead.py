@@ -101,15 +101,35 @@ def proc_status_kb(pid: int, key: str) -> int:
     return 0
 
 
+# The next unused request number: every run numbers its requests from here, so no prompt of one
+# run is a prompt an earlier run already indexed (each run would otherwise count from 0).
+_next_request = [0]
+
+
 def load(url: str, body_path: Path, concurrency: int, requests: int,
          rate: float | None = None) -> dict:
     pacing = ["--rate", str(rate)] if rate else []
+    warmup = min(requests // 10 + concurrency, 200)
+    first = _next_request[0]
+    _next_request[0] += warmup + requests + concurrency
     out = subprocess.run(
         [str(LOADGEN), "run", "--url", url, "--body", str(body_path),
          "--concurrency", str(concurrency), "--requests", str(requests),
-         "--warmup", str(min(requests // 10 + concurrency, 200))] + pacing,
+         "--warmup", str(warmup), "--first", str(first)] + pacing,
         check=True, capture_output=True, text=True, timeout=900)
     return json.loads(out.stdout)
+
+
+def fill_index(url: str, workdir: Path, requests: int) -> None:
+    """Brings kvpick to its steady state before the measured cells: `requests` distinct 220 KB
+    token-id prompts (~2,100 blocks each), closed loop, so the index has grown to its capacity
+    (the default 1M blocks takes ~500) and evicts from then on, as in a long-running process."""
+    body_path = workdir / "fill.json"
+    body_path.write_bytes(token_body(SIZES["220KB"]))
+    started = time.time()
+    result = load(url + "/v1/completions", body_path, 16, requests)
+    print(f"  fill: {result['completed']} requests in {time.time() - started:.0f} s, "
+          f"statuses {result['statuses']}, errors {result['errors']}", flush=True)
 
 
 def requests_for(size: int, concurrency: int, quick: bool) -> int:
@@ -152,6 +172,15 @@ def main() -> None:
     ap.add_argument("--kvpick-args", default="",
                     help="extra `kvpick serve` flags, e.g. \"--metrics-families kvpick\" to compare "
                          "the cost of the EPP series")
+    ap.add_argument("--fill", type=int, default=0, metavar="N",
+                    help="before the cells, send N distinct 220 KB token-id prompts through "
+                         "kvpick (not measured): the cells then see a full index that evicts, "
+                         "kvpick's steady state, instead of one still growing (~1,000 for the "
+                         "default --index-max-blocks)")
+    ap.add_argument("--plaintext", action="store_true",
+                    help="Envoy speaks h2c to kvpick (`--secure-serving=false`) instead of TLS; "
+                         "with KVPICK_BIN=target/release/examples/extproc_floor this measures "
+                         "the floor of the ext_proc stack (extproc_floor speaks h2c only)")
     ap.add_argument("--trace-ratio", type=float, default=None,
                     help="compare kvpick with tracing off and on at this sampling ratio")
     ap.add_argument("--rounds", type=int, default=1,
@@ -177,16 +206,18 @@ def main() -> None:
                           text=True, preexec_fn=harness._die_with_parent)
     line = up.stdout.readline().split()
     ports = [int(p) for p in line[1].split(",")]
-    kv = harness.Kvpick([harness.worker("w0", ports=ports)],
+    kv = harness.Kvpick([harness.worker("w0", ports=ports)], secure=not args.plaintext,
                         extra_args=["--max-body-bytes", str(4 << 20),
                                     *shlex.split(args.kvpick_args)]).start()
-    on = harness.Envoy(kvpick_port=kv.grpc_port, log_level="warning",
+    on = harness.Envoy(kvpick_port=kv.grpc_port, log_level="warning", secure=not args.plaintext,
                        concurrency=args.envoy_concurrency).start()
     off = harness.Envoy(kvpick_port=kv.grpc_port, config=plain_envoy_config(ports),
                         log_level="warning", concurrency=args.envoy_concurrency).start()
     workdir = harness.new_workdir("bench-overhead")
     rows = []
     try:
+        if args.fill:
+            fill_index(on.url(), workdir, args.fill)
         concurrency = [int(c) for c in args.concurrency.split(",")]
         for size_name, variant, path, body_path, conc, n in cases(args, workdir, concurrency,
                                                                  args.variants):
@@ -222,7 +253,7 @@ def main() -> None:
         on.stop()
         kv.stop()
         up.kill()
-    result = {"rate": args.rate, "rows": rows, "kvpick_peak_rss_mb": peak_rss_mb, "kvpick_inflight_after": inflight,
+    result = {"rate": args.rate, "fill": args.fill, "plaintext": args.plaintext, "rows": rows, "kvpick_peak_rss_mb": peak_rss_mb, "kvpick_inflight_after": inflight,
               "machine_cpus": os.cpu_count(), "quick": args.quick}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print()

@@ -7,9 +7,10 @@
 //!     once with an OpenAI-shaped body and `usage`; a request whose body has `"stream":true` gets
 //!     K SSE events, MS apart, then `[DONE]`.
 //! loadgen run --url URL --body FILE --concurrency C (--requests N | --seconds S)
-//!             [--rate R] [--abort-fraction F] [--warmup W]
+//!             [--rate R] [--abort-fraction F] [--warmup W] [--first N]
 //!     C closed-loop clients, each on its own keep-alive connection, POST the body (every `{n}`
-//!     replaced by a unique request number). `--rate` caps the total request rate; a fraction F
+//!     replaced by a unique request number, counting from N: give runs against the same kvpick
+//!     disjoint ranges, or a later run's prompts are an earlier run's, already indexed). `--rate` caps the total request rate; a fraction F
 //!     of requests is abandoned after the response head (the connection is dropped mid-stream).
 //!     Prints one JSON object: counts, statuses, requests/s and latency percentiles (ms, until
 //!     the whole response body has arrived).
@@ -145,6 +146,8 @@ struct Shared {
     authority: String,
     template: Vec<Vec<u8>>,
     next: AtomicU64,
+    /// The run's first request number: request `base + i` is due at `start + i * interval`.
+    base: u64,
     limit: Option<u64>,
     deadline: Option<Instant>,
     interval: Option<Duration>,
@@ -172,6 +175,7 @@ async fn run(args: &[String]) {
     let rate: Option<f64> = arg(args, "--rate").map(|v| v.parse().expect("--rate"));
     let abort_fraction: f64 = num(args, "--abort-fraction", 0.0);
     let warmup: u64 = num(args, "--warmup", 0);
+    let first: u64 = num(args, "--first", 0);
     let template = split_template(&body);
     let authority = url.authority().expect("--url: host:port").to_string();
 
@@ -180,8 +184,9 @@ async fn run(args: &[String]) {
             url: url.clone(),
             authority: authority.clone(),
             template: template.clone(),
-            next: AtomicU64::new(0),
-            limit: Some(warmup),
+            next: AtomicU64::new(first),
+            base: first,
+            limit: Some(first + warmup),
             deadline: None,
             interval: None,
             start: Instant::now(),
@@ -194,8 +199,9 @@ async fn run(args: &[String]) {
         url,
         authority,
         template,
-        next: AtomicU64::new(warmup),
-        limit: requests.map(|n| n + warmup),
+        next: AtomicU64::new(first + warmup),
+        base: first + warmup,
+        limit: requests.map(|n| first + n + warmup),
         deadline: seconds.map(|s| start + Duration::from_secs_f64(s)),
         interval: rate.map(|r| Duration::from_secs_f64(1.0 / r)),
         start,
@@ -293,8 +299,8 @@ async fn client(shared: Arc<Shared>) -> Tally {
             break;
         }
         if let Some(interval) = shared.interval {
-            // Request n is due at start + n * interval (open-loop pacing across all clients).
-            let due = shared.start + interval.mul_f64(n as f64);
+            // Open-loop pacing across all clients.
+            let due = shared.start + interval.mul_f64((n - shared.base) as f64);
             tokio::time::sleep_until(due.into()).await;
         }
         if sender.as_ref().is_none_or(|s| s.is_closed()) {

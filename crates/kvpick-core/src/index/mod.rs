@@ -165,6 +165,13 @@ const MAX_RETIRED_CHECKED: usize = 64;
 /// blocks, enough for its ages to stand for the table's).
 const SHARDED_EVICTION_FROM: usize = 65_536;
 
+/// A sharded eviction step removes this fraction (1/n) of one shard. A step costs two passes
+/// over the shard whatever it removes (the age sample, then the retain), so each removed block
+/// costs n entries visited: a quarter keeps that at 4 (a sixteenth made eviction a fifth of the
+/// CPU of a 220 KB request at capacity), while one step still removes only a quarter of one
+/// shard (1/64 of an index of 16 shards; at most 1/16 of the capacity when keys do not spread).
+const EVICT_SHARD_FRACTION: usize = 4;
+
 /// Hashes `u64` keys of unknown distribution (engine block hashes: sometimes small integers)
 /// with one splitmix64 finalizer instead of SipHash.
 #[derive(Default)]
@@ -493,16 +500,20 @@ impl PrefixIndex {
         }
     }
 
-    /// Evicts the oldest sixteenth of the largest shard. Keys spread uniformly over the shards,
-    /// so every shard's ages follow the same distribution and its oldest sixteenth is (about)
-    /// its share of the table's; taking the largest shard keeps the shards level and makes
+    /// Evicts the oldest quarter ([`EVICT_SHARD_FRACTION`]) of the largest shard. Keys spread
+    /// uniformly over the shards, so every shard's ages follow the same distribution and its
+    /// oldest quarter is (about) its share of the table's; taking the largest shard keeps the shards level and makes
     /// progress when keys do not spread (engine block hashes that are small integers).
     fn evict_shard_step(&mut self) {
         let Some(map) = self.blocks.maps.iter_mut().max_by_key(|m| m.len()) else {
             return;
         };
         let len = map.len();
-        let excess = (len / 16).max(1);
+        // Keys that do not spread leave one shard holding the table: a quarter of it would be a
+        // quarter of the index, so never more than a sixteenth of the capacity at once.
+        let excess = (len / EVICT_SHARD_FRACTION)
+            .min(self.max_blocks / 16)
+            .max(1);
         // The cutoff from a sample of about 4,096 ages: walking the table's control bytes to
         // every `step`-th entry reads only those entries, so a step costs one pass (the retain).
         let step = (len / 4_096).max(1);
@@ -954,8 +965,10 @@ fn nth_oldest(mut ticks: Vec<u32>, k: usize) -> u32 {
     *ticks.select_nth_unstable(k).1
 }
 
-/// The eviction test of a table pass: true for up to `limit` entries touched at or before
-/// `cutoff` (ties at the cutoff go only as far as needed), whose slab lists it frees.
+/// The eviction test of a table pass: true for every entry touched before `cutoff` and, while
+/// fewer than `limit` have gone, for those touched at it (ties at the cutoff go only as far as
+/// needed); frees their slab lists. An entry older than the cutoff never survives a pass, even
+/// when a sampled cutoff lies a little above the quantile it estimates.
 fn evicting<'a>(
     slab: &'a mut [Multi],
     free: &'a mut Vec<u32>,
@@ -963,10 +976,10 @@ fn evicting<'a>(
     mut limit: usize,
 ) -> impl FnMut(&Entry) -> bool + 'a {
     move |entry| {
-        if limit == 0 || entry.touched > cutoff {
+        if entry.touched > cutoff || (entry.touched == cutoff && limit == 0) {
             return false;
         }
-        limit -= 1;
+        limit = limit.saturating_sub(1);
         if entry.holder.who == MULTI {
             release_slab(slab, free, entry.multi());
         }
@@ -1502,7 +1515,8 @@ mod tests {
         }
         assert!(
             idx.len() >= cap - cap / 16 - cap / 64,
-            "evicted about one batch at a time"
+            "evicted about one batch at a time ({} of {cap})",
+            idx.len()
         );
         // Everything touched since the last eviction, and the newest 80k, are kept.
         let kept = (220_000..300_000u64)
@@ -1515,8 +1529,30 @@ mod tests {
         assert_eq!(oldest, 0);
     }
 
-    /// A big index at capacity evicts a shard's oldest sixteenth per step, not a sixteenth of
-    /// the whole table: an insert one block over capacity removes about `cap / 256` blocks, and
+    /// Keys that do not spread (small integers) all land in one shard: a step then removes a
+    /// sixteenth of the capacity, not a quarter of that shard (a quarter of the index).
+    #[test]
+    fn one_step_never_removes_more_than_a_sixteenth_of_the_capacity() {
+        let cap = 4 * SHARDED_EVICTION_FROM;
+        let mut idx = PrefixIndex::new(cap, Instant::now());
+        let keys: Vec<u64> = (0..cap as u64 + 1).collect();
+        idx.insert(rank(1), &keys[..cap], Tier::Gpu, None);
+        assert_eq!(idx.len(), cap);
+        assert_eq!(
+            idx.blocks.maps.iter().filter(|m| !m.is_empty()).count(),
+            1,
+            "small keys share one shard"
+        );
+        idx.insert(rank(1), &keys[cap..], Tier::Gpu, None);
+        let removed = cap + 1 - idx.len();
+        assert!(
+            (cap / 16 * 3 / 4..cap / 16 * 5 / 4).contains(&removed),
+            "a sixteenth of the capacity ({removed} of {cap})"
+        );
+    }
+
+    /// A big index at capacity evicts a shard's oldest quarter per step, not a part of the whole
+    /// table: an insert one block over capacity removes about `cap / 64` blocks, and
     /// what goes is old (the newest half of everything inserted is always kept).
     #[test]
     fn big_indexes_evict_one_shard_at_a_time_and_keep_the_recent() {
@@ -1528,8 +1564,8 @@ mod tests {
         idx.insert(rank(1), &keys[cap..=cap], Tier::Gpu, None);
         let removed = cap + 1 - idx.len();
         assert!(
-            (cap / 256 * 3 / 4..cap / 256 * 5 / 4).contains(&removed),
-            "one shard's sixteenth ({removed} of {cap})"
+            (cap / 64 * 3 / 4..cap / 64 * 5 / 4).contains(&removed),
+            "one shard's quarter ({removed} of {cap})"
         );
         for chunk in keys[cap + 1..].chunks(1_000) {
             idx.insert(rank(1), chunk, Tier::Gpu, None);
