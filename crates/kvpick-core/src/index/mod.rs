@@ -518,9 +518,12 @@ impl PrefixIndex {
         // every `step`-th entry reads only those entries, so a step costs one pass (the retain).
         let step = (len / 4_096).max(1);
         let ticks: Vec<u32> = map.values().step_by(step).map(|e| e.touched).collect();
-        let k = (excess * ticks.len() / len).clamp(1, ticks.len()) - 1;
-        let cutoff = nth_oldest(ticks, k);
-        let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, excess);
+        let sampled = ticks.len();
+        let k = (excess * sampled / len).clamp(1, sampled) - 1;
+        let (cutoff, older) = nth_oldest(ticks, k);
+        // The ties the sample says are still needed once everything older has gone.
+        let ties = excess.saturating_sub(older * len / sampled);
+        let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, ties);
         map.retain(|_, entry| !evict(entry));
     }
 
@@ -529,9 +532,9 @@ impl PrefixIndex {
         let target = self.max_blocks - self.max_blocks / 16;
         let excess = self.blocks.len() - target;
         let ticks: Vec<u32> = self.blocks.values().map(|e| e.touched).collect();
-        let cutoff = nth_oldest(ticks, excess - 1);
+        let (cutoff, older) = nth_oldest(ticks, excess - 1);
         // Ties at the cutoff: evict only as many as needed.
-        let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, excess);
+        let mut evict = evicting(&mut self.slab, &mut self.free_slab, cutoff, excess - older);
         self.blocks.retain(|_, entry| !evict(entry));
     }
 
@@ -961,25 +964,30 @@ fn retain_holders(
 }
 
 /// The `k`-th smallest (0-based) of the LRU ticks: the eviction cutoff.
-fn nth_oldest(mut ticks: Vec<u32>, k: usize) -> u32 {
-    *ticks.select_nth_unstable(k).1
+/// The `k`-th oldest tick (from 0), and how many ticks are older than it.
+fn nth_oldest(mut ticks: Vec<u32>, k: usize) -> (u32, usize) {
+    let (before, &mut cutoff, _) = ticks.select_nth_unstable(k);
+    (cutoff, before.iter().filter(|&&t| t < cutoff).count())
 }
 
-/// The eviction test of a table pass: true for every entry touched before `cutoff` and, while
-/// fewer than `limit` have gone, for those touched at it (ties at the cutoff go only as far as
-/// needed); frees their slab lists. An entry older than the cutoff never survives a pass, even
-/// when a sampled cutoff lies a little above the quantile it estimates.
+/// The eviction test of a table pass: true for every entry touched before `cutoff` and for the
+/// first `ties` touched at it (ties go only as far as needed); frees their slab lists. An entry
+/// older than the cutoff never survives a pass, whatever the order the table visits entries in.
 fn evicting<'a>(
     slab: &'a mut [Multi],
     free: &'a mut Vec<u32>,
     cutoff: u32,
-    mut limit: usize,
+    mut ties: usize,
 ) -> impl FnMut(&Entry) -> bool + 'a {
     move |entry| {
-        if entry.touched > cutoff || (entry.touched == cutoff && limit == 0) {
+        if entry.touched == cutoff {
+            if ties == 0 {
+                return false;
+            }
+            ties -= 1;
+        } else if entry.touched > cutoff {
             return false;
         }
-        limit = limit.saturating_sub(1);
         if entry.holder.who == MULTI {
             release_slab(slab, free, entry.multi());
         }
@@ -1503,6 +1511,45 @@ mod tests {
         idx.purge_expired(Instant::now());
         assert_eq!(idx.free_slab.len(), 1, "list freed when one holder is left");
         assert_eq!(idx.free_ranks, vec![1], "id free after a purge round");
+    }
+
+    /// Exact eviction with many blocks tied at the cutoff (as halved LRU ticks leave them): the
+    /// older blocks all go, whatever order the table visits them in, and ties make up the rest.
+    #[test]
+    fn older_blocks_go_before_ties_at_the_cutoff() {
+        let cap = 64;
+        let mut idx = PrefixIndex::new(cap, Instant::now());
+        // Shards are visited in order and bits 40.. pick one: the older blocks sit in the last
+        // shard, so the pass meets every tied block first.
+        let key = |shard: u64, n: u64| (shard << 40) | n;
+        let old: Vec<u64> = (0..3).map(|n| key(15, n)).collect();
+        let tied: Vec<u64> = (100..100 + cap as u64 - 3)
+            .map(|n| key(n % 15, n))
+            .collect();
+        idx.insert(
+            rank(1),
+            &[old.clone(), tied.clone()].concat(),
+            Tier::Gpu,
+            None,
+        );
+        assert_eq!(idx.len(), cap);
+        for (k, touched) in old.iter().zip(1..).chain(tied.iter().map(|k| (k, 10))) {
+            idx.blocks.get_mut(&BlockKey::new(*k)).unwrap().touched = touched;
+        }
+        idx.insert(rank(1), &[key(0, 1_000)], Tier::Gpu, None);
+        // Down to 60: the 3 older blocks and 2 of the 61 tied ones.
+        assert_eq!(idx.len(), cap - cap / 16);
+        for k in &old {
+            assert!(
+                !idx.blocks.contains_key(&BlockKey::new(*k)),
+                "an older block survived"
+            );
+        }
+        let tied_left = tied
+            .iter()
+            .filter(|k| idx.blocks.contains_key(&BlockKey::new(**k)))
+            .count();
+        assert_eq!(tied_left, tied.len() - 2);
     }
 
     #[test]
