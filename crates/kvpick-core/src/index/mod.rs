@@ -502,8 +502,9 @@ impl PrefixIndex {
 
     /// Evicts the oldest quarter ([`EVICT_SHARD_FRACTION`]) of the largest shard. Keys spread
     /// uniformly over the shards, so every shard's ages follow the same distribution and its
-    /// oldest quarter is (about) its share of the table's; taking the largest shard keeps the shards level and makes
-    /// progress when keys do not spread (engine block hashes that are small integers).
+    /// oldest quarter is (about) its share of the table's; taking the largest shard keeps the
+    /// shards level and makes progress when keys do not spread (block hashes that are small
+    /// integers).
     fn evict_shard_step(&mut self) {
         let Some(map) = self.blocks.maps.iter_mut().max_by_key(|m| m.len()) else {
             return;
@@ -514,8 +515,9 @@ impl PrefixIndex {
         let excess = (len / EVICT_SHARD_FRACTION)
             .min(self.max_blocks / 16)
             .max(1);
-        // The cutoff from a sample of about 4,096 ages: walking the table's control bytes to
-        // every `step`-th entry reads only those entries, so a step costs one pass (the retain).
+        // The cutoff from a sample of about 4,096 ages: the walk to every `step`-th entry reads
+        // only those entries, but it still visits every control byte, so with the retain a step
+        // is two passes over the shard.
         let step = (len / 4_096).max(1);
         let ticks: Vec<u32> = map.values().step_by(step).map(|e| e.touched).collect();
         let sampled = ticks.len();
@@ -963,8 +965,8 @@ fn retain_holders(
     }
 }
 
-/// The `k`-th smallest (0-based) of the LRU ticks: the eviction cutoff.
-/// The `k`-th oldest tick (from 0), and how many ticks are older than it.
+/// The `k`-th smallest (0-based) of the LRU ticks, the eviction cutoff, and how many ticks are
+/// smaller (older) than it.
 fn nth_oldest(mut ticks: Vec<u32>, k: usize) -> (u32, usize) {
     let (before, &mut cutoff, _) = ticks.select_nth_unstable(k);
     (cutoff, before.iter().filter(|&&t| t < cutoff).count())
