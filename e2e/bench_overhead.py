@@ -111,7 +111,7 @@ def load(url: str, body_path: Path, concurrency: int, requests: int,
     pacing = ["--rate", str(rate)] if rate else []
     warmup = min(requests // 10 + concurrency, 200)
     first = _next_request[0]
-    _next_request[0] += warmup + requests + concurrency
+    _next_request[0] += warmup + requests
     out = subprocess.run(
         [str(LOADGEN), "run", "--url", url, "--body", str(body_path),
          "--concurrency", str(concurrency), "--requests", str(requests),
@@ -253,7 +253,8 @@ def main() -> None:
         on.stop()
         kv.stop()
         up.kill()
-    result = {"rate": args.rate, "fill": args.fill, "plaintext": args.plaintext, "rows": rows, "kvpick_peak_rss_mb": peak_rss_mb, "kvpick_inflight_after": inflight,
+    result = {"rate": args.rate, "fill": args.fill, "plaintext": args.plaintext, "rows": rows,
+              "kvpick_peak_rss_mb": peak_rss_mb, "kvpick_inflight_after": inflight,
               "machine_cpus": os.cpu_count(), "quick": args.quick}
     Path(args.out).write_text(json.dumps(result, indent=2))
     print()

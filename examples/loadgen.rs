@@ -10,8 +10,9 @@
 //!             [--rate R] [--abort-fraction F] [--warmup W] [--first N]
 //!     C closed-loop clients, each on its own keep-alive connection, POST the body (every `{n}`
 //!     replaced by a unique request number, counting from N: give runs against the same kvpick
-//!     disjoint ranges, or a later run's prompts are an earlier run's, already indexed). `--rate` caps the total request rate; a fraction F
-//!     of requests is abandoned after the response head (the connection is dropped mid-stream).
+//!     disjoint ranges, or a later run's prompts are an earlier run's, already indexed).
+//!     `--rate` caps the total request rate; a fraction F of requests is abandoned after the
+//!     response head (the connection is dropped mid-stream).
 //!     Prints one JSON object: counts, statuses, requests/s and latency percentiles (ms, until
 //!     the whole response body has arrived).
 //! ```
