@@ -30,6 +30,7 @@ pub mod extproc;
 pub mod flow;
 pub mod h2_authority;
 pub mod health;
+pub mod lanes;
 pub mod metrics;
 pub mod net;
 pub mod request;

@@ -4,11 +4,15 @@
 //! `--max-concurrent-tls-handshakes` at once, each within `--tls-handshake-timeout`), puts the
 //! HTTP/2 front layer (`h2_authority`: h2's bounds, the `:authority` fix, the idle timeout) in
 //! front of h2, and stops accepting at shutdown so a draining process refuses new connections
-//! instead of leaving them hanging. Also the flags of these bounds (`ConnArgs`) and the HTTP/2
-//! settings they give the tonic servers, so the layer and h2 agree.
+//! instead of leaving them hanging. The accept loop hands each connection on (`Handoff`): to this
+//! runtime (`Admit`, which runs the handshake and the front layer where the connection will be
+//! served) or to the ext_proc port's connection threads (`crate::lanes`). Also the flags of these
+//! bounds (`ConnArgs`) and the HTTP/2 settings they give the tonic servers, so the layer and h2
+//! agree.
 
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -73,6 +77,29 @@ pub struct ConnArgs {
     /// at 16,384 bytes (SETTINGS_MAX_FRAME_SIZE). 1024..=1048576.
     #[arg(long, default_value_t = DEFAULT_MAX_HEADER_LIST_BYTES, value_name = "BYTES")]
     pub max_header_list_bytes: usize,
+
+    /// Threads serving the ext_proc port's connections, each with its own single-threaded
+    /// runtime: a connection, its TLS and every stream on it stay on one thread (no cross-thread
+    /// wake-ups per request), and new connections go to the thread holding the fewest. Default:
+    /// one per CPU available to the process (a container's CPU limit counts). 0 serves them on
+    /// the shared runtime instead. 0..=256.
+    #[arg(long, value_name = "N")]
+    pub connection_threads: Option<usize>,
+}
+
+/// Most `--connection-threads`.
+pub const MAX_CONNECTION_THREADS: usize = 256;
+
+/// `--connection-threads`: unset means one per CPU this process may use; 0 serves the ext_proc
+/// port's connections on the main runtime.
+pub fn connection_threads(flag: Option<usize>) -> anyhow::Result<usize> {
+    match flag {
+        Some(n) if n > MAX_CONNECTION_THREADS => {
+            anyhow::bail!("--connection-threads must be 0..={MAX_CONNECTION_THREADS}, got {n}")
+        }
+        Some(n) => Ok(n),
+        None => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+    }
 }
 
 /// The checked values of [`ConnArgs`].
@@ -85,6 +112,8 @@ pub struct ConnLimits {
     pub http2_keepalive_timeout: Duration,
     pub http2_idle_timeout: Option<Duration>,
     pub front: FrontLimits,
+    /// Connection lanes of the ext_proc port (`crate::lanes`); 0 = none.
+    pub connection_threads: usize,
 }
 
 impl Default for ConnLimits {
@@ -97,6 +126,7 @@ impl Default for ConnLimits {
             http2_keepalive_timeout: Duration::from_secs(20),
             http2_idle_timeout: Some(Duration::from_secs(300)),
             front: FrontLimits::default(),
+            connection_threads: 0,
         }
     }
 }
@@ -147,6 +177,7 @@ impl ConnArgs {
             http2_keepalive_timeout: keepalive.unwrap_or_default(),
             http2_idle_timeout: seconds("--http2-idle-timeout", self.http2_idle_timeout, true)?,
             front: FrontLimits::new(list),
+            connection_threads: connection_threads(self.connection_threads)?,
         })
     }
 }
@@ -205,6 +236,8 @@ impl Conn {
 struct ConnSlot {
     _permit: OwnedSemaphorePermit,
     open: IntGauge,
+    /// The open connections of the lane serving it (`crate::lanes`), if any.
+    lane: Option<Arc<AtomicUsize>>,
 }
 
 impl ConnSlot {
@@ -213,6 +246,7 @@ impl ConnSlot {
         ConnSlot {
             _permit: permit,
             open,
+            lane: None,
         }
     }
 }
@@ -220,6 +254,9 @@ impl ConnSlot {
 impl Drop for ConnSlot {
     fn drop(&mut self) {
         self.open.dec();
+        if let Some(lane) = &self.lane {
+            lane.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -404,75 +441,183 @@ async fn handshake_and_send(
     }
 }
 
+/// A TCP connection just accepted, holding its slot of `--max-connections`; TLS and the front
+/// layer come later, on the runtime that serves it.
+pub struct Accepted {
+    pub stream: TcpStream,
+    pub info: TcpConnectInfo,
+    slot: ConnSlot,
+}
+
+impl Accepted {
+    /// Counts this connection in `lane` too, until it is dropped.
+    pub fn count_in(&mut self, lane: Arc<AtomicUsize>) {
+        lane.fetch_add(1, Ordering::Relaxed);
+        self.slot.lane = Some(lane);
+    }
+
+    /// Moves the socket off this runtime's reactor so another runtime can take it
+    /// ([`Accepted::from_std`] on that runtime).
+    pub fn into_std(self) -> io::Result<(std::net::TcpStream, TcpConnectInfo, ConnSlotHandle)> {
+        Ok((
+            self.stream.into_std()?,
+            self.info,
+            ConnSlotHandle(self.slot),
+        ))
+    }
+
+    /// The other half of [`Accepted::into_std`], on the runtime that will serve the connection.
+    pub fn from_std(
+        stream: std::net::TcpStream,
+        info: TcpConnectInfo,
+        slot: ConnSlotHandle,
+    ) -> io::Result<Accepted> {
+        Ok(Accepted {
+            stream: TcpStream::from_std(stream)?,
+            info,
+            slot: slot.0,
+        })
+    }
+}
+
+/// A connection's slot while its socket moves between runtimes.
+pub struct ConnSlotHandle(ConnSlot);
+
+/// Turns accepted connections into ready ones on the current runtime: a plain connection goes
+/// out at once, a TLS one after its handshake (spawned here, bounded by the listener's handshake
+/// semaphore and timeout).
+#[derive(Clone)]
+pub struct Admit {
+    listening: Listening,
+    handshakes: Arc<Semaphore>,
+    tx: mpsc::Sender<io::Result<Conn>>,
+}
+
+impl Admit {
+    /// The bound on TLS handshakes in progress that all admitters of `listening` share.
+    pub fn handshake_bound(listening: &Listening) -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(
+            listening.limits.max_concurrent_tls_handshakes,
+        ))
+    }
+
+    /// An admitter for `listening`'s connections, and the stream of ready ones a tonic server
+    /// consumes.
+    pub fn new(
+        listening: Listening,
+        handshakes: Arc<Semaphore>,
+    ) -> (Admit, ReceiverStream<io::Result<Conn>>) {
+        let (tx, rx) = mpsc::channel(128);
+        let admit = Admit {
+            listening,
+            handshakes,
+            tx,
+        };
+        (admit, ReceiverStream::new(rx))
+    }
+
+    /// Admits one connection; false once nothing consumes ready connections any more.
+    pub async fn admit(&self, accepted: Accepted) -> bool {
+        let Accepted { stream, info, slot } = accepted;
+        match &self.listening.tls {
+            None => {
+                let front = front_config(&self.listening);
+                let conn = Conn::new(Transport::Plain(stream), info, slot, front);
+                self.tx.send(Ok(conn)).await.is_ok()
+            }
+            Some(tls) => {
+                tokio::spawn(handshake_and_send(
+                    Arc::clone(tls),
+                    stream,
+                    info,
+                    slot,
+                    Arc::clone(&self.handshakes),
+                    self.listening.clone(),
+                    self.tx.clone(),
+                ));
+                !self.tx.is_closed()
+            }
+        }
+    }
+
+    /// Resolves once nothing consumes ready connections any more.
+    pub async fn closed(&self) {
+        self.tx.closed().await
+    }
+}
+
+/// Where the accept loop hands each accepted connection.
+pub trait Handoff: Send + 'static {
+    /// Hands one on; false stops the accept loop (nothing serves connections any more).
+    fn hand(&mut self, accepted: Accepted) -> impl std::future::Future<Output = bool> + Send;
+    /// Resolves once nothing serves connections any more.
+    fn closed(&self) -> impl std::future::Future<Output = ()> + Send;
+}
+
+impl Handoff for Admit {
+    async fn hand(&mut self, accepted: Accepted) -> bool {
+        self.admit(accepted).await
+    }
+    async fn closed(&self) {
+        Admit::closed(self).await
+    }
+}
+
 /// Accepts on `listener` until `shutdown` turns true, yielding ready connections within the
-/// bounds of `listening`.
+/// bounds of `listening`, all served on this runtime.
 pub fn incoming(
     listener: TcpListener,
     listening: Listening,
-    mut shutdown: watch::Receiver<bool>,
+    shutdown: watch::Receiver<bool>,
 ) -> ReceiverStream<io::Result<Conn>> {
-    let (tx, rx) = mpsc::channel(128);
+    let handshakes = Admit::handshake_bound(&listening);
+    let (admit, ready) = Admit::new(listening.clone(), handshakes);
+    tokio::spawn(accept_loop(listener, listening, shutdown, admit));
+    ready
+}
+
+/// Accepts on `listener` until `shutdown` turns true or `handoff` stops taking connections:
+/// refuses those past `--max-connections`, sets TCP_NODELAY, hands the rest on.
+pub async fn accept_loop(
+    listener: TcpListener,
+    listening: Listening,
+    mut shutdown: watch::Receiver<bool>,
+    mut handoff: impl Handoff,
+) {
     let slots = Arc::new(Semaphore::new(listening.limits.max_connections));
-    let handshakes = Arc::new(Semaphore::new(
-        listening.limits.max_concurrent_tls_handshakes,
-    ));
     let open = listening.metrics.open.with_label_values(&[listening.name]);
-    tokio::spawn(async move {
-        loop {
-            let accepted = tokio::select! {
-                a = listener.accept() => a,
-                _ = shutdown.wait_for(|s| *s) => return,
-                _ = tx.closed() => return,
-            };
-            let (stream, peer) = match accepted {
-                Ok(pair) => pair,
-                Err(err) => {
-                    // EMFILE and friends: back off instead of spinning.
-                    tracing::warn!(%err, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            };
-            let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
-                // Over --max-connections: closed at once (dropping the socket).
-                tracing::debug!(%peer, listener = listening.name, "connection limit reached");
-                listening
-                    .metrics
-                    .refused
-                    .with_label_values(&[listening.name, "connection_limit"])
-                    .inc();
+    loop {
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            _ = shutdown.wait_for(|s| *s) => return,
+            _ = handoff.closed() => return,
+        };
+        let (stream, peer) = match accepted {
+            Ok(pair) => pair,
+            Err(err) => {
+                // EMFILE and friends: back off instead of spinning.
+                tracing::warn!(%err, "accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
-            };
-            let slot = ConnSlot::new(permit, open.clone());
-            let _ = stream.set_nodelay(true);
-            let info = stream.connect_info();
-            match &listening.tls {
-                None => {
-                    let conn = Conn::new(
-                        Transport::Plain(stream),
-                        info,
-                        slot,
-                        front_config(&listening),
-                    );
-                    if tx.send(Ok(conn)).await.is_err() {
-                        return;
-                    }
-                }
-                Some(tls) => {
-                    tokio::spawn(handshake_and_send(
-                        Arc::clone(tls),
-                        stream,
-                        info,
-                        slot,
-                        Arc::clone(&handshakes),
-                        listening.clone(),
-                        tx.clone(),
-                    ));
-                }
             }
+        };
+        let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+            // Over --max-connections: closed at once (dropping the socket).
+            tracing::debug!(%peer, listener = listening.name, "connection limit reached");
+            listening
+                .metrics
+                .refused
+                .with_label_values(&[listening.name, "connection_limit"])
+                .inc();
+            continue;
+        };
+        let slot = ConnSlot::new(permit, open.clone());
+        let _ = stream.set_nodelay(true);
+        let info = stream.connect_info();
+        if !handoff.hand(Accepted { stream, info, slot }).await {
+            return;
         }
-    });
-    ReceiverStream::new(rx)
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! `--max-connections` is closed while those under it are served; a TLS handshake past
 //! `--max-concurrent-tls-handshakes` waits for a slot; a silent handshake is closed at
 //! `--tls-handshake-timeout`; TLS records read ahead together all arrive; the flags refuse
-//! values out of range.
+//! values out of range (`--connection-threads` one past its bound too).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -226,4 +226,16 @@ fn connection_flags_have_their_defaults_and_refuse_values_out_of_range() {
     }
     assert!(limits_of(&["--max-header-list-bytes", "1024"]).is_ok());
     assert!(limits_of(&["--max-header-list-bytes", "1048576"]).is_ok());
+}
+
+#[test]
+fn connection_threads_take_up_to_their_bound_and_default_to_the_cpus() {
+    assert_eq!(connection_threads(Some(0)).unwrap(), 0);
+    assert_eq!(
+        connection_threads(Some(MAX_CONNECTION_THREADS)).unwrap(),
+        MAX_CONNECTION_THREADS
+    );
+    let err = connection_threads(Some(MAX_CONNECTION_THREADS + 1)).unwrap_err();
+    assert!(err.to_string().contains("--connection-threads"), "{err}");
+    assert!(connection_threads(None).unwrap() >= 1);
 }

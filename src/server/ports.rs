@@ -49,19 +49,25 @@ async fn closed(mut exit: watch::Receiver<bool>) {
     let _ = exit.wait_for(|s| *s).await;
 }
 
-/// Serves a gRPC port: the accept loop of [`crate::net::incoming`] under `router` until `exit`.
+/// Serves a gRPC port: the accept loop of [`crate::net::incoming`] under `router` until `exit`,
+/// on this runtime or, with `lanes`, on `--connection-threads` lanes ([`crate::lanes`]).
 pub(super) async fn serve_grpc(
     router: tonic::transport::server::Router,
     listener: TcpListener,
     listening: Listening,
     exit: watch::Receiver<bool>,
-) -> Result<(), tonic::transport::Error> {
-    router
+    lanes: bool,
+) -> anyhow::Result<()> {
+    let threads = listening.limits.connection_threads;
+    if lanes && threads > 0 {
+        return crate::lanes::serve(router, listener, listening, exit, threads).await;
+    }
+    Ok(router
         .serve_with_incoming_shutdown(
             crate::net::incoming(listener, listening, exit.clone()),
             closed(exit),
         )
-        .await
+        .await?)
 }
 
 /// Serves `/metrics` (the Prometheus text of `metrics`) until `exit`.
