@@ -6,9 +6,10 @@
 //! front of h2, and stops accepting at shutdown so a draining process refuses new connections
 //! instead of leaving them hanging. The accept loop hands each connection on (`Handoff`): to this
 //! runtime (`Admit`, which runs the handshake and the front layer where the connection will be
-//! served) or to the ext_proc port's connection threads (`crate::lanes`). Also the flags of these
-//! bounds (`ConnArgs`) and the HTTP/2 settings they give the tonic servers, so the layer and h2
-//! agree.
+//! served) or to the ext_proc port's connection threads (`crate::lanes`). Writes are gathered
+//! under TLS (or under h2, plain) until h2 flushes, so a batch of frames leaves in one `send`.
+//! Also the flags of these bounds (`ConnArgs`) and the HTTP/2 settings they give the tonic
+//! servers, so the layer and h2 agree.
 
 use std::io;
 use std::pin::Pin;
@@ -19,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::bail;
 use prometheus::IntGauge;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, BufWriter, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 use tokio_openssl::SslStream;
@@ -208,10 +209,18 @@ pub struct Listening {
     pub metrics: ConnMetrics,
 }
 
+/// Bytes written to a connection are gathered here and sent when h2 flushes (or the buffer
+/// fills): h2 writes a DATA frame's header and its payload in two calls, and TLS turns every call
+/// into its own record; without the buffer each became its own `send`.
+pub const WRITE_BUFFER_BYTES: usize = 64 * 1024;
+
+/// A connection's socket under TLS (or under h2, plain): writes gathered until a flush.
+pub type Socket = BufWriter<TcpStream>;
+
 /// The byte stream under HTTP/2: plain (h2c) or TLS.
 pub enum Transport {
-    Plain(TcpStream),
-    Tls(Box<SslStream<TcpStream>>),
+    Plain(Socket),
+    Tls(Box<SslStream<Socket>>),
 }
 
 /// An accepted connection, as h2 sees it: the transport behind the `:authority` fix
@@ -375,8 +384,9 @@ impl AsyncWrite for Transport {
 }
 
 /// One TLS handshake on an accepted TCP connection.
-async fn tls_handshake(tls: &TlsServer, stream: TcpStream) -> anyhow::Result<SslStream<TcpStream>> {
-    let mut stream = SslStream::new(tls.ssl()?, stream)?;
+async fn tls_handshake(tls: &TlsServer, stream: TcpStream) -> anyhow::Result<SslStream<Socket>> {
+    let socket = BufWriter::with_capacity(WRITE_BUFFER_BYTES, stream);
+    let mut stream = SslStream::new(tls.ssl()?, socket)?;
     Pin::new(&mut stream).accept().await?;
     Ok(stream)
 }
@@ -522,7 +532,8 @@ impl Admit {
         match &self.listening.tls {
             None => {
                 let front = front_config(&self.listening);
-                let conn = Conn::new(Transport::Plain(stream), info, slot, front);
+                let socket = BufWriter::with_capacity(WRITE_BUFFER_BYTES, stream);
+                let conn = Conn::new(Transport::Plain(socket), info, slot, front);
                 self.tx.send(Ok(conn)).await.is_ok()
             }
             Some(tls) => {

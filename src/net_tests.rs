@@ -1,8 +1,9 @@
 //! The accept loop's bounds over loopback, each with input just over it: the connection past
 //! `--max-connections` is closed while those under it are served; a TLS handshake past
 //! `--max-concurrent-tls-handshakes` waits for a slot; a silent handshake is closed at
-//! `--tls-handshake-timeout`; TLS records read ahead together all arrive; the flags refuse
-//! values out of range (`--connection-threads` one past its bound too).
+//! `--tls-handshake-timeout`; TLS records read ahead together all arrive; writes leave at the
+//! flush, plain and over TLS; the flags refuse values out of range (`--connection-threads` one
+//! past its bound too).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -177,6 +178,67 @@ async fn records_read_ahead_together_are_all_delivered() {
     let want: Vec<u8> = (1..=3u8).flat_map(|r| [r; 100]).collect();
     assert_eq!(got, want);
     drop(client.await.unwrap());
+}
+
+/// Bytes waiting in `stream`'s socket, peeked with a syscall now (tokio's `try_read` answers from
+/// its readiness cache, which may not have seen them yet).
+fn unread_bytes(stream: &TcpStream) -> usize {
+    use std::os::fd::AsFd;
+    let fd = stream.as_fd().try_clone_to_owned().unwrap();
+    let peer = std::net::TcpStream::from(fd);
+    let mut buf = [0u8; 65_536];
+    match peer.peek(&mut buf) {
+        Ok(n) => n,
+        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+        Err(e) => panic!("peek: {e}"),
+    }
+}
+
+/// Writes are gathered until a flush (h2 flushes once per batch of frames), then all leave:
+/// over TLS too, where the records of several writes leave together.
+#[tokio::test]
+async fn writes_leave_at_the_flush_plain_and_over_tls() {
+    use tokio::io::AsyncWriteExt;
+    // Plain.
+    let (addr, mut conns, _, _stop) = listen(None, ConnLimits::default()).await;
+    let mut client = TcpStream::connect(addr).await.unwrap();
+    let mut conn = conns.next().await.unwrap().unwrap();
+    conn.write_all(b"frame header ").await.unwrap();
+    conn.write_all(b"and payload").await.unwrap();
+    let mut buf = [0u8; 64];
+    assert_eq!(unread_bytes(&client), 0, "nothing is sent before the flush");
+    conn.flush().await.unwrap();
+    let mut got = vec![0u8; 24];
+    client.read_exact(&mut got).await.unwrap();
+    assert_eq!(got, b"frame header and payload");
+
+    // TLS: the handshake still completes (OpenSSL flushes its flights); data waits for the flush.
+    let tls = crate::tls::server(None).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let client = tokio::spawn(async move { tls_client(addr).await.unwrap() });
+    let (tcp, _) = listener.accept().await.unwrap();
+    let mut server = tls_handshake(&tls, tcp).await.unwrap();
+    let mut client = client.await.unwrap();
+    // One flushed byte first, so what the handshake left behind (TLS 1.3 session tickets) has
+    // been read before the check below.
+    server.write_all(b"x").await.unwrap();
+    server.flush().await.unwrap();
+    client.read_exact(&mut buf[..1]).await.unwrap();
+    server.write_all(&[7u8; 100]).await.unwrap();
+    server.write_all(&[8u8; 20_000]).await.unwrap();
+    assert_eq!(
+        unread_bytes(client.get_ref()),
+        0,
+        "no record is sent before the flush"
+    );
+    server.flush().await.unwrap();
+    let mut got = vec![0u8; 20_100];
+    tokio::time::timeout(Duration::from_secs(10), client.read_exact(&mut got))
+        .await
+        .expect("every record arrives at the flush")
+        .unwrap();
+    assert!(got[..100].iter().all(|&b| b == 7) && got[100..].iter().all(|&b| b == 8));
 }
 
 #[derive(Parser)]
