@@ -851,6 +851,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         health = ports.1,
         metrics = ports.2,
         tls = args.secure_serving,
+        connection_threads = conn_limits.connection_threads,
         "kvpick serving"
     );
 
