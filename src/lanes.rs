@@ -112,11 +112,8 @@ pub async fn serve(
             .spawn(move || {
                 let served = runtime.block_on(async move {
                     tokio::spawn(intake(rx, admit));
-                    let mut stop = exit.clone();
                     router
-                        .serve_with_incoming_shutdown(ready, async move {
-                            let _ = stop.wait_for(|s| *s).await;
-                        })
+                        .serve_with_incoming_shutdown(ready, crate::net::closed(exit))
                         .await
                 });
                 let _ = done_tx.send(served);

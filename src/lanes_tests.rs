@@ -5,16 +5,6 @@
 
 use super::*;
 
-#[test]
-fn least_loaded_takes_the_fewest_and_ties_in_turn() {
-    assert_eq!(least_loaded(&[3, 1, 2], 0), 1);
-    assert_eq!(least_loaded(&[0, 0, 0], 0), 0);
-    assert_eq!(least_loaded(&[0, 0, 0], 1), 1);
-    assert_eq!(least_loaded(&[0, 0, 0], 2), 2);
-    assert_eq!(least_loaded(&[1, 0, 0], 2), 2);
-    assert_eq!(least_loaded(&[0, 1, 1], 1), 0);
-}
-
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -26,6 +16,16 @@ use tonic_health::server::HealthService;
 
 use crate::metrics::Metrics;
 use crate::net::ConnLimits;
+
+#[test]
+fn least_loaded_takes_the_fewest_and_ties_in_turn() {
+    assert_eq!(least_loaded(&[3, 1, 2], 0), 1);
+    assert_eq!(least_loaded(&[0, 0, 0], 0), 0);
+    assert_eq!(least_loaded(&[0, 0, 0], 1), 1);
+    assert_eq!(least_loaded(&[0, 0, 0], 2), 2);
+    assert_eq!(least_loaded(&[1, 0, 0], 2), 2);
+    assert_eq!(least_loaded(&[0, 1, 1], 1), 0);
+}
 
 /// Serves gRPC health on `threads` lanes, recording the thread that runs each request's handler.
 async fn serve_recording(

@@ -217,6 +217,15 @@ pub const WRITE_BUFFER_BYTES: usize = 64 * 1024;
 /// A connection's socket under TLS (or under h2, plain): writes gathered until a flush.
 pub type Socket = BufWriter<TcpStream>;
 
+fn socket(stream: TcpStream) -> Socket {
+    BufWriter::with_capacity(WRITE_BUFFER_BYTES, stream)
+}
+
+/// Resolves once `exit` turns true: the shutdown signal of the servers on these listeners.
+pub async fn closed(mut exit: watch::Receiver<bool>) {
+    let _ = exit.wait_for(|s| *s).await;
+}
+
 /// The byte stream under HTTP/2: plain (h2c) or TLS.
 pub enum Transport {
     Plain(Socket),
@@ -385,8 +394,7 @@ impl AsyncWrite for Transport {
 
 /// One TLS handshake on an accepted TCP connection.
 async fn tls_handshake(tls: &TlsServer, stream: TcpStream) -> anyhow::Result<SslStream<Socket>> {
-    let socket = BufWriter::with_capacity(WRITE_BUFFER_BYTES, stream);
-    let mut stream = SslStream::new(tls.ssl()?, socket)?;
+    let mut stream = SslStream::new(tls.ssl()?, socket(stream))?;
     Pin::new(&mut stream).accept().await?;
     Ok(stream)
 }
@@ -454,8 +462,8 @@ async fn handshake_and_send(
 /// A TCP connection just accepted, holding its slot of `--max-connections`; TLS and the front
 /// layer come later, on the runtime that serves it.
 pub struct Accepted {
-    pub stream: TcpStream,
-    pub info: TcpConnectInfo,
+    stream: TcpStream,
+    info: TcpConnectInfo,
     slot: ConnSlot,
 }
 
@@ -532,8 +540,7 @@ impl Admit {
         match &self.listening.tls {
             None => {
                 let front = front_config(&self.listening);
-                let socket = BufWriter::with_capacity(WRITE_BUFFER_BYTES, stream);
-                let conn = Conn::new(Transport::Plain(socket), info, slot, front);
+                let conn = Conn::new(Transport::Plain(socket(stream)), info, slot, front);
                 self.tx.send(Ok(conn)).await.is_ok()
             }
             Some(tls) => {

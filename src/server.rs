@@ -830,7 +830,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         listeners.grpc,
         listening("grpc", tls),
         exit_rx.clone(),
-        true,
+        conn_limits.connection_threads,
     );
     let health_server = ports::serve_grpc(
         conn_limits
@@ -839,7 +839,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         listeners.health,
         listening("health", None),
         exit_rx.clone(),
-        false,
+        0,
     );
     let metrics_server = ports::serve_metrics(listeners.metrics, metrics.clone(), exit_rx.clone());
 

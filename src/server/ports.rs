@@ -44,28 +44,22 @@ impl Listeners {
     }
 }
 
-/// Resolves once `exit` turns true (the listeners close then).
-async fn closed(mut exit: watch::Receiver<bool>) {
-    let _ = exit.wait_for(|s| *s).await;
-}
-
 /// Serves a gRPC port: the accept loop of [`crate::net::incoming`] under `router` until `exit`,
-/// on this runtime or, with `lanes`, on `--connection-threads` lanes ([`crate::lanes`]).
+/// on this runtime (`threads` 0) or on that many connection threads ([`crate::lanes`]).
 pub(super) async fn serve_grpc(
     router: tonic::transport::server::Router,
     listener: TcpListener,
     listening: Listening,
     exit: watch::Receiver<bool>,
-    lanes: bool,
+    threads: usize,
 ) -> anyhow::Result<()> {
-    let threads = listening.limits.connection_threads;
-    if lanes && threads > 0 {
+    if threads > 0 {
         return crate::lanes::serve(router, listener, listening, exit, threads).await;
     }
     Ok(router
         .serve_with_incoming_shutdown(
             crate::net::incoming(listener, listening, exit.clone()),
-            closed(exit),
+            crate::net::closed(exit),
         )
         .await?)
 }
@@ -92,7 +86,7 @@ pub(super) async fn serve_metrics(
         }),
     );
     axum::serve(listener, router)
-        .with_graceful_shutdown(closed(exit))
+        .with_graceful_shutdown(crate::net::closed(exit))
         .await
 }
 
