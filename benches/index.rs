@@ -280,9 +280,11 @@ fn inserts_at_capacity(benching: bool) -> serde_json::Value {
     let mut index = PrefixIndex::new(capacity, Instant::now());
     let mut micros: Vec<f64> = Vec::new();
     for r in 0..inserts {
-        let prompt: Vec<u64> = (0..2_300u64)
-            .map(|b| ((r << 32) | b).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            .collect();
+        // Chained xxh3 hashes, as a request's blocks are: uniform over all 64 bits. (Keys made
+        // as `(r << 32 | b) * odd` shared their low 32 bits across prompts, and the table's
+        // bucket index is the low bits: they measured collision chains, not inserts.)
+        let ids: Vec<u64> = ((r << 12)..(r << 12) + 2_300).collect();
+        let prompt = seq_hashes(&ids);
         let rank = RankKey {
             worker_id: 1 + r % 8,
             dp_rank: 0,

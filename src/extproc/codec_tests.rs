@@ -48,6 +48,24 @@ fn streamed_chunks_are_written_as_prost_writes_them() {
 }
 
 #[test]
+fn the_largest_echoed_chunk_fits_the_encode_buffer_as_it_starts() {
+    use crate::extproc::stream::MAX_BODY_CHUNK;
+    let grpc_prefix = 5;
+    for (len, fits) in [(MAX_BODY_CHUNK, true), (ENCODE_BUFFER_BYTES, false)] {
+        let body = Bytes::from(vec![7u8; len]);
+        for side in [BodySide::Request, BodySide::Response] {
+            let outbound = Outbound::streamed_body(side, body.clone(), true);
+            assert_eq!(outbound.encoded_len(), ours(&outbound).len());
+            assert_eq!(
+                grpc_prefix + outbound.encoded_len() <= ENCODE_BUFFER_BYTES,
+                fits,
+                "{len} {side:?}"
+            );
+        }
+    }
+}
+
+#[test]
 fn other_responses_are_prost_messages() {
     let responses = [
         ProcessingResponse::default(),

@@ -89,6 +89,8 @@ const SLOTS: [(&str, Slot); 11] = [
 
 /// Longest slot name: a longer key is not one of them.
 const MAX_KEY: usize = 12;
+/// Bytes per token id the id list reserves room by, as a chunk arrives (see `BodyScanner::ids`).
+const IDS_RESERVE_BYTES_PER_ID: usize = 4;
 
 impl Slot {
     fn of(key: &[u8]) -> Option<(usize, Slot)> {
@@ -590,6 +592,11 @@ impl BodyScanner {
 
     /// Inside a top-level field read as token ids; returns the next index.
     fn ids(&mut self, chunk: &[u8], mut i: usize, mut state: Ids) -> usize {
+        // An id with its comma takes at least two bytes and usually more than four: room for a
+        // quarter of the chunk's bytes spares most of the doublings (~11 reallocations and
+        // copies of the list per 32 KB body) and never reserves more than the chunk's own size.
+        self.ids
+            .reserve(chunk.len().saturating_sub(i) / IDS_RESERVE_BYTES_PER_ID);
         while let Some(&b) = chunk.get(i) {
             match (state, b) {
                 // An id split across chunks, byte by byte.

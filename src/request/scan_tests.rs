@@ -425,6 +425,30 @@ fn ids_are_read_as_they_arrive_and_fields_not_read_are_not_kept() {
 }
 
 #[test]
+fn the_id_list_takes_room_for_a_chunk_as_it_arrives_and_no_more_than_its_bytes() {
+    // Eight-byte ids (`1234567,`): grown by doubling alone the list would hold 2,048 after a
+    // 16 KiB chunk; reserved by the chunk it holds room for 4,096 and no more than the bytes.
+    let ids: Vec<u32> = (0..8_192).map(|k| 1_000_000 + k).collect();
+    let list: Vec<String> = ids.iter().map(u32::to_string).collect();
+    let body = format!(r#"{{"model":"m","prompt":[{}]}}"#, list.join(","));
+    let head = br#"{"model":"m","prompt":["#.len();
+    let mut scanner = BodyScanner::new(Endpoint::Generate, None);
+    scanner.feed(&body.as_bytes()[..head]);
+    let chunks: Vec<&[u8]> = body.as_bytes()[head..].chunks(16_384).collect();
+    scanner.feed(chunks[0]);
+    let room = scanner.ids.capacity();
+    assert!(room >= chunks[0].len() / 4, "{room}");
+    assert!(room * 4 <= chunks[0].len(), "{room}");
+    for chunk in &chunks[1..] {
+        scanner.feed(chunk);
+    }
+    let Scanned::Parsed(Ok(Some(parsed))) = scanner.finish(&[body.as_bytes()]) else {
+        panic!()
+    };
+    assert_eq!(parsed.prompt, Prompt::TokenIds(ids));
+}
+
+#[test]
 fn fields_are_copied_out_of_the_body_in_any_chunking() {
     let body: &[u8] =
         br#"{"model":"m","tools":[{"name":"t"}],"messages":[{"role":"user","content":"hello there"}]}"#;
