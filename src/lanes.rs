@@ -14,10 +14,10 @@
 //! connection carries: the services, the selection core and the background tasks stay on the
 //! main runtime's side and are shared through their own locks and channels.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use anyhow::Context;
+use prometheus::IntGauge;
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, oneshot, watch};
 use tonic::transport::server::{Router, TcpConnectInfo};
@@ -30,7 +30,8 @@ type Moving = (std::net::TcpStream, TcpConnectInfo, ConnSlotHandle);
 /// One lane as the accept loop sees it.
 struct Lane {
     tx: mpsc::Sender<Moving>,
-    open: Arc<AtomicUsize>,
+    /// Its open connections: `kvpick_connection_thread_connections{thread}`.
+    open: IntGauge,
 }
 
 /// The accept loop's handoff to the lanes.
@@ -46,7 +47,7 @@ impl Lanes {
         let loads: Vec<usize> = self
             .lanes
             .iter()
-            .map(|l| l.open.load(Ordering::Relaxed))
+            .map(|l| usize::try_from(l.open.get()).unwrap_or(0))
             .collect();
         let chosen = least_loaded(&loads, self.next);
         self.next = (chosen + 1) % self.lanes.len();
@@ -67,7 +68,7 @@ pub fn least_loaded(loads: &[usize], start: usize) -> usize {
 impl Handoff for Lanes {
     async fn hand(&mut self, mut accepted: Accepted) -> bool {
         let lane = self.choose();
-        accepted.count_in(Arc::clone(&self.lanes[lane].open));
+        accepted.count_in(self.lanes[lane].open.clone());
         let moving = match accepted.into_std() {
             Ok(moving) => moving,
             Err(err) => {
@@ -119,10 +120,11 @@ pub async fn serve(
                 let _ = done_tx.send(served);
             })
             .context("cannot start a connection thread")?;
-        lanes.push(Lane {
-            tx,
-            open: Arc::new(AtomicUsize::new(0)),
-        });
+        let open = listening
+            .metrics
+            .thread_open
+            .with_label_values(&[index.to_string()]);
+        lanes.push(Lane { tx, open });
         finished.push(done_rx);
     }
     tracing::debug!(

@@ -81,7 +81,7 @@ async fn client(addr: std::net::SocketAddr) -> HealthClient<tonic::transport::Ch
 
 #[tokio::test]
 async fn connections_spread_over_the_lanes_and_stay_on_theirs() {
-    let (addr, seen, _, _stop) = serve_recording(2, ConnLimits::default()).await;
+    let (addr, seen, metrics, _stop) = serve_recording(2, ConnLimits::default()).await;
     let mut clients = Vec::new();
     for _ in 0..4 {
         clients.push(client(addr).await);
@@ -102,6 +102,10 @@ async fn connections_spread_over_the_lanes_and_stay_on_theirs() {
     // ...and the four connections went two to each lane.
     let on_first = seen[..4].iter().filter(|t| *t == "kvpick-conn-0").count();
     assert_eq!(on_first, 2, "{seen:?}");
+    // Each thread's gauge counts its two.
+    for thread in ["0", "1"] {
+        assert_eq!(metrics.thread_open.with_label_values(&[thread]).get(), 2);
+    }
 }
 
 #[tokio::test]
@@ -131,12 +135,21 @@ async fn the_connection_past_the_cap_is_closed_and_closed_ones_free_their_lane()
     // lane 1 is next in turn.
     conns.remove(2);
     conns.remove(0);
-    let open = metrics.open.with_label_values(&["grpc"]);
+    let (lane0, lane1) = (
+        metrics.thread_open.with_label_values(&["0"]),
+        metrics.thread_open.with_label_values(&["1"]),
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while open.get() != 1 {
-        assert!(std::time::Instant::now() < deadline, "open: {}", open.get());
+    while lane0.get() != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "lane 0: {}",
+            lane0.get()
+        );
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
+    assert_eq!(lane1.get(), 1);
+    assert_eq!(metrics.open.with_label_values(&["grpc"]).get(), 1);
     let mut next = client(addr).await;
     check(&mut next).await;
     assert_eq!(seen.lock().unwrap().last().unwrap(), "kvpick-conn-0");

@@ -13,7 +13,6 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -83,7 +82,8 @@ pub struct ConnArgs {
     /// runtime: a connection, its TLS and every stream on it stay on one thread (no cross-thread
     /// wake-ups per request), and new connections go to the thread holding the fewest. Default:
     /// one per CPU available to the process (a container's CPU limit counts). 0 serves them on
-    /// the shared runtime instead. 0..=256.
+    /// the shared runtime instead. 0..=256. Each thread's open connections:
+    /// `kvpick_connection_thread_connections{thread}`.
     #[arg(long, value_name = "N")]
     pub connection_threads: Option<usize>,
 }
@@ -255,7 +255,7 @@ struct ConnSlot {
     _permit: OwnedSemaphorePermit,
     open: IntGauge,
     /// The open connections of the lane serving it (`crate::lanes`), if any.
-    lane: Option<Arc<AtomicUsize>>,
+    lane: Option<IntGauge>,
 }
 
 impl ConnSlot {
@@ -273,7 +273,7 @@ impl Drop for ConnSlot {
     fn drop(&mut self) {
         self.open.dec();
         if let Some(lane) = &self.lane {
-            lane.fetch_sub(1, Ordering::Relaxed);
+            lane.dec();
         }
     }
 }
@@ -469,8 +469,8 @@ pub struct Accepted {
 
 impl Accepted {
     /// Counts this connection in `lane` too, until it is dropped.
-    pub fn count_in(&mut self, lane: Arc<AtomicUsize>) {
-        lane.fetch_add(1, Ordering::Relaxed);
+    pub fn count_in(&mut self, lane: IntGauge) {
+        lane.inc();
         self.slot.lane = Some(lane);
     }
 

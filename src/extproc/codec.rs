@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     CommonResponse, HttpBody, ProcessingRequest, ProcessingResponse, StreamedBodyResponse,
 };
 use prost::Message;
-use tonic::codec::{BufferSettings, Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
 use tonic::Status;
 
 /// One message from Envoy; the chunk of a request or response body is `body` (the message's own
@@ -358,28 +358,18 @@ impl Codec for ExtProcCodec {
     }
 }
 
-/// The room tonic's encode buffer starts with: the largest message kvpick sends (an echoed chunk
-/// of [`MAX_BODY_CHUNK`](super::stream::MAX_BODY_CHUNK) bytes, its protobuf framing and gRPC's
-/// prefix) fits without the buffer growing. Growing it by tonic's default (8 KiB, then doubling
-/// as the chunk is written) reallocated and copied the buffer's whole capacity once or twice per
-/// echoed chunk.
-pub const ENCODE_BUFFER_BYTES: usize = 64 * 1024;
-/// Messages ready together are gathered into one frame up to this size (tonic's default).
-const YIELD_THRESHOLD_BYTES: usize = 32 * 1024;
-
 impl Encoder for OutboundEncoder {
     type Item = Outbound;
     type Error = Status;
 
     fn encode(&mut self, item: Outbound, dst: &mut EncodeBuf<'_>) -> Result<(), Status> {
-        // One reservation for the whole message, instead of growth by halves as it is written.
+        // One reservation for the whole message, instead of doubling tonic's buffer (8 KiB to
+        // start) step by step while an echoed chunk is written into it, each step copying the
+        // whole buffer. The buffer keeps tonic's size to start with: most streams' messages are
+        // small, and a bigger start would cost every stream its allocation.
         dst.reserve(item.encoded_len());
         item.encode(dst)
             .map_err(|e| Status::internal(format!("encoding a ProcessingResponse: {e}")))
-    }
-
-    fn buffer_settings(&self) -> BufferSettings {
-        BufferSettings::new(ENCODE_BUFFER_BYTES, YIELD_THRESHOLD_BYTES)
     }
 }
 

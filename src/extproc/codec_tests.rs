@@ -48,21 +48,20 @@ fn streamed_chunks_are_written_as_prost_writes_them() {
 }
 
 #[test]
-fn the_largest_echoed_chunk_fits_the_encode_buffer_as_it_starts() {
-    use crate::extproc::stream::MAX_BODY_CHUNK;
-    let grpc_prefix = 5;
-    for (len, fits) in [(MAX_BODY_CHUNK, true), (ENCODE_BUFFER_BYTES, false)] {
+fn the_size_reserved_for_a_message_is_the_size_written() {
+    for len in [0usize, 1, 127, 128, 16_383, 16_384, 62_000] {
         let body = Bytes::from(vec![7u8; len]);
         for side in [BodySide::Request, BodySide::Response] {
-            let outbound = Outbound::streamed_body(side, body.clone(), true);
-            assert_eq!(outbound.encoded_len(), ours(&outbound).len());
+            let outbound = Outbound::streamed_body(side, body.clone(), len % 2 == 0);
             assert_eq!(
-                grpc_prefix + outbound.encoded_len() <= ENCODE_BUFFER_BYTES,
-                fits,
+                outbound.encoded_len(),
+                ours(&outbound).len(),
                 "{len} {side:?}"
             );
         }
     }
+    let message = Outbound::from(ProcessingResponse::default());
+    assert_eq!(message.encoded_len(), ours(&message).len());
 }
 
 #[test]
