@@ -7,13 +7,13 @@
 
 pub use crate::epp_metrics::BoundedLabel;
 pub use conn::ConnMetrics;
-
-mod conn;
 use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+mod conn;
 
 /// Every metric kvpick exports, registered per area on one registry. Cheap to clone (all
 /// handles are reference-counted). Tokenization registers its own (`tokenize::TokenizeMetrics`).
@@ -684,10 +684,7 @@ impl CatalogMetrics {
     }
 }
 
-pub(crate) fn register<T: prometheus::core::Collector + Clone + 'static>(
-    registry: &Registry,
-    c: T,
-) -> T {
+fn register<T: prometheus::core::Collector + Clone + 'static>(registry: &Registry, c: T) -> T {
     registry
         .register(Box::new(c.clone()))
         .expect("metric names are unique");

@@ -141,7 +141,11 @@ impl Outbound {
 
     /// Writes the message as prost would write [`Outbound::into_message`]'s.
     pub fn encode(&self, buf: &mut impl BufMut) -> Result<(), NoRoom> {
-        let needed = self.encoded_len();
+        self.encode_sized(buf, self.encoded_len())
+    }
+
+    /// [`Outbound::encode`] with the size already known (`needed` = [`Outbound::encoded_len`]).
+    fn encode_sized(&self, buf: &mut impl BufMut, needed: usize) -> Result<(), NoRoom> {
         if buf.remaining_mut() < needed {
             return Err(NoRoom {
                 needed,
@@ -367,8 +371,9 @@ impl Encoder for OutboundEncoder {
         // start) step by step while an echoed chunk is written into it, each step copying the
         // whole buffer. The buffer keeps tonic's size to start with: most streams' messages are
         // small, and a bigger start would cost every stream its allocation.
-        dst.reserve(item.encoded_len());
-        item.encode(dst)
+        let needed = item.encoded_len();
+        dst.reserve(needed);
+        item.encode_sized(dst, needed)
             .map_err(|e| Status::internal(format!("encoding a ProcessingResponse: {e}")))
     }
 }
