@@ -20,16 +20,15 @@ pub fn block_seed(lora_name: Option<&str>, cache_salt: Option<&str>) -> u64 {
     seed
 }
 
-/// Hash of one block of tokens (u32 little-endian), without allocating for blocks of up to 64
-/// tokens.
+/// Hash of one block of tokens (u32 little-endian). On a little-endian machine the tokens' memory
+/// is those bytes, so they are hashed in place; elsewhere they are copied out first.
 pub fn block_hash(block: &[u32], seed: u64) -> u64 {
-    let mut stack = [0u8; 256];
-    if block.len() * 4 <= stack.len() {
-        for (i, t) in block.iter().enumerate() {
-            stack[i * 4..i * 4 + 4].copy_from_slice(&t.to_le_bytes());
-        }
-        xxh3_64_with_seed(&stack[..block.len() * 4], seed)
-    } else {
+    #[cfg(target_endian = "little")]
+    {
+        xxh3_64_with_seed(zerocopy::IntoBytes::as_bytes(block), seed)
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
         let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
         xxh3_64_with_seed(&bytes, seed)
     }
@@ -59,6 +58,14 @@ pub fn sequence_hashes(local: &[u64]) -> Vec<u64> {
     out
 }
 
+/// [`sequence_hashes`] in place, for a list of local hashes the caller no longer needs.
+fn chained(mut local: Vec<u64>) -> Vec<u64> {
+    for i in 1..local.len() {
+        local[i] = chain(local[i - 1], local[i]);
+    }
+    local
+}
+
 /// One chaining step.
 pub fn chain(parent: u64, local: u64) -> u64 {
     let mut buf = [0u8; 16];
@@ -69,7 +76,7 @@ pub fn chain(parent: u64, local: u64) -> u64 {
 
 /// Sequence hashes of a token prompt in one call.
 pub fn prompt_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
-    sequence_hashes(&local_hashes(tokens, block_size, seed))
+    chained(local_hashes(tokens, block_size, seed))
 }
 
 /// `seed` with a `cache_salt` mixed in, for a prompt's first block.
@@ -93,7 +100,41 @@ pub fn salted_prompt_hashes(
             *first = block_hash(block, salted(seed, cache_salt));
         }
     }
-    sequence_hashes(&local)
+    chained(local)
+}
+
+/// Sequence hashes of text without a tokenizer, read as 4-byte pseudo-tokens (u32 little-endian,
+/// the last one zero-padded): the same hashes as [`salted_prompt_hashes`] over those tokens, but
+/// hashed straight from the bytes, since a block's pseudo-tokens in little-endian *are* its bytes.
+/// Saves copying the whole prompt into a token list first.
+pub fn salted_text_hashes(
+    bytes: &[u8],
+    block_size: usize,
+    seed: u64,
+    cache_salt: Option<&str>,
+) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let block_bytes = block_size.saturating_mul(4);
+    let blocks = bytes.len().div_ceil(4) / block_size;
+    let mut local = Vec::with_capacity(blocks);
+    for (k, chunk) in bytes.chunks(block_bytes).take(blocks).enumerate() {
+        let seed = if k == 0 {
+            salted(seed, cache_salt)
+        } else {
+            seed
+        };
+        if chunk.len() == block_bytes {
+            local.push(xxh3_64_with_seed(chunk, seed));
+        } else {
+            // Only the last complete block can end inside a pseudo-token: pad that one.
+            let mut padded = chunk.to_vec();
+            padded.resize(block_bytes, 0);
+            local.push(xxh3_64_with_seed(&padded, seed));
+        }
+    }
+    chained(local)
 }
 
 /// A well-mixed 64-bit value of `n` (test data: keys the way chained hashes look).
@@ -120,6 +161,64 @@ mod tests {
             let bytes: Vec<u8> = block.iter().flat_map(|t| t.to_le_bytes()).collect();
             assert_eq!(block_hash(&block, 7), xxh3_64_with_seed(&bytes, 7), "{len}");
         }
+    }
+
+    #[test]
+    fn chaining_in_place_is_sequence_hashes() {
+        for len in [0u64, 1, 2, 3, 50] {
+            let local: Vec<u64> = (0..len).map(text_id_u64).collect();
+            assert_eq!(chained(local.clone()), sequence_hashes(&local), "{len}");
+        }
+        let tokens: Vec<u32> = (0..100).collect();
+        assert_eq!(
+            prompt_hashes(&tokens, 16, BASE_SEED),
+            sequence_hashes(&local_hashes(&tokens, 16, BASE_SEED))
+        );
+    }
+
+    /// The pseudo-token list text used to be hashed through, as the reference.
+    fn pseudo_tokens(bytes: &[u8]) -> Vec<u32> {
+        bytes
+            .chunks(4)
+            .map(|c| {
+                let mut word = [0u8; 4];
+                word[..c.len()].copy_from_slice(c);
+                u32::from_le_bytes(word)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn text_hashed_from_its_bytes_equals_text_hashed_as_pseudo_tokens() {
+        let text: Vec<u8> = (0..1_100u32)
+            .map(|i| (i.wrapping_mul(31) % 251) as u8)
+            .collect();
+        // Block sizes on both sides of block_hash's 64-token stack buffer; lengths ending inside
+        // a pseudo-token just under, at and over a block boundary.
+        for block_size in [1usize, 3, 16, 64, 65] {
+            let boundary = block_size * 4 * 4;
+            let lengths = [
+                0,
+                1,
+                5,
+                boundary - 5,
+                boundary - 4,
+                boundary - 1,
+                boundary,
+                boundary + 1,
+            ];
+            for len in lengths.into_iter().chain((0..text.len()).step_by(37)) {
+                let bytes = &text[..len.min(text.len())];
+                for salt in [None, Some("s")] {
+                    assert_eq!(
+                        salted_text_hashes(bytes, block_size, 9, salt),
+                        salted_prompt_hashes(&pseudo_tokens(bytes), block_size, 9, salt),
+                        "block size {block_size}, {len} bytes, salt {salt:?}"
+                    );
+                }
+            }
+        }
+        assert!(salted_text_hashes(&text, 0, 9, None).is_empty());
     }
 
     #[test]

@@ -80,18 +80,9 @@ pub(crate) fn prompt_blocks(
         },
         PromptInput::Text(all) => {
             let bytes = &all[..all.len().min(max_tokens.saturating_mul(4))];
-            let words = bytes.chunks_exact(4);
-            let tail = words.remainder();
-            let mut pseudo: Vec<u32> = Vec::with_capacity(bytes.len().div_ceil(4));
-            pseudo.extend(words.map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])));
-            if !tail.is_empty() {
-                let mut word = [0u8; 4];
-                word[..tail.len()].copy_from_slice(tail);
-                pseudo.push(u32::from_le_bytes(word));
-            }
             PromptBlocks {
                 tokens: (all.len() as u64).div_ceil(4),
-                seq_hashes: hash::salted_prompt_hashes(&pseudo, bs, seed, cache_salt),
+                seq_hashes: hash::salted_text_hashes(bytes, bs, seed, cache_salt),
                 present: true,
             }
         }
