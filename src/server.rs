@@ -18,6 +18,7 @@ use crate::metrics::Metrics;
 use crate::selection::{AffinityMode, SelectionCore};
 
 mod config;
+mod memory;
 mod ports;
 pub mod settings;
 mod tasks;
@@ -574,6 +575,15 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1 << 20, value_name = "N", help_heading = "Scheduling")]
     pub index_max_blocks: usize,
 
+    /// Turn transparent huge pages off for kvpick's process (Linux: prctl PR_SET_THP_DISABLE at
+    /// start). For nodes whose THP mode is `always` on VMs that back memory lazily (Firecracker):
+    /// there a growing KV-index table can zero a 2 MiB page per first touch inside an insert,
+    /// under the partition's lock. Off by default: the index's tables already use 4 KiB pages
+    /// under the kernel's usual `madvise` mode, and the rest of the heap is cheaper with huge
+    /// pages (docs/benchmarks.md).
+    #[arg(long, env = "KVPICK_NO_HUGE_PAGES", help_heading = "Scheduling")]
+    pub no_huge_pages: bool,
+
     /// Gateway API Inference Extension conformance hooks: honour `test-epp-endpoint-selection` and
     /// echo `x-conformance-test-served-endpoint`. Never enable in production.
     #[arg(long)]
@@ -747,6 +757,9 @@ pub fn init_logging(format: LogFormat) {
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    // Before any KV index allocates.
+    let huge_pages_off = memory::apply_huge_pages_off(args.no_huge_pages);
+    tracing::debug!(huge_pages_off, "transparent huge pages");
     let metrics = Metrics::with_families(args.metrics_families);
     let conn_limits = args.conn.limits()?;
     let telemetry = tasks::start_telemetry(&args)?;

@@ -502,3 +502,29 @@ async fn the_api_returns_and_books_the_prefill_decode_pair() {
     assert_eq!(bad.code(), tonic::Code::InvalidArgument);
     assert!(bad.message().contains("role"), "{}", bad.message());
 }
+
+/// The kernel's view of the served process (`/proc/PID/status`, Linux ≥ 5.0): transparent huge
+/// pages as for any process by default, off with `--no-huge-pages` (src/server/memory.rs).
+#[cfg(target_os = "linux")]
+#[test]
+fn no_huge_pages_turns_them_off_for_the_process() {
+    let thp_enabled = |pid: &str| {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("THP_enabled:"))
+            .expect("THP_enabled in /proc/PID/status")
+            .trim()
+            .to_string()
+    };
+    let usual = thp_enabled("self");
+    for (extra, want) in [(&[][..], usual.as_str()), (&["--no-huge-pages"][..], "0")] {
+        // The port file `start_static` waits for is written after `run` applied the setting.
+        let serve = start_static("workers: []\n", extra);
+        assert_eq!(
+            thp_enabled(&serve.child.id().to_string()),
+            want,
+            "flags {extra:?}"
+        );
+    }
+}

@@ -348,10 +348,10 @@ impl PrefixIndex {
         for (i, &h) in seq_hashes.iter().enumerate() {
             let touched = self.tick - (i as u32).min(n - 1);
             match self.blocks.entry(BlockKey::new(h)) {
-                std::collections::hash_map::Entry::Vacant(v) => {
+                hashbrown::hash_map::Entry::Vacant(v) => {
                     v.insert(Entry { holder, touched });
                 }
-                std::collections::hash_map::Entry::Occupied(mut o) => {
+                hashbrown::hash_map::Entry::Occupied(mut o) => {
                     let entry = o.get_mut();
                     entry.touched = touched;
                     upsert(entry, &mut self.slab, &mut self.free_slab, holder);

@@ -1,9 +1,11 @@
 //! The block table of the KV index, split into shards by key bits, with the identity hasher its
-//! (already uniform) keys need. Owns only the table's layout; what an entry means, eviction and
-//! purging stay in the index ([`super`]).
+//! (already uniform) keys need, in the system allocator's memory. Owns only the table's layout;
+//! what an entry means, eviction and purging stay in the index ([`super`]).
 
-use std::collections::HashMap;
+use std::alloc::System;
 use std::hash::{BuildHasherDefault, Hasher};
+
+use hashbrown::HashMap;
 
 use super::BlockKey;
 
@@ -27,7 +29,22 @@ impl Hasher for PreHashed {
     }
 }
 
-pub(super) type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>>;
+/// One shard's table. Its memory comes from the system allocator, not the process's global one
+/// (mimalloc), because mimalloc backs big blocks with transparent huge pages: a table grows (and,
+/// once eviction's tombstones fill it, doubles once more) while traffic flows, under the
+/// partition's KV lock, and each first touch of a fresh huge page zeroes 2 MiB inside that
+/// insert. On the development VM (Firecracker) that stalled single inserts 60–170 ms; from the
+/// system allocator (glibc: mmap'd 4 KiB pages) the same growth's worst insert is ~2.5 ms, and
+/// the table's steady-state inserts cost the same (docs/benchmarks.md, "Index tables off huge
+/// pages").
+pub(super) type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>, System>;
+
+pub(super) type ShardEntry<'a, V> =
+    hashbrown::hash_map::Entry<'a, BlockKey, V, BuildHasherDefault<PreHashed>, System>;
+
+fn new_map<V>() -> PreHashedMap<V> {
+    HashMap::with_hasher_in(BuildHasherDefault::default(), System)
+}
 
 /// Purge steps per sweep of the block table: each periodic step walks 1/16 of it (bounded work
 /// under the partition lock) instead of the whole index.
@@ -60,7 +77,7 @@ impl<V> Shards<V> {
             .next_power_of_two()
             .clamp(PURGE_SHARDS, MAX_SHARDS);
         Shards {
-            maps: (0..count).map(|_| PreHashedMap::default()).collect(),
+            maps: (0..count).map(|_| new_map()).collect(),
             mask: count - 1,
         }
     }
@@ -86,10 +103,7 @@ impl<V> Shards<V> {
         self.map_mut(key).get_mut(key)
     }
 
-    pub(super) fn entry(
-        &mut self,
-        key: BlockKey,
-    ) -> std::collections::hash_map::Entry<'_, BlockKey, V> {
+    pub(super) fn entry(&mut self, key: BlockKey) -> ShardEntry<'_, V> {
         self.map_mut(&key).entry(key)
     }
 
