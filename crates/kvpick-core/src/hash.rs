@@ -103,6 +103,20 @@ pub fn salted_prompt_hashes(
     chained(local)
 }
 
+/// Text as the 4-byte pseudo-tokens kvpick hashes when it has no tokenizer (u32 little-endian
+/// words, the last one zero-padded): the definition [`salted_text_hashes`] hashes without
+/// building the list, and the tokenizer of the simulated workers.
+pub fn pseudo_tokens(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks(4)
+        .map(|c| {
+            let mut word = [0u8; 4];
+            word[..c.len()].copy_from_slice(c);
+            u32::from_le_bytes(word)
+        })
+        .collect()
+}
+
 /// Sequence hashes of text without a tokenizer, read as 4-byte pseudo-tokens (u32 little-endian,
 /// the last one zero-padded): the same hashes as [`salted_prompt_hashes`] over those tokens, but
 /// hashed straight from the bytes, since a block's pseudo-tokens in little-endian *are* its bytes.
@@ -174,18 +188,6 @@ mod tests {
             prompt_hashes(&tokens, 16, BASE_SEED),
             sequence_hashes(&local_hashes(&tokens, 16, BASE_SEED))
         );
-    }
-
-    /// The pseudo-token list text used to be hashed through, as the reference.
-    fn pseudo_tokens(bytes: &[u8]) -> Vec<u32> {
-        bytes
-            .chunks(4)
-            .map(|c| {
-                let mut word = [0u8; 4];
-                word[..c.len()].copy_from_slice(c);
-                u32::from_le_bytes(word)
-            })
-            .collect()
     }
 
     #[test]

@@ -31,16 +31,9 @@ fn error(status: StatusCode, message: impl std::fmt::Display) -> Response {
         .into_response()
 }
 
-/// Deterministic tokenizer for text: 4-byte little-endian words.
+/// Deterministic tokenizer for text: kvpick's own pseudo-tokens (4-byte little-endian words).
 pub fn tokenize(text: &str) -> Vec<u32> {
-    text.as_bytes()
-        .chunks(4)
-        .map(|c| {
-            let mut word = [0u8; 4];
-            word[..c.len()].copy_from_slice(c);
-            u32::from_le_bytes(word)
-        })
-        .collect()
+    kvpick_core::hash::pseudo_tokens(text.as_bytes())
 }
 
 fn chat_text(messages: &Value) -> Option<String> {
