@@ -34,9 +34,9 @@ impl Hasher for PreHashed {
 /// once eviction's tombstones fill it, doubles once more) while traffic flows, under the
 /// partition's KV lock, and each first touch of a fresh huge page zeroes 2 MiB inside that
 /// insert. On the development VM (Firecracker) that stalled single inserts 60–170 ms; from the
-/// system allocator (glibc: mmap'd 4 KiB pages) the same growth's worst insert is ~2.5 ms, and
-/// the table's steady-state inserts cost the same (docs/benchmarks.md, "Index tables off huge
-/// pages").
+/// system allocator (glibc: 4 KiB pages under the usual `madvise` THP mode) the same growth's
+/// worst insert is ~2.5 ms, and the table's steady-state inserts cost the same
+/// (docs/benchmarks.md, "Index tables off huge pages").
 pub(super) type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>, System>;
 
 pub(super) type ShardEntry<'a, V> =
