@@ -575,14 +575,13 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1 << 20, value_name = "N", help_heading = "Scheduling")]
     pub index_max_blocks: usize,
 
-    /// Turn transparent huge pages off for kvpick's process (Linux: prctl PR_SET_THP_DISABLE at
-    /// start). For nodes whose THP mode is `always` on VMs that back memory lazily (Firecracker):
-    /// there a growing KV-index table can zero a 2 MiB page per first touch inside an insert,
-    /// under the partition's lock. Off by default: the index's tables already use 4 KiB pages
-    /// under the kernel's usual `madvise` mode, and the rest of the heap is cheaper with huge
-    /// pages (docs/benchmarks.md).
-    #[arg(long, env = "KVPICK_NO_HUGE_PAGES", help_heading = "Scheduling")]
-    pub no_huge_pages: bool,
+    /// Let the kernel back kvpick's memory with transparent huge pages. Off by default (Linux:
+    /// prctl PR_SET_THP_DISABLE at start): with them, each first touch of fresh heap zeroes a
+    /// 2 MiB page inside the allocation; on VMs that back memory lazily (Firecracker) that took
+    /// tens of ms a page and made a loaded kvpick fall behind and collapse. On bare metal they
+    /// save 6-15% CPU per 32 KB request (docs/benchmarks.md, "Huge pages off").
+    #[arg(long, env = "KVPICK_HUGE_PAGES", help_heading = "Scheduling")]
+    pub huge_pages: bool,
 
     /// Gateway API Inference Extension conformance hooks: honour `test-epp-endpoint-selection` and
     /// echo `x-conformance-test-served-endpoint`. Never enable in production.
@@ -758,7 +757,7 @@ pub fn init_logging(format: LogFormat) {
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Before any KV index allocates.
-    let huge_pages_off = memory::apply_huge_pages_off(args.no_huge_pages);
+    let huge_pages_off = memory::apply_huge_pages(args.huge_pages);
     tracing::debug!(huge_pages_off, "transparent huge pages");
     let metrics = Metrics::with_families(args.metrics_families);
     let conn_limits = args.conn.limits()?;

@@ -504,10 +504,10 @@ async fn the_api_returns_and_books_the_prefill_decode_pair() {
 }
 
 /// The kernel's view of the served process (`/proc/PID/status`, Linux ≥ 5.0): transparent huge
-/// pages as for any process by default, off with `--no-huge-pages` (src/server/memory.rs).
+/// pages off by default, as for any process with `--huge-pages` (src/server/memory.rs).
 #[cfg(target_os = "linux")]
 #[test]
-fn no_huge_pages_turns_them_off_for_the_process() {
+fn huge_pages_are_off_unless_asked_for() {
     let thp_enabled = |pid: &str| {
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
         status
@@ -518,7 +518,7 @@ fn no_huge_pages_turns_them_off_for_the_process() {
             .to_string()
     };
     let usual = thp_enabled("self");
-    for (extra, want) in [(&[][..], usual.as_str()), (&["--no-huge-pages"][..], "0")] {
+    for (extra, want) in [(&[][..], "0"), (&["--huge-pages"][..], usual.as_str())] {
         // The port file `start_static` waits for is written after `run` applied the setting.
         let serve = start_static("workers: []\n", extra);
         assert_eq!(

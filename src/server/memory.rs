@@ -1,23 +1,24 @@
-//! How the kernel may back kvpick's heap: `--no-huge-pages` turns transparent huge pages (THP)
-//! off for the process at start, before the KV indexes allocate. Owns only that process flag; it
-//! must not allocate or size anything itself.
+//! How the kernel may back kvpick's heap: transparent huge pages (THP) are off for the process
+//! unless `--huge-pages`, set once at start before the KV indexes allocate. Owns only that process
+//! flag; it must not allocate or size anything itself.
 //!
-//! The KV index's tables already live in the system allocator's 4 KiB pages
-//! (`kvpick_core::index`'s shards), which is what keeps a growing table from zeroing 2 MiB per
-//! first touch under the partition's lock. On a node whose THP mode is `always`, the kernel may
-//! give even those huge pages; on a VM that backs guest memory lazily (Firecracker), that stalled
-//! single inserts for 60–170 ms here. This flag is the lever for that case. It is not the default
-//! because the rest of the heap gains from huge pages: 6–15% less CPU per 32 KB request with them
-//! (docs/benchmarks.md, "Index tables off huge pages").
+//! Why off: with THP, each first touch of fresh heap memory makes the kernel zero a whole 2 MiB
+//! page inside whatever allocation touched it. On the development VM (a Firecracker guest whose
+//! memory the host backs lazily) that costs tens of milliseconds a page; in the scale benchmark
+//! (1,000 pods x 8 ranks, 2,000 picks/s) a backlog that grew the heap then fed on itself, and 8 of
+//! 22 runs collapsed (a fifth of kvpick's CPU zeroing pages). With THP off, 6 of 6 ran clean with
+//! an event-lag p99 of 4.3-4.9 ms. The price: 6-15% more CPU per 32 KB request through Envoy,
+//! where huge pages spare TLB misses (docs/benchmarks.md, "Huge pages off"). `--huge-pages` is for
+//! hosts where first touches are cheap (bare metal) and that CPU matters more.
 
-/// Turns transparent huge pages off for this process when `off` (Linux
+/// Turns transparent huge pages off for this process unless `allow` (Linux
 /// `prctl(PR_SET_THP_DISABLE)`, which also overrides the allocator's own `MADV_HUGEPAGE`).
 /// Returns whether they are now off; a kernel that refuses leaves them as they were, with a
 /// warning (never fatal: it changes cost, not behaviour).
-pub(crate) fn apply_huge_pages_off(off: bool) -> bool {
+pub(crate) fn apply_huge_pages(allow: bool) -> bool {
     #[cfg(target_os = "linux")]
     {
-        if off {
+        if !allow {
             if let Err(err) = rustix::thread::disable_transparent_huge_pages(true) {
                 tracing::warn!(%err, "could not turn transparent huge pages off (prctl)");
             }
@@ -26,7 +27,7 @@ pub(crate) fn apply_huge_pages_off(off: bool) -> bool {
     }
     #[cfg(not(target_os = "linux"))]
     {
-        let _ = off;
+        let _ = allow;
         false
     }
 }
@@ -36,10 +37,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn huge_pages_go_off_when_asked() {
-        // Not asking leaves the process's flag as it was (on for a test process).
-        assert!(!apply_huge_pages_off(false));
-        assert!(apply_huge_pages_off(true));
+    fn huge_pages_go_off_unless_allowed() {
+        // Allowing them leaves the process's flag as it was (on for a test process).
+        assert!(!apply_huge_pages(true));
+        assert!(apply_huge_pages(false));
         assert_eq!(
             rustix::thread::transparent_huge_pages_are_disabled().ok(),
             Some(true)

@@ -36,7 +36,8 @@ impl Hasher for PreHashed {
 /// insert. On the development VM (Firecracker) that stalled single inserts 60–170 ms; from the
 /// system allocator (glibc: 4 KiB pages under the usual `madvise` THP mode) the same growth's
 /// worst insert is ~2.5 ms, and the table's steady-state inserts cost the same
-/// (docs/benchmarks.md, "Index tables off huge pages").
+/// (docs/benchmarks.md, "Index tables off huge pages"). `kvpick serve` also turns huge pages off
+/// for its whole process unless `--huge-pages`; this keeps the tables off them when it is given.
 pub(super) type PreHashedMap<V> = HashMap<BlockKey, V, BuildHasherDefault<PreHashed>, System>;
 
 pub(super) type ShardEntry<'a, V> =
