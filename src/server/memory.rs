@@ -5,9 +5,9 @@
 //! Why off: with THP, each first touch of fresh heap memory makes the kernel zero a whole 2 MiB
 //! page inside whatever allocation touched it. On the development VM (a Firecracker guest whose
 //! memory the host backs lazily) that costs tens of milliseconds a page; in the scale benchmark
-//! (1,000 pods x 8 ranks, 2,000 picks/s) a backlog that grew the heap then fed on itself, and 8 of
-//! 22 runs collapsed (a fifth of kvpick's CPU zeroing pages). With THP off, 6 of 6 ran clean with
-//! an event-lag p99 of 4.3-4.9 ms. The price: 6-15% more CPU per 32 KB request through Envoy,
+//! (1,000 pods x 8 ranks, 2,000 picks/s) a backlog that grew the heap then fed on itself, and 7
+//! of 22 runs collapsed or fell behind (a fifth of kvpick's CPU zeroing pages). With THP off, 6
+//! of 6 ran clean with an event-lag p99 of 4.3-4.9 ms. The price: 6-15% more CPU per 32 KB request through Envoy,
 //! where huge pages spare TLB misses (docs/benchmarks.md, "Huge pages off"). `--huge-pages` is for
 //! hosts where first touches are cheap (bare metal) and that CPU matters more.
 
