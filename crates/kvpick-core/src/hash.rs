@@ -45,17 +45,7 @@ pub fn local_hashes(tokens: &[u32], block_size: usize, seed: u64) -> Vec<u64> {
 /// Chains local hashes so equal blocks at different prefixes never alias:
 /// `seq[0] = local[0]`, `seq[i] = xxh3(seq[i-1] ‖ local[i], 1337)`.
 pub fn sequence_hashes(local: &[u64]) -> Vec<u64> {
-    let mut out = Vec::with_capacity(local.len());
-    let mut prev: Option<u64> = None;
-    for &h in local {
-        let next = match prev {
-            None => h,
-            Some(p) => chain(p, h),
-        };
-        out.push(next);
-        prev = Some(next);
-    }
-    out
+    chained(local.to_vec())
 }
 
 /// [`sequence_hashes`] in place, for a list of local hashes the caller no longer needs.
@@ -181,7 +171,14 @@ mod tests {
     fn chaining_in_place_is_sequence_hashes() {
         for len in [0u64, 1, 2, 3, 50] {
             let local: Vec<u64> = (0..len).map(text_id_u64).collect();
-            assert_eq!(chained(local.clone()), sequence_hashes(&local), "{len}");
+            // The definition, step by step.
+            let mut by_definition: Vec<u64> = Vec::new();
+            for &h in &local {
+                let next = by_definition.last().map_or(h, |&p| chain(p, h));
+                by_definition.push(next);
+            }
+            assert_eq!(chained(local.clone()), by_definition, "{len}");
+            assert_eq!(sequence_hashes(&local), by_definition, "{len}");
         }
         let tokens: Vec<u32> = (0..100).collect();
         assert_eq!(
