@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Runs every test kvpick has: Rust unit + integration tests, then the end-to-end suite that puts
 # a real Envoy 1.40 in front of kvpick and real upstream processes, and the offline check of the
-# Kubernetes manifests and Helm chart. Installs what it needs.
+# Kubernetes manifests and Helm chart, and the real-engine tier (vLLM 0.32 CPU processes with a
+# tiny random-weight model, e2e/tests/test_vllm_*.py). Installs what it needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh
+bash e2e/vllm/setup.sh   # vLLM's venv (.vllm-venv) and the tiny model (.e2e-work/vllm-model)
 cargo build --locked --bins --examples
 cargo test --locked --workspace --all-targets
 bash e2e/check-manifests.sh

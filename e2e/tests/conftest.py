@@ -133,3 +133,27 @@ def pytest_sessionfinish(session, exitstatus):
     harness.stop_all()
     if exitstatus == 0 and not os.environ.get("E2E_KEEP"):
         harness.remove_workdirs()
+
+
+# ------------------------------------------------------------------------------------------------
+# The real-engine tier (test_vllm_*.py): vLLM 0.32 CPU processes, started once per session.
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(kvpick_bin):
+    """Two real vLLM servers, one per core, with KV events and replay on loopback. Started
+    together (~1-2 min); tests that kill or restart one restart it before they end."""
+    import vllm_engine
+
+    why = vllm_engine.vllm_available()
+    if why:
+        pytest.fail(f"the real-engine tier cannot run: {why}. The e2e suite never skips.",
+                    pytrace=False)
+    engines = [vllm_engine.VllmEngine("a", cpu=0), vllm_engine.VllmEngine("b", cpu=1)]
+    for e in engines:
+        e.start(wait=False)
+    for e in engines:
+        e.wait_ready()
+    yield engines
+    for e in engines:
+        e.stop()
