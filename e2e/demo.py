@@ -15,6 +15,12 @@ timings and the ``usage.prompt_tokens_details.cached_tokens`` the workers return
 ends with the path of an HTML report of both runs (``report.html`` in its work directory; e2e/report.py:
 CDFs, hit rates, per-worker counts, the replay's load and queue over time; opens offline).
 
+``--engine vllm`` runs the demo on two real vLLM 0.32 CPU servers instead (e2e/vllm_bench.py:
+agentic sessions over shared tool prefixes, the tiny model of e2e/vllm/make_model.py, one core per
+engine; ``bash e2e/demo.sh --engine vllm`` installs vLLM first, ~6 GB once): Envoy round-robin vs
+Envoy + kvpick, the engines' own reported cached prompt tokens and client-side TTFT, and the HTML
+report (``--seeds 1,2,3`` for several seeds, ``--sim`` to add the calibrated simulator's columns).
+
 Flags: ``--family F`` (default agentic), ``--requests N`` (default 200), ``--load L`` (0.85),
 ``--workers N`` (4), ``--sim-speedup K`` (2), ``--policy`` (the online columns; add
 ``sglang-router`` once ``e2e/replay/online.py`` knows it). ``--trace FILE --arrival-speedup A``
@@ -63,8 +69,44 @@ def write_html(work: Path, what: str, report: dict, offline_charts: Path) -> Pat
                                     [online_section(what, report), offline], work / "report.html")
 
 
+def vllm_demo(seeds: list[int], with_sim: bool) -> int:
+    """The demo on real vLLM engines (e2e/vllm_bench.py)."""
+    import vllm_bench
+
+    print("kvpick demo on real engines: 2 x vLLM 0.32 (CPU, one core each, tiny random-weight "
+          "Llama), agentic sessions over shared tool prefixes, token-id prompts")
+    print("client -> Envoy 1.40 -> (round-robin cluster | ext_proc kvpick) -> vLLM")
+    print()
+    report = vllm_bench.run(seeds, with_sim)
+    print()
+    print(vllm_bench.markdown(report))
+    work = harness.new_workdir("demo-vllm")
+    (work / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    sections = []
+    for engine, title in (("vllm", "Real vLLM 0.32 through Envoy"),
+                          ("sim", "kvpick sim calibrated to the same engines")):
+        rows = [r for r in report["runs"] if r["engine"] == engine and r["seed"] == seeds[0]]
+        if rows:
+            sections.append({
+                "title": title,
+                "note": f"seed {seeds[0]}, {rows[0]['requests']} requests, 2 engines; "
+                        "cached tokens as the engines report them",
+                "policies": [{"name": r["policy"], "ttft_cdf": r["ttft_cdf"],
+                              "e2e_cdf": r["e2e_cdf"], "kv_hit_rate": r["kv_hit_rate"],
+                              "requests_per_rank": r["per_worker_requests"]} for r in rows]})
+    html = html_report.write_report(harness.kvpick_binary(), "kvpick demo on real vLLM", sections,
+                                    work / "report.html")
+    print(f"HTML report (opens offline): {html}")
+    return 0 if all(r["errors"] == 0 for r in report["runs"]) else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                    help="simulated workers (default) or two real vLLM servers")
+    ap.add_argument("--seeds", default="1", help="with --engine vllm: workload seeds (medians)")
+    ap.add_argument("--sim", action="store_true",
+                    help="with --engine vllm: add the simulator calibrated to the engines")
     ap.add_argument("--family", default="agentic")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--requests", type=int, default=200)
@@ -79,6 +121,8 @@ def main() -> int:
     ap.add_argument("--policy", default="envoy-round-robin,kvpick",
                     help="online columns, comma-separated (e2e/replay/online.py's policies)")
     args = ap.parse_args()
+    if args.engine == "vllm":
+        return vllm_demo([int(x) for x in args.seeds.split(",")], args.sim)
     work = harness.new_workdir("demo")
     if args.trace:
         trace = Path(args.trace)

@@ -6,8 +6,10 @@
 # then the offline replay of the same requests through every policy, and the path of its HTML report
 # (.e2e-work/demo-*/report.html). e2e/demo.py --help for the
 # knobs (--family, --load, --policy ...,sglang-router, --trace FILE for a Mooncake trace).
+# `bash e2e/demo.sh --engine vllm`: the same comparison on two real vLLM servers (e2e/vllm_bench.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh
+case " $* " in *" --engine vllm "*|*" --engine=vllm "*) bash e2e/vllm/setup.sh ;; esac
 cargo build --locked --release --bin kvpick
 KVPICK_BIN="$PWD/target/release/kvpick" exec .venv/bin/python e2e/demo.py "$@"

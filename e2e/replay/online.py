@@ -26,7 +26,6 @@ import math
 import os
 import socket
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -86,18 +85,19 @@ def prepare(records: list[mooncake.Record], arrival_speedup: float,
             for i, r in enumerate(records)]
 
 
-async def _one(client: httpx.AsyncClient, url: str, req: Prepared, t0: float) -> Result:
+async def _one(client: httpx.AsyncClient, url: str, req: Prepared, t0: float,
+               model: str = MODEL, worker_header: str = "x-sim-worker") -> Result:
     loop = asyncio.get_running_loop()
     await asyncio.sleep(max(0.0, t0 + req.at - loop.time()))
     start = loop.time()
-    body = {"model": MODEL, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
+    body = {"model": model, "prompt": req.prompt, "max_tokens": req.max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
     first = None
     usage: dict[str, Any] = {}
     worker = None
     try:
         async with client.stream("POST", url + "/v1/completions", json=body) as resp:
-            worker = resp.headers.get("x-sim-worker")
+            worker = resp.headers.get(worker_header)
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 return Result(req.index, worker, resp.status_code, None, None, req.prompt_tokens,
@@ -123,12 +123,14 @@ async def _one(client: httpx.AsyncClient, url: str, req: Prepared, t0: float) ->
 
 
 async def replay(url: str, requests: list[Prepared], label: str,
-                 progress: Callable[[str], None] | None = print) -> tuple[list[Result], float]:
+                 progress: Callable[[str], None] | None = print, model: str = MODEL,
+                 worker_header: str = "x-sim-worker") -> tuple[list[Result], float]:
     limits = httpx.Limits(max_connections=2000, max_keepalive_connections=2000)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         loop = asyncio.get_running_loop()
         t0 = loop.time() + 0.2
-        tasks = [asyncio.create_task(_one(client, url, r, t0)) for r in requests]
+        tasks = [asyncio.create_task(_one(client, url, r, t0, model, worker_header))
+                 for r in requests]
         done = 0
         results: list[Result] = []
         step = max(1, len(tasks) // 10)
