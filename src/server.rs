@@ -60,10 +60,19 @@ pub struct ServeArgs {
     pub settings_loaded: Option<Arc<crate::server::settings::Loaded>>,
 
     /// Tokenization of text and chat prompts: YAML file with a `tokenizers:` list (per model:
-    /// tokenizer_json, chat_template[_file], bos/eos_token, add_special_tokens, render_url).
-    /// Without it, text prompts are hashed as pseudo tokens (docs/tokenization.md).
+    /// tokenizer_dir, or tokenizer_json, chat_template[_file], bos/eos_token; add_special_tokens,
+    /// render_url). Without it (or --tokenizer-dir), text prompts are hashed as pseudo tokens
+    /// (docs/tokenization.md).
     #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
     pub tokenizer_config: Option<PathBuf>,
+
+    /// A model's tokenizer from its HuggingFace model directory, as `[MODEL=]DIR` (repeatable):
+    /// tokenizer.json, bos/eos and the other special tokens, and the chat template
+    /// (chat_template.jinja, chat_template.json or tokenizer_config.json) read as transformers
+    /// reads them. MODEL is the request `model` (default: DIR as written, vLLM's served name for
+    /// `--model DIR`). Adds to --tokenizer-config's models; a model in both is an error.
+    #[arg(long, value_name = "[MODEL=]DIR")]
+    pub tokenizer_dir: Vec<String>,
 
     /// Request bodies larger than this are not tokenized: they are routed on load alone
     /// (counted in `kvpick_tokenize_skipped_total{reason="body_too_large"}`).
