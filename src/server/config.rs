@@ -21,6 +21,9 @@ pub fn tokenizers(
     args: &ServeArgs,
     registry: &prometheus::Registry,
 ) -> anyhow::Result<Option<Arc<crate::tokenize::Tokenizers>>> {
+    if args.tokenize_stall_ms == 0 {
+        anyhow::bail!("--tokenize-stall-ms must be at least 1");
+    }
     let Some(tokenizers) = crate::tokenize::Tokenizers::load_sources(
         args.tokenizer_config.as_deref(),
         &args.tokenizer_dir,
@@ -32,7 +35,8 @@ pub fn tokenizers(
     Ok(Some(Arc::new(tokenizers.with_limits(
         crate::tokenize::TokenizeLimits {
             max_body_bytes: args.tokenize_max_body_bytes,
-            queue_timeout: Duration::from_millis(args.tokenize_queue_timeout_ms),
+            max_queued_bytes: args.tokenize_queue_max_bytes,
+            stall_timeout: Duration::from_millis(args.tokenize_stall_ms),
         },
     ))))
 }

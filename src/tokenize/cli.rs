@@ -38,10 +38,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     )?
     .ok_or_else(|| anyhow::anyhow!("give --tokenizer-config FILE or --tokenizer-dir [MODEL=]DIR"))?
     // A checking tool tokenizes one body at a time, whatever its size: no request limits.
-    .with_limits(super::TokenizeLimits {
-        max_body_bytes: usize::MAX,
-        queue_timeout: std::time::Duration::from_secs(3600),
-    });
+    .with_limits(super::TokenizeLimits::unbounded());
     {
         let mut err = std::io::stderr().lock();
         for line in describe(&tokenizers) {

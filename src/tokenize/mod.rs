@@ -28,47 +28,67 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 use serde::Deserialize;
 
 use conversation::ConversationCache;
 use json::Json;
 pub use local::{LocalTokenizer, Resolved};
-use pool::{PoolError, TokenizerPool};
+use pool::{JobLimits, PoolError, TokenizerPool};
 pub use prefix_cache::IncrementalTokenizer;
 use prompt::{ContentFormat, Endpoint, PromptSpec};
 use render::{RenderClient, RenderKind};
 
 /// Default of `--tokenize-max-body-bytes`: bodies over it are routed on load alone.
 pub const DEFAULT_TOKENIZE_MAX_BODY_BYTES: usize = 4 << 20;
-/// Default of `--tokenize-queue-timeout-ms`.
-pub const DEFAULT_TOKENIZE_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default of `--tokenize-queue-max-bytes`, per tokenizer thread: one largest body each.
+pub const DEFAULT_QUEUED_BYTES_PER_THREAD: usize = DEFAULT_TOKENIZE_MAX_BODY_BYTES;
+/// Default of `--tokenize-stall-ms`.
+pub const DEFAULT_TOKENIZE_STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Bounds on what one request may cost the tokenizer. Tokenization runs on a pool of one thread
-/// per core; without these, a handful of multi-MiB chat bodies would hold every thread and every
-/// other tokenized request would wait behind them with no deadline.
+/// Bounds on what the tokenizer may hold. Tokenization runs on a pool of one thread per core
+/// (`pool`): a request waits for its tokens (a request routed without them is a cache miss), but
+/// a flood of large bodies must not hold every request, and a stuck pool must not hold any.
 #[derive(Debug, Clone, Copy)]
 pub struct TokenizeLimits {
     /// Larger request bodies are not tokenized (load-only routing).
     pub max_body_bytes: usize,
-    /// How long a request waits in the tokenizer queue for a thread to start it before routing
-    /// on load alone (once started, it is tokenized).
-    pub queue_timeout: Duration,
+    /// Bytes of request bodies the pool may have queued or running; a request that would go
+    /// over is routed on load alone at once. `None`: [`DEFAULT_QUEUED_BYTES_PER_THREAD`] per
+    /// tokenizer thread.
+    pub max_queued_bytes: Option<usize>,
+    /// A queued request is routed on load alone when no tokenizer thread has started or
+    /// finished a job for this long (the pool is stuck, not busy).
+    pub stall_timeout: Duration,
 }
 
 impl Default for TokenizeLimits {
     fn default() -> Self {
         TokenizeLimits {
             max_body_bytes: DEFAULT_TOKENIZE_MAX_BODY_BYTES,
-            queue_timeout: DEFAULT_TOKENIZE_QUEUE_TIMEOUT,
+            max_queued_bytes: None,
+            stall_timeout: DEFAULT_TOKENIZE_STALL_TIMEOUT,
+        }
+    }
+}
+
+impl TokenizeLimits {
+    /// No bounds (a checking tool that tokenizes one body at a time).
+    pub fn unbounded() -> Self {
+        TokenizeLimits {
+            max_body_bytes: usize::MAX,
+            max_queued_bytes: Some(usize::MAX),
+            stall_timeout: Duration::from_secs(24 * 3600),
         }
     }
 }
 
 /// Why a request was routed without tokenizing it (`kvpick_tokenize_skipped_total{reason}`).
 pub const SKIP_BODY_TOO_LARGE: &str = "body_too_large";
-pub const SKIP_QUEUE_TIMEOUT: &str = "queue_timeout";
 pub const SKIP_QUEUE_FULL: &str = "queue_full";
+pub const SKIP_QUEUE_STALLED: &str = "queue_stalled";
 
 /// Default bound of each model's prefix cache, in tokens (~12 bytes per token plus the text).
 pub const DEFAULT_PREFIX_CACHE_TOKENS: usize = 2_000_000;
@@ -237,6 +257,8 @@ pub struct TokenizeMetrics {
     pub queue_wait: HistogramVec,
     /// 1 per special token a model's chat template uses that nothing defines, by model and token.
     pub undefined_tokens: IntGaugeVec,
+    /// Bytes of request bodies queued or being tokenized (bounded by `--tokenize-queue-max-bytes`).
+    pub queued_bytes: IntGauge,
 }
 
 impl TokenizeMetrics {
@@ -274,7 +296,7 @@ impl TokenizeMetrics {
         let skipped = IntCounterVec::new(
             Opts::new(
                 "kvpick_tokenize_skipped_total",
-                "Prompts routed on load alone without tokenizing, by reason (body_too_large, queue_timeout, queue_full)",
+                "Prompts routed on load alone without tokenizing, by reason (body_too_large, queue_full, queue_stalled)",
             ),
             &["model", "reason"],
         )
@@ -286,7 +308,7 @@ impl TokenizeMetrics {
             )
             .buckets(vec![
                 1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-                0.5, 1.0,
+                0.5, 1.0, 2.5, 5.0, 10.0,
             ]),
             &["model"],
         )
@@ -300,6 +322,12 @@ impl TokenizeMetrics {
         )
         .unwrap();
         let _ = registry.register(Box::new(undefined_tokens.clone()));
+        let queued_bytes = IntGauge::new(
+            "kvpick_tokenize_queued_bytes",
+            "Bytes of request bodies queued for or being tokenized (bounded by --tokenize-queue-max-bytes)",
+        )
+        .unwrap();
+        let _ = registry.register(Box::new(queued_bytes.clone()));
         // Registration fails only if registered twice on one registry (tests reuse metrics).
         let _ = registry.register(Box::new(queue_wait.clone()));
         let _ = registry.register(Box::new(skipped.clone()));
@@ -313,6 +341,7 @@ impl TokenizeMetrics {
             skipped,
             queue_wait,
             undefined_tokens,
+            queued_bytes,
         }
     }
 }
@@ -439,19 +468,29 @@ impl Tokenizers {
                 }),
             );
         }
+        let pool = TokenizerPool::per_core()
+            .map_err(|e| anyhow::anyhow!("cannot start the tokenizer threads: {e}"))?;
+        pool.set_observer(queued_bytes_observer(&metrics));
         Ok(Tokenizers {
             models,
             metrics,
-            pool: TokenizerPool::per_core()
-                .map_err(|e| anyhow::anyhow!("cannot start the tokenizer threads: {e}"))?,
+            pool,
             limits: TokenizeLimits::default(),
         })
     }
 
     /// The same registry on another pool (tests size it).
     pub fn with_pool(mut self, pool: TokenizerPool) -> Self {
+        pool.set_observer(queued_bytes_observer(&self.metrics));
         self.pool = pool;
         self
+    }
+
+    /// The bound on outstanding body bytes in force.
+    pub fn max_queued_bytes(&self) -> usize {
+        self.limits
+            .max_queued_bytes
+            .unwrap_or_else(|| DEFAULT_QUEUED_BYTES_PER_THREAD.saturating_mul(self.pool.threads()))
     }
 
     /// The same registry with other [`TokenizeLimits`].
@@ -566,9 +605,14 @@ impl Tokenizers {
         let job_model = Arc::clone(m);
         let job_body = body.clone();
         let queued = Instant::now();
+        let limits = JobLimits {
+            bytes: body.len(),
+            max_bytes: self.max_queued_bytes(),
+            stall: self.limits.stall_timeout,
+        };
         let ran = self
             .pool
-            .run(self.limits.queue_timeout, move || {
+            .run(limits, move || {
                 let waited = queued.elapsed();
                 (waited, tokenize_blocking(&job_model, endpoint, &job_body))
             })
@@ -581,8 +625,8 @@ impl Tokenizers {
                     .observe(waited.as_secs_f64());
                 Ok(local)
             }
-            Err(PoolError::QueueTimeout) => Err(TokenizeOutcome::Skipped {
-                reason: SKIP_QUEUE_TIMEOUT,
+            Err(PoolError::Stalled) => Err(TokenizeOutcome::Skipped {
+                reason: SKIP_QUEUE_STALLED,
             }),
             Err(PoolError::QueueFull) => Err(TokenizeOutcome::Skipped {
                 reason: SKIP_QUEUE_FULL,
@@ -658,6 +702,12 @@ impl Tokenizers {
             }
         }
     }
+}
+
+/// The pool's outstanding bytes as `kvpick_tokenize_queued_bytes`.
+fn queued_bytes_observer(metrics: &TokenizeMetrics) -> pool::Observer {
+    let gauge = metrics.queued_bytes.clone();
+    Arc::new(move |bytes| gauge.set(i64::try_from(bytes).unwrap_or(i64::MAX)))
 }
 
 /// The start-up line saying what a model's tokenizer resolved to.
