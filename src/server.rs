@@ -60,26 +60,45 @@ pub struct ServeArgs {
     pub settings_loaded: Option<Arc<crate::server::settings::Loaded>>,
 
     /// Tokenization of text and chat prompts: YAML file with a `tokenizers:` list (per model:
-    /// tokenizer_json, chat_template[_file], bos/eos_token, add_special_tokens, render_url).
-    /// Without it, text prompts are hashed as pseudo tokens (docs/tokenization.md).
+    /// tokenizer_dir, or tokenizer_json, chat_template[_file], bos/eos_token; add_special_tokens,
+    /// render_url). Without it (or --tokenizer-dir), text prompts are hashed as pseudo tokens
+    /// (docs/tokenization.md).
     #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
     pub tokenizer_config: Option<PathBuf>,
+
+    /// A model's tokenizer from its HuggingFace model directory, as `[MODEL=]DIR` (repeatable):
+    /// tokenizer.json, bos/eos and the other special tokens, and the chat template
+    /// (chat_template.jinja, chat_template.json or tokenizer_config.json) read as transformers
+    /// reads them. MODEL is the request `model` (default: DIR as written, vLLM's served name for
+    /// `--model DIR`). Adds to --tokenizer-config's models; a model in both is an error.
+    #[arg(long, value_name = "[MODEL=]DIR")]
+    pub tokenizer_dir: Vec<String>,
 
     /// Request bodies larger than this are not tokenized: they are routed on load alone
     /// (counted in `kvpick_tokenize_skipped_total{reason="body_too_large"}`).
     #[arg(long, default_value_t = crate::tokenize::DEFAULT_TOKENIZE_MAX_BODY_BYTES, value_name = "BYTES")]
     pub tokenize_max_body_bytes: usize,
 
-    /// Milliseconds a request waits in the tokenizer queue (one thread per core) for a thread to
-    /// start it before it is routed on load alone
-    /// (`kvpick_tokenize_skipped_total{reason="queue_timeout"}`); once started it is tokenized.
+    /// Bytes of request bodies the tokenizer threads (one per core) may have queued or running.
+    /// A request waits for its tokens; one that would take the total over this is routed on load
+    /// alone at once (`kvpick_tokenize_skipped_total{reason="queue_full"}`), so the wait is
+    /// bounded by this much tokenization work. Default: 4 MiB per tokenizer thread.
+    #[arg(long, value_name = "BYTES")]
+    pub tokenize_queue_max_bytes: Option<usize>,
+
+    /// A queued request is routed on load alone when no tokenizer thread has started or finished
+    /// any job for this many milliseconds: the pool is stuck, not busy
+    /// (`kvpick_tokenize_skipped_total{reason="queue_stalled"}`). A started job is always
+    /// waited for. Replaces the fixed queue wait of --tokenize-queue-timeout-ms (its old names
+    /// still set this).
     #[arg(
         long,
-        default_value_t = 50,
+        default_value_t = 5000,
         value_name = "MS",
-        visible_alias = "tokenize-permit-timeout-ms"
+        alias = "tokenize-queue-timeout-ms",
+        alias = "tokenize-permit-timeout-ms"
     )]
-    pub tokenize_queue_timeout_ms: u64,
+    pub tokenize_stall_ms: u64,
 
     /// Kubernetes source: the InferencePool (`inference.networking.k8s.io/v1`) whose pods are the
     /// workers. Excludes --config.

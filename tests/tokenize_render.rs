@@ -222,7 +222,8 @@ fn config_errors_name_the_model_and_field() {
             .unwrap_err()
             .to_string()
     };
-    assert!(err(parse("- model: a\n")).contains("model \"a\": set tokenizer_json or render_url"));
+    assert!(err(parse("- model: a\n"))
+        .contains("model \"a\": set tokenizer_dir, tokenizer_json or render_url"));
     assert!(err(parse("- model: a\n  render_url: https://x:1\n")).contains("TLS"));
     assert!(err(parse(
         "- model: a\n  render_url: http://x:1\n- model: a\n  render_url: http://x:1\n"
@@ -235,6 +236,6 @@ fn config_errors_name_the_model_and_field() {
     assert!(err(parse(
         "- model: a\n  render_url: http://x:1\n  chat_template: x\n"
     ))
-    .contains("chat_template needs tokenizer_json"));
+    .contains("chat_template needs tokenizer_json or tokenizer_dir"));
     assert!(serde_yaml::from_str::<Vec<ModelEntry>>("- model: a\n  tokenizer_jsn: x\n").is_err());
 }

@@ -15,23 +15,30 @@ use crate::selection::{BusyThresholds, CoreConfig, CostParams, SessionConfig};
 
 use super::{EngineMetricsMode, ServeArgs, KUBE_RESYNC};
 
-/// `--tokenizer-config`: the tokenizers, loaded (and validated) before anything listens, so a
-/// bad file fails start-up.
+/// `--tokenizer-config` and `--tokenizer-dir`: the tokenizers, loaded (and validated) before
+/// anything listens, so a bad file fails start-up.
 pub fn tokenizers(
     args: &ServeArgs,
     registry: &prometheus::Registry,
 ) -> anyhow::Result<Option<Arc<crate::tokenize::Tokenizers>>> {
-    let Some(path) = &args.tokenizer_config else {
+    if args.tokenize_stall_ms == 0 {
+        anyhow::bail!("--tokenize-stall-ms must be at least 1");
+    }
+    let Some(tokenizers) = crate::tokenize::Tokenizers::load_sources(
+        args.tokenizer_config.as_deref(),
+        &args.tokenizer_dir,
+        registry,
+    )?
+    else {
         return Ok(None);
     };
-    Ok(Some(Arc::new(
-        crate::tokenize::Tokenizers::load(path, registry)?.with_limits(
-            crate::tokenize::TokenizeLimits {
-                max_body_bytes: args.tokenize_max_body_bytes,
-                queue_timeout: Duration::from_millis(args.tokenize_queue_timeout_ms),
-            },
-        ),
-    )))
+    Ok(Some(Arc::new(tokenizers.with_limits(
+        crate::tokenize::TokenizeLimits {
+            max_body_bytes: args.tokenize_max_body_bytes,
+            max_queued_bytes: args.tokenize_queue_max_bytes,
+            stall_timeout: Duration::from_millis(args.tokenize_stall_ms),
+        },
+    ))))
 }
 
 /// The ext_proc host's settings from flags, with what start-up made (tokenizers, flow policy).

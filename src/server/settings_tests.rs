@@ -298,3 +298,20 @@ fn the_documented_example_loads() {
     );
     assert_eq!(args.index_max_blocks, 2_097_152);
 }
+
+/// `--tokenizer-dir` repeats (a list in the settings file); the tokenizer queue's old flag names
+/// set the stall timeout that replaced the fixed queue wait.
+#[test]
+fn tokenizer_dirs_are_a_list_and_the_old_queue_flag_sets_the_stall_timeout() {
+    let file =
+        File::new("tokenizer-dir: [a=/models/a, b=/models/b]\ntokenize-queue-max-bytes: 1000\n");
+    let args = load(&file, &["--tokenize-queue-timeout-ms", "700"]).unwrap();
+    assert_eq!(args.tokenizer_dir, ["a=/models/a", "b=/models/b"]);
+    assert_eq!(args.tokenize_queue_max_bytes, Some(1000));
+    assert_eq!(args.tokenize_stall_ms, 700);
+    let file = File::new("");
+    let args = load(&file, &["--tokenize-permit-timeout-ms=20"]).unwrap();
+    assert_eq!(args.tokenize_stall_ms, 20);
+    assert_eq!(args.tokenize_queue_max_bytes, None, "default: per thread");
+    assert!(args.tokenizer_dir.is_empty());
+}

@@ -1,20 +1,28 @@
 //! `kvpick tokenize`: runs request bodies through the configured tokenizers and prints the ids,
-//! so a tokenizer config can be checked against an engine (and parity-tested in CI). It only
-//! reads stdin and writes stdout; it starts no server.
+//! so a tokenizer config can be checked against an engine (and parity-tested in CI). It says
+//! what it used: per model on stderr (tokenizer file, chat templates, special tokens and where
+//! each came from, what `add_special_tokens` adds), per answer the template and
+//! `add_special_tokens` that body was tokenized with. It only reads stdin and writes stdout and
+//! stderr; it starts no server.
 
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 
 use bytes::Bytes;
 
-use super::prompt::Endpoint;
-use super::{TokenizeOutcome, Tokenizers};
+use super::json::Json;
+use super::prompt::{self, Endpoint, PromptSpec};
+use super::{Resolved, TokenizeOutcome, Tokenizers};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TokenizeArgs {
     /// The tokenizer config (same file as `serve --tokenizer-config`).
     #[arg(long, value_name = "FILE", env = "KVPICK_TOKENIZER_CONFIG")]
-    pub tokenizer_config: PathBuf,
+    pub tokenizer_config: Option<PathBuf>,
+    /// A model directory as `[MODEL=]DIR` (same as `serve --tokenizer-dir`; repeatable):
+    /// tokenizer.json, special tokens and chat template read from DIR as transformers reads them.
+    #[arg(long, value_name = "[MODEL=]DIR")]
+    pub tokenizer_dir: Vec<String>,
     /// The request path the bodies were sent to (`/v1/messages`, `/generate`, `/v1/embeddings`);
     /// by default chat, completions and responses bodies, told apart by their fields.
     #[arg(long, value_name = "PATH", default_value = "/v1/chat/completions")]
@@ -23,12 +31,20 @@ pub struct TokenizeArgs {
 
 pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
     let registry = prometheus::Registry::new();
+    let tokenizers = Tokenizers::load_sources(
+        args.tokenizer_config.as_deref(),
+        &args.tokenizer_dir,
+        &registry,
+    )?
+    .ok_or_else(|| anyhow::anyhow!("give --tokenizer-config FILE or --tokenizer-dir [MODEL=]DIR"))?
     // A checking tool tokenizes one body at a time, whatever its size: no request limits.
-    let tokenizers =
-        Tokenizers::load(&args.tokenizer_config, &registry)?.with_limits(super::TokenizeLimits {
-            max_body_bytes: usize::MAX,
-            queue_timeout: std::time::Duration::from_secs(3600),
-        });
+    .with_limits(super::TokenizeLimits::unbounded());
+    {
+        let mut err = std::io::stderr().lock();
+        for line in describe(&tokenizers) {
+            writeln!(err, "{line}")?;
+        }
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .enable_all()
@@ -47,9 +63,10 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
             .and_then(|v| v.get("model").and_then(|m| m.as_str()).map(String::from))
             .or_else(|| tokenizers.sole_model().map(String::from))
             .unwrap_or_default();
-        let outcome =
-            runtime.block_on(tokenizers.tokenize_request(endpoint, &model, Bytes::from(line)));
-        let answer = match outcome {
+        let body = Bytes::from(line);
+        let used = used_for(&tokenizers, endpoint, &model, &body);
+        let outcome = runtime.block_on(tokenizers.tokenize_request(endpoint, &model, body));
+        let mut answer = match outcome {
             TokenizeOutcome::Tokens { ids, source } => {
                 serde_json::json!({"ids": ids, "source": source.label()})
             }
@@ -57,8 +74,93 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
             TokenizeOutcome::Skipped { reason } => serde_json::json!({ "fallback": reason }),
             TokenizeOutcome::NotApplicable => serde_json::json!({ "fallback": "not applicable" }),
         };
+        if let (Some(map), Some(used)) = (answer.as_object_mut(), used) {
+            map.extend(used);
+        }
         writeln!(out, "{answer}")?;
         out.flush()?;
     }
     Ok(())
+}
+
+/// Per model, what its tokenizer resolved to (one line each part, for stderr).
+pub fn describe(tokenizers: &Tokenizers) -> Vec<String> {
+    let mut models: Vec<_> = tokenizers.models.keys().collect();
+    models.sort();
+    let mut lines = Vec::new();
+    for name in models {
+        let m = &tokenizers.models[name];
+        let Some(local) = &m.local else {
+            lines.push(format!(
+                "model {name:?}: no in-process tokenizer (render endpoint only)"
+            ));
+            continue;
+        };
+        describe_local(name, local.resolved(), &mut lines);
+        if m.render.is_some() {
+            lines.push("  render endpoint: the fallback when in-process tokenization fails".into());
+        }
+    }
+    lines
+}
+
+fn describe_local(name: &str, r: &Resolved, lines: &mut Vec<String>) {
+    lines.push(format!("model {name:?}: tokenizer {}", r.tokenizer_json));
+    lines.push(format!(
+        "  chat template: {}",
+        r.template
+            .as_deref()
+            .unwrap_or("none (chat requests are not tokenized)")
+    ));
+    if let Some(tool) = &r.tool_template {
+        lines.push(format!("  chat template for requests with tools: {tool}"));
+    }
+    if r.specials.is_empty() {
+        lines.push("  special tokens: none defined".into());
+    }
+    for (token, s) in &r.specials {
+        lines.push(format!("  {token}: {:?} (from {})", s.value, s.origin));
+    }
+    for token in &r.missing {
+        lines.push(format!(
+            "  WARNING: the chat template uses {token}, which nothing defines: it renders as empty text"
+        ));
+    }
+    let wrap = match &r.wrap {
+        Some((before, after)) => {
+            format!("the post-processor adds {before:?} before and {after:?} after the text")
+        }
+        None => "the post-processor does more than wrap the text: applied as is".into(),
+    };
+    lines.push(format!(
+        "  add_special_tokens: {} for completions, false for chat (a body's own value wins); {wrap}",
+        r.add_special_tokens
+    ));
+}
+
+/// What a body is tokenized with: `template` (chat: its origin, or null) and
+/// `add_special_tokens`; `None` when the model has no in-process tokenizer or the body no
+/// text prompt.
+fn used_for(
+    tokenizers: &Tokenizers,
+    endpoint: Endpoint,
+    model: &str,
+    body: &Bytes,
+) -> Option<serde_json::Map<String, serde_json::Value>> {
+    let local = tokenizers.model(model)?.local.as_ref()?;
+    let json: Json = serde_json::from_slice(body).ok()?;
+    let spec = prompt::prompt_spec_for(endpoint, &json, local.content_format).ok()?;
+    let mut used = serde_json::Map::new();
+    match &spec {
+        PromptSpec::Chat(chat) => {
+            used.insert("template".into(), local.template_origin(chat).into());
+        }
+        PromptSpec::Text { .. } => {}
+        PromptSpec::Ids(_) | PromptSpec::None => return None,
+    }
+    used.insert(
+        "add_special_tokens".into(),
+        local.adds_special_tokens(&spec).into(),
+    );
+    Some(used)
 }

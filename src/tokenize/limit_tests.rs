@@ -119,41 +119,107 @@ async fn anthropic_bodies_tokenize_as_their_chat_equivalent_within_the_same_limi
     );
 }
 
-/// The only tokenizer thread is busy (held by a job until released): the request waits its
-/// queue deadline (real time: a paused clock would jump past it while the thread works), then
-/// routes on load alone.
-#[tokio::test]
-async fn waiting_for_a_busy_tokenizer_times_out_to_load_only() {
-    let t = tokenizers(TokenizeLimits {
-        queue_timeout: Duration::from_millis(20),
-        ..TokenizeLimits::default()
-    })
-    .with_pool(TokenizerPool::new(1, 1).unwrap());
+/// Holds the only tokenizer thread with a job of `bytes` until the sender is dropped.
+async fn hold(
+    t: &Arc<Tokenizers>,
+    bytes: usize,
+) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
     let (release, hold) = std::sync::mpsc::channel::<()>();
     let (started_tx, started) = tokio::sync::oneshot::channel();
-    let t = Arc::new(t);
-    let busy = {
-        let t = Arc::clone(&t);
-        tokio::spawn(async move {
-            t.pool
-                .run(Duration::from_secs(3600), move || {
-                    let _ = started_tx.send(());
-                    let _ = hold.recv();
-                })
-                .await
-        })
-    };
+    let t2 = Arc::clone(t);
+    let busy = tokio::spawn(async move {
+        let limits = JobLimits {
+            bytes,
+            max_bytes: usize::MAX,
+            stall: Duration::from_secs(3600),
+        };
+        t2.pool
+            .run(limits, move || {
+                let _ = started_tx.send(());
+                let _ = hold.recv();
+            })
+            .await
+            .unwrap();
+    });
     started.await.unwrap();
+    (release, busy)
+}
+
+/// The only tokenizer thread is stuck (held by a job until released): the request waits the
+/// stall timeout (real time: a paused clock would jump past it while the thread works), then
+/// routes on load alone, counted as `queue_stalled`.
+#[tokio::test]
+async fn a_stuck_tokenizer_routes_on_load_after_the_stall_timeout() {
+    let t = tokenizers(TokenizeLimits {
+        stall_timeout: Duration::from_millis(20),
+        ..TokenizeLimits::default()
+    })
+    .with_pool(TokenizerPool::new(1, 4).unwrap());
+    let t = Arc::new(t);
+    let (release, busy) = hold(&t, 10).await;
     let outcome = tokio::time::timeout(Duration::from_secs(60), t.tokenize("m", chat("hi")))
         .await
-        .expect("the queue wait has a deadline");
+        .expect("a stuck pool has a bound");
     assert_eq!(
         outcome,
         TokenizeOutcome::Skipped {
-            reason: SKIP_QUEUE_TIMEOUT
+            reason: SKIP_QUEUE_STALLED
         }
     );
-    assert_eq!(skipped(&t, SKIP_QUEUE_TIMEOUT), 1);
+    assert_eq!(skipped(&t, SKIP_QUEUE_STALLED), 1);
     drop(release);
-    busy.await.unwrap().unwrap();
+    busy.await.unwrap();
+    assert!(matches!(
+        t.tokenize("m", chat("hi")).await,
+        TokenizeOutcome::Tokens { .. }
+    ));
+}
+
+/// The work bound: a request whose body would take the outstanding bytes one byte over
+/// `max_queued_bytes` is routed on load alone at once (`queue_full`); one that fits exactly
+/// waits and is tokenized. `kvpick_tokenize_queued_bytes` shows the outstanding bytes.
+#[tokio::test]
+async fn a_request_just_over_the_queued_bytes_bound_routes_on_load_at_once() {
+    let fits = chat("hello");
+    let over = chat("hello!");
+    assert_eq!(over.len(), fits.len() + 1);
+    let held = 1_000;
+    let t = tokenizers(TokenizeLimits {
+        max_queued_bytes: Some(held + fits.len()),
+        stall_timeout: Duration::from_secs(3600),
+        ..TokenizeLimits::default()
+    })
+    .with_pool(TokenizerPool::new(1, 4).unwrap());
+    let t = Arc::new(t);
+    let (release, busy) = hold(&t, held).await;
+    assert_eq!(t.metrics().queued_bytes.get(), held as i64);
+    // Nothing else queued: one byte too many is refused without waiting for the held thread.
+    assert_eq!(
+        t.tokenize("m", over).await,
+        TokenizeOutcome::Skipped {
+            reason: SKIP_QUEUE_FULL
+        }
+    );
+    assert_eq!(skipped(&t, SKIP_QUEUE_FULL), 1);
+    let waiting = {
+        let t = Arc::clone(&t);
+        tokio::spawn(async move { t.tokenize("m", fits).await })
+    };
+    while t.metrics().queued_bytes.get() == held as i64 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(t.metrics().queued_bytes.get(), t.max_queued_bytes() as i64);
+    drop(release);
+    busy.await.unwrap();
+    assert!(matches!(
+        waiting.await.unwrap(),
+        TokenizeOutcome::Tokens { .. }
+    ));
+    assert_eq!(t.metrics().queued_bytes.get(), 0);
+}
+
+#[test]
+fn the_queued_bytes_bound_defaults_to_4_mib_per_thread() {
+    let t = tokenizers(TokenizeLimits::default()).with_pool(TokenizerPool::new(3, 4).unwrap());
+    assert_eq!(t.max_queued_bytes(), 3 * (4 << 20));
 }

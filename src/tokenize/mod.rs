@@ -11,6 +11,8 @@ pub mod cli;
 pub mod conversation;
 pub mod fast;
 pub mod json;
+pub mod local;
+pub mod model_dir;
 pub mod pool;
 pub mod prefix_cache;
 pub mod pretok;
@@ -26,47 +28,67 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry};
+use prometheus::{
+    HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
 use serde::Deserialize;
 
 use conversation::ConversationCache;
 use json::Json;
-use pool::{PoolError, TokenizerPool};
+pub use local::{LocalTokenizer, Resolved};
+use pool::{JobLimits, PoolError, TokenizerPool};
 pub use prefix_cache::IncrementalTokenizer;
-use prompt::{ChatPrompt, ContentFormat, Endpoint, PromptSpec};
+use prompt::{ContentFormat, Endpoint, PromptSpec};
 use render::{RenderClient, RenderKind};
-use template::ChatTemplate;
 
 /// Default of `--tokenize-max-body-bytes`: bodies over it are routed on load alone.
 pub const DEFAULT_TOKENIZE_MAX_BODY_BYTES: usize = 4 << 20;
-/// Default of `--tokenize-queue-timeout-ms`.
-pub const DEFAULT_TOKENIZE_QUEUE_TIMEOUT: Duration = Duration::from_millis(50);
+/// Default of `--tokenize-queue-max-bytes`, per tokenizer thread: one largest body each.
+pub const DEFAULT_QUEUED_BYTES_PER_THREAD: usize = DEFAULT_TOKENIZE_MAX_BODY_BYTES;
+/// Default of `--tokenize-stall-ms`.
+pub const DEFAULT_TOKENIZE_STALL_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Bounds on what one request may cost the tokenizer. Tokenization runs on a pool of one thread
-/// per core; without these, a handful of multi-MiB chat bodies would hold every thread and every
-/// other tokenized request would wait behind them with no deadline.
+/// Bounds on what the tokenizer may hold. Tokenization runs on a pool of one thread per core
+/// (`pool`): a request waits for its tokens (a request routed without them is a cache miss), but
+/// a flood of large bodies must not hold every request, and a stuck pool must not hold any.
 #[derive(Debug, Clone, Copy)]
 pub struct TokenizeLimits {
     /// Larger request bodies are not tokenized (load-only routing).
     pub max_body_bytes: usize,
-    /// How long a request waits in the tokenizer queue for a thread to start it before routing
-    /// on load alone (once started, it is tokenized).
-    pub queue_timeout: Duration,
+    /// Bytes of request bodies the pool may have queued or running; a request that would go
+    /// over is routed on load alone at once. `None`: [`DEFAULT_QUEUED_BYTES_PER_THREAD`] per
+    /// tokenizer thread.
+    pub max_queued_bytes: Option<usize>,
+    /// A queued request is routed on load alone when no tokenizer thread has started or
+    /// finished a job for this long (the pool is stuck, not busy).
+    pub stall_timeout: Duration,
 }
 
 impl Default for TokenizeLimits {
     fn default() -> Self {
         TokenizeLimits {
             max_body_bytes: DEFAULT_TOKENIZE_MAX_BODY_BYTES,
-            queue_timeout: DEFAULT_TOKENIZE_QUEUE_TIMEOUT,
+            max_queued_bytes: None,
+            stall_timeout: DEFAULT_TOKENIZE_STALL_TIMEOUT,
+        }
+    }
+}
+
+impl TokenizeLimits {
+    /// No bounds (a checking tool that tokenizes one body at a time).
+    pub fn unbounded() -> Self {
+        TokenizeLimits {
+            max_body_bytes: usize::MAX,
+            max_queued_bytes: Some(usize::MAX),
+            stall_timeout: Duration::from_secs(24 * 3600),
         }
     }
 }
 
 /// Why a request was routed without tokenizing it (`kvpick_tokenize_skipped_total{reason}`).
 pub const SKIP_BODY_TOO_LARGE: &str = "body_too_large";
-pub const SKIP_QUEUE_TIMEOUT: &str = "queue_timeout";
 pub const SKIP_QUEUE_FULL: &str = "queue_full";
+pub const SKIP_QUEUE_STALLED: &str = "queue_stalled";
 
 /// Default bound of each model's prefix cache, in tokens (~12 bytes per token plus the text).
 pub const DEFAULT_PREFIX_CACHE_TOKENS: usize = 2_000_000;
@@ -84,13 +106,19 @@ pub struct TokenizerFile {
 pub struct ModelEntry {
     /// The request `model` this applies to.
     pub model: String,
+    /// A HuggingFace model directory (relative paths: to the config file): its
+    /// `tokenizer.json`, special tokens and chat template, read as `transformers` reads them
+    /// (`tokenize::model_dir`). The fields below override what it provides.
+    #[serde(default)]
+    pub tokenizer_dir: Option<PathBuf>,
     /// Path to a HuggingFace `tokenizer.json` (relative paths: to the config file).
     #[serde(default)]
     pub tokenizer_json: Option<PathBuf>,
     /// Jinja chat template, inline.
     #[serde(default)]
     pub chat_template: Option<String>,
-    /// Jinja chat template, from a file (or a `tokenizer_config.json` with `chat_template`).
+    /// Jinja chat template, from a file (or a JSON file such as `tokenizer_config.json` with
+    /// `chat_template`, whose special tokens then apply too).
     #[serde(default)]
     pub chat_template_file: Option<PathBuf>,
     #[serde(default)]
@@ -121,16 +149,32 @@ fn default_cache_tokens() -> usize {
     DEFAULT_PREFIX_CACHE_TOKENS
 }
 
-/// A model's in-process tokenizer and template.
-pub struct LocalTokenizer {
-    tokenizer: IncrementalTokenizer,
-    template: Option<ChatTemplate>,
-    bos_token: Option<String>,
-    eos_token: Option<String>,
-    add_special_tokens: bool,
-    content_format: ContentFormat,
-    /// Ids the post-processor adds around a sequence (BOS/EOS), if it only wraps.
-    specials: Option<(Vec<u32>, Vec<u32>)>,
+impl ModelEntry {
+    /// The entry a `--tokenizer-dir [MODEL=]DIR` argument stands for: the model directory with
+    /// every other setting at its default. Without `MODEL=`, the model is DIR as written (vLLM's
+    /// served model name when started with `--model DIR` and no `--served-model-name`).
+    pub fn for_dir(arg: &str) -> anyhow::Result<Self> {
+        let (model, dir) = match arg.split_once('=') {
+            Some((model, dir)) => (model.trim(), dir.trim()),
+            None => (arg.trim(), arg.trim()),
+        };
+        if model.is_empty() || dir.is_empty() {
+            anyhow::bail!("--tokenizer-dir {arg:?}: expected [MODEL=]DIR");
+        }
+        Ok(ModelEntry {
+            model: model.to_string(),
+            tokenizer_dir: Some(PathBuf::from(dir)),
+            tokenizer_json: None,
+            chat_template: None,
+            chat_template_file: None,
+            bos_token: None,
+            eos_token: None,
+            add_special_tokens: true,
+            render_url: None,
+            prefix_cache_tokens: DEFAULT_PREFIX_CACHE_TOKENS,
+            content_format: ContentFormat::default(),
+        })
+    }
 }
 
 /// How token ids were obtained.
@@ -172,204 +216,6 @@ pub enum TokenizeOutcome {
     NotApplicable,
 }
 
-impl LocalTokenizer {
-    /// Builds a model's in-process tokenizer from its entry; errors name the field.
-    pub fn from_entry(entry: &ModelEntry, base: &Path) -> Result<Option<Self>, String> {
-        let Some(path) = &entry.tokenizer_json else {
-            if entry.chat_template.is_some() || entry.chat_template_file.is_some() {
-                return Err("chat_template needs tokenizer_json".into());
-            }
-            return Ok(None);
-        };
-        let path = base.join(path);
-        let json = std::fs::read_to_string(&path)
-            .map_err(|e| format!("tokenizer_json {}: {e}", path.display()))?;
-        let tokenizer: tokenizers::Tokenizer = json
-            .parse()
-            .map_err(|e| format!("tokenizer_json {}: {e}", path.display()))?;
-        let tokenizer = Arc::new(tokenizer);
-        let fast = match fast::FastEncoder::new(Arc::clone(&tokenizer), &json) {
-            Ok(fast) if fast::agrees(&fast, &tokenizer) => Some(fast),
-            Ok(_) => {
-                tracing::warn!(path = %path.display(), "direct encoder disagrees with the tokenizer on the probe texts: using the general pipeline");
-                None
-            }
-            Err(why) => {
-                tracing::info!(path = %path.display(), why, "tokenizer shape not covered by the direct encoder: using the general pipeline");
-                None
-            }
-        };
-        let source = match (&entry.chat_template, &entry.chat_template_file) {
-            (Some(_), Some(_)) => {
-                return Err("set chat_template or chat_template_file, not both".into())
-            }
-            (Some(t), None) => Some(t.clone()),
-            (None, Some(file)) => {
-                let file = base.join(file);
-                let text = std::fs::read_to_string(&file)
-                    .map_err(|e| format!("chat_template_file {}: {e}", file.display()))?;
-                Some(template_from_file_text(&file, &text)?)
-            }
-            (None, None) => None,
-        };
-        let template = source
-            .map(|s| ChatTemplate::new(&s).map_err(|e| format!("chat_template: {e:#}")))
-            .transpose()?;
-        let specials = special_wrap(&tokenizer);
-        Ok(Some(LocalTokenizer {
-            tokenizer: IncrementalTokenizer::with_fast(tokenizer, fast, entry.prefix_cache_tokens),
-            template,
-            bos_token: entry.bos_token.clone(),
-            eos_token: entry.eos_token.clone(),
-            add_special_tokens: entry.add_special_tokens,
-            content_format: entry.content_format,
-            specials,
-        }))
-    }
-
-    pub fn incremental(&self) -> &IncrementalTokenizer {
-        &self.tokenizer
-    }
-
-    /// Renders a chat prompt to the text the engine tokenizes.
-    pub fn render_chat(&self, chat: &ChatPrompt) -> Result<String, String> {
-        let template = self
-            .template
-            .as_ref()
-            .ok_or_else(|| "no chat template configured".to_string())?;
-        let messages: Vec<minijinja::Value> = chat.messages.iter().map(|m| m.value()).collect();
-        let mut context: Vec<(String, minijinja::Value)> = vec![
-            ("messages".into(), minijinja::Value::from(messages)),
-            (
-                "tools".into(),
-                chat.tools.as_ref().unwrap_or(&Json::Null).to_value(),
-            ),
-            (
-                "add_generation_prompt".into(),
-                minijinja::Value::from(chat.add_generation_prompt),
-            ),
-        ];
-        for (name, value) in [
-            ("bos_token", &self.bos_token),
-            ("eos_token", &self.eos_token),
-        ] {
-            if let Some(v) = value {
-                context.push((name.into(), minijinja::Value::from(v.as_str())));
-            }
-        }
-        for (k, v) in &chat.kwargs {
-            if k == "messages" || k == "tools" {
-                continue;
-            }
-            match context.iter_mut().find(|(name, _)| name == k) {
-                Some((_, old)) => *old = v.to_value(),
-                None => context.push((k.clone(), v.to_value())),
-            }
-        }
-        let ctx = minijinja::Value::from_pairs(context);
-        let mut text = template.render(ctx).map_err(|e| format!("{e:#}"))?;
-        if chat.continue_final_message {
-            let last = chat
-                .messages
-                .last()
-                .and_then(|m| m.get("content"))
-                .and_then(Json::as_str)
-                .map(str::trim)
-                .ok_or_else(|| "continue_final_message without final text".to_string())?;
-            let at = text
-                .rfind(last)
-                .ok_or_else(|| "final message not found in the rendered prompt".to_string())?;
-            text.truncate(at + last.len());
-        }
-        Ok(text)
-    }
-
-    /// Token ids of a prompt (CPU-bound: call off the async reactor).
-    pub fn tokenize(&self, spec: &PromptSpec) -> Result<(Vec<u32>, Source), String> {
-        let (text, add_special) = match spec {
-            PromptSpec::Chat(chat) => (self.render_chat(chat)?, chat.add_special_tokens),
-            PromptSpec::Text {
-                text,
-                add_special_tokens,
-            } => (
-                text.clone(),
-                add_special_tokens.unwrap_or(self.add_special_tokens),
-            ),
-            PromptSpec::Ids(ids) => return Ok((ids.clone(), Source::Body)),
-            PromptSpec::None => return Ok((Vec::new(), Source::Body)),
-        };
-        self.tokenize_text(&text, add_special)
-    }
-
-    /// Token ids of rendered text, with the post-processor's special tokens when asked.
-    pub fn tokenize_text(
-        &self,
-        text: &str,
-        add_special: bool,
-    ) -> Result<(Vec<u32>, Source), String> {
-        if add_special {
-            let Some((before, after)) = &self.specials else {
-                // A post-processor that does more than wrap: tokenize cold with it.
-                let enc = self
-                    .tokenizer
-                    .tokenizer()
-                    .encode_fast(text, true)
-                    .map_err(|e| e.to_string())?;
-                return Ok((enc.get_ids().to_vec(), Source::Local));
-            };
-            let (body, path) = self.tokenizer.tokenize(text).map_err(|e| e.to_string())?;
-            let mut ids = before.clone();
-            ids.extend_from_slice(&body);
-            ids.extend_from_slice(after);
-            return Ok((ids, source_of(path)));
-        }
-        let (ids, path) = self.tokenizer.tokenize(text).map_err(|e| e.to_string())?;
-        Ok((ids, source_of(path)))
-    }
-}
-
-fn source_of(path: prefix_cache::Path) -> Source {
-    match path {
-        prefix_cache::Path::Cold => Source::Local,
-        prefix_cache::Path::Cached { .. } => Source::Cached,
-    }
-}
-
-/// A template file is the Jinja source, or a `tokenizer_config.json` carrying `chat_template`.
-fn template_from_file_text(file: &Path, text: &str) -> Result<String, String> {
-    if file.extension().is_some_and(|e| e == "json") {
-        let v: serde_json::Value = serde_json::from_str(text)
-            .map_err(|e| format!("chat_template_file {}: {e}", file.display()))?;
-        return match v.get("chat_template") {
-            Some(serde_json::Value::String(s)) => Ok(s.clone()),
-            _ => Err(format!(
-                "chat_template_file {}: no string `chat_template`",
-                file.display()
-            )),
-        };
-    }
-    Ok(text.to_string())
-}
-
-/// The ids a tokenizer's post-processor puts before and after a sequence, if it only wraps.
-fn special_wrap(tokenizer: &tokenizers::Tokenizer) -> Option<(Vec<u32>, Vec<u32>)> {
-    let probe = "hello world\nprobe";
-    let with = tokenizer.encode(probe, true).ok()?;
-    let without = tokenizer.encode(probe, false).ok()?;
-    let (with, without) = (with.get_ids(), without.get_ids());
-    let at = (0..=with.len().checked_sub(without.len())?)
-        .find(|&i| with[i..i + without.len()] == *without)?;
-    let wrap = (with[..at].to_vec(), with[at + without.len()..].to_vec());
-    // Check on a second probe that wrapping is all it does.
-    let probe2 = "second\n probe 123";
-    let a = tokenizer.encode(probe2, true).ok()?;
-    let b = tokenizer.encode(probe2, false).ok()?;
-    let mut expect = wrap.0.clone();
-    expect.extend_from_slice(b.get_ids());
-    expect.extend_from_slice(&wrap.1);
-    (a.get_ids() == expect.as_slice()).then_some(wrap)
-}
-
 /// One model's sources.
 pub struct ModelTokenizer {
     pub model: String,
@@ -409,6 +255,10 @@ pub struct TokenizeMetrics {
     pub skipped: IntCounterVec,
     /// Time a request waited in the tokenizer queue before a thread started it, by model.
     pub queue_wait: HistogramVec,
+    /// 1 per special token a model's chat template uses that nothing defines, by model and token.
+    pub undefined_tokens: IntGaugeVec,
+    /// Bytes of request bodies queued or being tokenized (bounded by `--tokenize-queue-max-bytes`).
+    pub queued_bytes: IntGauge,
 }
 
 impl TokenizeMetrics {
@@ -446,7 +296,7 @@ impl TokenizeMetrics {
         let skipped = IntCounterVec::new(
             Opts::new(
                 "kvpick_tokenize_skipped_total",
-                "Prompts routed on load alone without tokenizing, by reason (body_too_large, queue_timeout, queue_full)",
+                "Prompts routed on load alone without tokenizing, by reason (body_too_large, queue_full, queue_stalled)",
             ),
             &["model", "reason"],
         )
@@ -458,11 +308,26 @@ impl TokenizeMetrics {
             )
             .buckets(vec![
                 1e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-                0.5, 1.0,
+                0.5, 1.0, 2.5, 5.0, 10.0,
             ]),
             &["model"],
         )
         .unwrap();
+        let undefined_tokens = IntGaugeVec::new(
+            Opts::new(
+                "kvpick_tokenize_template_undefined_tokens",
+                "1 per special token (bos_token, eos_token, ...) a model's chat template uses that no tokenizer file or setting defines: chat prompts will not match the engine's",
+            ),
+            &["model", "token"],
+        )
+        .unwrap();
+        let _ = registry.register(Box::new(undefined_tokens.clone()));
+        let queued_bytes = IntGauge::new(
+            "kvpick_tokenize_queued_bytes",
+            "Bytes of request bodies queued for or being tokenized (bounded by --tokenize-queue-max-bytes)",
+        )
+        .unwrap();
+        let _ = registry.register(Box::new(queued_bytes.clone()));
         // Registration fails only if registered twice on one registry (tests reuse metrics).
         let _ = registry.register(Box::new(queue_wait.clone()));
         let _ = registry.register(Box::new(skipped.clone()));
@@ -475,6 +340,8 @@ impl TokenizeMetrics {
             seconds,
             skipped,
             queue_wait,
+            undefined_tokens,
+            queued_bytes,
         }
     }
 }
@@ -500,13 +367,40 @@ impl std::fmt::Debug for Tokenizers {
 impl Tokenizers {
     /// Loads and validates a `--tokenizer-config` file. Errors name the model and the field.
     pub fn load(path: &Path, registry: &Registry) -> anyhow::Result<Self> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("cannot read tokenizer config {}: {e}", path.display()))?;
-        let file: TokenizerFile = serde_yaml::from_str(&text)
-            .map_err(|e| anyhow::anyhow!("in tokenizer config {}: {e}", path.display()))?;
-        let base = path.parent().unwrap_or(Path::new("."));
-        Self::from_entries(&file.tokenizers, base, registry)
-            .map_err(|e| anyhow::anyhow!("in tokenizer config {}: {e}", path.display()))
+        Self::load_sources(Some(path), &[], registry)?
+            .ok_or_else(|| anyhow::anyhow!("no tokenizer config"))
+    }
+
+    /// The tokenizers of a `--tokenizer-config` file and of `--tokenizer-dir` arguments
+    /// (`[MODEL=]DIR`, relative to the working directory); `None` when neither is given.
+    pub fn load_sources(
+        config: Option<&Path>,
+        dirs: &[String],
+        registry: &Registry,
+    ) -> anyhow::Result<Option<Self>> {
+        let mut entries = Vec::new();
+        if let Some(path) = config {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                anyhow::anyhow!("cannot read tokenizer config {}: {e}", path.display())
+            })?;
+            let file: TokenizerFile = serde_yaml::from_str(&text)
+                .map_err(|e| anyhow::anyhow!("in tokenizer config {}: {e}", path.display()))?;
+            let base = path.parent().unwrap_or(Path::new(".")).to_path_buf();
+            let label = format!("in tokenizer config {}", path.display());
+            entries.extend(
+                file.tokenizers
+                    .into_iter()
+                    .map(|e| (e, base.clone(), label.clone())),
+            );
+        }
+        for arg in dirs {
+            let entry = ModelEntry::for_dir(arg)?;
+            entries.push((entry, PathBuf::new(), format!("--tokenizer-dir {arg}")));
+        }
+        if config.is_none() && entries.is_empty() {
+            return Ok(None);
+        }
+        Self::build(entries, registry).map(Some)
     }
 
     /// Builds the registry from entries (paths relative to `base`).
@@ -515,41 +409,49 @@ impl Tokenizers {
         base: &Path,
         registry: &Registry,
     ) -> anyhow::Result<Self> {
+        let entries = entries
+            .iter()
+            .map(|e| (e.clone(), base.to_path_buf(), String::new()))
+            .collect();
+        Self::build(entries, registry)
+    }
+
+    /// Entries with their base directory and where they were given (for errors).
+    fn build(
+        entries: Vec<(ModelEntry, PathBuf, String)>,
+        registry: &Registry,
+    ) -> anyhow::Result<Self> {
+        let metrics = TokenizeMetrics::register(registry);
         let mut models = HashMap::new();
-        for entry in entries {
+        for (entry, base, given) in entries {
+            let in_source = |e: String| match given.is_empty() {
+                true => anyhow::anyhow!(e),
+                false => anyhow::anyhow!("{given}: {e}"),
+            };
             let model = entry.model.trim();
             if model.is_empty() {
-                anyhow::bail!("a tokenizers entry has an empty `model`");
+                return Err(in_source("a tokenizers entry has an empty `model`".into()));
             }
             if models.contains_key(model) {
-                anyhow::bail!("model {model:?}: listed twice");
+                return Err(in_source(format!("model {model:?}: listed twice")));
             }
-            let local = LocalTokenizer::from_entry(entry, base)
-                .map_err(|e| anyhow::anyhow!("model {model:?}: {e}"))?;
+            let local = LocalTokenizer::from_entry(&entry, &base)
+                .map_err(|e| in_source(format!("model {model:?}: {e}")))?;
             let render = entry
                 .render_url
                 .as_deref()
                 .map(RenderClient::new)
                 .transpose()
-                .map_err(|e| anyhow::anyhow!("model {model:?}: {e}"))?;
+                .map_err(|e| in_source(format!("model {model:?}: {e}")))?;
             if local.is_none() && render.is_none() {
-                anyhow::bail!("model {model:?}: set tokenizer_json or render_url");
+                return Err(in_source(format!(
+                    "model {model:?}: set tokenizer_dir, tokenizer_json or render_url"
+                )));
             }
-            tracing::info!(
-                model,
-                local = local.is_some(),
-                chat_template = local.as_ref().is_some_and(|l| l.template.is_some()),
-                prefix_cache = local.as_ref().is_some_and(|l| l.tokenizer.cache_enabled()),
-                restart_rules = ?local
-                    .as_ref()
-                    .map(|l| l.tokenizer.restart_rules().names())
-                    .unwrap_or_default(),
-                direct_encoder = local
-                    .as_ref()
-                    .is_some_and(|l| l.tokenizer.uses_fast_encoder()),
-                render = render.is_some(),
-                "tokenizer configured"
-            );
+            log_configured(model, local.as_ref(), render.is_some());
+            if let Some(l) = &local {
+                warn_missing(model, l.resolved(), &metrics);
+            }
             // Bodies run about 4 bytes per token: the same bound as the token cache.
             let conversations = local
                 .as_ref()
@@ -566,19 +468,29 @@ impl Tokenizers {
                 }),
             );
         }
+        let pool = TokenizerPool::per_core()
+            .map_err(|e| anyhow::anyhow!("cannot start the tokenizer threads: {e}"))?;
+        pool.set_observer(queued_bytes_observer(&metrics));
         Ok(Tokenizers {
             models,
-            metrics: TokenizeMetrics::register(registry),
-            pool: TokenizerPool::per_core()
-                .map_err(|e| anyhow::anyhow!("cannot start the tokenizer threads: {e}"))?,
+            metrics,
+            pool,
             limits: TokenizeLimits::default(),
         })
     }
 
     /// The same registry on another pool (tests size it).
     pub fn with_pool(mut self, pool: TokenizerPool) -> Self {
+        pool.set_observer(queued_bytes_observer(&self.metrics));
         self.pool = pool;
         self
+    }
+
+    /// The bound on outstanding body bytes in force.
+    pub fn max_queued_bytes(&self) -> usize {
+        self.limits
+            .max_queued_bytes
+            .unwrap_or_else(|| DEFAULT_QUEUED_BYTES_PER_THREAD.saturating_mul(self.pool.threads()))
     }
 
     /// The same registry with other [`TokenizeLimits`].
@@ -693,9 +605,14 @@ impl Tokenizers {
         let job_model = Arc::clone(m);
         let job_body = body.clone();
         let queued = Instant::now();
+        let limits = JobLimits {
+            bytes: body.len(),
+            max_bytes: self.max_queued_bytes(),
+            stall: self.limits.stall_timeout,
+        };
         let ran = self
             .pool
-            .run(self.limits.queue_timeout, move || {
+            .run(limits, move || {
                 let waited = queued.elapsed();
                 (waited, tokenize_blocking(&job_model, endpoint, &job_body))
             })
@@ -708,8 +625,8 @@ impl Tokenizers {
                     .observe(waited.as_secs_f64());
                 Ok(local)
             }
-            Err(PoolError::QueueTimeout) => Err(TokenizeOutcome::Skipped {
-                reason: SKIP_QUEUE_TIMEOUT,
+            Err(PoolError::Stalled) => Err(TokenizeOutcome::Skipped {
+                reason: SKIP_QUEUE_STALLED,
             }),
             Err(PoolError::QueueFull) => Err(TokenizeOutcome::Skipped {
                 reason: SKIP_QUEUE_FULL,
@@ -784,6 +701,56 @@ impl Tokenizers {
                 }
             }
         }
+    }
+}
+
+/// The pool's outstanding bytes as `kvpick_tokenize_queued_bytes`.
+fn queued_bytes_observer(metrics: &TokenizeMetrics) -> pool::Observer {
+    let gauge = metrics.queued_bytes.clone();
+    Arc::new(move |bytes| gauge.set(i64::try_from(bytes).unwrap_or(i64::MAX)))
+}
+
+/// The start-up line saying what a model's tokenizer resolved to.
+fn log_configured(model: &str, local: Option<&LocalTokenizer>, render: bool) {
+    let resolved = local.map(LocalTokenizer::resolved);
+    let token = |name: &str| {
+        resolved
+            .and_then(|r| r.specials.get(name))
+            .map(|t| format!("{:?} ({})", t.value, t.origin))
+    };
+    tracing::info!(
+        model,
+        tokenizer_json = resolved.map(|r| r.tokenizer_json.as_str()),
+        chat_template = resolved.and_then(|r| r.template.as_deref()),
+        tool_chat_template = resolved.and_then(|r| r.tool_template.as_deref()),
+        bos_token = token("bos_token"),
+        eos_token = token("eos_token"),
+        add_special_tokens = resolved.map(|r| r.add_special_tokens),
+        prefix_cache = local.is_some_and(|l| l.tokenizer.cache_enabled()),
+        restart_rules = ?local
+            .map(|l| l.tokenizer.restart_rules().names())
+            .unwrap_or_default(),
+        direct_encoder = local.is_some_and(|l| l.tokenizer.uses_fast_encoder()),
+        render,
+        "tokenizer configured"
+    );
+}
+
+/// A template that reads a special token nobody defined renders it as empty text: the prompt
+/// then differs from the engine's from its first token and no chat request ever matches the
+/// engine's cache. Never silent: a WARN and `kvpick_tokenize_template_undefined_tokens`.
+fn warn_missing(model: &str, resolved: &Resolved, metrics: &TokenizeMetrics) {
+    for token in &resolved.missing {
+        tracing::warn!(
+            model,
+            token,
+            chat_template = resolved.template.as_deref(),
+            "the chat template uses {token} but no tokenizer file or setting defines it: it renders as empty text, so chat prompts will not match the engine's (set tokenizer_dir, or {token} in the tokenizer config)"
+        );
+        metrics
+            .undefined_tokens
+            .with_label_values(&[model, token])
+            .set(1);
     }
 }
 

@@ -2,81 +2,153 @@ use super::*;
 
 use std::sync::mpsc;
 
-/// Occupies every worker of `pool` until the returned sender is dropped; returns once all of
-/// them are running (readiness signals, no sleeps).
-async fn occupy(pool: &Arc<TokenizerPool>) -> (mpsc::Sender<()>, Vec<tokio::task::JoinHandle<()>>) {
-    let (release, hold) = mpsc::channel::<()>();
-    let hold = Arc::new(parking_lot::Mutex::new(hold));
-    let (started_tx, mut started) = tokio::sync::mpsc::unbounded_channel();
-    let mut running = Vec::new();
-    for _ in 0..pool.threads() {
-        let (pool, hold, started_tx) = (Arc::clone(pool), Arc::clone(&hold), started_tx.clone());
-        running.push(tokio::spawn(async move {
-            let outcome = pool
-                .run(Duration::from_secs(3600), move || {
-                    let _ = started_tx.send(());
-                    // Each blocker waits for the release (the sender dropped).
-                    let _ = hold.lock().recv();
-                })
-                .await;
-            assert_eq!(outcome, Ok(()));
-        }));
+/// Generous bounds: neither the work bound nor a stall decides these jobs.
+fn open(bytes: usize) -> JobLimits {
+    JobLimits {
+        bytes,
+        max_bytes: usize::MAX,
+        stall: Duration::from_secs(3600),
     }
-    for _ in 0..pool.threads() {
-        started.recv().await.unwrap();
-    }
+}
+
+/// Holds a worker with a job until its sender is dropped (or sent to); returns once the job runs.
+async fn hold(
+    pool: &Arc<TokenizerPool>,
+    bytes: usize,
+) -> (mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
+    let (release, wait) = mpsc::channel::<()>();
+    let (started_tx, started) = tokio::sync::oneshot::channel();
+    let pool2 = Arc::clone(pool);
+    let running = tokio::spawn(async move {
+        let outcome = pool2
+            .run(open(bytes), move || {
+                let _ = started_tx.send(());
+                let _ = wait.recv();
+            })
+            .await;
+        assert_eq!(outcome, Ok(()));
+    });
+    started.await.unwrap();
     (release, running)
+}
+
+/// Queues a job (it stays queued while every worker is held) and returns once it is in the
+/// channel.
+async fn queue<T: Send + 'static>(
+    pool: &Arc<TokenizerPool>,
+    limits: JobLimits,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> tokio::task::JoinHandle<Result<T, PoolError>> {
+    let before = pool.queue.len();
+    let pool2 = Arc::clone(pool);
+    let job = tokio::spawn(async move { pool2.run(limits, work).await });
+    while pool.queue.len() == before {
+        tokio::task::yield_now().await;
+    }
+    job
 }
 
 #[tokio::test]
 async fn runs_jobs_on_its_own_named_threads() {
     let pool = TokenizerPool::new(2, 4).unwrap();
     let name = pool
-        .run(Duration::from_secs(5), || {
+        .run(open(1), || {
             std::thread::current().name().unwrap_or("").to_string()
         })
         .await
         .unwrap();
     assert!(name.starts_with("kvpick-tokenize-"), "{name}");
     assert_eq!((pool.threads(), pool.capacity()), (2, 4));
+    assert_eq!(
+        pool.outstanding_bytes(),
+        0,
+        "the job's bytes are given back"
+    );
 }
 
-// Real time throughout: the workers are OS threads, and a paused clock would jump past every
-// deadline whenever the runtime waits for them. A deadline that must pass is short and the
-// workers are held busy meanwhile; one that must not pass is an hour.
+// Real time throughout: the workers are OS threads, and a paused clock would jump while they
+// work. A stall that must happen is short and the worker is held meanwhile; one that must not
+// is long compared with the steps that make progress.
 
-/// The only worker is busy: the job is abandoned at its deadline and never runs; the next job,
-/// with the worker free again, runs.
+/// The only worker is stuck: the queued job is abandoned once the pool has made no progress
+/// for the stall timeout, never runs, and gives its bytes back; with the worker free again the
+/// next job runs.
 #[tokio::test]
-async fn a_job_not_started_by_its_deadline_is_abandoned_and_never_runs() {
+async fn a_queued_job_behind_a_stuck_pool_is_abandoned_at_the_stall_timeout() {
     let pool = Arc::new(TokenizerPool::new(1, 8).unwrap());
-    let (release, running) = occupy(&pool).await;
+    let (release, running) = hold(&pool, 10).await;
     let ran = Arc::new(AtomicU8::new(0));
     let flag = Arc::clone(&ran);
+    let limits = JobLimits {
+        bytes: 5,
+        max_bytes: usize::MAX,
+        stall: Duration::from_millis(20),
+    };
     let outcome = pool
-        .run(Duration::from_millis(5), move || {
-            flag.store(1, Ordering::SeqCst)
-        })
+        .run(limits, move || flag.store(1, Ordering::SeqCst))
         .await;
-    assert_eq!(outcome, Err(PoolError::QueueTimeout));
+    assert_eq!(outcome, Err(PoolError::Stalled));
+    assert_eq!(
+        pool.outstanding_bytes(),
+        10,
+        "only the running job's bytes remain"
+    );
     drop(release);
-    for r in running {
-        r.await.unwrap();
-    }
-    assert_eq!(pool.run(Duration::from_secs(3600), || 7).await, Ok(7));
+    running.await.unwrap();
+    assert_eq!(pool.run(open(1), || 7).await, Ok(7));
     assert_eq!(ran.load(Ordering::SeqCst), 0, "the abandoned job ran");
+    assert_eq!(pool.outstanding_bytes(), 0);
 }
 
-/// A job a worker started before the deadline is waited for, however long it runs.
+/// The 50 ms rule this replaced would have dropped this job: it waits longer than its stall
+/// timeout in all, but the pool keeps finishing and starting jobs meanwhile, so it is busy, not
+/// stuck, and the job runs.
 #[tokio::test]
-async fn a_started_job_is_answered_after_the_deadline() {
+async fn a_queued_job_waits_past_the_stall_timeout_while_the_pool_progresses() {
+    let pool = Arc::new(TokenizerPool::new(1, 8).unwrap());
+    let stall = Duration::from_millis(600);
+    let step = Duration::from_millis(400);
+    let (release_a, running_a) = hold(&pool, 1).await;
+    let (release_b, wait_b) = mpsc::channel::<()>();
+    let b = queue(&pool, open(1), move || {
+        let _ = wait_b.recv();
+    })
+    .await;
+    let queued = Instant::now();
+    let limits = JobLimits {
+        bytes: 1,
+        max_bytes: usize::MAX,
+        stall,
+    };
+    let target = queue(&pool, limits, || 42).await;
+    tokio::time::sleep(step).await;
+    drop(release_a); // A finishes, B starts: progress.
+    running_a.await.unwrap();
+    tokio::time::sleep(step).await;
+    drop(release_b); // B finishes, the target starts.
+    assert_eq!(b.await.unwrap(), Ok(()));
+    assert_eq!(target.await.unwrap(), Ok(42));
+    assert!(
+        queued.elapsed() > stall,
+        "the job waited longer than the stall timeout"
+    );
+}
+
+/// A job a worker has started is waited for, however long it runs.
+#[tokio::test]
+async fn a_started_job_is_answered_after_the_stall_timeout() {
     let pool = Arc::new(TokenizerPool::new(1, 8).unwrap());
     let (go, wait) = mpsc::channel::<()>();
     let (started_tx, started) = tokio::sync::oneshot::channel();
     let job = {
         let pool = Arc::clone(&pool);
         tokio::spawn(async move {
-            pool.run(Duration::from_millis(10), move || {
+            let limits = JobLimits {
+                bytes: 1,
+                max_bytes: usize::MAX,
+                stall: Duration::from_millis(10),
+            };
+            pool.run(limits, move || {
                 let _ = started_tx.send(());
                 let _ = wait.recv();
                 42
@@ -85,48 +157,87 @@ async fn a_started_job_is_answered_after_the_deadline() {
         })
     };
     started.await.unwrap();
-    // The deadline passes while the job runs (the answer is 42 either way: this only makes the
-    // late answer the case under test).
+    // The stall timeout passes while the job runs (the answer is 42 either way: this only
+    // makes the late answer the case under test).
     tokio::time::sleep(Duration::from_millis(30)).await;
     go.send(()).unwrap();
     assert_eq!(job.await.unwrap(), Ok(42));
 }
 
-/// The queue bound: `capacity` jobs wait, the next one is refused at once.
+/// The job bound: `capacity` jobs wait, the next one is refused at once.
 #[tokio::test]
 async fn a_full_queue_refuses_the_job_just_over_its_capacity() {
     let pool = Arc::new(TokenizerPool::new(1, 2).unwrap());
-    let (release, running) = occupy(&pool).await;
+    let (release, running) = hold(&pool, 1).await;
     let mut queued = Vec::new();
     for i in 0..2 {
-        let pool = Arc::clone(&pool);
-        queued.push(tokio::spawn(async move {
-            pool.run(Duration::from_secs(3600), move || i).await
-        }));
+        queued.push(queue(&pool, open(1), move || i).await);
     }
-    // The two queued jobs are in the channel once their tasks ran to the await.
-    while pool.queue.len() < 2 {
-        tokio::task::yield_now().await;
-    }
+    assert_eq!(pool.run(open(1), || 9).await, Err(PoolError::QueueFull));
     assert_eq!(
-        pool.run(Duration::from_secs(3600), || 9).await,
-        Err(PoolError::QueueFull)
+        pool.outstanding_bytes(),
+        3,
+        "the refused job's bytes are not kept"
     );
     drop(release);
-    for r in running {
-        r.await.unwrap();
-    }
+    running.await.unwrap();
     for (i, q) in queued.into_iter().enumerate() {
         assert_eq!(q.await.unwrap(), Ok(i));
     }
 }
 
+/// The work bound: with 100 bytes outstanding and a bound of 150, a 50-byte job is admitted
+/// (exactly at the bound) and a 1-byte job then is refused at once; a job alone is admitted
+/// whatever its size. The observer follows every change back to 0.
+#[tokio::test]
+async fn a_job_just_over_the_outstanding_bytes_bound_is_refused_at_once() {
+    let pool = Arc::new(TokenizerPool::new(1, 8).unwrap());
+    let seen = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let log = Arc::clone(&seen);
+    pool.set_observer(Arc::new(move |b| log.lock().push(b)));
+    let bound = |bytes| JobLimits {
+        bytes,
+        max_bytes: 150,
+        stall: Duration::from_secs(3600),
+    };
+    let (release, running) = hold(&pool, 100).await;
+    let fits = queue(&pool, bound(50), || "fits").await;
+    assert_eq!(pool.outstanding_bytes(), 150);
+    assert_eq!(
+        pool.run(bound(1), || "over").await,
+        Err(PoolError::QueueFull)
+    );
+    assert_eq!(pool.outstanding_bytes(), 150);
+    drop(release);
+    running.await.unwrap();
+    assert_eq!(fits.await.unwrap(), Ok("fits"));
+    assert_eq!(pool.run(bound(1_000), || "alone").await, Ok("alone"));
+    assert_eq!(pool.outstanding_bytes(), 0);
+    let seen = seen.lock().clone();
+    assert_eq!(seen.first(), Some(&0));
+    assert_eq!(seen.last(), Some(&0));
+    assert!(seen.contains(&150) && seen.contains(&1_000), "{seen:?}");
+}
+
+/// A caller that goes away while its job is queued abandons it and gives its bytes back.
+#[tokio::test]
+async fn a_caller_gone_while_queued_gives_its_bytes_back() {
+    let pool = Arc::new(TokenizerPool::new(1, 8).unwrap());
+    let (release, running) = hold(&pool, 1).await;
+    let job = queue(&pool, open(64), || ()).await;
+    assert_eq!(pool.outstanding_bytes(), 65);
+    job.abort();
+    assert!(job.await.unwrap_err().is_cancelled());
+    assert_eq!(pool.outstanding_bytes(), 1);
+    drop(release);
+    running.await.unwrap();
+}
+
 #[tokio::test]
 async fn a_panicking_job_is_an_error_and_the_worker_survives() {
     let pool = TokenizerPool::new(1, 2).unwrap();
-    let outcome: Result<(), _> = pool
-        .run(Duration::from_secs(5), || panic!("bad input"))
-        .await;
+    let outcome: Result<(), _> = pool.run(open(1), || panic!("bad input")).await;
     assert_eq!(outcome, Err(PoolError::Panicked("bad input".into())));
-    assert_eq!(pool.run(Duration::from_secs(5), || 1).await, Ok(1));
+    assert_eq!(pool.run(open(1), || 1).await, Ok(1));
+    assert_eq!(pool.outstanding_bytes(), 0);
 }

@@ -37,6 +37,15 @@ impl ChatTemplate {
         Ok(ChatTemplate { env })
     }
 
+    /// The variables the template reads from its context (a static look: every name any
+    /// branch may read, e.g. `bos_token`).
+    pub fn variables(&self) -> std::collections::HashSet<String> {
+        self.env
+            .get_template(TEMPLATE_NAME)
+            .map(|t| t.undeclared_variables(false))
+            .unwrap_or_default()
+    }
+
     /// Renders with `context` (a map: messages, tools, add_generation_prompt, bos_token, ...).
     pub fn render(&self, context: Value) -> Result<String, Error> {
         self.env.get_template(TEMPLATE_NAME)?.render(context)
@@ -247,6 +256,25 @@ mod tests {
             ))
             .unwrap();
         assert_eq!(out, "[a\nb\n");
+    }
+
+    #[test]
+    fn variables_are_what_the_template_reads_not_what_it_sets() {
+        let t = ChatTemplate::new(
+            "{{ bos_token }}{% set x = 1 %}{% for m in messages %}{{ x }}{% endfor %}{% if add_generation_prompt %}{{ eos_token }}{% endif %}",
+        )
+        .unwrap();
+        let mut vars: Vec<String> = t.variables().into_iter().collect();
+        vars.sort();
+        assert_eq!(
+            vars,
+            [
+                "add_generation_prompt",
+                "bos_token",
+                "eos_token",
+                "messages"
+            ]
+        );
     }
 
     #[test]
