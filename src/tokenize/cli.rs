@@ -1,8 +1,8 @@
 //! `kvpick tokenize`: runs request bodies through the configured tokenizers and prints the ids,
 //! so a tokenizer config can be checked against an engine (and parity-tested in CI). It says
 //! what it used: per model on stderr (tokenizer file, chat templates, special tokens and where
-//! each came from, what `add_special_tokens` adds), per answer the template and
-//! `add_special_tokens` that body was tokenized with. It only reads stdin and writes stdout and
+//! each came from, what `add_special_tokens` adds), per answer tokenized in process the template
+//! and `add_special_tokens` that body was tokenized with. It only reads stdin and writes stdout and
 //! stderr; it starts no server.
 
 use std::io::{BufRead, Write};
@@ -12,7 +12,7 @@ use bytes::Bytes;
 
 use super::json::Json;
 use super::prompt::{self, Endpoint, PromptSpec};
-use super::{Resolved, TokenizeOutcome, Tokenizers};
+use super::{Resolved, Source, TokenizeOutcome, Tokenizers};
 
 #[derive(Debug, Clone, clap::Args)]
 pub struct TokenizeArgs {
@@ -66,6 +66,14 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
         let body = Bytes::from(line);
         let used = used_for(&tokenizers, endpoint, &model, &body);
         let outcome = runtime.block_on(tokenizers.tokenize_request(endpoint, &model, body));
+        // What the in-process tokenizer used says nothing about ids from elsewhere.
+        let in_process = matches!(
+            outcome,
+            TokenizeOutcome::Tokens {
+                source: Source::Local | Source::Cached,
+                ..
+            }
+        );
         let mut answer = match outcome {
             TokenizeOutcome::Tokens { ids, source } => {
                 serde_json::json!({"ids": ids, "source": source.label()})
@@ -74,7 +82,7 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
             TokenizeOutcome::Skipped { reason } => serde_json::json!({ "fallback": reason }),
             TokenizeOutcome::NotApplicable => serde_json::json!({ "fallback": "not applicable" }),
         };
-        if let (Some(map), Some(used)) = (answer.as_object_mut(), used) {
+        if let (true, Some(map), Some(used)) = (in_process, answer.as_object_mut(), used) {
             map.extend(used);
         }
         writeln!(out, "{answer}")?;

@@ -32,6 +32,13 @@ async fn hold(
     (release, running)
 }
 
+/// A refusal is at once: a minute is a hang (the bound was not applied), not a slow host.
+async fn at_once<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(60), f)
+        .await
+        .expect("refused at once, not queued")
+}
+
 /// Queues a job (it stays queued while every worker is held) and returns once it is in the
 /// channel.
 async fn queue<T: Send + 'static>(
@@ -173,7 +180,10 @@ async fn a_full_queue_refuses_the_job_just_over_its_capacity() {
     for i in 0..2 {
         queued.push(queue(&pool, open(1), move || i).await);
     }
-    assert_eq!(pool.run(open(1), || 9).await, Err(PoolError::QueueFull));
+    assert_eq!(
+        at_once(pool.run(open(1), || 9)).await,
+        Err(PoolError::QueueFull)
+    );
     assert_eq!(
         pool.outstanding_bytes(),
         3,
@@ -204,7 +214,7 @@ async fn a_job_just_over_the_outstanding_bytes_bound_is_refused_at_once() {
     let fits = queue(&pool, bound(50), || "fits").await;
     assert_eq!(pool.outstanding_bytes(), 150);
     assert_eq!(
-        pool.run(bound(1), || "over").await,
+        at_once(pool.run(bound(1), || "over")).await,
         Err(PoolError::QueueFull)
     );
     assert_eq!(pool.outstanding_bytes(), 150);
