@@ -16,8 +16,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from harness import REPO_DIR, WORK_ROOT, HarnessError, ManagedProcess, free_port, parse_metrics, \
-    metric_sum, new_workdir, wait_until
+from harness import REPO_DIR, WORK_ROOT, HarnessError, ManagedProcess, parse_metrics, metric_sum, \
+    new_workdir, wait_until
 
 VLLM_PYTHON = REPO_DIR / ".vllm-venv" / "bin" / "python"
 MODEL_DIR = WORK_ROOT / "vllm-model"
@@ -42,13 +42,10 @@ class VllmEngine:
                  max_model_len: int = 4096, extra_args: list[str] | None = None) -> None:
         self.name = name
         self.workdir = new_workdir(f"vllm-{name}")
-        self.port = free_port()
-        # vLLM offsets the event and replay ports by data-parallel rank: keep dp_size apart.
-        self.events_port = free_port()
-        self.replay_port = free_port()
-        if dp_size > 1:
-            base = free_port()
-            self.events_port, self.replay_port = base, base + dp_size
+        self.port = engine_ports(1)
+        # vLLM offsets the event and replay ports by data-parallel rank.
+        self.events_port = engine_ports(dp_size)
+        self.replay_port = engine_ports(dp_size)
         self.cpu = cpu
         self.kv_bytes = kv_bytes
         self.dp_size = dp_size
@@ -191,6 +188,26 @@ class VllmEngine:
     def log(self) -> str:
         assert self.process is not None
         return Path(self.process.log_path).read_text(errors="replace")[-20_000:]
+
+
+_TAKEN: set[int] = set()
+
+
+def engine_ports(count: int) -> int:
+    """The first of ``count`` consecutive free loopback ports, below Linux's ephemeral range
+    (32768+): vLLM binds its fixed ports only after its engine cores have taken ephemeral ports of
+    their own, so a port picked there could be taken in between (seen: "Address already in use"
+    for the KV-event port)."""
+    import random
+
+    rng = random.Random()
+    for _ in range(1000):
+        base = rng.randrange(20000, 32000 - count)
+        ports = range(base, base + count)
+        if not _TAKEN.intersection(ports) and all(_port_free(p) for p in ports):
+            _TAKEN.update(ports)
+            return base
+    raise HarnessError("no free ports below the ephemeral range")
 
 
 def _port_free(port: int) -> bool:
