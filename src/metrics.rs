@@ -12,8 +12,10 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+pub use ranks::RankMetrics;
 
 mod conn;
+mod ranks;
 
 /// Every metric kvpick exports, registered per area on one registry. Cheap to clone (all
 /// handles are reference-counted). Tokenization registers its own (`tokenize::TokenizeMetrics`).
@@ -28,6 +30,8 @@ pub struct Metrics {
     pub flow: FlowMetrics,
     pub outlier: OutlierMetrics,
     pub conn: ConnMetrics,
+    /// The engines' standing per rank (reachability, block-size mismatch).
+    pub ranks: RankMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
     pub epp: crate::epp_metrics::EppMetrics,
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
@@ -725,8 +729,12 @@ impl Metrics {
                     .rank_precise
                     .with_label_values(&[&**worker, &dp_rank.to_string()])
                     .set(i64::from(*precise)),
+                Fact::RankReachable { .. } | Fact::BlockSizeMismatch { .. } => {
+                    self.ranks.apply(fact);
+                }
                 Fact::RankGone { worker, dp_rank } => {
                     self.pool.rank_gone(worker, *dp_rank);
+                    self.ranks.rank_gone(worker, *dp_rank);
                     let labels = [&**worker, &dp_rank.to_string()];
                     let _ = self.events.rank_precise.remove_label_values(&labels);
                     let _ = self
@@ -900,6 +908,7 @@ impl Metrics {
             flow: FlowMetrics::register(&registry),
             outlier: OutlierMetrics::register(&registry),
             conn: ConnMetrics::register(&registry),
+            ranks: RankMetrics::register(&registry),
             registry,
         }
     }
