@@ -499,7 +499,8 @@ pub struct EventMetrics {
     pub kv_event_gaps: IntCounter,
     /// Replays by result (ok, incomplete, failed).
     pub kv_replays: IntCounterVec,
-    /// Ranks cleared because their publisher restarted (sequence went backwards).
+    /// Ranks cleared because their publisher restarted (sequence went backwards, or a
+    /// resubscription's replay did not continue the run).
     pub kv_resets: IntCounter,
     /// KV-event subscriptions currently connected.
     pub kv_subscriptions: IntGauge,
@@ -508,7 +509,7 @@ pub struct EventMetrics {
     pub rank_precise: IntGaugeVec,
     /// KV stores dropped because their block size is not the partition's.
     pub block_size_mismatches: IntCounter,
-    /// Per batch: from the engine's timestamp (`ts`) to the batch applied to the index.
+    /// Per live batch: from the engine's timestamp (`ts`) to the batch applied to the index.
     pub event_lag: Histogram,
 }
 
@@ -542,7 +543,7 @@ impl EventMetrics {
             registry,
             IntCounter::new(
                 "kvpick_kv_resets_total",
-                "Ranks cleared because their publisher restarted",
+                "Ranks cleared because their publisher restarted (sequence back, or a resubscription whose replay did not continue the run)",
             )
             .unwrap(),
         );
@@ -578,7 +579,7 @@ impl EventMetrics {
             Histogram::with_opts(
                 HistogramOpts::new(
                     "kvpick_kv_event_lag_seconds",
-                    "Per KV-event batch: from the engine's timestamp (ts) to the batch applied to the index (includes clock skew between hosts)",
+                    "Per live KV-event batch (replayed ones are not observed): from the engine's timestamp (ts) to the batch applied to the index (includes clock skew between hosts)",
                 )
                 .buckets(vec![
                     5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
