@@ -185,16 +185,18 @@ fn worker_message(v: WorkerView) -> Worker {
             .record
             .ranks
             .iter()
-            .zip(&v.loads)
-            .map(|(r, load)| RankLoad {
+            .zip(v.loads.iter().zip(&v.status))
+            .map(|(r, (load, status))| RankLoad {
                 dp_rank: r.dp_rank,
                 address: r.endpoint.to_string(),
                 active_requests: load.active_requests,
                 active_prefill_tokens: load.active_prefill_tokens,
                 active_decode_blocks: load.active_decode_blocks,
+                unreachable: !status.reachable,
+                kv_events_block_size: status.mismatched_block_size.unwrap_or(0),
             })
             .collect(),
-        block_size: spec.block_size.unwrap_or(0),
+        block_size: v.block_size.unwrap_or(0),
         lora_adapters: spec.lora_adapters.clone(),
         kv_events: spec.kv_events.clone().unwrap_or_default(),
     }

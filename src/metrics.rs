@@ -12,8 +12,10 @@ use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+pub use ranks::RankMetrics;
 
 mod conn;
+mod ranks;
 
 /// Every metric kvpick exports, registered per area on one registry. Cheap to clone (all
 /// handles are reference-counted). Tokenization registers its own (`tokenize::TokenizeMetrics`).
@@ -28,6 +30,8 @@ pub struct Metrics {
     pub flow: FlowMetrics,
     pub outlier: OutlierMetrics,
     pub conn: ConnMetrics,
+    /// The engines' standing per rank (reachability, block-size mismatch).
+    pub ranks: RankMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
     pub epp: crate::epp_metrics::EppMetrics,
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
@@ -495,7 +499,8 @@ pub struct EventMetrics {
     pub kv_event_gaps: IntCounter,
     /// Replays by result (ok, incomplete, failed).
     pub kv_replays: IntCounterVec,
-    /// Ranks cleared because their publisher restarted (sequence went backwards).
+    /// Ranks cleared because their publisher restarted (sequence went backwards, or a
+    /// resubscription's replay did not continue the run).
     pub kv_resets: IntCounter,
     /// KV-event subscriptions currently connected.
     pub kv_subscriptions: IntGauge,
@@ -504,7 +509,7 @@ pub struct EventMetrics {
     pub rank_precise: IntGaugeVec,
     /// KV stores dropped because their block size is not the partition's.
     pub block_size_mismatches: IntCounter,
-    /// Per batch: from the engine's timestamp (`ts`) to the batch applied to the index.
+    /// Per live batch: from the engine's timestamp (`ts`) to the batch applied to the index.
     pub event_lag: Histogram,
 }
 
@@ -538,7 +543,7 @@ impl EventMetrics {
             registry,
             IntCounter::new(
                 "kvpick_kv_resets_total",
-                "Ranks cleared because their publisher restarted",
+                "Ranks cleared because their publisher restarted (sequence back, or a resubscription whose replay did not continue the run)",
             )
             .unwrap(),
         );
@@ -574,7 +579,7 @@ impl EventMetrics {
             Histogram::with_opts(
                 HistogramOpts::new(
                     "kvpick_kv_event_lag_seconds",
-                    "Per KV-event batch: from the engine's timestamp (ts) to the batch applied to the index (includes clock skew between hosts)",
+                    "Per live KV-event batch (replayed ones are not observed): from the engine's timestamp (ts) to the batch applied to the index (includes clock skew between hosts)",
                 )
                 .buckets(vec![
                     5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
@@ -725,8 +730,12 @@ impl Metrics {
                     .rank_precise
                     .with_label_values(&[&**worker, &dp_rank.to_string()])
                     .set(i64::from(*precise)),
+                Fact::RankReachable { .. } | Fact::BlockSizeMismatch { .. } => {
+                    self.ranks.apply(fact);
+                }
                 Fact::RankGone { worker, dp_rank } => {
                     self.pool.rank_gone(worker, *dp_rank);
+                    self.ranks.rank_gone(worker, *dp_rank);
                     let labels = [&**worker, &dp_rank.to_string()];
                     let _ = self.events.rank_precise.remove_label_values(&labels);
                     let _ = self
@@ -900,6 +909,7 @@ impl Metrics {
             flow: FlowMetrics::register(&registry),
             outlier: OutlierMetrics::register(&registry),
             conn: ConnMetrics::register(&registry),
+            ranks: RankMetrics::register(&registry),
             registry,
         }
     }

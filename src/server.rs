@@ -761,8 +761,10 @@ pub enum EngineMetricsMode {
 }
 
 pub fn init_logging(format: LogFormat) {
+    // `zeromq` logs each peer disconnect at INFO; kvpick says once, at WARN, what a lost KV-event
+    // subscription means (`events::ingest`), and its own retries log nothing.
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,zeromq=warn"));
     use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)

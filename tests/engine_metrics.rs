@@ -2,7 +2,8 @@
 //! the test controls, the real scraper (`kvpick::engine_metrics::manage`) reads them into the
 //! selection core, and the picks follow: off a rank whose queue is deep, back to bookings alone
 //! when a rank stops answering (its reading goes stale, and is counted), and towards the rank
-//! that has the requested LoRA adapter loaded rather than one at `max_lora` without it.
+//! that has the requested LoRA adapter loaded rather than one at `max_lora` without it. A rank
+//! without KV events whose engine refuses connections leaves the picks and comes back cleared.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
@@ -334,4 +335,151 @@ async fn serve_with_engine_metrics_scrapes_and_steers_the_pick() {
         .unwrap_or(0.0)
             > 0.0
     );
+}
+
+/// A `/metrics` page served by hand, one request per connection, on a port that can be closed
+/// (a dead engine: connects are refused) and opened again.
+struct Stoppable {
+    port: u16,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Stoppable {
+    async fn start(port: u16, text: String) -> Stoppable {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let task = tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                let text = text.clone();
+                tokio::spawn(async move {
+                    let mut request = Vec::new();
+                    let mut buf = [0u8; 1024];
+                    while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match stream.read(&mut buf).await {
+                            Ok(n) if n > 0 => request.extend_from_slice(&buf[..n]),
+                            _ => return,
+                        }
+                    }
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        text.len()
+                    );
+                    let _ = stream.write_all(head.as_bytes()).await;
+                    let _ = stream.write_all(text.as_bytes()).await;
+                });
+            }
+        });
+        Stoppable { port, task }
+    }
+
+    /// Closes the port; returns once it refuses connections.
+    async fn stop(self) -> u16 {
+        self.task.abort();
+        let _ = self.task.await;
+        self.port
+    }
+}
+
+/// A rank without KV events is judged by its scrapes: one that cannot connect takes it out of
+/// the picks, the next good one brings it back with its index entries cleared (a process that
+/// refused connections and answers again is a new one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_without_kv_events_whose_engine_refuses_leaves_the_picks_and_returns_cleared() {
+    use kvpick::selection::PromptInput;
+    let page = vllm_page(0, 0.1, None);
+    let a = Stoppable::start(0, page.clone()).await;
+    let b = Stoppable::start(0, page.clone()).await;
+    let (a_port, b_port) = (a.port, b.port);
+    let metrics = Metrics::new();
+    let core = SelectionCore::new(
+        CoreConfig {
+            seed: Some(7),
+            ..CoreConfig::default()
+        },
+        metrics.clone(),
+    );
+    core.apply_snapshot(vec![worker("a", a_port, &[]), worker("b", b_port, &[])])
+        .unwrap();
+    let config = ScrapeConfig {
+        names: MetricNames::vllm(),
+        path: "/metrics".into(),
+        interval: Duration::from_millis(10),
+        jitter: 0.2,
+        timeout: Duration::from_millis(500),
+        concurrency: 8,
+        max_body_bytes: 1 << 20,
+        stale_after: STALE,
+    };
+    let scraper = tokio::spawn(manage(Arc::clone(&core), config, core.catalog_changes()));
+    let a_rank = core
+        .list_workers(None)
+        .into_iter()
+        .find(|w| w.record.spec.name == "a")
+        .map(|w| kvpick::selection::RankKey {
+            worker_id: w.record.id,
+            dp_rank: 0,
+        })
+        .unwrap();
+    // a holds the prompt's four blocks (as kvpick's own picks would have predicted).
+    let tokens: Vec<u32> = (0..64).collect();
+    let hashes = kvpick_core::hash::prompt_hashes(&tokens, 16, kvpick_core::hash::BASE_SEED);
+    core.inner().insert_blocks(
+        &kvpick::selection::PartitionKey {
+            model: "base".into(),
+            routing_group: String::new(),
+        },
+        a_rank,
+        &hashes,
+        kvpick_core::index::Tier::Gpu,
+        None,
+        tokio::time::Instant::now().into_std(),
+    );
+    let pick = |id: &str| {
+        core.select(&SelectionRequest {
+            request_id: id.into(),
+            model: Some("base".into()),
+            prompt: PromptInput::Tokens(tokens.clone()),
+            ..Default::default()
+        })
+        .map(|s| s.primary.endpoint.port())
+    };
+    let reachable = || {
+        core.list_workers(None)
+            .iter()
+            .all(|w| w.status[0].reachable)
+    };
+    let until = |what: &'static str, cond: &dyn Fn() -> bool| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    };
+    until("both scraped", &|| metrics.engine.stale_ranks.get() == 0);
+    assert_eq!(pick("warm").unwrap(), a_port);
+
+    let a_port = a.stop().await;
+    until("a unreachable", &|| !reachable());
+    for i in 0..20 {
+        assert_eq!(pick(&format!("dead{i}")).unwrap(), b_port);
+    }
+    let _a = Stoppable::start(a_port, page.clone()).await;
+    until("a back", &reachable);
+    let overlap = core
+        .overlap_scores(&SelectionRequest {
+            model: Some("base".into()),
+            prompt: PromptInput::Tokens(tokens.clone()),
+            ..Default::default()
+        })
+        .unwrap()
+        .1;
+    assert!(
+        overlap.iter().all(|(_, d)| d.gpu == 0),
+        "cleared: {overlap:?}"
+    );
+    scraper.abort();
+    drop(b);
 }

@@ -106,10 +106,13 @@ fn engine_hashes(seed: u32, blocks: usize) -> Vec<u64> {
 
 mod common;
 
-fn start_kvpick(events: &str, replay: &str) -> common::Serve {
+/// kvpick with one worker whose KV events come from the publisher. Its HTTP port is `http`, a
+/// listener the test holds: the engine answers connects, so a publisher restart is only a
+/// restart (an engine whose port refused connections too would leave the picks meanwhile).
+fn start_kvpick(events: &str, replay: &str, http: u16) -> common::Serve {
     common::start_static(
         &format!(
-            "workers:\n  - {{name: w, model: m, address: 127.0.0.1, ports: [8000], block_size: 16, kv_events: \"{events}\", kv_replay: \"{replay}\"}}\n"
+            "workers:\n  - {{name: w, model: m, address: 127.0.0.1, ports: [{http}], block_size: 16, kv_events: \"{events}\", kv_replay: \"{replay}\"}}\n"
         ),
         &[],
     )
@@ -157,7 +160,12 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn index_follows_a_real_vllm_style_publisher() {
     let mut publisher = Publisher::start();
-    let kv = start_kvpick(&publisher.endpoint, &publisher.replay);
+    let http = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let kv = start_kvpick(
+        &publisher.endpoint,
+        &publisher.replay,
+        http.local_addr().unwrap().port(),
+    );
     let mut api = common::api(kv.grpc).await;
 
     // 1. Store prompt 1 (4 blocks) in two chained events. Whether kvpick subscribed before or

@@ -10,6 +10,12 @@
 //! series whose rank label (vLLM: `engine`) equals its DP rank; a page without that label gives
 //! its totals to every rank of the endpoint.
 //!
+//! The scraper also judges whether the engines of ranks without a KV-event subscription (no
+//! `kv_events` endpoint, or `--kv-events=off`) are reachable: a scrape whose connection fails
+//! reports them unreachable (no picks), the next good scrape reachable again, with their index
+//! entries cleared (a process that refused connections and answers again is a new one). Ranks
+//! with a subscription are judged by it (`events::ingest`), which sees a lost engine at once.
+//!
 //! Owns HTTP scraping, its schedule and its metrics; it never decides anything (the cost of a
 //! reading is `kvpick_core::decide::engine_metrics_cost`).
 
@@ -264,28 +270,87 @@ pub fn readings(
 pub struct Target {
     pub endpoint: SocketAddr,
     pub ranks: Vec<RankKey>,
+    /// Of `ranks`, those whose reachability this scraper judges: no KV-event subscription
+    /// watches their engine.
+    pub judged: Vec<RankKey>,
 }
 
-/// The endpoints of the catalog's ranks, each with the ranks behind it.
-pub fn targets(records: &[WorkerRecord]) -> Vec<Target> {
-    let mut by_endpoint: HashMap<SocketAddr, Vec<RankKey>> = HashMap::new();
+/// The endpoints of the catalog's ranks, each with the ranks behind it. `kv_events`: whether
+/// ranks with a `kv_events` endpoint are subscribed to (`--kv-events`).
+pub fn targets(records: &[WorkerRecord], kv_events: bool) -> Vec<Target> {
+    let mut by_endpoint: HashMap<SocketAddr, (Vec<RankKey>, Vec<RankKey>)> = HashMap::new();
     for record in records {
+        let subscribed = kv_events && record.spec.kv_events.is_some();
         for rank in &record.ranks {
-            by_endpoint.entry(rank.endpoint).or_default().push(RankKey {
+            let key = RankKey {
                 worker_id: record.id,
                 dp_rank: rank.dp_rank,
-            });
+            };
+            let (ranks, judged) = by_endpoint.entry(rank.endpoint).or_default();
+            ranks.push(key);
+            if !subscribed {
+                judged.push(key);
+            }
         }
     }
     let mut out: Vec<Target> = by_endpoint
         .into_iter()
-        .map(|(endpoint, mut ranks)| {
+        .map(|(endpoint, (mut ranks, mut judged))| {
             ranks.sort();
-            Target { endpoint, ranks }
+            judged.sort();
+            Target {
+                endpoint,
+                ranks,
+                judged,
+            }
         })
         .collect();
     out.sort_by_key(|t| t.endpoint);
     out
+}
+
+/// The scraper's judgement of its target's unsubscribed ranks: reported unreachable when a
+/// scrape cannot connect, reachable (and cleared: a new process) at the next good scrape. A task
+/// that ends (its target changed) withdraws it.
+struct Judged {
+    core: Arc<SelectionCore>,
+    ranks: Vec<RankKey>,
+    held: bool,
+}
+
+impl Judged {
+    fn scraped(&mut self, outcome: Result<(), Failure>) {
+        if self.ranks.is_empty() {
+            return;
+        }
+        match outcome {
+            Err(Failure::Unreachable) => {
+                self.held = true;
+                for rank in &self.ranks {
+                    self.core.set_rank_reachable(*rank, false);
+                }
+            }
+            Ok(()) if self.held => {
+                self.held = false;
+                for rank in &self.ranks {
+                    self.core.clear_rank(*rank);
+                    self.core.set_rank_reachable(*rank, true);
+                }
+            }
+            // A slow or bad page is no verdict on whether the engine runs.
+            _ => {}
+        }
+    }
+}
+
+impl Drop for Judged {
+    fn drop(&mut self) {
+        if self.held {
+            for rank in &self.ranks {
+                self.core.set_rank_reachable(*rank, true);
+            }
+        }
+    }
 }
 
 type HttpClient = Client<HttpConnector, Empty<Bytes>>;
@@ -367,6 +432,11 @@ impl Scraper {
         };
         // Never scraped counts as stale until the first good reading.
         stale.set(true);
+        let mut judged = Judged {
+            core: Arc::clone(&self.core),
+            ranks: target.judged.clone(),
+            held: false,
+        };
         let mut last_ok: Option<tokio::time::Instant> = None;
         let mut failing = false;
         // The first scrape of every target at a random point of the first interval, so a large
@@ -375,6 +445,7 @@ impl Scraper {
         tokio::time::sleep(first).await;
         loop {
             let outcome = self.scrape_once(&url, &target, &dp_ranks).await;
+            judged.scraped(outcome);
             let now = tokio::time::Instant::now();
             match outcome {
                 Ok(()) => {
@@ -463,13 +534,14 @@ pub async fn manage(
         metrics,
         core,
     });
-    let mut running: HashMap<SocketAddr, (Vec<RankKey>, JoinHandle<()>)> = HashMap::new();
+    let mut running: HashMap<SocketAddr, (Target, JoinHandle<()>)> = HashMap::new();
     loop {
-        let desired = targets(&scraper.core.inner().records());
-        let wanted: HashMap<SocketAddr, &Vec<RankKey>> =
-            desired.iter().map(|t| (t.endpoint, &t.ranks)).collect();
-        running.retain(|endpoint, (ranks, task)| {
-            let keep = wanted.get(endpoint).is_some_and(|r| *r == ranks);
+        let kv_events = scraper.core.config().kv_events;
+        let desired = targets(&scraper.core.inner().records(), kv_events);
+        let wanted: HashMap<SocketAddr, &Target> =
+            desired.iter().map(|t| (t.endpoint, t)).collect();
+        running.retain(|endpoint, (target, task)| {
+            let keep = wanted.get(endpoint).is_some_and(|t| *t == target);
             if !keep {
                 task.abort();
             }
@@ -479,10 +551,9 @@ pub async fn manage(
             if running.contains_key(&target.endpoint) {
                 continue;
             }
-            let ranks = target.ranks.clone();
             let endpoint = target.endpoint;
-            let task = tokio::spawn(Arc::clone(&scraper).run(target));
-            running.insert(endpoint, (ranks, task));
+            let task = tokio::spawn(Arc::clone(&scraper).run(target.clone()));
+            running.insert(endpoint, (target, task));
         }
         if catalog_changes.changed().await.is_err() {
             for (_, (_, task)) in running {

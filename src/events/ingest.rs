@@ -1,36 +1,43 @@
-//! KV-event ingestion: one ZeroMQ SUB per rank at the endpoint the catalog gives, decoded batches
-//! applied to the selection core in sequence order. Tracks the publisher's sequence: a gap is
-//! filled from the engine's replay (DEALER -> ROUTER) socket when one is configured, a sequence
-//! that goes backwards means the engine restarted and clears the rank. A bad message is counted
-//! and skipped; nothing here can stop ingestion for good.
+//! KV-event ingestion: one subscription task per rank at the endpoint the catalog gives, decoded
+//! batches applied to the selection core in sequence order, and the rank's engine watched:
 //!
-//! This module owns sockets and sequence bookkeeping only; what an event means for the index is
-//! the selection core's business.
+//! - A gap is filled from the engine's replay socket when one is configured; a sequence that
+//!   goes backwards means the engine restarted and clears the rank.
+//! - A lost subscription (the socket monitor's `Disconnected`) is seen at once: the socket is
+//!   dropped, the engine's HTTP endpoint probed, and the subscription retried on kvpick's own
+//!   schedule ([`super::link`]). A rank whose subscription is down and whose endpoint refuses
+//!   connections is reported unreachable (no picks) until the endpoint answers again.
+//! - When a subscription comes back, the engine is checked for a restart before its rank takes
+//!   picks again: the replay from the last applied message must return that message byte for
+//!   byte, or the rank is cleared and the new run replayed from 0 ([`RankStream::resume`]).
+//!
+//! A bad message is counted and skipped; nothing here can stop ingestion for good. This module
+//! owns the sequence logic and the task's life; what an event means for the index is the
+//! selection core's business.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use futures::StreamExt;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, SubSocket, ZmqMessage};
+use zeromq::{SocketEvent, SocketRecv, ZmqMessage};
 
-use super::decode::{decode_batch, decode_message, decode_seq, EventBatch, REPLAY_END_SEQ};
+use super::decode::{decode_batch, decode_message, EventBatch};
+use super::link::{self, Backoff, Reach, PROBE_INTERVAL};
+use super::replay::{replay, Ended, Visit};
+use super::sequence::{fingerprint, SeqAction, SequenceTracker};
 use crate::selection::{RankKey, SelectionCore};
 
-const BACKOFF_START: Duration = Duration::from_millis(100);
-const BACKOFF_MAX: Duration = Duration::from_secs(5);
-/// How long a replay may go without a reply before it is abandoned as incomplete.
-const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// How long after a replay queued live messages may still arrive as duplicates of it. They sat
-/// in the socket while the replay ran and are read right after it, so anything later that goes
-/// backwards is a new engine run, not a duplicate.
-pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(2);
+pub use super::sequence::DUPLICATE_WINDOW;
 
 /// A batch's lag further from the engine's clock than this is no lag but a timestamp in another
 /// unit or epoch (or a clock far off): it is not observed.
 pub const MAX_EVENT_LAG: Duration = Duration::from_secs(3600);
+
+/// The longest a whole replay may take (each reply is bounded by [`super::replay::REPLY_TIMEOUT`]).
+const REPLAY_TOTAL: Duration = Duration::from_secs(20);
 
 /// Time from an engine's batch timestamp `ts` (seconds since the Unix epoch, as vLLM and SGLang
 /// stamp batches) to `now`; a timestamp slightly ahead (clock skew) is lag 0. `None` when `ts` is
@@ -44,73 +51,12 @@ pub fn event_lag(ts: f64, now: SystemTime) -> Option<Duration> {
     Some(Duration::from_secs_f64(lag.max(0.0)))
 }
 
-/// Sequence bookkeeping of one publisher, separate from sockets so it is unit-testable.
-#[derive(Debug, Default)]
-pub struct SequenceTracker {
-    last: Option<u64>,
-    /// Right after a replay from `n`, queued live messages with `n <= seq <= last` are
-    /// duplicates: `(lowest duplicate still expected, window end)`. Duplicates arrive in order,
-    /// so the low end follows them; the window closes at the next applied message or at its end.
-    duplicates: Option<(u64, Instant)>,
-}
-
-/// What to do with a message of sequence `seq`.
+/// Where a batch came from: the live stream (its lag is ingestion's) or a replay (its timestamp
+/// is as old as the message, so it says nothing about ingestion and is not observed).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SeqAction {
-    Apply,
-    /// Already applied (seen live and in a replay).
-    Duplicate,
-    /// Messages `from ..< seq` were lost: replay them if possible, then apply.
-    Gap {
-        from: u64,
-    },
-    /// The publisher restarted: clear the rank, then apply.
-    Restart,
-}
-
-impl SequenceTracker {
-    pub fn classify(&self, seq: u64, now: Instant) -> SeqAction {
-        let queued_copy = self
-            .duplicates
-            .is_some_and(|(from, until)| seq >= from && now < until);
-        match self.last {
-            None => SeqAction::Apply,
-            Some(last) if seq == last.saturating_add(1) => SeqAction::Apply,
-            Some(last) if seq > last => SeqAction::Gap {
-                from: last.saturating_add(1),
-            },
-            Some(_) if queued_copy => SeqAction::Duplicate,
-            Some(last) if seq == last => SeqAction::Duplicate,
-            Some(_) => SeqAction::Restart,
-        }
-    }
-
-    /// A message was applied. A live message past the replayed range closes the window in
-    /// which older sequence numbers count as duplicates (after it, going backwards is a restart).
-    pub fn applied(&mut self, seq: u64) {
-        self.last = Some(seq);
-        self.duplicates = None;
-    }
-
-    /// A queued copy of a replayed message was dropped: the next copy comes after it.
-    pub fn duplicate(&mut self, seq: u64) {
-        if let Some((from, _)) = &mut self.duplicates {
-            *from = (*from).max(seq.saturating_add(1));
-        }
-    }
-
-    pub fn restarted(&mut self) {
-        self.last = None;
-        self.duplicates = None;
-    }
-
-    pub fn replayed(&mut self, from: u64, now: Instant) {
-        self.duplicates = Some((from, now + DUPLICATE_WINDOW));
-    }
-
-    pub fn last(&self) -> Option<u64> {
-        self.last
-    }
+enum Source {
+    Live,
+    Replay,
 }
 
 struct RankStream {
@@ -119,10 +65,31 @@ struct RankStream {
     endpoint: String,
     replay: Option<String>,
     seq: SequenceTracker,
+    reach: Reach,
+    /// Nothing of this rank was applied since it was last cleared: clearing again would change
+    /// nothing (and count the same restart twice).
+    fresh: bool,
 }
 
 impl RankStream {
-    fn apply(&mut self, seq: u64, batch: &EventBatch) {
+    fn new(
+        core: Arc<SelectionCore>,
+        rank: RankKey,
+        endpoint: String,
+        replay: Option<String>,
+    ) -> Self {
+        RankStream {
+            reach: Reach::new(Arc::clone(&core), rank),
+            core,
+            rank,
+            endpoint,
+            replay,
+            seq: SequenceTracker::default(),
+            fresh: false,
+        }
+    }
+
+    fn apply(&mut self, seq: u64, print: u64, batch: &EventBatch, source: Source) {
         if batch.skipped_unknown > 0 {
             self.core
                 .metrics()
@@ -132,33 +99,45 @@ impl RankStream {
                 .inc_by(batch.skipped_unknown as u64);
         }
         self.core.apply_kv_events(self.rank, &batch.events);
-        self.seq.applied(seq);
-        if let Some(lag) = event_lag(batch.ts, SystemTime::now()) {
-            self.core
-                .metrics()
-                .events
-                .event_lag
-                .observe(lag.as_secs_f64());
+        self.seq.applied(seq, print);
+        self.fresh = false;
+        if source == Source::Live {
+            if let Some(lag) = event_lag(batch.ts, SystemTime::now()) {
+                self.core
+                    .metrics()
+                    .events
+                    .event_lag
+                    .observe(lag.as_secs_f64());
+            }
         }
     }
 
+    /// Forgets what the rank's engine held: a new engine run, or one that cannot be told from one.
+    fn new_run(&mut self, why: &str) {
+        self.seq.restarted();
+        if self.fresh {
+            return;
+        }
+        tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, why, "KV-event publisher restarted; clearing rank");
+        self.core.metrics().events.kv_resets.inc();
+        self.core.clear_rank(self.rank);
+        self.fresh = true;
+    }
+
     /// Handles one live message.
-    async fn handle(&mut self, seq: u64, batch: EventBatch) {
+    async fn handle(&mut self, seq: u64, print: u64, batch: EventBatch) {
         let metrics = self.core.metrics().clone();
         match self.seq.classify(seq, Instant::now()) {
-            SeqAction::Apply => self.apply(seq, &batch),
+            SeqAction::Apply => self.apply(seq, print, &batch, Source::Live),
             SeqAction::Duplicate => self.seq.duplicate(seq),
             SeqAction::Restart => {
-                tracing::info!(endpoint = %self.endpoint, seq, "KV-event publisher restarted; clearing rank");
-                metrics.events.kv_resets.inc();
-                self.core.clear_rank(self.rank);
-                self.seq.restarted();
+                self.new_run("sequence went back");
                 if seq > 0 && self.replay.is_some() {
                     // Messages of the new run that arrived while we reconnected.
                     self.replay_from(0).await;
                 }
                 if self.seq.classify(seq, Instant::now()) != SeqAction::Duplicate {
-                    self.apply(seq, &batch);
+                    self.apply(seq, print, &batch, Source::Live);
                 }
             }
             SeqAction::Gap { from } => {
@@ -169,8 +148,33 @@ impl RankStream {
                     tracing::warn!(endpoint = %self.endpoint, from, seq, "KV-event gap and no replay endpoint");
                 }
                 if self.seq.classify(seq, Instant::now()) != SeqAction::Duplicate {
-                    self.apply(seq, &batch);
+                    self.apply(seq, print, &batch, Source::Live);
                 }
+            }
+        }
+    }
+
+    /// Applies one replayed message past the last applied one; false when the replay skipped
+    /// some sequence numbers or the message is undecodable (the replay is then incomplete).
+    fn replayed(&mut self, seq: u64, payload: &[u8]) -> bool {
+        let last = self.seq.last();
+        if last.is_some_and(|last| seq <= last) {
+            return true;
+        }
+        match decode_batch(payload) {
+            Ok(batch) => {
+                self.apply(seq, fingerprint(payload), &batch, Source::Replay);
+                last.is_none_or(|last| seq == last.saturating_add(1))
+            }
+            Err(err) => {
+                self.core
+                    .metrics()
+                    .events
+                    .kv_events
+                    .with_label_values(&["decode_error"])
+                    .inc();
+                tracing::debug!(%err, "undecodable replayed KV-event message");
+                false
             }
         }
     }
@@ -181,128 +185,193 @@ impl RankStream {
         let Some(endpoint) = self.replay.clone() else {
             return;
         };
-        let metrics = self.core.metrics().clone();
-        let result =
-            tokio::time::timeout(REPLAY_TIMEOUT * 4, self.replay_inner(&endpoint, from)).await;
+        let mut complete = true;
+        let result = tokio::time::timeout(
+            REPLAY_TOTAL,
+            replay(&endpoint, from, |seq, payload| {
+                complete &= self.replayed(seq, payload);
+                Visit::Continue
+            }),
+        )
+        .await;
+        self.count_replay(&endpoint, result, complete);
+        self.seq.replayed(from, Instant::now());
+    }
+
+    fn count_replay(
+        &self,
+        endpoint: &str,
+        result: Result<Result<Ended, String>, tokio::time::error::Elapsed>,
+        complete: bool,
+    ) {
         let outcome = match result {
-            Ok(Ok(true)) => "ok",
-            Ok(Ok(false)) => "incomplete",
+            Ok(Ok(_)) if complete => "ok",
+            Ok(Ok(_)) | Err(_) => "incomplete",
             Ok(Err(err)) => {
                 tracing::warn!(%endpoint, %err, "KV-event replay failed");
                 "failed"
             }
-            Err(_) => "incomplete",
         };
-        metrics
+        self.core
+            .metrics()
             .events
             .kv_replays
             .with_label_values(&[outcome])
             .inc();
-        self.seq.replayed(from, Instant::now());
     }
 
-    /// Returns whether the replay reached its end marker with no missing sequence numbers.
-    async fn replay_inner(&mut self, endpoint: &str, from: u64) -> Result<bool, String> {
-        let mut dealer = DealerSocket::new();
-        dealer.connect(endpoint).await.map_err(|e| e.to_string())?;
-        let mut request = ZmqMessage::from(Vec::<u8>::new());
-        request.push_back(from.to_be_bytes().to_vec().into());
-        dealer.send(request).await.map_err(|e| e.to_string())?;
+    /// After a lost subscription, before the rank takes picks again: is this the engine run the
+    /// index follows? The replay from the last applied message must start with that very message
+    /// (same number, same bytes); then the messages after it are applied and nothing is cleared
+    /// (a network blip, a publisher that recovered). Anything else (another first message, none,
+    /// a failed replay, no replay endpoint, nothing applied yet) is taken as a new run: the rank
+    /// is cleared and the run replayed from 0.
+    async fn resume(&mut self) {
+        let (Some(endpoint), Some(last)) = (self.replay.clone(), self.seq.last()) else {
+            self.new_run(if self.replay.is_none() {
+                "resubscribed without a replay endpoint: a restart cannot be ruled out"
+            } else {
+                "resubscribed before any message applied"
+            });
+            self.replay_from(0).await;
+            return;
+        };
+        let mut first = true;
+        let mut same_run = false;
         let mut complete = true;
-        loop {
-            let reply = tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv())
-                .await
-                .map_err(|_| "replay timed out".to_string())?
-                .map_err(|e| e.to_string())?;
-            let mut frames: Vec<&[u8]> = reply.iter().map(|f| f.as_ref()).collect();
-            // Replies are [b"", (topic,) seq, payload]; drop the delimiter and any topic.
-            if frames.first().is_some_and(|f| f.is_empty()) {
-                frames.remove(0);
-            }
-            if frames.len() > 2 {
-                frames.drain(..frames.len() - 2);
-            }
-            let [seq_frame, payload] = frames[..] else {
-                return Err(format!("replay reply with {} frames", frames.len()));
-            };
-            let seq = decode_seq(seq_frame).map_err(|e| e.to_string())?;
-            if seq == REPLAY_END_SEQ {
-                return Ok(complete);
-            }
-            match decode_batch(payload) {
-                Ok(batch) => {
-                    if let Some(last) = self.seq.last() {
-                        if seq <= last {
-                            continue;
-                        }
-                        if seq > last + 1 {
-                            complete = false;
-                        }
-                    }
-                    self.apply(seq, &batch);
+        let result = tokio::time::timeout(
+            REPLAY_TOTAL,
+            replay(&endpoint, last, |seq, payload| {
+                if std::mem::take(&mut first) {
+                    same_run = self.seq.continues(seq, fingerprint(payload));
+                    return if same_run {
+                        Visit::Continue
+                    } else {
+                        Visit::Stop
+                    };
                 }
-                Err(err) => {
-                    self.core
-                        .metrics()
-                        .events
-                        .kv_events
-                        .with_label_values(&["decode_error"])
-                        .inc();
-                    tracing::debug!(%err, "undecodable replayed KV-event message");
-                    complete = false;
+                complete &= self.replayed(seq, payload);
+                Visit::Continue
+            }),
+        )
+        .await;
+        if same_run {
+            self.count_replay(&endpoint, result, complete);
+            self.seq.replayed(last, Instant::now());
+            tracing::debug!(endpoint = %self.endpoint, last, "resubscribed to the same engine run");
+        } else {
+            self.new_run("resubscribed to a new engine run");
+            self.replay_from(0).await;
+        }
+    }
+
+    async fn on_message(&mut self, message: &ZmqMessage) {
+        let frames: Vec<&[u8]> = message.iter().map(|f| f.as_ref()).collect();
+        match decode_message(&frames) {
+            Ok((_, seq, batch)) => {
+                let print = frames.last().map_or(0, |p| fingerprint(p));
+                self.handle(seq, print, batch).await;
+            }
+            Err(err) => {
+                self.core
+                    .metrics()
+                    .events
+                    .kv_events
+                    .with_label_values(&["decode_error"])
+                    .inc();
+                tracing::debug!(endpoint = %self.endpoint, %err, "undecodable KV-event message");
+            }
+        }
+    }
+
+    /// Applies messages until the subscription is lost (the monitor's `Disconnected`, or a
+    /// receive error). While the rank is held unreachable its endpoint is probed meanwhile (a
+    /// restarted vLLM publishes before its HTTP server listens).
+    async fn stream(&mut self, sub: &mut link::Subscription) {
+        let mut probe = tokio::time::interval(PROBE_INTERVAL);
+        let link::Subscription { socket, monitor } = sub;
+        loop {
+            tokio::select! {
+                event = monitor.next() => match event {
+                    Some(SocketEvent::Disconnected(_)) | None => return,
+                    Some(_) => {}
+                },
+                message = socket.recv() => match message {
+                    Ok(message) => self.on_message(&message).await,
+                    Err(_) => return,
+                },
+                _ = probe.tick(), if !self.reach.reachable() => {
+                    if self.reach.probe().await {
+                        self.reach.set(true);
+                    }
                 }
             }
         }
     }
 
-    /// Subscribes (retrying with backoff) and applies messages until cancelled.
+    /// Waits `delay` before the next subscription attempt, probing the engine's endpoint every
+    /// [`PROBE_INTERVAL`]: refusing, the rank is reported unreachable. Returns early (true) when
+    /// an engine held unreachable answers again, so that its subscription is tried, and a
+    /// restart cleared, before it takes picks.
+    async fn wait_down(&mut self, delay: Duration) -> bool {
+        let until = tokio::time::Instant::now() + delay;
+        loop {
+            if self.reach.probe().await {
+                if !self.reach.reachable() {
+                    return true;
+                }
+            } else {
+                self.reach.set(false);
+            }
+            let now = tokio::time::Instant::now();
+            if now >= until {
+                return false;
+            }
+            tokio::time::sleep((until - now).min(PROBE_INTERVAL)).await;
+        }
+    }
+
+    /// Subscribes, applies, and after a loss watches the engine and resubscribes, until
+    /// cancelled.
     async fn run(mut self) {
         let metrics = self.core.metrics().clone();
-        let mut backoff = BACKOFF_START;
-        let mut first = true;
+        let mut backoff = Backoff::default();
+        let mut lost = false;
+        let mut answered = false;
         loop {
-            let mut sub = SubSocket::new();
-            let connected = async {
-                sub.connect(&self.endpoint).await?;
-                sub.subscribe("").await
-            }
-            .await;
-            if let Err(err) = connected {
-                tracing::debug!(endpoint = %self.endpoint, %err, "KV-event subscribe failed; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(BACKOFF_MAX);
-                continue;
-            }
-            backoff = BACKOFF_START;
-            metrics.events.kv_subscriptions.inc();
-            tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, "subscribed to KV events");
-            if first && self.replay.is_some() {
-                // Catch up on what the engine already holds.
-                self.replay_from(self.seq.last().map_or(0, |l| l + 1)).await;
-            }
-            first = false;
-            loop {
-                let message = match sub.recv().await {
-                    Ok(m) => m,
-                    Err(err) => {
-                        tracing::warn!(endpoint = %self.endpoint, %err, "KV-event stream broke; resubscribing");
-                        break;
+            match link::subscribe(&self.endpoint).await {
+                Ok(mut sub) => {
+                    backoff.reset();
+                    let connected = link::Connected::new(&metrics.events.kv_subscriptions);
+                    if lost {
+                        self.resume().await;
+                        tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, "KV-event subscription restored");
+                    } else {
+                        tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, "subscribed to KV events");
+                        // Catch up on what the engine already holds.
+                        self.replay_from(0).await;
                     }
-                };
-                let frames: Vec<&[u8]> = message.iter().map(|f| f.as_ref()).collect();
-                match decode_message(&frames) {
-                    Ok((_, seq, batch)) => self.handle(seq, batch).await,
-                    Err(err) => {
-                        metrics
-                            .events
-                            .kv_events
-                            .with_label_values(&["decode_error"])
-                            .inc();
-                        tracing::debug!(endpoint = %self.endpoint, %err, "undecodable KV-event message");
+                    if !self.reach.reachable() && (answered || self.reach.probe().await) {
+                        self.reach.set(true);
+                    }
+                    self.stream(&mut sub).await;
+                    drop(sub);
+                    drop(connected);
+                    lost = true;
+                    tracing::warn!(endpoint = %self.endpoint, rank = ?self.rank, "KV-event subscription lost; probing the engine and resubscribing");
+                }
+                Err(err) => {
+                    tracing::debug!(endpoint = %self.endpoint, %err, "KV-event subscribe failed; retrying");
+                    if answered {
+                        // The engine serves again but publishes nothing (yet). It refused
+                        // connections (or was gone) meanwhile: a new process, whose cache is
+                        // empty, cannot be ruled out. It takes picks again, cleared.
+                        self.new_run("the engine answers again; its KV events are not back yet");
+                        self.reach.set(true);
                     }
                 }
             }
-            metrics.events.kv_subscriptions.dec();
+            answered = self.wait_down(backoff.next_wait()).await;
         }
     }
 }
@@ -321,13 +390,7 @@ pub async fn manage(core: Arc<SelectionCore>, mut catalog_changes: watch::Receiv
             }
         }
         for (rank, endpoint, replay) in change.start {
-            let stream = RankStream {
-                core: Arc::clone(&core),
-                rank,
-                endpoint,
-                replay,
-                seq: SequenceTracker::default(),
-            };
+            let stream = RankStream::new(Arc::clone(&core), rank, endpoint, replay);
             if let Some(old) = running.insert(rank, tokio::spawn(stream.run())) {
                 old.abort();
             }
@@ -342,79 +405,5 @@ pub async fn manage(core: Arc<SelectionCore>, mut catalog_changes: watch::Receiv
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sequence_rules() {
-        let now = Instant::now();
-        let mut t = SequenceTracker::default();
-        assert_eq!(
-            t.classify(5, now),
-            SeqAction::Apply,
-            "first message at any seq"
-        );
-        t.applied(5);
-        assert_eq!(t.classify(6, now), SeqAction::Apply);
-        assert_eq!(t.classify(5, now), SeqAction::Duplicate);
-        assert_eq!(t.classify(9, now), SeqAction::Gap { from: 6 });
-        assert_eq!(t.classify(0, now), SeqAction::Restart);
-        assert_eq!(t.classify(3, now), SeqAction::Restart);
-        // A replay from 3 applied 3..=8; live copies of 3..=8 still queued are duplicates.
-        t.applied(8);
-        t.replayed(3, now);
-        assert_eq!(
-            t.classify(4, now),
-            SeqAction::Duplicate,
-            "queued live copy of a replayed message"
-        );
-        assert_eq!(t.classify(2, now), SeqAction::Restart);
-        // Once the live stream moves past the replay, going backwards means a restart again.
-        t.applied(9);
-        assert_eq!(t.classify(4, now), SeqAction::Restart);
-        t.restarted();
-        assert_eq!(t.classify(0, now), SeqAction::Apply);
-    }
-
-    #[test]
-    fn event_lag_is_wall_clock_since_the_batch_timestamp_and_implausible_stamps_are_none() {
-        let now = UNIX_EPOCH + Duration::from_secs(1_700_000_000);
-        let ts = 1_700_000_000.0 - 0.25;
-        assert_eq!(event_lag(ts, now), Some(Duration::from_millis(250)));
-        assert_eq!(
-            event_lag(1_700_000_000.5, now),
-            Some(Duration::ZERO),
-            "a stamp ahead of our clock (skew) is no lag"
-        );
-        let just_over = 1_700_000_000.0 - MAX_EVENT_LAG.as_secs_f64() - 1.0;
-        assert_eq!(event_lag(just_over, now), None, "an hour and a second");
-        assert_eq!(event_lag(0.0, now), None);
-        assert_eq!(event_lag(f64::NAN, now), None);
-        assert_eq!(event_lag(1.7e12, now), None, "milliseconds, not seconds");
-    }
-
-    /// A replay at subscribe time covers 0..=last. A much later engine restart whose sequence
-    /// starts again at 0 must not be taken for queued copies of that replay.
-    #[test]
-    fn the_duplicate_window_after_a_replay_is_short_and_follows_the_copies() {
-        let t0 = Instant::now();
-        let mut t = SequenceTracker::default();
-        t.applied(10);
-        t.replayed(0, t0);
-        assert_eq!(t.classify(4, t0), SeqAction::Duplicate, "a queued copy");
-        t.duplicate(4);
-        assert_eq!(t.classify(5, t0), SeqAction::Duplicate, "the next copy");
-        t.duplicate(5);
-        assert_eq!(
-            t.classify(0, t0),
-            SeqAction::Restart,
-            "copies arrive in order: going back below them is a new run"
-        );
-        let later = t0 + DUPLICATE_WINDOW;
-        assert_eq!(
-            t.classify(6, later),
-            SeqAction::Restart,
-            "past the window nothing old is a queued copy"
-        );
-    }
-}
+#[path = "ingest_tests.rs"]
+mod tests;

@@ -2,13 +2,17 @@
 //!
 //! `decode` owns the wire format (ARCHITECTURE.md §7): the `[topic, seq, payload]` frames and every
 //! msgpack encoding of an `EventBatch`, decoded into the core's block events
-//! (`kvpick_core::event`). `ingest` owns the sockets: one SUB per rank, sequence tracking, replay
-//! over DEALER, restarts. Neither touches the KV index directly: decoded events go to the
+//! (`kvpick_core::event`). `ingest` owns each rank's subscription task: sequence tracking
+//! (`sequence`), replay over DEALER (`replay`), restarts, and the engine's reachability, on top
+//! of `link` (the SUB socket and its monitor, the reconnect schedule, the endpoint probe). Neither touches the KV index directly: decoded events go to the
 //! selection core, which owns the index. Which endpoints to subscribe to is derived here from the
 //! catalog ([`subscriptions`]): the port arithmetic is a transport concern, not the core's.
 
 pub mod decode;
 pub mod ingest;
+pub mod link;
+pub mod replay;
+pub mod sequence;
 
 use kvpick_core::{RankKey, WorkerRecord};
 

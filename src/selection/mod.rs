@@ -308,6 +308,13 @@ impl SelectionCore {
         self.core.clear_rank(rank);
     }
 
+    /// Marks a rank's engine reachable or not (the KV-event subscription's probe, the engine
+    /// scraper); an unreachable rank takes no picks. Metrics and logs once per change.
+    pub fn set_rank_reachable(&self, rank: RankKey, reachable: bool) {
+        let facts = self.core.set_rank_reachable(rank, reachable, now());
+        self.record(facts);
+    }
+
     /// The block size of a model's partition (default until a worker declares one).
     pub fn block_size(&self, key: &PartitionKey) -> u32 {
         self.core.block_size(key)

@@ -96,6 +96,22 @@ pub enum Fact {
         dp_rank: u32,
         precise: bool,
     },
+    /// A rank's engine became reachable or unreachable ([`crate::Core::set_rank_reachable`]); a
+    /// new rank starts reachable (no fact).
+    RankReachable {
+        worker: Arc<str>,
+        dp_rank: u32,
+        reachable: bool,
+    },
+    /// A rank's KV events carry a block size other than its partition's (`engine: Some(size)`:
+    /// their stores are dropped), or match it again (`engine: None`). Once per change, not per
+    /// event.
+    BlockSizeMismatch {
+        worker: Arc<str>,
+        dp_rank: u32,
+        partition: u32,
+        engine: Option<u32>,
+    },
     /// Workers in the catalog per lifecycle, in [`Lifecycle::ALL`] order.
     CatalogWorkers([usize; 4]),
     /// Bookings reaped because they outlived the booking TTL.

@@ -112,4 +112,28 @@ pub struct Selection {
 pub struct WorkerView {
     pub record: WorkerRecord,
     pub loads: Vec<RankLoad>,
+    /// Per rank, in `record.ranks` order: how the engine stands.
+    pub status: Vec<RankStatus>,
+    /// The block size the worker's partition uses once known: declared by a worker, or learned
+    /// from the first stored KV block. `None` until then.
+    pub block_size: Option<u32>,
+}
+
+/// How one rank's engine stands, for listing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankStatus {
+    /// Not reported unreachable ([`Core::set_rank_reachable`]).
+    pub reachable: bool,
+    /// The block size its KV events carry when it is not the partition's (their stores are
+    /// dropped).
+    pub mismatched_block_size: Option<u32>,
+}
+
+impl Default for RankStatus {
+    fn default() -> Self {
+        RankStatus {
+            reachable: true,
+            mismatched_block_size: None,
+        }
+    }
 }

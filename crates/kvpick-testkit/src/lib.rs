@@ -4,6 +4,8 @@
 //! # Layout
 //! - [`apiserver`]: a fake Kubernetes API server (LIST, WATCH, 410 Gone, outages, the
 //!   InferencePool and its pods) and the pod / pool objects it serves.
+//! - [`engine`]: one vLLM-like engine's ports (KV-event PUB, replay ROUTER, HTTP) that can be
+//!   stopped and restarted on the same ports, for ingestion and engine-loss tests.
 //! - [`publishers`]: simulated KV-event publishers, one PUB endpoint per engine rank, vLLM's wire.
 //! - [`zmtp`]: those PUB endpoints, speaking ZMTP 3.0 themselves (`zeromq`'s `PubSocket` costs
 //!   ~4 MB each, too much for 8,000 of them).
@@ -23,6 +25,7 @@
 
 pub mod apiserver;
 pub mod churn;
+pub mod engine;
 pub mod picks;
 pub mod process;
 pub mod prom;

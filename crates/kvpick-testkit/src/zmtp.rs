@@ -38,15 +38,15 @@ fn greeting() -> [u8; 64] {
     g
 }
 
-/// The READY command announcing a PUB socket.
-fn ready() -> Vec<u8> {
+/// The READY command announcing a socket of `kind` (`PUB`, `ROUTER`).
+fn ready(kind: &str) -> Vec<u8> {
     let mut body = Vec::new();
     body.push(5);
     body.extend_from_slice(b"READY");
     body.push(11);
     body.extend_from_slice(b"Socket-Type");
-    body.extend_from_slice(&3u32.to_be_bytes());
-    body.extend_from_slice(b"PUB");
+    body.extend_from_slice(&(kind.len() as u32).to_be_bytes());
+    body.extend_from_slice(kind.as_bytes());
     let mut out = vec![0x04, body.len() as u8];
     out.extend_from_slice(&body);
     out
@@ -69,15 +69,15 @@ pub fn encode(frames: &[&[u8]]) -> Bytes {
     out.freeze()
 }
 
-/// The greeting and READY exchange with a connecting subscriber.
-async fn handshake(stream: &mut TcpStream) -> anyhow::Result<()> {
+/// The greeting and READY exchange with a connecting peer, as a socket of `kind`.
+pub async fn handshake(stream: &mut TcpStream, kind: &str) -> anyhow::Result<()> {
     stream.write_all(&greeting()).await?;
     let mut theirs = [0u8; 64];
     stream.read_exact(&mut theirs).await?;
     if theirs[0] != 0xff || theirs[9] != 0x7f || theirs[10] < 3 || &theirs[12..16] != b"NULL" {
         bail!("not a ZMTP 3 NULL greeting");
     }
-    stream.write_all(&ready()).await?;
+    stream.write_all(&ready(kind)).await?;
     let flags = stream.read_u8().await?;
     if flags & 0x04 == 0 {
         bail!("expected the peer's READY command, got flags {flags:#x}");
@@ -98,8 +98,38 @@ async fn handshake(stream: &mut TcpStream) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Reads one multipart message (its frames) from a peer; `None` at the end of the stream.
+/// Commands between messages are skipped.
+pub async fn read_message(stream: &mut (impl AsyncReadExt + Unpin)) -> Option<Vec<Vec<u8>>> {
+    let mut frames = Vec::new();
+    loop {
+        let flags = stream.read_u8().await.ok()?;
+        let len = if flags & 0x02 != 0 {
+            usize::try_from(stream.read_u64().await.ok()?).ok()?
+        } else {
+            usize::from(stream.read_u8().await.ok()?)
+        };
+        if len > MAX_FRAME {
+            return None;
+        }
+        let mut body = vec![0u8; len];
+        stream.read_exact(&mut body).await.ok()?;
+        if flags & 0x04 != 0 {
+            continue;
+        }
+        frames.push(body);
+        if flags & 0x01 == 0 {
+            return Some(frames);
+        }
+    }
+}
+
+/// Largest frame [`read_message`] accepts (requests to the fakes are small).
+const MAX_FRAME: usize = 1 << 20;
+
 /// One bound PUB endpoint and its connected subscribers.
 pub struct Publisher {
+    addr: SocketAddr,
     subscribers: Subscribers,
     /// Subscribers that completed the handshake, ever (a readiness signal for tests).
     handshakes: tokio::sync::watch::Receiver<u64>,
@@ -113,15 +143,30 @@ impl Publisher {
         let listener = TcpListener::bind(addr)
             .await
             .with_context(|| format!("binding a KV-event publisher on {addr}"))?;
+        let addr = listener.local_addr()?;
         let subscribers: Subscribers = Arc::default();
         let (count, handshakes) = tokio::sync::watch::channel(0);
         let accept = tokio::spawn(accept_loop(listener, Arc::clone(&subscribers), count));
         Ok(Publisher {
+            addr,
             subscribers,
             handshakes,
             dropped: Arc::default(),
             accept,
         })
+    }
+
+    /// The address it listens on (the port a bind to port 0 got).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting and disconnects every subscriber; returns once the port is free again.
+    pub async fn close(mut self) {
+        self.subscribers.lock().clear();
+        self.accept.abort();
+        let accept = std::mem::replace(&mut self.accept, tokio::spawn(async {}));
+        let _ = accept.await;
     }
 
     /// Queues `message` (see [`encode`]) for every subscriber; returns how many took it.
@@ -138,6 +183,12 @@ impl Publisher {
             }
         }
         taken
+    }
+
+    /// Closes every subscriber's connection and keeps listening (a network blip: they may
+    /// connect again).
+    pub fn disconnect_all(&self) {
+        self.subscribers.lock().clear();
     }
 
     /// Connected subscribers.
@@ -193,7 +244,7 @@ async fn serve_subscriber(
     handshakes: &tokio::sync::watch::Sender<u64>,
 ) -> anyhow::Result<()> {
     stream.set_nodelay(true)?;
-    handshake(&mut stream).await?;
+    handshake(&mut stream, "PUB").await?;
     let (tx, mut rx) = mpsc::channel::<Bytes>(QUEUE_PER_SUBSCRIBER);
     subscribers.lock().push(tx);
     handshakes.send_modify(|n| *n += 1);

@@ -289,22 +289,31 @@ impl Core {
             .into_iter()
             .map(|record| {
                 let partition = self.partitions.read().get(&record.partition_key()).cloned();
-                let loads = record
+                let (loads, status): (Vec<RankLoad>, Vec<crate::RankStatus>) = record
                     .ranks
                     .iter()
                     .map(|r| {
                         partition
                             .as_ref()
                             .and_then(|p| {
-                                p.load_of(RankKey {
+                                p.rank_view(RankKey {
                                     worker_id: record.id,
                                     dp_rank: r.dp_rank,
                                 })
                             })
                             .unwrap_or_default()
                     })
-                    .collect::<Vec<RankLoad>>();
-                WorkerView { record, loads }
+                    .unzip();
+                let block_size = partition
+                    .as_ref()
+                    .and_then(|p| p.known_block_size())
+                    .or(record.spec.block_size);
+                WorkerView {
+                    record,
+                    loads,
+                    status,
+                    block_size,
+                }
             })
             .collect();
         views.sort_by(|a, b| a.record.spec.name.cmp(&b.record.spec.name));
@@ -356,6 +365,31 @@ impl Core {
         if let Some(partition) = self.partition_of_worker(rank.worker_id) {
             partition.clear_rank(rank);
         }
+    }
+
+    /// Marks a rank's engine reachable or not (the host's judgement: its KV events lost and its
+    /// endpoint refusing connections, or a refused scrape). An unreachable rank takes no picks;
+    /// its index entries stay until the host clears them. A rank coming back runs a release pass
+    /// (waiting requests may fit now). Facts only on a change.
+    pub fn set_rank_reachable(&self, rank: RankKey, reachable: bool, now: Instant) -> Facts {
+        let mut facts = Facts::default();
+        if let Some(partition) = self.partition_of_worker(rank.worker_id) {
+            if partition.set_reachable(rank, reachable, &mut facts) && reachable {
+                self.pump_partition(&partition, now, &mut facts);
+            }
+        }
+        facts
+    }
+
+    /// The HTTP endpoint of a rank as the catalog has it now.
+    pub fn rank_endpoint(&self, rank: RankKey) -> Option<SocketAddr> {
+        let catalog = self.catalog.lock();
+        let record = catalog.record(rank.worker_id)?;
+        record
+            .ranks
+            .iter()
+            .find(|r| r.dp_rank == rank.dp_rank)
+            .map(|r| r.endpoint)
     }
 
     /// Stores one engine-metrics reading of a rank (the host's scraper calls this after each

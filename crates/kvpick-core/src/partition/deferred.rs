@@ -319,7 +319,7 @@ mod tests {
         let (partition, rank, _) = partition();
         let guard = partition.lock_state();
         guard.predict(rank, &HASHES, None);
-        let stats = partition.apply_to(
+        let (stats, _) = partition.apply_to(
             &mut partition.kv.write(),
             rank,
             &[crate::event::KvEvent::AllBlocksCleared],

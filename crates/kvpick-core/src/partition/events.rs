@@ -23,6 +23,14 @@ pub struct EventStats {
     pub block_size_mismatches: u64,
 }
 
+/// The block sizes of one batch's stores that carry tokens: the last size other than the
+/// partition's, and whether one store of the partition's size applied.
+#[derive(Debug, Default, Clone, Copy)]
+struct BatchSizes {
+    mismatched: Option<u32>,
+    matched: bool,
+}
+
 /// Engine block hash -> our chained hash, for one rank. Reference counts per tier live in the
 /// index's holders, so an entry is 16 bytes.
 #[derive(Debug, Default)]
@@ -59,6 +67,7 @@ fn apply_event(
     event: &KvEvent,
     block_size: usize,
     stats: &mut EventStats,
+    sizes: &mut BatchSizes,
 ) -> bool {
     match event {
         KvEvent::AllBlocksCleared => {
@@ -90,6 +99,7 @@ fn apply_event(
             ..
         } if !token_ids.is_empty() && *event_block_size as usize != block_size => {
             stats.block_size_mismatches = stats.block_size_mismatches.saturating_add(1);
+            sizes.mismatched = Some(*event_block_size);
             false
         }
         KvEvent::BlockStored {
@@ -102,6 +112,7 @@ fn apply_event(
             cache_salt,
             ..
         } => {
+            sizes.matched |= !token_ids.is_empty();
             let stored = StoredBlocks {
                 block_hashes,
                 parent: *parent_block_hash,
@@ -191,17 +202,25 @@ impl Partition {
     ) -> EventStats {
         // The common case needs only the KV side: a member rank already precise, the block
         // size settled. Picks (under the state lock) never wait for it.
-        {
+        let fast = {
             let mut kv = self.kv.write();
-            if kv.block_size_known && kv.precise.contains(&rank) {
-                return self.apply_to(&mut kv, rank, events);
-            }
             if !kv.members.contains(&rank) {
                 return EventStats {
                     dropped: events.len() as u64,
                     ..EventStats::default()
                 };
             }
+            (kv.block_size_known && kv.precise.contains(&rank))
+                .then(|| self.apply_to(&mut kv, rank, events))
+        };
+        if let Some((stats, change)) = fast {
+            if let Some(engine) = change {
+                // Rare (once per change of the engine's standing): the worker's name is under
+                // the state lock, taken after the KV lock was released.
+                let state = self.lock_state();
+                self.size_fact(&state, rank, engine, facts);
+            }
+            return stats;
         }
         let mut guard = self.lock_state();
         let state = &mut *guard;
@@ -212,7 +231,10 @@ impl Partition {
             };
         }
         self.learn_block_size(state, events, now);
-        let stats = self.apply_to(&mut state.kv_write(), rank, events);
+        let (stats, change) = self.apply_to(&mut state.kv_write(), rank, events);
+        if let Some(engine) = change {
+            self.size_fact(state, rank, engine, facts);
+        }
         if stats.applied > 0 {
             if let Some(slot) = state.ranks.get_mut(&rank).filter(|s| !s.events_seen) {
                 slot.events_seen = true;
@@ -228,14 +250,37 @@ impl Partition {
         stats
     }
 
-    /// Applies the events to the index and the rank's engine map.
+    /// The fact of a rank's changed block-size standing (`engine`: the size its stores carry, or
+    /// `None` once they match again).
+    fn size_fact(
+        &self,
+        state: &super::State,
+        rank: RankKey,
+        engine: Option<u32>,
+        facts: &mut Facts,
+    ) {
+        if let Some(slot) = state.ranks.get(&rank) {
+            facts.push(Fact::BlockSizeMismatch {
+                worker: Arc::clone(&slot.worker_name),
+                dp_rank: rank.dp_rank,
+                partition: self.block_size(),
+                engine,
+            });
+        }
+    }
+
+    /// Applies the events to the index and the rank's engine map. Also returns a change of the
+    /// rank's block-size standing: `Some(Some(size))` when its stores started to carry (another)
+    /// size than the partition's, `Some(None)` when a store of the partition's size applied after
+    /// a mismatch.
     pub(super) fn apply_to(
         &self,
         kv: &mut super::Kv,
         rank: RankKey,
         events: &[KvEvent],
-    ) -> EventStats {
+    ) -> (EventStats, Option<Option<u32>>) {
         let mut stats = EventStats::default();
+        let mut sizes = BatchSizes::default();
         let block_size = self.block_size() as usize;
         if events
             .iter()
@@ -244,16 +289,27 @@ impl Partition {
             // Predictions of this rank made before the clear and not yet written are dropped.
             kv.clear_log.record(Some(&[rank]));
         }
-        let super::Kv { index, engines, .. } = kv;
+        let super::Kv {
+            index,
+            engines,
+            size_mismatch,
+            ..
+        } = kv;
         let map = engines.entry(rank).or_default();
         for event in events {
-            if apply_event(index, map, rank, event, block_size, &mut stats) {
+            if apply_event(index, map, rank, event, block_size, &mut stats, &mut sizes) {
                 stats.applied = stats.applied.saturating_add(1);
             } else {
                 stats.dropped = stats.dropped.saturating_add(1);
             }
         }
-        stats
+        let change = match sizes.mismatched {
+            Some(size) if size_mismatch.insert(rank, size) != Some(size) => Some(Some(size)),
+            Some(_) => None,
+            None if sizes.matched => size_mismatch.remove(&rank).map(|_| None),
+            None => None,
+        };
+        (stats, change)
     }
 
     /// Adopts the block size of the first stored block when no worker declared one.

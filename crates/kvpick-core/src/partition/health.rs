@@ -5,6 +5,11 @@
 //! before its first response byte (a 2xx's headers included: the engine may have aborted the
 //! prefill).
 //!
+//! The host's view of the engine itself comes in here too: a rank reported unreachable (its KV
+//! events lost and its endpoint refusing connections, or a refused scrape) takes no picks until it
+//! is reported reachable again; its index entries stay (whether they are still true is decided
+//! when the engine is seen again, by the host, which clears the rank if it restarted).
+//!
 //! It owns no state of its own: the health is each rank's [`super::ranks::Slot`], the marks are
 //! the booking's. It must not free bookings or touch the queue: the core does, as for any
 //! operation.
@@ -125,6 +130,33 @@ impl Partition {
                 HealthEvent::Reejected => {}
             }
         }
+        true
+    }
+}
+
+impl Partition {
+    /// Marks a rank's engine reachable or not; true when that changed. An unreachable rank is not
+    /// schedulable (every stage reads `schedulable`); its bookings, sessions (they move at their
+    /// next request) and index entries stay.
+    pub(crate) fn set_reachable(&self, rank: RankKey, reachable: bool, facts: &mut Facts) -> bool {
+        let mut guard = self.lock_state();
+        let state = &mut *guard;
+        let Some(slot) = state.ranks.get_mut(&rank) else {
+            return false;
+        };
+        if slot.reachable == reachable {
+            return false;
+        }
+        slot.reachable = reachable;
+        slot.refresh_schedulable();
+        facts.push(Fact::RankReachable {
+            worker: slot.worker_name.clone(),
+            dp_rank: rank.dp_rank,
+            reachable,
+        });
+        let n = state.ranks.values().filter(|s| s.schedulable).count();
+        self.schedulable
+            .store(n, std::sync::atomic::Ordering::Relaxed);
         true
     }
 }

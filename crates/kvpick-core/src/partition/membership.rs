@@ -150,7 +150,8 @@ impl Partition {
             slot.multiplexed = rank.multiplexed;
             slot.lora_adapters = Arc::clone(&lora);
             slot.role = rank.role;
-            slot.schedulable = record.lifecycle == Lifecycle::Schedulable;
+            slot.listed = record.lifecycle == Lifecycle::Schedulable;
+            slot.refresh_schedulable();
             slot.kv_events = record.spec.kv_events.is_some();
             if new_rank {
                 facts.push(Fact::RankPrecise {
@@ -208,6 +209,7 @@ impl Partition {
             kv.clear_rank(key);
             kv.members.remove(&key);
             kv.precise.remove(&key);
+            kv.size_mismatch.remove(&key);
         }
         let mut leases = Vec::new();
         let mut legs = Vec::new();

@@ -159,6 +159,10 @@ pub(crate) struct Kv {
     precise: std::collections::HashSet<RankKey>,
     /// `State::declared_block_size` is set: events can no longer change the block size.
     block_size_known: bool,
+    /// Ranks whose latest sized stores carried another block size than the partition's, and that
+    /// size ([`events`]). Outlives clears and resets (it describes the engine, not the index);
+    /// a rank leaving takes its entry along.
+    size_mismatch: HashMap<RankKey, u32>,
     /// Resets and rank clears, numbered (under the KV write lock), the recent ones remembered: a
     /// deferred prediction of a rank cleared since it was made is not written ([`deferred`]).
     clear_log: deferred::ClearLog,
@@ -282,6 +286,7 @@ impl Partition {
             members: Default::default(),
             precise: Default::default(),
             block_size_known: false,
+            size_mismatch: HashMap::new(),
             clear_log: deferred::ClearLog::new(Arc::clone(&clears)),
             rank_epoch: Arc::clone(&rank_epoch),
         }));

@@ -17,7 +17,13 @@ pub(crate) struct Slot {
     pub lora_adapters: Arc<[String]>,
     /// Prefill/decode role (`Both` unless the worker declares one).
     pub role: Role,
+    /// Picks may go here: the catalog lists the rank as schedulable (`listed`) and its engine is
+    /// not known to be down (`reachable`). Kept as one field because every stage reads it.
     pub schedulable: bool,
+    /// The catalog's lifecycle is `Schedulable`.
+    pub listed: bool,
+    /// The host has not reported the engine unreachable ([`crate::Core::set_rank_reachable`]).
+    pub reachable: bool,
     pub kv_events: bool,
     /// The engine run this slot's index entries belong to ([`crate::WorkerSpec::incarnation`]).
     pub incarnation: u64,
@@ -58,6 +64,8 @@ impl Slot {
             lora_adapters,
             role,
             schedulable: false,
+            listed: false,
+            reachable: true,
             kv_events: false,
             incarnation,
             events_seen: false,
@@ -75,6 +83,7 @@ impl Slot {
     pub fn for_test(port: u16) -> Self {
         Slot {
             schedulable: true,
+            listed: true,
             ..Slot::new(
                 Arc::from(format!("w{port}").as_str()),
                 SocketAddr::from(([10, 0, 0, 1], port)),
@@ -84,6 +93,11 @@ impl Slot {
                 0,
             )
         }
+    }
+
+    /// Derives `schedulable` from the catalog's listing and the engine's reachability.
+    pub fn refresh_schedulable(&mut self) {
+        self.schedulable = self.listed && self.reachable;
     }
 
     /// What the decision sees: this process's bookings plus the other replicas'.

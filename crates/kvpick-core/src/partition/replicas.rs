@@ -78,8 +78,20 @@ impl Partition {
         }
     }
 
-    pub fn load_of(&self, key: RankKey) -> Option<RankLoad> {
-        self.lock_state().ranks.get(&key).map(|s| s.load)
+    /// A rank's load and standing, for listing.
+    pub fn rank_view(&self, key: RankKey) -> Option<(RankLoad, crate::RankStatus)> {
+        let state = self.lock_state();
+        let slot = state.ranks.get(&key)?;
+        let status = crate::RankStatus {
+            reachable: slot.reachable,
+            mismatched_block_size: state.kv_read().size_mismatch.get(&key).copied(),
+        };
+        Some((slot.load, status))
+    }
+
+    /// The partition's block size once a worker declared it or an event taught it.
+    pub fn known_block_size(&self) -> Option<u32> {
+        self.lock_state().declared_block_size
     }
 
     /// Inserts blocks for a rank (KV events, tests, warm-up).
