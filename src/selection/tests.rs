@@ -992,9 +992,11 @@ mod kv_events {
         }
     }
 
+    /// `tokens`' depth on `rank`, asked with one token more: an engine computes a prompt's last
+    /// token, so only then are all of `tokens`' blocks reusable.
     fn overlap_on(core: &SelectionCore, rank: RankKey, tokens: &[u32]) -> TierDepths {
         let mut r = request("q", Some("m"));
-        r.prompt = PromptInput::Tokens(tokens.to_vec());
+        r.prompt = PromptInput::Tokens([tokens, &[u32::MAX]].concat());
         let (_, scores) = core.overlap_scores(&r).unwrap();
         scores.into_iter().find(|(p, _)| p.key == rank).unwrap().1
     }
@@ -1161,7 +1163,7 @@ mod kv_events {
             "base-model prompt differs"
         );
         let mut r = request("q", Some("sql"));
-        r.prompt = PromptInput::Tokens(tokens);
+        r.prompt = PromptInput::Tokens([tokens, vec![u32::MAX]].concat());
         let (_, scores) = core.overlap_scores(&r).unwrap();
         assert_eq!(scores[0].1.gpu, 1);
     }

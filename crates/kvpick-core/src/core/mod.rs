@@ -264,3 +264,6 @@ mod outlier_tests;
 
 #[cfg(test)]
 mod sparse_tests;
+
+#[cfg(test)]
+mod prediction_tests;
