@@ -174,6 +174,9 @@ pub struct StreamMachine {
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
     first_byte_seen: bool,
+    /// The response ended (its end of stream passed): the stream's work is done, however Envoy
+    /// then closes the gRPC stream.
+    response_done: bool,
     usage: Option<UsageTracker>,
     served_endpoint: Option<String>,
     pin: Option<Pin>,
@@ -217,6 +220,7 @@ impl StreamMachine {
             reservation: None,
             picked_at: None,
             first_byte_seen: false,
+            response_done: false,
             usage: None,
             served_endpoint: None,
             pin: None,
@@ -254,6 +258,12 @@ impl StreamMachine {
     /// carried its [`Waiter`] and [`StreamMachine::resume_after_queue`]).
     pub fn is_queued(&self) -> bool {
         self.queued.is_some()
+    }
+
+    /// True once the exchange is over for kvpick: the response ended, or kvpick answered the
+    /// request itself. Envoy closing (or resetting) the stream after that is a normal end.
+    pub fn is_complete(&self) -> bool {
+        self.response_done || self.phase == Phase::Finished
     }
 
     /// Handles one message (a `ProcessingRequest`, or one read by [`super::codec`] with its body

@@ -125,6 +125,7 @@ impl StreamMachine {
 
     /// Frees the booking (response complete) and records usage.
     pub(super) fn release(&mut self) {
+        self.response_done = true;
         let usage = self.usage.as_mut().and_then(UsageTracker::finish);
         self.epp.completed(usage);
         if let Some(usage) = usage {
