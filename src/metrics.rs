@@ -33,7 +33,12 @@ pub struct Metrics {
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
     pub pool: crate::epp_metrics::pool::PoolTracker,
     families: crate::epp_metrics::Families,
+    /// Read at each scrape: what the selection core reports as it is now (index sizes).
+    scrape_facts: std::sync::Arc<std::sync::OnceLock<ScrapeFacts>>,
 }
+
+/// Facts a scrape asks for ([`Metrics::on_scrape`]).
+type ScrapeFacts = Box<dyn Fn() -> Facts + Send + Sync>;
 
 /// How picked ranks answer, and outlier detection (ARCHITECTURE.md §3b).
 #[derive(Clone)]
@@ -900,13 +905,23 @@ impl Metrics {
             flow: FlowMetrics::register(&registry),
             outlier: OutlierMetrics::register(&registry),
             conn: ConnMetrics::register(&registry),
+            scrape_facts: Default::default(),
             registry,
         }
+    }
+
+    /// Sets what each scrape applies first (once; the selection core sets it): gauges read at
+    /// the scrape, so they are current whatever changed them.
+    pub fn on_scrape(&self, facts: impl Fn() -> Facts + Send + Sync + 'static) {
+        let _ = self.scrape_facts.set(Box::new(facts));
     }
 
     /// The Prometheus text exposition of every metric of the exported families (the pool
     /// gauges computed now).
     pub fn render(&self) -> String {
+        if let Some(facts) = self.scrape_facts.get() {
+            self.apply(&facts());
+        }
         self.pool.refresh(&self.epp, crate::clock::now());
         let families: Vec<_> = self
             .registry

@@ -1106,6 +1106,37 @@ mod kv_events {
         );
     }
 
+    /// `kvpick_index_blocks` is read at each scrape: a clear (an engine restart, with no fact)
+    /// shows once its sweep has dropped the blocks, not at the next 10 s reap.
+    #[test]
+    fn index_blocks_is_current_at_each_scrape() {
+        let core = core();
+        core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+            .unwrap();
+        let a = rank_of(&core, "a", 0);
+        let scraped = || {
+            let text = core.metrics().render();
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix("kvpick_index_blocks{model=\"m\",routing_group=\"\"} ")
+                        .map(str::to_owned)
+                })
+                .unwrap_or_default()
+        };
+        let tokens: Vec<u32> = (0..16 * 8).collect();
+        let hashes: Vec<u64> = (1..=8).collect();
+        core.apply_kv_events(a, &[stored(&hashes, None, tokens, Medium::Gpu)]);
+        assert_eq!(scraped(), "8");
+        core.clear_rank(a);
+        let now = Instant::now();
+        while core.sweep_cleared_ranks(now) > 0 {}
+        assert_eq!(
+            scraped(),
+            "0",
+            "no fact reported the sweep; the scrape reads it"
+        );
+    }
+
     #[test]
     fn unusable_events_are_dropped_not_fatal() {
         let core = core();

@@ -350,4 +350,10 @@ impl Partition {
         let state = self.lock_state();
         self.index_fact(&state, None)
     }
+
+    /// The index size as the KV side holds it now, without the state lock (what a metrics
+    /// scrape reports; predictions a pick has not yet written are not in it).
+    pub fn index_size_now(&self) -> Fact {
+        self.index_size_of(&self.kv.read(), None)
+    }
 }
