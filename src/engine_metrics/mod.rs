@@ -264,24 +264,36 @@ pub fn readings(
 pub struct Target {
     pub endpoint: SocketAddr,
     pub ranks: Vec<RankKey>,
+    /// The worker name of each rank (its per-rank gauges' `worker` label).
+    pub workers: Vec<Arc<str>>,
 }
 
 /// The endpoints of the catalog's ranks, each with the ranks behind it.
 pub fn targets(records: &[WorkerRecord]) -> Vec<Target> {
-    let mut by_endpoint: HashMap<SocketAddr, Vec<RankKey>> = HashMap::new();
+    let mut by_endpoint: HashMap<SocketAddr, Vec<(RankKey, Arc<str>)>> = HashMap::new();
     for record in records {
+        let name: Arc<str> = Arc::from(record.spec.name.as_str());
         for rank in &record.ranks {
-            by_endpoint.entry(rank.endpoint).or_default().push(RankKey {
+            let key = RankKey {
                 worker_id: record.id,
                 dp_rank: rank.dp_rank,
-            });
+            };
+            by_endpoint
+                .entry(rank.endpoint)
+                .or_default()
+                .push((key, Arc::clone(&name)));
         }
     }
     let mut out: Vec<Target> = by_endpoint
         .into_iter()
         .map(|(endpoint, mut ranks)| {
-            ranks.sort();
-            Target { endpoint, ranks }
+            ranks.sort_by_key(|(key, _)| *key);
+            let (ranks, workers) = ranks.into_iter().unzip();
+            Target {
+                endpoint,
+                ranks,
+                workers,
+            }
         })
         .collect();
     out.sort_by_key(|t| t.endpoint);
@@ -423,10 +435,11 @@ impl Scraper {
             let readings =
                 readings(text, &self.config.names, dp_ranks, at).map_err(|_| Failure::Invalid)?;
             let mut any = false;
-            for (key, reading) in target.ranks.iter().zip(readings) {
+            let named = target.ranks.iter().zip(&target.workers);
+            for ((key, worker), reading) in named.zip(readings) {
                 if let Some(reading) = reading {
                     let pool = &self.core.metrics().pool;
-                    pool.engine_reading(*key, &reading);
+                    pool.engine_reading(*key, worker, &reading);
                     any |= self.core.inner().record_engine_metrics(*key, reading);
                 }
             }
