@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub use crate::epp_metrics::BoundedLabel;
+pub use cache_view::CacheViewMetrics;
 pub use conn::ConnMetrics;
 use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
 use prometheus::{
@@ -13,6 +14,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+pub mod cache_view;
 mod conn;
 
 /// Every metric kvpick exports, registered per area on one registry. Cheap to clone (all
@@ -28,6 +30,8 @@ pub struct Metrics {
     pub flow: FlowMetrics,
     pub outlier: OutlierMetrics,
     pub conn: ConnMetrics,
+    /// Cache-view accuracy: predicted against engine-reported cached tokens.
+    pub cache_view: CacheViewMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
     pub epp: crate::epp_metrics::EppMetrics,
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
@@ -732,6 +736,7 @@ impl Metrics {
                     .set(i64::from(*precise)),
                 Fact::RankGone { worker, dp_rank } => {
                     self.pool.rank_gone(worker, *dp_rank);
+                    self.cache_view.rank_gone(worker, *dp_rank);
                     let labels = [&**worker, &dp_rank.to_string()];
                     let _ = self.events.rank_precise.remove_label_values(&labels);
                     let _ = self
@@ -905,6 +910,7 @@ impl Metrics {
             flow: FlowMetrics::register(&registry),
             outlier: OutlierMetrics::register(&registry),
             conn: ConnMetrics::register(&registry),
+            cache_view: CacheViewMetrics::register(&registry),
             scrape_facts: Default::default(),
             registry,
         }

@@ -106,6 +106,7 @@ fn a_routed_request_is_counted_runs_and_completes_in_both_generations() {
         prompt_tokens: 100,
         completion_tokens: 4,
         cached_tokens: 64,
+        cached_reported: true,
     }));
     assert_eq!(s.req.running.with_label_values(&L).get(), 0);
     assert_eq!(g.req.running.with_label_values(&["m"]).get(), 0);
