@@ -38,7 +38,7 @@ KVPICK_PARAMS: dict[str, float | int] = {
     "--prefill-load-scale": 1.0,
     "--decode-block-weight": 0.01,
     "--decode-active-request-weight": 0.0,
-    "--predicted-ttl": 2,
+    "--predicted-ttl": 300,
     "--stall-weight": 1.0,
     "--ttft-slack": 1.5,
 }

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub use crate::epp_metrics::BoundedLabel;
+pub use cache_view::CacheViewMetrics;
 pub use conn::ConnMetrics;
 use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
 use prometheus::{
@@ -14,6 +15,7 @@ use prometheus::{
 };
 pub use ranks::RankMetrics;
 
+pub mod cache_view;
 mod conn;
 mod ranks;
 
@@ -32,12 +34,19 @@ pub struct Metrics {
     pub conn: ConnMetrics,
     /// The engines' standing per rank (reachability, block-size mismatch).
     pub ranks: RankMetrics,
+    /// Cache-view accuracy: predicted against engine-reported cached tokens.
+    pub cache_view: CacheViewMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
     pub epp: crate::epp_metrics::EppMetrics,
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
     pub pool: crate::epp_metrics::pool::PoolTracker,
     families: crate::epp_metrics::Families,
+    /// Read at each scrape: what the selection core reports as it is now (index sizes).
+    scrape_facts: std::sync::Arc<std::sync::OnceLock<ScrapeFacts>>,
 }
+
+/// Facts a scrape asks for ([`Metrics::on_scrape`]).
+type ScrapeFacts = Box<dyn Fn() -> Facts + Send + Sync>;
 
 /// How picked ranks answer, and outlier detection (ARCHITECTURE.md §3b).
 #[derive(Clone)]
@@ -736,6 +745,7 @@ impl Metrics {
                 Fact::RankGone { worker, dp_rank } => {
                     self.pool.rank_gone(worker, *dp_rank);
                     self.ranks.rank_gone(worker, *dp_rank);
+                    self.cache_view.rank_gone(worker, *dp_rank);
                     let labels = [&**worker, &dp_rank.to_string()];
                     let _ = self.events.rank_precise.remove_label_values(&labels);
                     let _ = self
@@ -910,13 +920,24 @@ impl Metrics {
             outlier: OutlierMetrics::register(&registry),
             conn: ConnMetrics::register(&registry),
             ranks: RankMetrics::register(&registry),
+            cache_view: CacheViewMetrics::register(&registry),
+            scrape_facts: Default::default(),
             registry,
         }
+    }
+
+    /// Sets what each scrape applies first (once; the selection core sets it): gauges read at
+    /// the scrape, so they are current whatever changed them.
+    pub fn on_scrape(&self, facts: impl Fn() -> Facts + Send + Sync + 'static) {
+        let _ = self.scrape_facts.set(Box::new(facts));
     }
 
     /// The Prometheus text exposition of every metric of the exported families (the pool
     /// gauges computed now).
     pub fn render(&self) -> String {
+        if let Some(facts) = self.scrape_facts.get() {
+            self.apply(&facts());
+        }
         self.pool.refresh(&self.epp, crate::clock::now());
         let families: Vec<_> = self
             .registry

@@ -580,11 +580,13 @@ pub struct ServeArgs {
     #[arg(long, default_value = "on", value_parser = ["on", "off"], help_heading = "KV cache")]
     pub kv_events: String,
 
-    /// Seconds a predicted block (inserted at pick time for workers with KV events) lives until
-    /// the engine's own event confirms it.
+    /// Bound on a predicted block's life, in seconds. A pick on a rank whose KV events flow
+    /// predicts the prompt's blocks there; they live until the engine's own events confirm them
+    /// or the request ends (then the unconfirmed ones go). This bounds only a booking whose end
+    /// never comes (default: as long as an unfreed API booking, `--booking-ttl`).
     #[arg(
         long,
-        default_value_t = 2,
+        default_value_t = kvpick_core::DEFAULT_PREDICTED_TTL.as_secs(),
         value_name = "SECONDS",
         help_heading = "KV cache"
     )]

@@ -11,7 +11,11 @@ use serde::Deserialize;
 pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
+    /// 0 when the engine did not report it.
     pub cached_tokens: u64,
+    /// The engine reported `prompt_tokens_details.cached_tokens` (vLLM only does with
+    /// `--enable-prompt-tokens-details`): a 0 then means nothing was cached, not "unknown".
+    pub cached_reported: bool,
 }
 
 #[derive(Deserialize)]
@@ -39,13 +43,12 @@ struct Details {
 fn usage_of(json: &[u8]) -> Option<Usage> {
     let parsed: WithUsage = serde_json::from_slice(json).ok()?;
     let raw = parsed.usage?;
+    let cached = raw.prompt_tokens_details.and_then(|d| d.cached_tokens);
     Some(Usage {
         prompt_tokens: raw.prompt_tokens.unwrap_or(0),
         completion_tokens: raw.completion_tokens.unwrap_or(0),
-        cached_tokens: raw
-            .prompt_tokens_details
-            .and_then(|d| d.cached_tokens)
-            .unwrap_or(0),
+        cached_tokens: cached.unwrap_or(0),
+        cached_reported: cached.is_some(),
     })
 }
 
@@ -158,6 +161,7 @@ data: [DONE]\n\n";
             prompt_tokens: 100,
             completion_tokens: 7,
             cached_tokens: 64,
+            cached_reported: true,
         };
         for split in 0..SSE.len() {
             let mut t = UsageTracker::new(true);
@@ -187,8 +191,10 @@ data: [DONE]\n\n";
             Some(Usage {
                 prompt_tokens: 5,
                 completion_tokens: 2,
-                cached_tokens: 0
-            })
+                cached_tokens: 0,
+                cached_reported: false,
+            }),
+            "no details: the cached count is unknown, not 0"
         );
     }
 

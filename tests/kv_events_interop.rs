@@ -118,11 +118,13 @@ fn start_kvpick(events: &str, replay: &str, http: u16) -> common::Serve {
     )
 }
 
+/// The blocks of `tokens` the index holds, asked with one token more: an engine computes a
+/// prompt's last token, so only then can all of `tokens`' blocks be credited.
 async fn cached_blocks(api: &mut common::Api, tokens: &[u32]) -> u32 {
     let scores = api
         .overlap_scores(SelectRequest {
             model: "m".into(),
-            token_ids: tokens.to_vec(),
+            token_ids: [tokens, &[u32::MAX]].concat(),
             ..Default::default()
         })
         .await

@@ -201,7 +201,9 @@ async fn request(client: &mut Client, extra: &[(&str, &str)]) -> Stream {
     .unwrap();
     tx.send(message(processing_request::Request::RequestBody(
         HttpBody {
-            body: br#"{"model":"m","prompt":"hello there"}"#.to_vec(),
+            // Token ids: its response's cached tokens are held against the pick's prediction
+            // (the cache-view series).
+            body: br#"{"model":"m","prompt":[1,2,3]}"#.to_vec(),
             end_of_stream: true,
             ..Default::default()
         },

@@ -270,11 +270,13 @@ async fn ingest_indexes_what_the_sim_announced(encoding: &str) {
         core.catalog_changes(),
     ));
 
+    // Asked with one token more: an engine computes a prompt's last token, so only then can
+    // every block of `tokens` be credited.
     let depth_on = |tokens: &[u32], worker: usize| {
         let req = SelectionRequest {
             request_id: "q".into(),
             model: Some("kvpick-sim".into()),
-            prompt: PromptInput::Tokens(tokens.to_vec()),
+            prompt: PromptInput::Tokens([tokens, &[u32::MAX]].concat()),
             ..Default::default()
         };
         let (_, ranks) = core.overlap_scores(&req).unwrap();

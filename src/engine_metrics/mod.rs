@@ -273,21 +273,25 @@ pub struct Target {
     /// Of `ranks`, those whose reachability this scraper judges: no KV-event subscription
     /// watches their engine.
     pub judged: Vec<RankKey>,
+    /// The worker name of each rank (its per-rank gauges' `worker` label).
+    pub workers: Vec<Arc<str>>,
 }
 
 /// The endpoints of the catalog's ranks, each with the ranks behind it. `kv_events`: whether
 /// ranks with a `kv_events` endpoint are subscribed to (`--kv-events`).
 pub fn targets(records: &[WorkerRecord], kv_events: bool) -> Vec<Target> {
-    let mut by_endpoint: HashMap<SocketAddr, (Vec<RankKey>, Vec<RankKey>)> = HashMap::new();
+    type Ranks = (Vec<(RankKey, Arc<str>)>, Vec<RankKey>);
+    let mut by_endpoint: HashMap<SocketAddr, Ranks> = HashMap::new();
     for record in records {
         let subscribed = kv_events && record.spec.kv_events.is_some();
+        let name: Arc<str> = Arc::from(record.spec.name.as_str());
         for rank in &record.ranks {
             let key = RankKey {
                 worker_id: record.id,
                 dp_rank: rank.dp_rank,
             };
             let (ranks, judged) = by_endpoint.entry(rank.endpoint).or_default();
-            ranks.push(key);
+            ranks.push((key, Arc::clone(&name)));
             if !subscribed {
                 judged.push(key);
             }
@@ -296,12 +300,14 @@ pub fn targets(records: &[WorkerRecord], kv_events: bool) -> Vec<Target> {
     let mut out: Vec<Target> = by_endpoint
         .into_iter()
         .map(|(endpoint, (mut ranks, mut judged))| {
-            ranks.sort();
+            ranks.sort_by_key(|(key, _)| *key);
             judged.sort();
+            let (ranks, workers) = ranks.into_iter().unzip();
             Target {
                 endpoint,
                 ranks,
                 judged,
+                workers,
             }
         })
         .collect();
@@ -494,10 +500,11 @@ impl Scraper {
             let readings =
                 readings(text, &self.config.names, dp_ranks, at).map_err(|_| Failure::Invalid)?;
             let mut any = false;
-            for (key, reading) in target.ranks.iter().zip(readings) {
+            let named = target.ranks.iter().zip(&target.workers);
+            for ((key, worker), reading) in named.zip(readings) {
                 if let Some(reading) = reading {
                     let pool = &self.core.metrics().pool;
-                    pool.engine_reading(*key, &reading);
+                    pool.engine_reading(*key, worker, &reading);
                     any |= self.core.inner().record_engine_metrics(*key, reading);
                 }
             }

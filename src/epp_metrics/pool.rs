@@ -4,6 +4,11 @@
 //! the last value of what it is handed (rank loads from the core's facts, engine readings from
 //! the scraper, waiters from admission) and computes the gauges when `/metrics` is scraped.
 //!
+//! It also exports each rank's last fresh engine reading as it was scraped (waiting, running, KV
+//! use per `worker`, `rank`): one series per rank with a fresh reading, at most
+//! [`MAX_ENGINE_RANK_SERIES`] ranks (the rest are in the averages only), removed once the
+//! reading goes stale or the rank leaves.
+//!
 //! It must not decide anything: saturation here is a reading for operators, the core's own
 //! saturation rule (`kvpick_core::flow::is_saturated`) is what flow control applies.
 
@@ -16,7 +21,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kvpick_core::{EngineMetrics, RankKey, RankLoad, SaturationLimits};
-use prometheus::{Gauge, IntGauge, Registry};
+use prometheus::{Gauge, GaugeVec, IntGauge, IntGaugeVec, Opts, Registry};
 
 use super::EppMetrics;
 
@@ -37,9 +42,22 @@ impl Default for PoolConfig {
     }
 }
 
+/// Most ranks whose engine readings are exported one by one (`kvpick_engine_*{worker,rank}`):
+/// three series each, so a pool of thousands of ranks does not export thousands more series
+/// than its per-rank load gauges. Past it, the ranks first in (worker, rank) order are exported.
+pub const MAX_ENGINE_RANK_SERIES: usize = 1_024;
+
+/// One rank's last engine reading: waiting, running, KV use, when, and its worker's name.
+type Reading = (u64, u64, f64, Instant, Arc<str>);
+
+/// A reading as exported: worker, rank, and waiting, running, KV use.
+type RankReading = (Arc<str>, u32, (u64, u64, f64));
+
 #[derive(Default)]
 struct State {
-    engine: HashMap<RankKey, (u64, u64, f64, Instant)>,
+    engine: HashMap<RankKey, Reading>,
+    /// The (worker, rank) labels of the per-rank engine series exported now.
+    engine_labelled: std::collections::HashSet<(Arc<str>, u32)>,
     active: HashMap<(Arc<str>, u32), u64>,
     schedulable: i64,
     /// Queued requests of this process by ticket, with when they joined the queue.
@@ -58,6 +76,10 @@ pub struct PoolTracker {
     pub saturated_ratio: Gauge,
     pub queue_length: IntGauge,
     pub queue_oldest_age: Gauge,
+    /// Per rank, its last fresh engine reading: waiting and running requests, KV-cache use.
+    pub engine_waiting: IntGaugeVec,
+    pub engine_running: IntGaugeVec,
+    pub engine_kv_usage: GaugeVec,
 }
 
 /// The pool's figures at one instant.
@@ -104,10 +126,40 @@ impl PoolTracker {
             "How long the oldest request in this process's flow-control queue has waited (0 when empty)",
         )
         .unwrap();
+        let engine_waiting = IntGaugeVec::new(
+            Opts::new(
+                "kvpick_engine_requests_waiting",
+                "Per rank, requests waiting in the engine as last scraped (vllm:num_requests_waiting; \
+                 fresh readings only, at most 1,024 ranks)",
+            ),
+            &["worker", "rank"],
+        )
+        .unwrap();
+        let engine_running = IntGaugeVec::new(
+            Opts::new(
+                "kvpick_engine_requests_running",
+                "Per rank, requests running in the engine as last scraped (vllm:num_requests_running; \
+                 fresh readings only, at most 1,024 ranks)",
+            ),
+            &["worker", "rank"],
+        )
+        .unwrap();
+        let engine_kv_usage = GaugeVec::new(
+            Opts::new(
+                "kvpick_engine_kv_cache_usage_ratio",
+                "Per rank, the engine's KV-cache use (0..1) as last scraped (vllm:kv_cache_usage_perc; \
+                 fresh readings only, at most 1,024 ranks)",
+            ),
+            &["worker", "rank"],
+        )
+        .unwrap();
         reg(Box::new(saturation.clone()));
         reg(Box::new(saturated_ratio.clone()));
         reg(Box::new(queue_length.clone()));
         reg(Box::new(queue_oldest_age.clone()));
+        reg(Box::new(engine_waiting.clone()));
+        reg(Box::new(engine_running.clone()));
+        reg(Box::new(engine_kv_usage.clone()));
         PoolTracker {
             state: Arc::default(),
             config: Arc::default(),
@@ -116,6 +168,9 @@ impl PoolTracker {
             saturated_ratio,
             queue_length,
             queue_oldest_age,
+            engine_waiting,
+            engine_running,
+            engine_kv_usage,
         }
     }
 
@@ -145,9 +200,13 @@ impl PoolTracker {
             .insert((Arc::clone(worker), dp_rank), load.active_requests);
     }
 
-    /// A rank left the catalog.
+    /// A rank left the catalog: its load and its engine reading go.
     pub fn rank_gone(&self, worker: &Arc<str>, dp_rank: u32) {
-        self.lock().active.remove(&(Arc::clone(worker), dp_rank));
+        let mut state = self.lock();
+        state.active.remove(&(Arc::clone(worker), dp_rank));
+        state
+            .engine
+            .retain(|key, r| !(key.dp_rank == dp_rank && r.4 == *worker));
     }
 
     /// Schedulable workers in the catalog.
@@ -155,8 +214,8 @@ impl PoolTracker {
         self.lock().schedulable = workers;
     }
 
-    /// An engine reading of `rank`.
-    pub fn engine_reading(&self, rank: RankKey, reading: &EngineMetrics) {
+    /// An engine reading of `rank` (of the worker named `worker`).
+    pub fn engine_reading(&self, rank: RankKey, worker: &Arc<str>, reading: &EngineMetrics) {
         self.lock().engine.insert(
             rank,
             (
@@ -164,6 +223,7 @@ impl PoolTracker {
                 reading.running,
                 reading.kv_usage,
                 reading.at,
+                Arc::clone(worker),
             ),
         );
     }
@@ -189,7 +249,7 @@ impl PoolTracker {
         let n = reporting.max(1) as f64;
         let (mut kv, mut queue, mut running, mut engine_load, mut engine_saturated) =
             (0.0, 0.0, 0.0, 0.0, 0usize);
-        for (waiting, run, kv_usage, _) in state.engine.values() {
+        for (waiting, run, kv_usage, ..) in state.engine.values() {
             kv += kv_usage;
             queue += *waiting as f64;
             running += *run as f64;
@@ -240,9 +300,43 @@ impl PoolTracker {
         }
     }
 
+    /// Sets the per-rank engine gauges to the fresh readings (after [`PoolTracker::figures`]
+    /// dropped the stale ones), at most [`MAX_ENGINE_RANK_SERIES`] ranks, and removes the series
+    /// of ranks no longer among them.
+    fn refresh_ranks(&self) {
+        let mut state = self.lock();
+        let mut fresh: Vec<RankReading> = state
+            .engine
+            .iter()
+            .map(|(key, r)| (Arc::clone(&r.4), key.dp_rank, (r.0, r.1, r.2)))
+            .collect();
+        fresh.sort_by(|a, b| (&a.0, a.1).cmp(&(&b.0, b.1)));
+        fresh.truncate(MAX_ENGINE_RANK_SERIES);
+        let mut labelled = std::collections::HashSet::with_capacity(fresh.len());
+        for (worker, rank, (waiting, running, kv)) in fresh {
+            let labels = [&*worker, &rank.to_string()];
+            self.engine_waiting
+                .with_label_values(&labels)
+                .set(i64::try_from(waiting).unwrap_or(i64::MAX));
+            self.engine_running
+                .with_label_values(&labels)
+                .set(i64::try_from(running).unwrap_or(i64::MAX));
+            self.engine_kv_usage.with_label_values(&labels).set(kv);
+            labelled.insert((worker, rank));
+        }
+        for (worker, rank) in state.engine_labelled.difference(&labelled) {
+            let labels = [&**worker, &rank.to_string()];
+            let _ = self.engine_waiting.remove_label_values(&labels);
+            let _ = self.engine_running.remove_label_values(&labels);
+            let _ = self.engine_kv_usage.remove_label_values(&labels);
+        }
+        state.engine_labelled = labelled;
+    }
+
     /// Sets every pool gauge (kvpick's and the EPP ones) to the figures at `now`.
     pub fn refresh(&self, epp: &EppMetrics, now: Instant) -> PoolFigures {
         let f = self.figures(now);
+        self.refresh_ranks();
         self.saturation.set(f.saturation);
         self.saturated_ratio.set(f.saturated_ratio);
         self.queue_length.set(f.queue_length as i64);

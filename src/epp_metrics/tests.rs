@@ -106,6 +106,7 @@ fn a_routed_request_is_counted_runs_and_completes_in_both_generations() {
         prompt_tokens: 100,
         completion_tokens: 4,
         cached_tokens: 64,
+        cached_reported: true,
     }));
     assert_eq!(s.req.running.with_label_values(&L).get(), 0);
     assert_eq!(g.req.running.with_label_values(&["m"]).get(), 0);
@@ -362,8 +363,8 @@ const ENGINE_LIMITS: SaturationLimits = SaturationLimits {
 fn pool_averages_and_saturation_come_from_fresh_readings() {
     let p = tracker(ENGINE_LIMITS);
     let now = Instant::now();
-    p.engine_reading(key(1), &reading(4, 10, 0.4, now));
-    p.engine_reading(key(2), &reading(8, 20, 0.2, now));
+    p.engine_reading(key(1), &"w1".into(), &reading(4, 10, 0.4, now));
+    p.engine_reading(key(2), &"w2".into(), &reading(8, 20, 0.2, now));
     let f = p.figures(now);
     assert_eq!(f.reporting, 2);
     assert!((f.average_kv - 0.3).abs() < 1e-9);
@@ -435,8 +436,11 @@ fn refresh_sets_the_epp_pool_gauges_and_drops_averages_without_readings() {
         !text.contains("llm_d_epp_average_kv_cache_utilization{"),
         "{text}"
     );
-    m.pool
-        .engine_reading(key(1), &reading(2, 1, 0.5, crate::selection::now()));
+    m.pool.engine_reading(
+        key(1),
+        &"w1".into(),
+        &reading(2, 1, 0.5, crate::selection::now()),
+    );
     let text = m.render();
     assert!(
         text.contains("llm_d_epp_average_kv_cache_utilization{name=\"p\"} 0.5"),
@@ -451,6 +455,56 @@ fn refresh_sets_the_epp_pool_gauges_and_drops_averages_without_readings() {
         text.contains("llm_d_epp_flow_control_pool_saturation{inference_pool=\"p\"} 0.625"),
         "{text}"
     );
+}
+
+/// Each rank's scraped reading is exported as it was scraped (not only as pool averages), until
+/// it goes stale or the rank leaves; at most `MAX_ENGINE_RANK_SERIES` ranks, first by name.
+#[test]
+fn per_rank_engine_readings_are_exported_while_fresh() {
+    use crate::epp_metrics::pool::MAX_ENGINE_RANK_SERIES;
+    let m = Metrics::new();
+    m.pool.configure(PoolConfig {
+        limits: ENGINE_LIMITS,
+        stale_after: Duration::from_secs(5),
+    });
+    let now = crate::selection::now();
+    m.pool
+        .engine_reading(key(1), &"w1".into(), &reading(3, 7, 0.25, now));
+    m.pool
+        .engine_reading(key(2), &"w2".into(), &reading(1, 2, 0.5, now));
+    let text = m.render();
+    for line in [
+        "kvpick_engine_requests_waiting{rank=\"0\",worker=\"w1\"} 3",
+        "kvpick_engine_requests_running{rank=\"0\",worker=\"w1\"} 7",
+        "kvpick_engine_kv_cache_usage_ratio{rank=\"0\",worker=\"w1\"} 0.25",
+        "kvpick_engine_requests_waiting{rank=\"0\",worker=\"w2\"} 1",
+    ] {
+        assert!(text.contains(line), "{line} in {text}");
+    }
+    // w2 leaves the catalog; w1's reading goes stale: neither is exported any more.
+    m.pool.rank_gone(&"w2".into(), 0);
+    let text = m.render();
+    assert!(!text.contains("worker=\"w2\""), "{text}");
+    let stale = now + Duration::from_secs(6);
+    m.pool.refresh(&m.epp, stale);
+    let text = m.render();
+    assert!(!text.contains("kvpick_engine_requests_waiting{"), "{text}");
+    // Bounded: one rank more than the bound, the last by name is left out.
+    for i in 0..=MAX_ENGINE_RANK_SERIES as u64 {
+        m.pool.engine_reading(
+            key(100 + i),
+            &format!("w{i:05}").into(),
+            &reading(0, 0, 0.0, now),
+        );
+    }
+    let text = m.render();
+    let exported = text
+        .lines()
+        .filter(|l| l.starts_with("kvpick_engine_requests_waiting{"))
+        .count();
+    assert_eq!(exported, MAX_ENGINE_RANK_SERIES);
+    let last = format!("w{:05}", MAX_ENGINE_RANK_SERIES);
+    assert!(!text.contains(&format!("worker=\"{last}\"")));
 }
 
 #[path = "stream_tests.rs"]

@@ -148,3 +148,68 @@ async fn a_client_gone_while_queued_leaves_the_queue_and_each_end_is_counted() {
     assert_eq!(core.live_bookings(), 0);
     assert_eq!(ends(&core, "envoy_gone") + ends(&core, "reset"), 1);
 }
+
+/// The response messages of an exchange: 200 headers, then a body that ends the response.
+fn response(body: &[u8]) -> [ProcessingRequest; 2] {
+    let headers = HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: ":status".into(),
+                value: String::new(),
+                raw_value: b"200".to_vec(),
+            }],
+        }),
+        ..Default::default()
+    };
+    let body = HttpBody {
+        body: body.to_vec(),
+        end_of_stream: true,
+        ..Default::default()
+    };
+    [
+        processing_request::Request::ResponseHeaders(headers),
+        processing_request::Request::ResponseBody(body),
+    ]
+    .map(|r| ProcessingRequest {
+        request: Some(r),
+        ..Default::default()
+    })
+}
+
+/// Envoy ends a finished exchange's stream in any of three ways; each is a normal end
+/// (`completed`), never `envoy_gone` or `reset`.
+#[tokio::test]
+async fn a_stream_that_ends_after_its_response_completed_is_counted_completed() {
+    let core = crate::selection::one_rank_core(CoreConfig::default());
+    let service = ExtProcService::new(Arc::clone(&core), ExtProcSettings::default());
+    let live = service.live_streams();
+    let mut client = ExternalProcessorClient::connect(serve(service).await)
+        .await
+        .unwrap();
+    for (i, how) in ["half-close", "drop", "unfinished"].into_iter().enumerate() {
+        let mut s = open(&mut client, &format!("r{i}")).await;
+        // The routing answer and the body's echo.
+        for _ in 0..2 {
+            s.answers.message().await.unwrap().unwrap();
+        }
+        if how != "unfinished" {
+            for message in response(b"{}") {
+                s.tx.send(message).await.unwrap();
+                s.answers.message().await.unwrap().unwrap();
+            }
+        }
+        match how {
+            "half-close" => {
+                drop(s.tx);
+                assert!(s.answers.message().await.unwrap().is_none());
+            }
+            _ => drop(s),
+        }
+        live.idle().await;
+    }
+    assert_eq!(ends(&core, "completed"), 2);
+    // A stream gone before its response ended is still Envoy gone (or a reset).
+    assert_eq!(ends(&core, "envoy_gone") + ends(&core, "reset"), 1);
+    assert_eq!(ends(&core, "closed"), 0);
+    assert_eq!(core.live_bookings(), 0);
+}

@@ -243,7 +243,8 @@ struct Driver {
     outbox: std::vec::IntoIter<Outbound>,
     /// The budget held by the echoed body in `outbox`, released once all of it is handed on.
     lease: Option<BodyLease>,
-    /// How the stream ended, once it has; dropped before that = Envoy went away.
+    /// How the stream ended, once it has; dropped before that = Envoy went away (or, once the
+    /// exchange is complete, the normal end: `completed`).
     end: Option<&'static str>,
     _live: LiveStream,
 }
@@ -312,11 +313,15 @@ impl Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
-        let end = self.end.unwrap_or(if self.machine.is_queued() {
-            "gone_while_queued"
-        } else {
-            "envoy_gone"
-        });
+        let end = match self.end {
+            Some("protocol_error") => "protocol_error",
+            // Envoy ends a finished stream its own way (end of stream, a reset, or its HTTP/2
+            // stream gone before we read again): all of them are the normal end.
+            _ if self.machine.is_complete() => "completed",
+            Some(end) => end,
+            None if self.machine.is_queued() => "gone_while_queued",
+            None => "envoy_gone",
+        };
         self.machine
             .core()
             .metrics()

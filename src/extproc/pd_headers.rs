@@ -106,6 +106,7 @@ mod tests {
             fallbacks: vec![],
             prefill,
             overlap_blocks: 0,
+            predicted_cached_tokens: 0,
             prompt_blocks: 0,
             prompt_tokens: 0,
             cost: 0.0,

@@ -174,6 +174,14 @@ pub struct StreamMachine {
     reservation: Option<Reservation>,
     picked_at: Option<Instant>,
     first_byte_seen: bool,
+    /// The response ended (its end of stream passed): the stream's work is done, however Envoy
+    /// then closes the gRPC stream.
+    response_done: bool,
+    /// The request was routed on the prompt's engine token ids (given or tokenized): its
+    /// response's cached tokens are comparable with the pick's prediction (cache-view accuracy).
+    routed_on_tokens: bool,
+    /// The upstream answered 2xx.
+    response_ok: bool,
     usage: Option<UsageTracker>,
     served_endpoint: Option<String>,
     pin: Option<Pin>,
@@ -217,6 +225,9 @@ impl StreamMachine {
             reservation: None,
             picked_at: None,
             first_byte_seen: false,
+            response_done: false,
+            routed_on_tokens: false,
+            response_ok: false,
             usage: None,
             served_endpoint: None,
             pin: None,
@@ -254,6 +265,12 @@ impl StreamMachine {
     /// carried its [`Waiter`] and [`StreamMachine::resume_after_queue`]).
     pub fn is_queued(&self) -> bool {
         self.queued.is_some()
+    }
+
+    /// True once the exchange is over for kvpick: the response ended, or kvpick answered the
+    /// request itself. Envoy closing (or resetting) the stream after that is a normal end.
+    pub fn is_complete(&self) -> bool {
+        self.response_done || self.phase == Phase::Finished
     }
 
     /// Handles one message (a `ProcessingRequest`, or one read by [`super::codec`] with its body
@@ -788,7 +805,10 @@ impl StreamMachine {
             Some(b) => (
                 b.model,
                 match b.prompt {
-                    Prompt::TokenIds(ids) => PromptInput::Tokens(ids),
+                    Prompt::TokenIds(ids) => {
+                        self.routed_on_tokens = true;
+                        PromptInput::Tokens(ids)
+                    }
                     Prompt::Text(text) => PromptInput::Text(text),
                     Prompt::Absent => PromptInput::None,
                 },
@@ -1037,3 +1057,7 @@ impl Drop for StreamMachine {
 #[cfg(test)]
 #[path = "stream_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "stream_cache_view_tests.rs"]
+mod cache_view_tests;

@@ -77,14 +77,25 @@ impl SelectionCore {
                 limits: config.flow.saturation,
                 stale_after: config.engine_metrics_max_age,
             });
-        Arc::new_cyclic(|this| SelectionCore {
-            core: Core::new(config),
-            metrics,
-            ready_tx,
-            catalog_tx,
-            shared: OnceLock::new(),
-            mailboxes: admission::Mailboxes::default(),
-            this: this.clone(),
+        Arc::new_cyclic(|this: &Weak<SelectionCore>| {
+            // Each scrape reads the index sizes (`kvpick_index_blocks` is current whatever
+            // changed an index: a clear's sweep, a purge, not only what reports a fact).
+            let scraped = this.clone();
+            metrics.on_scrape(move || {
+                scraped
+                    .upgrade()
+                    .map(|core| core.core.index_sizes())
+                    .unwrap_or_default()
+            });
+            SelectionCore {
+                core: Core::new(config),
+                metrics,
+                ready_tx,
+                catalog_tx,
+                shared: OnceLock::new(),
+                mailboxes: admission::Mailboxes::default(),
+                this: this.clone(),
+            }
         })
     }
 

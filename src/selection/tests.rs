@@ -992,9 +992,11 @@ mod kv_events {
         }
     }
 
+    /// `tokens`' depth on `rank`, asked with one token more: an engine computes a prompt's last
+    /// token, so only then are all of `tokens`' blocks reusable.
     fn overlap_on(core: &SelectionCore, rank: RankKey, tokens: &[u32]) -> TierDepths {
         let mut r = request("q", Some("m"));
-        r.prompt = PromptInput::Tokens(tokens.to_vec());
+        r.prompt = PromptInput::Tokens([tokens, &[u32::MAX]].concat());
         let (_, scores) = core.overlap_scores(&r).unwrap();
         scores.into_iter().find(|(p, _)| p.key == rank).unwrap().1
     }
@@ -1104,6 +1106,37 @@ mod kv_events {
         );
     }
 
+    /// `kvpick_index_blocks` is read at each scrape: a clear (an engine restart, with no fact)
+    /// shows once its sweep has dropped the blocks, not at the next 10 s reap.
+    #[test]
+    fn index_blocks_is_current_at_each_scrape() {
+        let core = core();
+        core.apply_snapshot(vec![spec("a", "m", ports(&[1]))])
+            .unwrap();
+        let a = rank_of(&core, "a", 0);
+        let scraped = || {
+            let text = core.metrics().render();
+            text.lines()
+                .find_map(|l| {
+                    l.strip_prefix("kvpick_index_blocks{model=\"m\",routing_group=\"\"} ")
+                        .map(str::to_owned)
+                })
+                .unwrap_or_default()
+        };
+        let tokens: Vec<u32> = (0..16 * 8).collect();
+        let hashes: Vec<u64> = (1..=8).collect();
+        core.apply_kv_events(a, &[stored(&hashes, None, tokens, Medium::Gpu)]);
+        assert_eq!(scraped(), "8");
+        core.clear_rank(a);
+        let now = Instant::now();
+        while core.sweep_cleared_ranks(now) > 0 {}
+        assert_eq!(
+            scraped(),
+            "0",
+            "no fact reported the sweep; the scrape reads it"
+        );
+    }
+
     #[test]
     fn unusable_events_are_dropped_not_fatal() {
         let core = core();
@@ -1161,7 +1194,7 @@ mod kv_events {
             "base-model prompt differs"
         );
         let mut r = request("q", Some("sql"));
-        r.prompt = PromptInput::Tokens(tokens);
+        r.prompt = PromptInput::Tokens([tokens, vec![u32::MAX]].concat());
         let (_, scores) = core.overlap_scores(&r).unwrap();
         assert_eq!(scores[0].1.gpu, 1);
     }

@@ -246,6 +246,7 @@ fn the_reason_is_the_first_rule_that_decided() {
         fallbacks: vec![],
         prefill: None,
         overlap_blocks: 0,
+        predicted_cached_tokens: 0,
         prompt_blocks: 4,
         prompt_tokens: 64,
         cost: 1.0,

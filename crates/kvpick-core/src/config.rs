@@ -8,6 +8,10 @@ use crate::estimate::EstimatorConfig;
 use crate::flow::FlowConfig;
 use crate::session::SessionConfig;
 
+/// Default bound on a prediction's life ([`CoreConfig::predicted_ttl`]): as long as an unfreed
+/// API booking lives (`booking_ttl`), so no prediction outlives the booking that made it.
+pub const DEFAULT_PREDICTED_TTL: Duration = Duration::from_secs(300);
+
 /// Block size used by a partition whose workers do not declare one.
 pub const DEFAULT_BLOCK_SIZE: u32 = 16;
 
@@ -44,7 +48,9 @@ pub struct CoreConfig {
     pub allow_pins: bool,
     /// TTL of blocks inserted from our own routing decisions when a worker has no KV events.
     pub approx_ttl: Duration,
-    /// TTL of predicted blocks inserted for every pick, until the engine's events confirm them.
+    /// Bound on a predicted block's life on a rank whose KV events flow. A pick's predicted
+    /// entries live until the engine's events confirm them (permanent) or the request ends
+    /// (the unconfirmed ones are dropped); this only bounds a booking whose end never comes.
     pub predicted_ttl: Duration,
     /// Whether KV events are consumed (off: every worker is in approximate mode).
     pub kv_events: bool,
@@ -83,7 +89,7 @@ impl Default for CoreConfig {
             busy: BusyThresholds::default(),
             allow_pins: false,
             approx_ttl: Duration::from_secs(120),
-            predicted_ttl: Duration::from_secs(2),
+            predicted_ttl: DEFAULT_PREDICTED_TTL,
             kv_events: false,
             index_max_blocks: 1 << 20,
             trace_decisions: 0,

@@ -51,7 +51,7 @@ pub mod types;
 use std::net::SocketAddr;
 
 pub use crate::catalog::{ApplyReport, SourceName, WorkerRecord, WorkerSpec};
-pub use crate::config::{BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE};
+pub use crate::config::{BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE, DEFAULT_PREDICTED_TTL};
 pub use crate::core::Core;
 pub use crate::decide::{
     cost, decide, engine_metrics_cost, overlap_score, Candidate, CostParams, Decision,
@@ -92,8 +92,12 @@ pub struct Selection {
     /// Prefill/decode disaggregation: the rank that prefills for `primary` (the decode rank),
     /// booked with it; `None` = the primary prefills itself (always, without role-split ranks).
     pub prefill: Option<PickedRank>,
-    /// Blocks of the prompt already cached on the primary (GPU tier).
+    /// Blocks of the prompt already cached on the primary (GPU tier), as many as an engine can
+    /// reuse (never the last token's block of a block-aligned prompt).
     pub overlap_blocks: u32,
+    /// The prompt tokens predicted served from the primary's cache: `overlap_blocks` times the
+    /// block size (what the engine should report as `cached_tokens`).
+    pub predicted_cached_tokens: u64,
     /// Complete blocks in the prompt.
     pub prompt_blocks: u32,
     pub prompt_tokens: u64,

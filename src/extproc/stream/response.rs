@@ -1,7 +1,8 @@
 //! The response phase of an ext_proc stream: the rank's status and content type read from the
 //! response headers (a 5xx counts against the rank), the served endpoint and session headers
 //! set on them, the first response byte (prefill done, time to first byte), `usage` read from
-//! the body, and the booking freed when the response ends.
+//! the body (and the engine's cached tokens held against the pick's prediction: cache-view
+//! accuracy, [`crate::metrics::cache_view`]), and the booking freed when the response ends.
 //!
 //! It must not route or touch the request phase's state (body, pending or queued route).
 
@@ -12,7 +13,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use tonic::Status;
 
 use crate::selection::session::SessionOutcome;
-use crate::usage::UsageTracker;
+use crate::selection::Selection;
+use crate::usage::{Usage, UsageTracker};
 
 use super::super::codec::{BodySide, Outbound};
 use super::wire::{header_value, one, set_header};
@@ -28,6 +30,7 @@ impl StreamMachine {
             .flat_map(|m| m.headers.iter())
             .find(|h| h.key == ":status")
             .and_then(|h| header_value(h).trim().parse::<u16>().ok());
+        self.response_ok = status.is_some_and(|s| (200..300).contains(&s));
         if let (Some(status), Some(r)) = (status, &self.reservation) {
             r.response_status(status);
             self.epp.response_status(status);
@@ -125,6 +128,7 @@ impl StreamMachine {
 
     /// Frees the booking (response complete) and records usage.
     pub(super) fn release(&mut self) {
+        self.response_done = true;
         let usage = self.usage.as_mut().and_then(UsageTracker::finish);
         self.epp.completed(usage);
         if let Some(usage) = usage {
@@ -136,11 +140,38 @@ impl StreamMachine {
             // The decode speed the engine reported (TPOT estimator, TPOT SLO attainment).
             if let Some(r) = &self.reservation {
                 r.decode_complete(usage.completion_tokens);
+                if self.comparable(&usage, r.selection()) {
+                    let picked = &r.selection().primary;
+                    self.core.metrics().cache_view.observe(
+                        &picked.worker_name,
+                        picked.key.dp_rank,
+                        r.selection().predicted_cached_tokens,
+                        usage.cached_tokens,
+                    );
+                }
             }
         }
         self.usage = None;
         if let Some(r) = self.reservation.take() {
             r.free();
         }
+    }
+
+    /// Whether the engine's reported cached tokens can be held against the pick's prediction:
+    /// the engine reported them (vLLM: `--enable-prompt-tokens-details`), the pick knew the
+    /// prompt's engine token ids (a text prompt's pseudo-tokens are not the engine's), the
+    /// response succeeded, and the picked rank alone served it (no prefill/decode split, and
+    /// Envoy did not fall back to another endpoint).
+    fn comparable(&self, usage: &Usage, selection: &Selection) -> bool {
+        let served_elsewhere = self
+            .served_endpoint
+            .as_deref()
+            .and_then(|s| s.parse::<std::net::SocketAddr>().ok())
+            .is_some_and(|served| served != selection.primary.endpoint);
+        usage.cached_reported
+            && self.routed_on_tokens
+            && self.response_ok
+            && selection.prefill.is_none()
+            && !served_elsewhere
     }
 }

@@ -360,6 +360,18 @@ impl Core {
         (stats, facts)
     }
 
+    /// Every partition's index size now, one fact each: a metrics scrape reads them, so the
+    /// gauge follows whatever changed the index (a clear's sweep, a purge), not only the
+    /// operations that report it.
+    pub fn index_sizes(&self) -> Facts {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        let mut facts = Facts::default();
+        for p in partitions {
+            facts.push(p.index_size_now());
+        }
+        facts
+    }
+
     /// Forgets a rank's blocks (its engine restarted).
     pub fn clear_rank(&self, rank: RankKey) {
         if let Some(partition) = self.partition_of_worker(rank.worker_id) {

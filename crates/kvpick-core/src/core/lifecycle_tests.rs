@@ -42,10 +42,17 @@ fn announce(core: &Core, spec: &WorkerSpec) {
     assert_eq!(stats.applied, 1);
 }
 
+/// `tokens` and one more: an engine computes a prompt's last token, so only a prompt longer
+/// than its complete blocks can reuse all of them.
+fn and_one(mut tokens: Vec<u32>) -> Vec<u32> {
+    tokens.push(u32::MAX);
+    tokens
+}
+
 fn overlap_on(core: &Core, name: &str) -> u32 {
     let request = SelectionRequest {
         model: Some("m".into()),
-        prompt: PromptInput::Tokens(tokens()),
+        prompt: PromptInput::Tokens(and_one(tokens())),
         ..Default::default()
     };
     let (_, ranks) = core.overlap_scores(&request, Instant::now()).unwrap();
@@ -213,7 +220,7 @@ fn a_draining_worker_keeps_its_load_until_it_is_ready_again_or_deleted() {
 fn overlap_at(core: &Core, name: &str, tokens: Vec<u32>, now: Instant) -> u32 {
     let request = SelectionRequest {
         model: Some("m".into()),
-        prompt: PromptInput::Tokens(tokens),
+        prompt: PromptInput::Tokens(and_one(tokens)),
         ..Default::default()
     };
     let (_, ranks) = core.overlap_scores(&request, now).unwrap();
@@ -224,7 +231,8 @@ fn overlap_at(core: &Core, name: &str, tokens: Vec<u32>, now: Instant) -> u32 {
 }
 
 /// A worker that declares a KV-event endpoint but whose engine publishes nothing is routed in
-/// approximate mode (picks remembered for `approx_ttl`), not silently with 2 s predictions.
+/// approximate mode (picks remembered for `approx_ttl`), not with predictions that end with
+/// their request.
 #[test]
 fn a_rank_is_precise_only_once_its_events_arrive() {
     let config = CoreConfig {
@@ -262,7 +270,7 @@ fn a_rank_is_precise_only_once_its_events_arrive() {
     assert_eq!(
         overlap_at(&core, "a", fresh, later),
         0,
-        "precise: a prediction lives only until the engine's events could confirm it"
+        "precise: an unconfirmed prediction ends with its request"
     );
 }
 
@@ -332,7 +340,7 @@ fn salted_blocks_match_only_requests_with_the_same_salt() {
     let overlaps = |salt: Option<&str>| {
         let request = SelectionRequest {
             model: Some("m".into()),
-            prompt: PromptInput::Tokens(tokens()),
+            prompt: PromptInput::Tokens(and_one(tokens())),
             cache_salt: salt.map(str::to_owned),
             ..Default::default()
         };
@@ -353,4 +361,39 @@ fn salted_blocks_match_only_requests_with_the_same_salt() {
         overlaps(Some("tenant-2")),
         [("a".into(), 0), ("b".into(), 0)]
     );
+}
+
+/// vLLM computes a prompt's last token whatever it has cached: a block-aligned prompt whose
+/// every block is cached is credited one block less (what the engine reports as cached), while
+/// a pick still predicts every block (the engine stores them all), so a longer prompt sharing
+/// them finds all of them.
+#[test]
+fn a_block_aligned_prompt_is_credited_what_the_engine_reuses_and_predicts_every_block() {
+    let core = Core::new(CoreConfig::default());
+    let a = worker("a", 1);
+    apply(&core, vec![a.clone()]);
+    announce(&core, &a);
+    let now = Instant::now();
+    let aligned = |tokens: Vec<u32>| SelectionRequest {
+        model: Some("m".into()),
+        prompt: PromptInput::Tokens(tokens),
+        ..Default::default()
+    };
+    let (blocks, ranks) = core.overlap_scores(&aligned(tokens()), now).unwrap();
+    assert_eq!((blocks, ranks[0].1.gpu), (4, 3));
+    let (s, _) = core.select(&aligned(tokens()), now).unwrap();
+    assert_eq!((s.prompt_blocks, s.overlap_blocks), (4, 3));
+    assert_eq!(overlap_on(&core, "a"), 4, "one token more: every block");
+    let fresh: Vec<u32> = (7_000..7_000 + 4 * BS as u32).collect();
+    let (s, _) = core
+        .select_and_reserve(
+            &SelectionRequest {
+                request_id: "fresh".into(),
+                ..aligned(fresh.clone())
+            },
+            now,
+        )
+        .unwrap();
+    assert_eq!(s.overlap_blocks, 0);
+    assert_eq!(overlap_at(&core, "a", fresh, now), 4, "all four predicted");
 }

@@ -267,3 +267,6 @@ mod sparse_tests;
 
 #[cfg(test)]
 mod reach_tests;
+
+#[cfg(test)]
+mod prediction_tests;

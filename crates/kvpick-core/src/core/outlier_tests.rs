@@ -38,11 +38,13 @@ fn core_of(ranks: usize) -> Core {
     core
 }
 
+/// A request for `tokens` and one token more: an engine computes a prompt's last token, so the
+/// blocks of `tokens` are all reusable.
 fn request(id: &str, tokens: std::ops::Range<u32>) -> SelectionRequest {
     SelectionRequest {
         request_id: id.into(),
         model: Some("m".into()),
-        prompt: PromptInput::Tokens(tokens.collect()),
+        prompt: PromptInput::Tokens(tokens.chain([u32::MAX]).collect()),
         ..Default::default()
     }
 }

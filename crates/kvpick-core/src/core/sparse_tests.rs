@@ -382,8 +382,9 @@ fn a_tie_across_loads_goes_to_the_rank_picked_least_recently() {
     let mut config = CoreConfig::default();
     config.cost.stall_weight = 0.0;
     config.cost.decode_block_weight = 0.0;
-    // Twice the credit: a cached prompt waits for nothing on either rank, queued prefill or not.
-    config.cost.overlap_score_credit = 2.0;
+    // Three times the credit: a cached prompt waits for nothing on either rank, queued prefill
+    // (four blocks) or not.
+    config.cost.overlap_score_credit = 3.0;
     let (core, u, v, t0) = two_ranks(config);
     let key = PartitionKey {
         model: "m".into(),
@@ -404,7 +405,8 @@ fn a_tie_across_loads_goes_to_the_rank_picked_least_recently() {
         .unwrap();
     assert_eq!(b.primary.key, v);
     core.free("b", Claim::Generation(b.generation), t0);
-    let q = request("q", &cached, 0, 0);
+    // One token past the cached blocks, so all four are reusable (the engine computes the last).
+    let q = request("q", &cached, 0, 1);
     let [sparse, full] = core.decision_paths(&q, t0, false);
     assert_eq!(sparse, full);
     let (s, _) = core.select(&q, t0).unwrap();

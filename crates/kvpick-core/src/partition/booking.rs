@@ -72,9 +72,29 @@ impl Booking {
             failed: false,
             answered: false,
             probe: false,
-            predicted: health::predicted(pick),
+            predicted: Default::default(),
         }
     }
+}
+
+/// Whether a pick's entries on `slot`'s rank are precise (its engine's KV events apply: they
+/// live until the events confirm them or the request ends, [`health::end`]) or approximate
+/// (they live `approx_ttl`), and when the index lets them expire. A precise prediction's expiry
+/// is only a bound (`predicted_ttl`, by default as long as an unfreed API booking lives) for a
+/// booking whose end never comes: the request's own life is what ends it, so a 4 s prefill or a
+/// minute of decode keeps it and an engine that never confirms it loses it at the request's end.
+pub(super) fn prediction_life(
+    slot: &super::ranks::Slot,
+    config: &CoreConfig,
+    now: Instant,
+) -> (bool, Option<Instant>) {
+    let precise = config.kv_events && slot.kv_events && slot.events_seen;
+    let ttl = if precise {
+        config.predicted_ttl
+    } else {
+        config.approx_ttl
+    };
+    (precise, now.checked_add(ttl))
 }
 
 impl Partition {
@@ -102,34 +122,38 @@ impl Partition {
             now,
             facts,
         );
+        // One copy of the prompt's hashes, shared by the deferred inserts and the booking.
+        let chain: Arc<[u64]> = Arc::from(pick.prompt.seq_hashes.as_slice());
         let leg = pick.prefill.and_then(|(rank, overlap)| {
-            pair::book_leg(state, rank, overlap, pick, config, now, facts)
+            pair::book_leg(state, rank, overlap, pick, &chain, config, now, facts)
         });
+        let (leg, leg_predicted) = leg.map_or((None, None), |(l, p)| (Some(l), p));
         let mut booking = Booking::for_pick(request, pick, leg, leased_session, now);
+        booking.predicted[1] = leg_predicted;
         let Some(slot) = state.ranks.get_mut(&pick.rank) else {
             pair::unbook_leg(state, booking.prefill.as_ref(), facts);
+            // Never booked: the leg's prediction goes, approximate or not.
+            if let Some(chain) = booking.predicted[1].take() {
+                state.unpredict(chain);
+            }
             return outcome;
         };
         slot.add_load(booking.prefill_tokens, booking.decode_blocks);
         if booking.holder == Holder::Api {
             slot.api_bookings = slot.api_bookings.saturating_add(1);
         }
-        let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
-            config.predicted_ttl
-        } else {
-            config.approx_ttl
-        };
+        let (precise, expires) = prediction_life(slot, config, now);
         facts.push(load_fact(slot, pick.rank));
         facts.push(Fact::Inflight(1));
         // Only a stream reports its answer: an API booking never takes a half-open rank's probe.
         booking.probe = health::may_probe(request.holder) && slot.health.on_booked(now);
-        let hashes = &pick.prompt.seq_hashes;
+        booking.predicted[0] = health::predicted_on(pick.rank, &chain, pick.overlap.gpu, precise);
         state.bookings.insert(pick.booking_id.to_string(), booking);
-        if !hashes.is_empty() {
+        if !chain.is_empty() {
             // Written once the state lock is released ([`super::deferred`]).
-            state.predict(pick.rank, hashes, now.checked_add(ttl));
+            state.predict(pick.rank, &chain, expires);
             facts.push(Fact::PredictedOverlap(
-                f64::from(pick.overlap.gpu) / hashes.len() as f64,
+                f64::from(pick.overlap.gpu) / chain.len() as f64,
             ));
         }
         outcome
@@ -199,8 +223,11 @@ impl Partition {
         }
     }
 
-    /// Ends a booking: its session lease and its load.
+    /// Ends a booking: its session lease, its load and its precise predictions.
     pub(super) fn release(state: &mut State, booking: &Booking, now: Instant, facts: &mut Facts) {
+        for chain in &booking.predicted {
+            health::end(state, chain.clone());
+        }
         if let Some(sid) = &booking.session {
             state.sessions.release(sid, now);
         }
@@ -256,7 +283,10 @@ impl Partition {
             if let Some(leg) = booking.prefill.take() {
                 let observed = now.saturating_duration_since(booking.created).as_secs_f64();
                 let (ttft_tokens, predicted) = (booking.ttft_tokens, booking.predicted_ttft);
+                // The prefill rank's part is over: what it computed is stored (and announced).
+                let leg_chain = booking.predicted[1].take();
                 pair::unbook_leg(state, Some(&leg), facts);
+                health::end(state, leg_chain);
                 if sample {
                     state.estimator.observe(leg.rank, ttft_tokens, observed);
                     facts.push(Fact::TtftObserved {
@@ -383,8 +413,13 @@ impl Partition {
         let Some(booking) = state.bookings.remove(booking_id) else {
             return false;
         };
-        // The session lease moves with the booking; only the load changes rank.
+        // The session lease moves with the booking; only the load changes rank. What the pick
+        // predicted on the rank that did not serve it goes, approximate or precise.
         Self::unload(state, &booking, facts);
+        let mut booking = booking;
+        if let Some(chain) = booking.predicted[0].take() {
+            state.unpredict(chain);
+        }
         let Some(slot) = state.ranks.get_mut(&target) else {
             return false;
         };

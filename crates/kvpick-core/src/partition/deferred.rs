@@ -1,7 +1,8 @@
-//! A pick's predicted index entries, written after the partition's state lock is released
-//! instead of inside it. Owns the state guard ([`StateGuard`]) that writes them on unlock and
-//! the state's access to the KV side ([`State::kv_read`], [`State::kv_write`]), which writes them
-//! first; what an entry means stays with the index, when one is predicted with the booking.
+//! A pick's predicted index entries, and the end of them when its request ends or fails,
+//! written after the partition's state lock is released instead of inside it. Owns the state
+//! guard ([`StateGuard`]) that writes them on unlock and the state's access to the KV side
+//! ([`State::kv_read`], [`State::kv_write`]), which writes them first; what an entry means stays
+//! with the index, when one is predicted or ended with the booking ([`super::health`]).
 //!
 //! Why: a booked pick inserts every prompt block for its rank (hundreds of hash-table writes),
 //! and while that ran under the state lock every other pick of the partition waited for it.
@@ -25,20 +26,31 @@ use std::time::Instant;
 
 use parking_lot::{MutexGuard, RwLockReadGuard, RwLockWriteGuard};
 
-use super::{Kv, Partition, State};
+use super::{health, Kv, Partition, State};
 use crate::facts::Facts;
 use crate::index::Tier;
 use crate::types::RankKey;
 
-/// One pick's predicted (or approximate) entries for one rank, not yet in the index.
+/// One pick's predicted (or approximate) entries for one rank, or the end of them, not yet
+/// written to the index.
 #[derive(Debug)]
 pub(super) struct Prediction {
     rank: RankKey,
-    hashes: Vec<u64>,
-    expires: Option<Instant>,
-    /// The latest clear's number ([`ClearLog`]) when it was predicted: a clear of its rank since
+    /// The prompt's chain (shared with its booking); the entries from `from` on.
+    hashes: Arc<[u64]>,
+    from: usize,
+    op: Op,
+    /// The latest clear's number ([`ClearLog`]) when it was made: a clear of its rank since
     /// then drops it.
     clears: u64,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Op {
+    /// Insert (or refresh) the entries, expiring at the instant (`None`: never).
+    Insert(Option<Instant>),
+    /// Drop the rank's expiring entries (its engine's confirmed ones stay).
+    Drop,
 }
 
 /// Clears remembered by number, so a deferred prediction can tell whether its own rank was
@@ -94,15 +106,24 @@ impl ClearLog {
     }
 }
 
-/// Writes the predictions into the index, except those whose rank was cleared since; true when
-/// any was written.
+/// Writes the predictions (and ends of predictions) into the index in the order they were
+/// made, except those whose rank was cleared since; true when any was written.
 fn write(kv: &mut Kv, pending: Vec<Prediction>) -> bool {
     let mut wrote = false;
     for p in pending {
-        if !kv.clear_log.cleared_since(p.clears, p.rank) {
-            kv.index.insert(p.rank, &p.hashes, Tier::Gpu, p.expires);
-            wrote = true;
+        if kv.clear_log.cleared_since(p.clears, p.rank) {
+            continue;
         }
+        let hashes = p.hashes.get(p.from..).unwrap_or_default();
+        match p.op {
+            Op::Insert(expires) => kv.index.insert(p.rank, hashes, Tier::Gpu, expires),
+            Op::Drop => {
+                for &h in hashes {
+                    kv.index.drop_expiring(p.rank, h, Tier::Gpu);
+                }
+            }
+        }
+        wrote = true;
     }
     wrote
 }
@@ -110,14 +131,25 @@ fn write(kv: &mut Kv, pending: Vec<Prediction>) -> bool {
 impl State {
     /// Records that `rank` will hold the prompt `hashes` (predicted entries, or approximate
     /// ones with the longer TTL): written when the KV side is next touched or the lock released.
-    pub(super) fn predict(&self, rank: RankKey, hashes: &[u64], expires: Option<Instant>) {
-        if hashes.is_empty() {
+    pub(super) fn predict(&self, rank: RankKey, hashes: &Arc<[u64]>, expires: Option<Instant>) {
+        self.defer(rank, Arc::clone(hashes), 0, Op::Insert(expires));
+    }
+
+    /// Ends what a pick predicted ([`health::PredictedChain`]): the rank's expiring entries of
+    /// the chain go, written like a prediction (in order after it).
+    pub(super) fn unpredict(&self, chain: health::PredictedChain) {
+        self.defer(chain.rank, chain.hashes, chain.from, Op::Drop);
+    }
+
+    fn defer(&self, rank: RankKey, hashes: Arc<[u64]>, from: usize, op: Op) {
+        if hashes.len() <= from {
             return;
         }
         self.deferred.borrow_mut().push(Prediction {
             rank,
-            hashes: hashes.to_vec(),
-            expires,
+            hashes,
+            from,
+            op,
             clears: self.clears.load(Ordering::Acquire),
         });
     }
@@ -244,6 +276,10 @@ mod tests {
 
     const HASHES: [u64; 3] = [11, 12, 13];
 
+    fn chain() -> std::sync::Arc<[u64]> {
+        std::sync::Arc::from(&HASHES[..])
+    }
+
     fn depth(partition: &super::Partition, rank: RankKey) -> u32 {
         let kv = partition.kv.read();
         kv.index
@@ -257,7 +293,7 @@ mod tests {
     fn a_prediction_is_written_when_the_state_lock_is_released_and_its_size_reported() {
         let (partition, rank, _) = partition();
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
+        guard.predict(rank, &chain(), None);
         // Not yet: the insert waits for the state lock's release.
         assert_eq!(partition.kv.read().index.len(), 0);
         let mut facts = Facts::default();
@@ -272,7 +308,7 @@ mod tests {
     fn the_kv_side_read_under_the_lock_sees_the_prediction_first() {
         let (partition, rank, _) = partition();
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
+        guard.predict(rank, &chain(), None);
         let matched = guard.kv_read().index.find_matches(&HASHES, Instant::now());
         assert_eq!(matched.len(), 1);
         assert_eq!(matched[0].1.gpu, 3);
@@ -286,7 +322,7 @@ mod tests {
         let (partition, rank, _) = partition();
         {
             let guard = partition.lock_state();
-            guard.predict(rank, &HASHES, None);
+            guard.predict(rank, &chain(), None);
         }
         assert_eq!(depth(&partition, rank), 3);
     }
@@ -300,8 +336,8 @@ mod tests {
     fn a_clear_of_the_rank_between_the_booking_and_the_write_drops_its_prediction() {
         let (partition, rank, other) = partition();
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
-        guard.predict(other, &HASHES, None);
+        guard.predict(rank, &chain(), None);
+        guard.predict(other, &chain(), None);
         partition.kv.write().clear_ranks(&[rank]);
         drop(guard);
         assert_eq!(depth(&partition, rank), 0);
@@ -309,7 +345,7 @@ mod tests {
         assert_eq!(depth(&partition, other), 3);
         // Predictions made after the clear are written as usual.
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
+        guard.predict(rank, &chain(), None);
         drop(guard);
         assert_eq!(depth(&partition, rank), 3);
     }
@@ -318,7 +354,7 @@ mod tests {
     fn an_engines_all_blocks_cleared_drops_the_ranks_pending_prediction() {
         let (partition, rank, _) = partition();
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
+        guard.predict(rank, &chain(), None);
         let (stats, _) = partition.apply_to(
             &mut partition.kv.write(),
             rank,
@@ -333,7 +369,7 @@ mod tests {
     fn clearing_no_rank_is_no_clear() {
         let (partition, rank, _) = partition();
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
+        guard.predict(rank, &chain(), None);
         let before = partition.kv.read().clear_log.latest();
         partition.kv.write().clear_ranks(&[]);
         assert_eq!(partition.kv.read().clear_log.latest(), before);
@@ -345,7 +381,7 @@ mod tests {
     fn prediction_after_clears_of_others(n: usize) -> u32 {
         let (partition, rank, other) = partition();
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
+        guard.predict(rank, &chain(), None);
         for _ in 0..n {
             partition.kv.write().clear_ranks(&[other]);
         }
@@ -364,7 +400,7 @@ mod tests {
     fn a_prediction_written_before_a_kv_access_is_still_reported_at_unlock() {
         let (partition, rank, _) = partition();
         let guard = partition.lock_state();
-        guard.predict(rank, &HASHES, None);
+        guard.predict(rank, &chain(), None);
         drop(guard.kv_read());
         let mut facts = Facts::default();
         guard.unlock(&mut facts);

@@ -3,7 +3,7 @@
 //! byte is no TTFT sample, SLO or TPOT start, and takes back the index entries the pick predicted
 //! on ranks that never computed them: after any answer but a 2xx, and after a stream that ended
 //! before its first response byte (a 2xx's headers included: the engine may have aborted the
-//! prefill).
+//! prefill). It also owns what a booking predicted ([`Predicted`]) and how that ends.
 //!
 //! The host's view of the engine itself comes in here too: a rank reported unreachable (its KV
 //! events lost and its endpoint refusing connections, or a refused scrape) takes no picks until it
@@ -14,35 +14,49 @@
 //! the booking's. It must not free bookings or touch the queue: the core does, as for any
 //! operation.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::config::CoreConfig;
 use crate::facts::{Fact, Facts, ResponseClass};
-use crate::index::Tier;
 use crate::outlier::{HealthEvent, OutlierConfig, RankHealth};
 use crate::request::Holder;
 use crate::types::RankKey;
 
-use super::{BookingRef, Partition, Pick, State};
+use super::{BookingRef, Partition, State};
 
-/// Per booked rank (the decode rank, then a split pick's prefill rank), the first prompt block
-/// its pick inserted as a new predicted entry; `None` when the rank already cached the whole
-/// prompt. Taking that one entry back cuts the rank's predicted chain for every later match
-/// (a match is the longest consecutive prefix of chained hashes); the unreachable blocks after
-/// it expire with their TTL. So a booking keeps two hashes, never its prompt's.
-pub(crate) type Predicted = [Option<(RankKey, u64)>; 2];
+/// What a pick predicted on one rank it booked: the prompt's chained hashes (shared with the
+/// deferred insert, not copied) from the first block the rank was not credited with. A precise
+/// rank's predicted entries live until its engine's KV events confirm them (they turn permanent)
+/// or the request ends ([`end`]: the unconfirmed ones go); an approximate rank's live
+/// `approx_ttl` (nothing confirms them) and only a failure takes them back ([`withdraw`]).
+#[derive(Debug, Clone)]
+pub(crate) struct PredictedChain {
+    pub rank: RankKey,
+    pub hashes: Arc<[u64]>,
+    pub from: usize,
+    pub precise: bool,
+}
 
-/// What `pick` newly predicted, per booked rank.
-pub(crate) fn predicted(pick: &Pick) -> Predicted {
-    let first_new = |rank: RankKey, cached: u32| {
-        let at = usize::try_from(cached).ok()?;
-        pick.prompt.seq_hashes.get(at).map(|&h| (rank, h))
-    };
-    [
-        first_new(pick.rank, pick.overlap.gpu),
-        pick.prefill
-            .and_then(|(rank, overlap)| first_new(rank, overlap.gpu)),
-    ]
+/// Per booked rank (the decode rank, then a split pick's prefill rank), what its pick predicted
+/// there; `None` when the rank was already credited with the whole prompt. A booking keeps its
+/// prompt's hashes until it ends (8 bytes a block, shared with the pick's insert).
+pub(crate) type Predicted = [Option<PredictedChain>; 2];
+
+/// What a pick predicted on `rank`, credited with `cached` blocks of `hashes`.
+pub(crate) fn predicted_on(
+    rank: RankKey,
+    hashes: &Arc<[u64]>,
+    cached: u32,
+    precise: bool,
+) -> Option<PredictedChain> {
+    let from = usize::try_from(cached).ok()?;
+    (from < hashes.len()).then(|| PredictedChain {
+        rank,
+        hashes: Arc::clone(hashes),
+        from,
+        precise,
+    })
 }
 
 /// Only a stream's booking may probe a half-open rank: its host reports the answer. The API
@@ -51,14 +65,22 @@ pub(crate) fn may_probe(holder: Holder) -> bool {
     holder == Holder::Stream
 }
 
-/// Takes back a failed request's predicted entries; entries its engine's KV events confirmed
-/// (permanent) stay.
-fn withdraw(state: &mut State, predicted: &mut Predicted) -> bool {
-    let mut dropped = false;
-    for (rank, hash) in predicted.iter_mut().filter_map(Option::take) {
-        dropped |= state.kv_write().index.drop_expiring(rank, hash, Tier::Gpu);
+/// Takes back a failed request's predicted entries, precise or approximate; entries its
+/// engine's KV events confirmed (permanent) stay. Written with the deferred predictions.
+fn withdraw(state: &State, predicted: &mut Predicted) {
+    for chain in predicted.iter_mut().filter_map(Option::take) {
+        state.unpredict(chain);
     }
-    dropped
+}
+
+/// Ends what a request predicted on one rank (the request ended, or its prefill leg did): a
+/// precise rank's entries its engine has not confirmed go, since a finished prefill stored the
+/// blocks and their events say so (a late event adds them again); an approximate rank's stay
+/// for `approx_ttl`, the only knowledge of that rank's cache.
+pub(crate) fn end(state: &State, chain: Option<PredictedChain>) {
+    if let Some(chain) = chain.filter(|c| c.precise) {
+        state.unpredict(chain);
+    }
 }
 
 impl Partition {
@@ -74,7 +96,20 @@ impl Partition {
         facts: &mut Facts,
     ) -> bool {
         let mut guard = self.lock_state();
-        let state = &mut *guard;
+        let answered = Self::answer(&mut guard, booking, class, config, now, facts);
+        // The withdrawn entries are written at the release, which reports the index's size.
+        guard.unlock(facts);
+        answered
+    }
+
+    fn answer(
+        state: &mut State,
+        booking: &BookingRef,
+        class: ResponseClass,
+        config: &CoreConfig,
+        now: Instant,
+        facts: &mut Facts,
+    ) -> bool {
         let Some(b) = state.booking_mut(booking) else {
             return false;
         };
@@ -82,9 +117,7 @@ impl Partition {
         if b.answered {
             if withdraws && !b.failed && b.first_token.is_none() {
                 let mut predicted = std::mem::take(&mut b.predicted);
-                if withdraw(state, &mut predicted) {
-                    facts.push(self.index_fact(state, None));
-                }
+                withdraw(state, &mut predicted);
             }
             return false;
         }
@@ -96,9 +129,7 @@ impl Partition {
         } else {
             Predicted::default()
         };
-        if withdraw(state, &mut predicted) {
-            facts.push(self.index_fact(state, None));
-        }
+        withdraw(state, &mut predicted);
         // Only a failure can eject, and counting the ejected ranks walks the whole table: a
         // success (nearly every answer) must not pay for it at thousands of ranks.
         let may_eject = class == ResponseClass::ServerError && may_eject(state, &config.outlier);

@@ -213,17 +213,22 @@ impl Partition {
         }
         let mut leases = Vec::new();
         let mut legs = Vec::new();
+        let mut leg_chains = Vec::new();
         state.bookings.retain(|id, b| {
             if b.prefill.as_ref().is_some_and(|leg| leg.rank == key) {
                 // The prefill rank left: its load went with it; the decode side lives on, its
                 // first token still settles the SLO and TPOT (but is no TTFT observation).
                 b.prefill = None;
                 b.prefill_rank_gone = true;
+                b.predicted[1] = None;
             }
             if b.rank == key {
                 dropped.push((id.clone(), b.generation));
                 leases.extend(b.session.take());
                 legs.extend(b.prefill.take());
+                // The request is over for its prefill rank too (the decode rank's own entries
+                // went with its clear).
+                leg_chains.push(b.predicted[1].take());
                 false
             } else {
                 true
@@ -234,6 +239,9 @@ impl Partition {
         }
         for leg in legs {
             pair::unbook_leg(state, Some(&leg), facts);
+        }
+        for chain in leg_chains {
+            health::end(state, chain);
         }
         facts.push(Fact::Inflight(negative(slot.load.active_requests)));
         if slot.health.is_ejected() {

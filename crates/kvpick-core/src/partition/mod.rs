@@ -95,8 +95,9 @@ struct Booking {
     answered: bool,
     /// This booking is the half-open probe of an ejected rank ([`crate::outlier`]).
     probe: bool,
-    /// The first block the pick newly predicted on each rank it booked (the decode rank, then
-    /// the prefill leg's), taken back from the index if the request fails ([`health`]).
+    /// What the pick predicted on each rank it booked (the decode rank, then the prefill
+    /// leg's): taken back from the index if the request fails, ended (the unconfirmed entries of
+    /// a precise rank go) when the request or its prefill leg ends ([`health`]).
     predicted: health::Predicted,
 }
 
@@ -353,5 +354,11 @@ impl Partition {
     pub fn index_size(&self) -> Fact {
         let state = self.lock_state();
         self.index_fact(&state, None)
+    }
+
+    /// The index size as the KV side holds it now, without the state lock (what a metrics
+    /// scrape reports; predictions a pick has not yet written are not in it).
+    pub fn index_size_now(&self) -> Fact {
+        self.index_size_of(&self.kv.read(), None)
     }
 }

@@ -21,7 +21,7 @@ use crate::types::{RankKey, Role};
 use super::pipeline::{PromptBlocks, SaturationView};
 use super::ranks::Slot;
 use super::Refusal;
-use super::{load_fact, Pick, State};
+use super::{health, load_fact, Pick, State};
 
 /// The prefill rank's load held by a split booking until its first token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,17 +127,20 @@ pub(crate) fn prefill_for(
 }
 
 /// Books the prefill rank's part of a split pick: the prompt's uncached tokens there, the KV it
-/// holds until the transfer, one request; the prompt's blocks become predicted entries of the
-/// prefill rank (it caches what it prefills). `None` when the rank is gone.
+/// holds until the transfer, one request; the prompt's blocks (`chain`) become predicted entries
+/// of the prefill rank (it caches what it prefills), and what it predicted there comes back with
+/// the leg. `None` when the rank is gone.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn book_leg(
     state: &mut State,
     rank: RankKey,
     overlap: TierDepths,
     pick: &Pick,
+    chain: &std::sync::Arc<[u64]>,
     config: &CoreConfig,
     now: std::time::Instant,
     facts: &mut Facts,
-) -> Option<PrefillLeg> {
+) -> Option<(PrefillLeg, Option<health::PredictedChain>)> {
     let block_size = u64::from(pick.block_size.max(1));
     let tokens = pick.prompt.tokens;
     let cached = u64::from(overlap.gpu)
@@ -153,15 +156,12 @@ pub(crate) fn book_leg(
     // The leg is one request on its rank: in the in-flight gauge until it is unbooked (or its
     // rank leaves, which takes every request on the rank off the gauge).
     facts.push(crate::facts::Fact::Inflight(1));
-    let ttl = if config.kv_events && slot.kv_events && slot.events_seen {
-        config.predicted_ttl
-    } else {
-        config.approx_ttl
-    };
+    let (precise, expires) = super::booking::prediction_life(slot, config, now);
     facts.push(load_fact(slot, rank));
-    let hashes = &pick.prompt.seq_hashes;
-    state.predict(rank, hashes, now.checked_add(ttl));
-    Some(leg)
+    if !chain.is_empty() {
+        state.predict(rank, chain, expires);
+    }
+    Some((leg, health::predicted_on(rank, chain, overlap.gpu, precise)))
 }
 
 /// Takes a prefill leg's load off its rank (no-op for `None` or a rank that left).

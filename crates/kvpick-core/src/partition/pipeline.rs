@@ -36,10 +36,34 @@ use super::ranks::Slot;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct PromptBlocks {
     pub tokens: u64,
+    /// Every complete block's chained hash (at most `max_prompt_blocks`): what a pick predicts
+    /// its rank will hold once the prompt is prefilled.
     pub seq_hashes: Vec<u64>,
+    /// Of `seq_hashes`, how many leading blocks an engine can reuse ([`reusable_blocks`]): what
+    /// a match is read over, so overlaps and the decision credit only those.
+    pub reusable: usize,
     /// The request had a prompt (even an empty one): only such requests create session
     /// bindings. The queue keeps this, not the prompt.
     pub present: bool,
+}
+
+impl PromptBlocks {
+    /// The blocks a match reads: the leading ones an engine can reuse.
+    pub fn match_hashes(&self) -> &[u64] {
+        &self.seq_hashes[..self.reusable.min(self.seq_hashes.len())]
+    }
+}
+
+/// Complete blocks of a `tokens`-token prompt an engine can serve from its prefix cache: vLLM
+/// always computes the prompt's last token (its cache hit is capped at `tokens - 1`), so a
+/// block-aligned prompt of N blocks reuses at most N - 1, although the engine stores all N
+/// after the prefill (the pick predicts all N). `hashed` caps it (`--max-prompt-blocks`).
+pub(crate) fn reusable_blocks(tokens: u64, block_size: u32, hashed: usize) -> usize {
+    let reusable = tokens
+        .saturating_sub(1)
+        .checked_div(u64::from(block_size))
+        .unwrap_or(0);
+    usize::try_from(reusable).map_or(hashed, |r| r.min(hashed))
 }
 
 /// The prompt's token count and the chained hashes of at most `max_blocks` leading blocks: a
@@ -54,38 +78,40 @@ pub(crate) fn prompt_blocks(
 ) -> PromptBlocks {
     let bs = block_size as usize;
     let max_tokens = max_blocks.saturating_mul(bs);
-    match prompt {
-        PromptInput::None => PromptBlocks {
-            tokens: 0,
-            seq_hashes: Vec::new(),
-            present: false,
-        },
-        PromptInput::Tokens(tokens) => PromptBlocks {
-            tokens: tokens.len() as u64,
-            seq_hashes: hash::salted_prompt_hashes(
+    let (tokens, seq_hashes, present) = match prompt {
+        PromptInput::None => (0, Vec::new(), false),
+        PromptInput::Tokens(tokens) => (
+            tokens.len() as u64,
+            hash::salted_prompt_hashes(
                 &tokens[..tokens.len().min(max_tokens)],
                 bs,
                 seed,
                 cache_salt,
             ),
-            present: true,
-        },
+            true,
+        ),
         PromptInput::BlockHashes {
             seq_hashes,
             prompt_tokens,
-        } => PromptBlocks {
-            tokens: *prompt_tokens,
-            seq_hashes: seq_hashes[..seq_hashes.len().min(max_blocks)].to_vec(),
-            present: true,
-        },
+        } => (
+            *prompt_tokens,
+            seq_hashes[..seq_hashes.len().min(max_blocks)].to_vec(),
+            true,
+        ),
         PromptInput::Text(all) => {
             let bytes = &all[..all.len().min(max_tokens.saturating_mul(4))];
-            PromptBlocks {
-                tokens: (all.len() as u64).div_ceil(4),
-                seq_hashes: hash::salted_text_hashes(bytes, bs, seed, cache_salt),
-                present: true,
-            }
+            (
+                (all.len() as u64).div_ceil(4),
+                hash::salted_text_hashes(bytes, bs, seed, cache_salt),
+                true,
+            )
         }
+    };
+    PromptBlocks {
+        tokens,
+        reusable: reusable_blocks(tokens, block_size, seq_hashes.len()),
+        seq_hashes,
+        present,
     }
 }
 

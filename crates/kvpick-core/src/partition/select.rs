@@ -48,7 +48,7 @@ impl LazyMatches {
                 state
                     .kv_read()
                     .index
-                    .rank_depths(rank, &ask.prompt.seq_hashes, ask.now)
+                    .rank_depths(rank, ask.prompt.match_hashes(), ask.now)
             }
         }
     }
@@ -251,7 +251,7 @@ impl Partition {
     /// The prompt's matches: the prefix every rank holds once, when the index can tell
     /// (every rank of the table is interned), and the ranks matching deeper.
     fn matches(state: &State, ask: &Ask) -> crate::index::Matches {
-        if ask.prompt.seq_hashes.is_empty() {
+        if ask.prompt.match_hashes().is_empty() {
             return crate::index::Matches::default();
         }
         let all_interned = state.all_interned();
@@ -264,11 +264,12 @@ impl Partition {
         }
         let kv = state.kv_read();
         if all_interned {
-            kv.index.find_matches_over(&ask.prompt.seq_hashes, ask.now)
+            kv.index
+                .find_matches_over(ask.prompt.match_hashes(), ask.now)
         } else {
             crate::index::Matches {
                 base: 0,
-                ranks: kv.index.find_matches(&ask.prompt.seq_hashes, ask.now),
+                ranks: kv.index.find_matches(ask.prompt.match_hashes(), ask.now),
                 epoch: kv.index.rank_epoch(),
             }
         }
@@ -289,11 +290,11 @@ impl Partition {
         let hard_session = request.session_id.is_some()
             && request.fallbacks == 0
             && config.sessions.mode == crate::session::AffinityMode::Hard;
-        (!prompt.seq_hashes.is_empty() && !hard_session).then(|| {
+        (!prompt.match_hashes().is_empty() && !hard_session).then(|| {
             self.kv
                 .read()
                 .index
-                .find_matches_over(&prompt.seq_hashes, now)
+                .find_matches_over(prompt.match_hashes(), now)
         })
     }
 
@@ -521,6 +522,9 @@ impl Partition {
             fallbacks: picked.fallbacks,
             prefill: picked.prefill.map(|(p, _)| p),
             overlap_blocks: picked.overlap.gpu,
+            predicted_cached_tokens: u64::from(picked.overlap.gpu)
+                .saturating_mul(u64::from(field.block_size))
+                .min(ask.prompt.tokens),
             prompt_blocks: ask.prompt.seq_hashes.len() as u32,
             prompt_tokens: ask.prompt.tokens,
             cost: picked.cost,
@@ -592,7 +596,8 @@ impl Partition {
         Ok(eligible)
     }
 
-    /// Per schedulable rank: the prompt's matched depths.
+    /// Per schedulable rank: the prompt's matched depths, over the blocks an engine can reuse
+    /// ([`pipeline::reusable_blocks`]); the count returned is every complete block.
     pub fn overlaps(
         &self,
         request: &SelectionRequest,
@@ -610,7 +615,7 @@ impl Partition {
             .kv
             .read()
             .index
-            .find_matches(&prompt.seq_hashes, now)
+            .find_matches(prompt.match_hashes(), now)
             .into_iter()
             .collect();
         let state = self.lock_state();

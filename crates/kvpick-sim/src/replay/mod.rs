@@ -82,8 +82,9 @@ pub struct ReplayArgs {
     /// kvpick policy: weight per active request (as `kvpick serve`).
     #[arg(long, default_value_t = 0.0)]
     pub decode_active_request_weight: f64,
-    /// kvpick policy: lifetime of predicted blocks, seconds (as `kvpick serve`).
-    #[arg(long, default_value_t = 2)]
+    /// kvpick policy: bound on a predicted block's life, seconds; a prediction ends when the
+    /// engine's events confirm it or its request ends (as `kvpick serve`).
+    #[arg(long, default_value_t = kvpick_core::DEFAULT_PREDICTED_TTL.as_secs())]
     pub predicted_ttl: u64,
     /// kvpick policy: weight of the stall a pick's prefill inflicts on the rank's decoding
     /// requests against its own TTFT (as `kvpick serve`).

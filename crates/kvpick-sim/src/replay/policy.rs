@@ -181,7 +181,7 @@ pub struct PolicyOptions {
     pub seed: u64,
     /// kvpick's cost-function weights.
     pub cost: CostParams,
-    /// kvpick's predicted-block lifetime.
+    /// Bound on kvpick's predicted blocks' life (a prediction ends with its request).
     pub predicted_ttl: std::time::Duration,
     /// kvpick's TTFT estimator.
     pub estimator: kvpick_core::EstimatorConfig,

@@ -43,6 +43,40 @@ fn prompt_blocks_hash_complete_blocks_only() {
     assert_eq!((none.tokens, none.seq_hashes.len()), (0, 0));
 }
 
+/// vLLM computes a prompt's last token whatever it has cached: a block-aligned prompt of N
+/// blocks reuses N - 1 (all N are hashed: the engine stores them after the prefill).
+#[test]
+fn a_match_reads_only_the_blocks_an_engine_can_reuse() {
+    for (tokens, hashed, reusable) in [
+        (0u32, 0, 0),
+        (1, 0, 0),
+        (15, 0, 0),
+        (16, 1, 0),
+        (17, 1, 1),
+        (31, 1, 1),
+        (32, 2, 1),
+        (33, 2, 2),
+    ] {
+        let input = PromptInput::Tokens((0..tokens).collect());
+        let blocks = prompt_blocks(&input, 16, 7, None, 1000);
+        assert_eq!(blocks.seq_hashes.len(), hashed, "{tokens} tokens");
+        assert_eq!(blocks.reusable, reusable, "{tokens} tokens");
+        assert_eq!(blocks.match_hashes(), &blocks.seq_hashes[..reusable]);
+    }
+    // Capped by the hashed blocks (`--max-prompt-blocks`), and the same for block hashes given
+    // with their token count.
+    let long = prompt_blocks(&PromptInput::Tokens((0..1600).collect()), 16, 7, None, 10);
+    assert_eq!((long.seq_hashes.len(), long.reusable), (10, 10));
+    for (prompt_tokens, reusable) in [(64, 3), (65, 4), (79, 4)] {
+        let hashes = PromptInput::BlockHashes {
+            seq_hashes: (0..4).collect(),
+            prompt_tokens,
+        };
+        let blocks = prompt_blocks(&hashes, 16, 7, None, 100);
+        assert_eq!(blocks.reusable, reusable, "{prompt_tokens} tokens");
+    }
+}
+
 #[test]
 fn a_cache_salt_changes_the_first_block_and_so_the_whole_chain() {
     let tokens: Vec<u32> = (0..48).collect();

@@ -1,0 +1,186 @@
+//! A pick's predicted index entries through the core: on a rank whose KV events flow they live
+//! while the request does (a slow prefill keeps them for its siblings), turn permanent when the
+//! engine announces the blocks, and the unconfirmed ones go when the request ends; on a rank in
+//! approximate mode they stay for `approx_ttl`; `predicted_ttl` bounds a booking that never ends.
+
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::catalog::RankLayout;
+use crate::event::{KvEvent, Medium};
+use crate::request::PromptInput;
+
+const BS: u32 = 16;
+
+fn spec(name: &str, port: u16) -> WorkerSpec {
+    WorkerSpec {
+        block_size: Some(BS),
+        kv_events: Some(format!("tcp://127.0.0.1:{}", 5557 + port)),
+        ..WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![port]))
+    }
+}
+
+fn rank_of(spec: &WorkerSpec) -> RankKey {
+    RankKey {
+        worker_id: spec.worker_id(),
+        dp_rank: 0,
+    }
+}
+
+/// A prompt of four blocks of its own (`tag`), one token more so all four are reusable.
+fn prompt(tag: u32) -> Vec<u32> {
+    (tag * 1_000..tag * 1_000 + 4 * BS + 1).collect()
+}
+
+fn request(id: &str, tokens: Vec<u32>) -> SelectionRequest {
+    SelectionRequest {
+        request_id: id.into(),
+        model: Some("m".into()),
+        prompt: PromptInput::Tokens(tokens),
+        ..Default::default()
+    }
+}
+
+/// The engine announces `tokens`' complete blocks (as vLLM does after the prefill).
+fn store(tokens: &[u32]) -> KvEvent {
+    let blocks = tokens.len() / BS as usize;
+    KvEvent::BlockStored {
+        block_hashes: (0..blocks as u64).map(|i| 900 + i).collect(),
+        parent_block_hash: None,
+        token_ids: tokens[..blocks * BS as usize].to_vec(),
+        block_size: BS,
+        lora_id: None,
+        medium: Medium::Gpu,
+        lora_name: None,
+        cache_salt: None,
+        group_idx: None,
+    }
+}
+
+/// One worker `a` whose KV events flow (precise), with `config` and KV events on.
+fn precise_core(config: CoreConfig) -> (Core, WorkerSpec, Instant) {
+    let core = Core::new(CoreConfig {
+        kv_events: true,
+        seed: Some(1),
+        ..config
+    });
+    let a = spec("a", 1);
+    let t0 = Instant::now();
+    core.apply_source_snapshot("catalog", vec![a.clone()], t0)
+        .unwrap();
+    let (stats, _) = core.apply_kv_events(rank_of(&a), &[KvEvent::AllBlocksCleared], t0);
+    assert_eq!(stats.applied, 1, "the rank is precise");
+    (core, a, t0)
+}
+
+fn cached(core: &Core, tokens: Vec<u32>, at: Instant) -> u32 {
+    let (_, ranks) = core.overlap_scores(&request("q", tokens), at).unwrap();
+    ranks.first().map_or(0, |(_, d)| d.gpu)
+}
+
+#[test]
+fn a_prediction_outlives_a_slow_prefill_and_ends_with_its_request() {
+    let (core, _, t0) = precise_core(CoreConfig::default());
+    let (s, _) = core
+        .select_and_reserve(&request("long", prompt(1)), t0)
+        .unwrap();
+    // The real vLLM case: a 7,000-token prefill took 4.15 s; a sibling at 4.2 s must see it
+    // (a fixed 2 s prediction had expired).
+    let sibling = t0 + Duration::from_millis(4_200);
+    assert_eq!(cached(&core, prompt(1), sibling), 4);
+    let claim = Claim::Generation(s.generation);
+    core.mark_prefill_complete("long", claim, sibling);
+    let later = t0 + Duration::from_secs(60);
+    assert_eq!(cached(&core, prompt(1), later), 4, "decoding: still held");
+    // The engine never announced the blocks: once the request is over they are not believed.
+    core.free("long", claim, later);
+    assert_eq!(cached(&core, prompt(1), later), 0);
+}
+
+#[test]
+fn blocks_the_engine_announced_outlive_their_request() {
+    let (core, a, t0) = precise_core(CoreConfig::default());
+    let (s, _) = core
+        .select_and_reserve(&request("r", prompt(2)), t0)
+        .unwrap();
+    core.apply_kv_events(rank_of(&a), &[store(&prompt(2))], t0);
+    core.free("r", Claim::Generation(s.generation), t0);
+    assert_eq!(cached(&core, prompt(2), t0 + Duration::from_secs(60)), 4);
+}
+
+/// An approximate rank's entries are all kvpick knows of its cache: the request's end keeps
+/// them for `approx_ttl`.
+#[test]
+fn an_approximate_ranks_prediction_outlives_its_request() {
+    let core = Core::new(CoreConfig {
+        kv_events: true,
+        ..CoreConfig::default()
+    });
+    let a = spec("a", 1);
+    let t0 = Instant::now();
+    core.apply_source_snapshot("catalog", vec![a], t0).unwrap();
+    let (s, _) = core
+        .select_and_reserve(&request("r", prompt(3)), t0)
+        .unwrap();
+    core.free("r", Claim::Generation(s.generation), t0);
+    let approx = CoreConfig::default().approx_ttl;
+    let just_before = t0 + approx - Duration::from_millis(10);
+    assert_eq!(cached(&core, prompt(3), just_before), 4);
+    assert_eq!(
+        cached(&core, prompt(3), t0 + approx + Duration::from_millis(10)),
+        0
+    );
+}
+
+/// `predicted_ttl` bounds a prediction whose request never ends (a leaked booking).
+#[test]
+fn the_bound_ends_a_prediction_whose_request_never_ends() {
+    let bound = Duration::from_secs(10);
+    let (core, _, t0) = precise_core(CoreConfig {
+        predicted_ttl: bound,
+        ..CoreConfig::default()
+    });
+    core.select_and_reserve(&request("leak", prompt(4)), t0)
+        .unwrap();
+    let margin = Duration::from_millis(10);
+    assert_eq!(cached(&core, prompt(4), t0 + bound - margin), 4);
+    assert_eq!(cached(&core, prompt(4), t0 + bound + margin), 0);
+}
+
+/// Envoy served the request from another rank: the picked rank never computed the prompt.
+#[test]
+fn a_moved_booking_takes_its_prediction_off_the_rank_that_did_not_serve_it() {
+    let core = Core::new(CoreConfig {
+        kv_events: true,
+        seed: Some(1),
+        ..CoreConfig::default()
+    });
+    let (a, b) = (spec("a", 1), spec("b", 2));
+    let t0 = Instant::now();
+    core.apply_source_snapshot("catalog", vec![a.clone(), b.clone()], t0)
+        .unwrap();
+    for s in [&a, &b] {
+        core.apply_kv_events(rank_of(s), &[KvEvent::AllBlocksCleared], t0);
+    }
+    let (s, _) = core
+        .select_and_reserve(&request("r", prompt(5)), t0)
+        .unwrap();
+    let picked = s.primary.worker_name.clone();
+    let on = |worker: &str| {
+        let (_, ranks) = core.overlap_scores(&request("q", prompt(5)), t0).unwrap();
+        ranks
+            .iter()
+            .find(|(r, _)| r.worker_name == worker)
+            .map_or(0, |(_, d)| d.gpu)
+    };
+    assert_eq!(on(&picked), 4);
+    let other = core
+        .records()
+        .into_iter()
+        .find(|r| r.spec.name != picked)
+        .unwrap();
+    let served = other.ranks[0].endpoint;
+    let (moved, _) = core.move_booking("r", Claim::Generation(s.generation), served);
+    assert!(moved);
+    assert_eq!(on(&picked), 0);
+}
