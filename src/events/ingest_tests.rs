@@ -91,10 +91,15 @@ async fn rig(engine: &FakeEngine, replay: bool, b_http: u16) -> Rig {
 
 impl Rig {
     /// Blocks of prompt `p` cached on `a`.
+    /// Blocks of prompt `p` indexed on rank a. The query is one token longer than the stored
+    /// blocks: a block-aligned prompt is credited one block less (the engine recomputes its
+    /// last token).
     fn on_a(&self, p: u32) -> u32 {
+        let mut query = tokens(p);
+        query.push(7);
         let request = SelectionRequest {
             model: Some("m".into()),
-            prompt: PromptInput::Tokens(tokens(p)),
+            prompt: PromptInput::Tokens(query),
             ..Default::default()
         };
         let (_, ranks) = self.core.overlap_scores(&request).unwrap();
