@@ -15,7 +15,8 @@ sys.path.insert(0, str(E2E_DIR / "replay"))
 import mooncake  # noqa: E402
 import online  # noqa: E402
 
-SHARED_TRACE = E2E_DIR.parent.parent / "shared" / "data" / "mooncake_trace_1000.jsonl"
+# Shipped in the repository (data/mooncake/README.md: provenance and licence).
+TRACE_1000 = E2E_DIR.parent / "data" / "mooncake" / "mooncake_trace_1000.jsonl"
 
 
 def test_token_synthesis_matches_the_rust_side():
@@ -51,8 +52,7 @@ def test_repeated_prompts_follow_their_rank_through_kvpick(tmp_path, kvpick_bin)
 
 
 def test_first_requests_of_the_mooncake_trace_replay_online(kvpick_bin):
-    assert SHARED_TRACE.exists(), f"shared trace missing: {SHARED_TRACE}"
-    report = online.run_online(SHARED_TRACE, limit=30, workers=3, arrival_speedup=1.0,
+    report = online.run_online(TRACE_1000, limit=30, workers=3, arrival_speedup=1.0,
                                sim_speedup=20.0, progress=None)
     for p in report["policies"]:
         assert p["errors"] == 0, p["first_error"]
