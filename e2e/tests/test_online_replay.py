@@ -26,6 +26,34 @@ def test_token_synthesis_matches_the_rust_side():
     assert mooncake.synthesize(rec)[:512] == mooncake.synthesize(mooncake.Record(0, 600, 1, [0, 9]))[:512]
 
 
+def _row(policy: str, **extra) -> dict:
+    return {"policy": policy, "requests": 40, "errors": 0, "kv_hit_rate": 0.5,
+            "ttft_ms": {"mean": 400.0, "p50": 300.0, "p99": 900.0},
+            "e2e_ms": {"mean": 2000.0, "p99": 5000.0}, "per_worker_requests": [20, 20], **extra}
+
+
+def test_the_table_rounds_its_figures_and_prints_no_empty_list():
+    # The demo's token-id prompts: kvpick tokenized nothing, so there are no outcomes to list.
+    idle = {"outcomes": {}, "skipped": {}, "skipped_fraction": 0.0, "queue_wait_ms": {"count": 0}}
+    report = {"requests": 40, "workers": 2, "arrival_speedup": 0.6562185358190088,
+              "sim_speedup": 2.0,
+              "policies": [_row("envoy-round-robin"),
+                           _row("kvpick", tokenize=idle, kvpick_cpu_s=0.6)]}
+    text = online.markdown(report)
+    assert "arrival speedup 0.656, " in text, text
+    assert "outcomes ," not in text and "outcomes \n" not in text, text
+    assert "kvpick tokenization: no prompt to tokenize, kvpick CPU 15.0 ms per request" in text
+    # Text prompts: the outcomes are listed and the queue-wait bounds read as milliseconds.
+    busy = {"outcomes": {"ok": 38, "skipped": 2}, "skipped": {"queue_timeout": 2},
+            "skipped_fraction": 0.05,
+            "queue_wait_ms": {"count": 40, "p50_le": 0.005 * 1000, "p90_le": 0.075 * 1000,
+                              "p99_le": None}}
+    report["policies"][1]["tokenize"] = busy
+    text = online.markdown(report)
+    assert ("kvpick tokenization: 5.0% skipped (2 queue_timeout); outcomes ok 38, skipped 2, "
+            "kvpick CPU 15.0 ms per request; queue wait p50/p90/p99 <= 5/75/? ms") in text, text
+
+
 def test_repeated_prompts_follow_their_rank_through_kvpick(tmp_path, kvpick_bin):
     # 3 families x 4 identical prompts of 1024 tokens, 3 s (model time; 600 ms wall) apart: each
     # request is long finished (~60 ms model, ~100 ms wall through Envoy) before the next arrives, so

@@ -205,6 +205,43 @@ fn offered_load_conflicts_with_arrival_speedup_and_lands_in_the_report() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+#[test]
+fn the_table_rounds_the_arrival_speedup_to_three_digits() {
+    assert_eq!(three_digits(0.6562185358190088), 0.656);
+    assert_eq!(three_digits(2.3), 2.3);
+    assert_eq!(three_digits(12_345.6), 12_300.0);
+    assert_eq!(three_digits(0.0), 0.0);
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: ReplayArgs,
+    }
+    let trace = tiny_trace();
+    let args = Wrap::parse_from([
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--policy",
+        "round-robin",
+        "--arrival-speedup",
+        "0.6562185358190088",
+    ])
+    .args;
+    let report = build_report(&args).unwrap();
+    assert_eq!(
+        report.arrival_speedup, 0.6562185358190088,
+        "the JSON keeps it"
+    );
+    let table = markdown(&report);
+    assert!(
+        table.starts_with("2 requests, 2 workers, arrival speedup 0.656, "),
+        "{table}"
+    );
+}
+
 /// The two-request trace shipped in the repository (`data/mooncake/mooncake_trace_tiny.jsonl`).
 fn tiny_trace() -> PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
