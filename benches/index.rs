@@ -1,5 +1,5 @@
 //! KV index benchmarks on blocks derived from the public Mooncake trace
-//! (`../shared/data/mooncake_trace_1000.jsonl`, each `hash_id` one block, chained as a prefix),
+//! (`data/mooncake/mooncake_trace_1000.jsonl`, each `hash_id` one block, chained as a prefix),
 //! spread round-robin over 8 and 64 ranks:
 //! - apply throughput: blocks/s through `SelectionCore::apply_kv_events` (decode excluded), and
 //!   through msgpack decode + apply (decode included);
@@ -56,24 +56,12 @@ static ALLOC: Counting = Counting;
 
 const BLOCK: usize = 16;
 
-/// The Mooncake trace beside the checkout (`../shared/data`). The smoke pass under `cargo test`
-/// falls back to a small synthetic trace when it is absent; a real run needs the file.
-fn trace(benching: bool) -> Vec<Vec<u64>> {
+/// The Mooncake trace shipped in the repository (`data/mooncake`); the smoke pass under `cargo
+/// test` takes its first 20 requests.
+fn trace() -> Vec<Vec<u64>> {
     let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/data/mooncake_trace_1000.jsonl");
-    let text = match std::fs::read_to_string(&path) {
-        Ok(text) => text,
-        Err(_) if !benching => {
-            return (0..20u64)
-                .map(|i| {
-                    (0..8)
-                        .map(|b| if b < 2 { b } else { i * 100 + b })
-                        .collect()
-                })
-                .collect()
-        }
-        Err(e) => panic!("{}: {e}", path.display()),
-    };
+        .join("data/mooncake/mooncake_trace_1000.jsonl");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     text.lines()
         .map(|l| {
             let v: serde_json::Value = serde_json::from_str(l).unwrap();
@@ -180,7 +168,7 @@ fn core_with(ranks: usize) -> (Arc<SelectionCore>, Vec<RankKey>) {
 
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
-    let mut requests = trace(benching);
+    let mut requests = trace();
     if !benching {
         requests.truncate(20);
     }

@@ -132,8 +132,22 @@ def fill_index(url: str, workdir: Path, requests: int) -> None:
           f"statuses {result['statuses']}, errors {result['errors']}", flush=True)
 
 
+# Requests per cell at the concurrencies of the published tables (docs/benchmarks.md).
+REQUESTS_AT = {1: 300, 16: 2000, 150: 3000}
+
+
 def requests_for(size: int, concurrency: int, quick: bool) -> int:
-    base = {1: 300, 16: 2000, 150: 3000}[concurrency]
+    """Requests in a cell: ``REQUESTS_AT`` at its concurrencies, the straight line between the two
+    around any other one (flat beyond 150), a third of that for 220 KB bodies, a tenth (at least
+    30) with ``--quick``."""
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, not {concurrency}")
+    points = sorted(REQUESTS_AT.items())
+    base = points[-1][1]
+    for (c0, n0), (c1, n1) in zip(points, points[1:]):
+        if concurrency <= c1:
+            base = round(n0 + (n1 - n0) * (concurrency - c0) / (c1 - c0))
+            break
     if size > 100_000:
         base //= 3
     return max(base // 10, 30) if quick else base
@@ -157,6 +171,17 @@ def cases(args, workdir: Path, concurrency: list[int], variants: str | None = No
                 if args.rate:
                     n = min(n, int(args.rate * 10))
                 yield size_name, variant, path, body_path, conc, n
+
+
+def concurrency_list(text: str) -> list[int]:
+    """``--concurrency``: a comma list of integers >= 1 (checked before anything starts)."""
+    try:
+        values = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"concurrencies must be at least 1: {text!r}")
+    return values
 
 
 def main() -> None:
@@ -193,8 +218,9 @@ def main() -> None:
     ap.add_argument("--untraced", action="store_true",
                     help="with --trace-ratio: the 'on' side runs without tracing flags too "
                          "(with --off-bin: compare two builds, tracing off in both)")
-    ap.add_argument("--concurrency", default=",".join(map(str, CONCURRENCY)),
-                    help="concurrencies to run (comma list)")
+    ap.add_argument("--concurrency", type=concurrency_list,
+                    default=",".join(map(str, CONCURRENCY)),
+                    help="concurrencies to run (comma list; any value >= 1)")
     ap.add_argument("--variants", default="token ids,chat text",
                     help="body variants to run (comma list: 'token ids', 'chat text')")
     args = ap.parse_args()
@@ -218,7 +244,7 @@ def main() -> None:
     try:
         if args.fill:
             fill_index(on.url(), workdir, args.fill)
-        concurrency = [int(c) for c in args.concurrency.split(",")]
+        concurrency = args.concurrency
         for size_name, variant, path, body_path, conc, n in cases(args, workdir, concurrency,
                                                                  args.variants):
             base = load(off.url() + path, body_path, conc, n, args.rate)
@@ -298,7 +324,7 @@ def main_tracing(args) -> None:
     workdir = harness.new_workdir("bench-overhead-tracing")
     rows = []
     try:
-        concurrency = [int(c) for c in args.concurrency.split(",")]
+        concurrency = args.concurrency
         for size_name, variant, path, body_path, conc, n in cases(args, workdir, concurrency,
                                                                  args.variants):
             row = {"size": size_name, "variant": variant, "concurrency": conc,

@@ -25,7 +25,7 @@ Flags: ``--family F`` (default agentic), ``--requests N`` (default 200), ``--loa
 ``--workers N`` (4), ``--sim-speedup K`` (2), ``--policy`` (the online columns; add
 ``sglang-router`` once ``e2e/replay/online.py`` knows it). ``--trace FILE --arrival-speedup A``
 replays an existing Mooncake trace instead (the trace_1000 run of docs/simulator.md:
-``--trace ../shared/data/mooncake_trace_1000.jsonl --limit 1000 --workers 8 --arrival-speedup 2.3``).
+``--trace data/mooncake/mooncake_trace_1000.jsonl --limit 1000 --workers 8 --arrival-speedup 2.3``).
 """
 
 from __future__ import annotations

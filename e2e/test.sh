@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 bash e2e/setup.sh
 bash e2e/vllm/setup.sh   # vLLM's venv (.vllm-venv) and the tiny model (.e2e-work/vllm-model)
 cargo build --locked --bins --examples
+# crates/kvpick-peers is a workspace of its own with its own Cargo.lock, which goes stale when the
+# core gains a dependency (docs/benchmarks.md builds it --locked). Resolving it is enough to notice:
+# this fetches its manifests but builds none of the heavy peer crates.
+cargo metadata --locked --format-version 1 --manifest-path crates/kvpick-peers/Cargo.toml >/dev/null
 cargo test --locked --workspace --all-targets
 bash e2e/check-manifests.sh
 KVPICK_BIN="$PWD/target/debug/kvpick" LOADGEN_BIN="$PWD/target/debug/examples/loadgen" \

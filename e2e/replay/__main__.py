@@ -17,8 +17,8 @@ import online  # noqa: E402
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", default=str(Path(__file__).resolve().parents[2].parent
-                                           / "shared/data/mooncake_trace_1000.jsonl"))
+    ap.add_argument("--trace", default=str(Path(__file__).resolve().parents[2]
+                                           / "data/mooncake/mooncake_trace_1000.jsonl"))
     ap.add_argument("--limit", type=int, default=None, help="first N requests")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--arrival-speedup", type=float, default=1.15,

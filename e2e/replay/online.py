@@ -226,7 +226,7 @@ def _cpu_seconds(pid: int) -> float | None:
 def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"{report['requests']} requests, {report['workers']} workers, arrival speedup "
-        f"{report['arrival_speedup']}, sim speedup {report['sim_speedup']} "
+        f"{report['arrival_speedup']:.3g}, sim speedup {report['sim_speedup']} "
         "(times in model ms = wall x sim speedup)",
         "",
         "| policy | KV hit rate | TTFT mean (ms) | TTFT p50 | TTFT p99 | E2E mean (ms) | E2E p99 "
@@ -248,12 +248,14 @@ def markdown(report: dict[str, Any]) -> str:
         per_request = f", kvpick CPU {cpu * 1000 / kv['requests']:.1f} ms per request" if cpu else ""
         lines.append("")
         wait = tok.get("queue_wait_ms") or {}
-        waits = (f"; queue wait p50/p90/p99 <= {wait.get('p50_le')}/{wait.get('p90_le')}/"
-                 f"{wait.get('p99_le')} ms") if wait.get("count") else ""
-        lines.append(f"kvpick tokenization: {tok['skipped_fraction'] * 100:.1f}% skipped "
-                     f"({skipped}); outcomes "
-                     f"{', '.join(f'{o} {n}' for o, n in sorted(tok['outcomes'].items()))}"
-                     f"{per_request}{waits}")
+        bounds = "/".join("?" if wait.get(q) is None else f"{wait[q]:g}"
+                          for q in ("p50_le", "p90_le", "p99_le"))
+        waits = f"; queue wait p50/p90/p99 <= {bounds} ms" if wait.get("count") else ""
+        outcomes = ", ".join(f"{o} {n}" for o, n in sorted(tok["outcomes"].items()))
+        # Token-id prompts leave nothing to tokenize: say so rather than print an empty list.
+        head = (f"kvpick tokenization: {tok['skipped_fraction'] * 100:.1f}% skipped ({skipped}); "
+                f"outcomes {outcomes}") if outcomes else "kvpick tokenization: no prompt to tokenize"
+        lines.append(f"{head}{per_request}{waits}")
     for other in ("envoy-round-robin", "sglang-router"):
         peer = pols.get(other)
         if peer and kv and kv["ttft_ms"]["mean"] > 0:

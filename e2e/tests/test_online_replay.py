@@ -15,7 +15,8 @@ sys.path.insert(0, str(E2E_DIR / "replay"))
 import mooncake  # noqa: E402
 import online  # noqa: E402
 
-SHARED_TRACE = E2E_DIR.parent.parent / "shared" / "data" / "mooncake_trace_1000.jsonl"
+# Shipped in the repository (data/mooncake/README.md: provenance and licence).
+TRACE_1000 = E2E_DIR.parent / "data" / "mooncake" / "mooncake_trace_1000.jsonl"
 
 
 def test_token_synthesis_matches_the_rust_side():
@@ -23,6 +24,34 @@ def test_token_synthesis_matches_the_rust_side():
     rec = mooncake.Record(0, 700, 1, [0, 1])
     assert len(mooncake.synthesize(rec)) == 700
     assert mooncake.synthesize(rec)[:512] == mooncake.synthesize(mooncake.Record(0, 600, 1, [0, 9]))[:512]
+
+
+def _row(policy: str, **extra) -> dict:
+    return {"policy": policy, "requests": 40, "errors": 0, "kv_hit_rate": 0.5,
+            "ttft_ms": {"mean": 400.0, "p50": 300.0, "p99": 900.0},
+            "e2e_ms": {"mean": 2000.0, "p99": 5000.0}, "per_worker_requests": [20, 20], **extra}
+
+
+def test_the_table_rounds_its_figures_and_prints_no_empty_list():
+    # The demo's token-id prompts: kvpick tokenized nothing, so there are no outcomes to list.
+    idle = {"outcomes": {}, "skipped": {}, "skipped_fraction": 0.0, "queue_wait_ms": {"count": 0}}
+    report = {"requests": 40, "workers": 2, "arrival_speedup": 0.6562185358190088,
+              "sim_speedup": 2.0,
+              "policies": [_row("envoy-round-robin"),
+                           _row("kvpick", tokenize=idle, kvpick_cpu_s=0.6)]}
+    text = online.markdown(report)
+    assert "arrival speedup 0.656, " in text, text
+    assert "outcomes ," not in text and "outcomes \n" not in text, text
+    assert "kvpick tokenization: no prompt to tokenize, kvpick CPU 15.0 ms per request" in text
+    # Text prompts: the outcomes are listed and the queue-wait bounds read as milliseconds.
+    busy = {"outcomes": {"ok": 38, "skipped": 2}, "skipped": {"queue_timeout": 2},
+            "skipped_fraction": 0.05,
+            "queue_wait_ms": {"count": 40, "p50_le": 0.005 * 1000, "p90_le": 0.075 * 1000,
+                              "p99_le": None}}
+    report["policies"][1]["tokenize"] = busy
+    text = online.markdown(report)
+    assert ("kvpick tokenization: 5.0% skipped (2 queue_timeout); outcomes ok 38, skipped 2, "
+            "kvpick CPU 15.0 ms per request; queue wait p50/p90/p99 <= 5/75/? ms") in text, text
 
 
 def test_repeated_prompts_follow_their_rank_through_kvpick(tmp_path, kvpick_bin):
@@ -51,8 +80,7 @@ def test_repeated_prompts_follow_their_rank_through_kvpick(tmp_path, kvpick_bin)
 
 
 def test_first_requests_of_the_mooncake_trace_replay_online(kvpick_bin):
-    assert SHARED_TRACE.exists(), f"shared trace missing: {SHARED_TRACE}"
-    report = online.run_online(SHARED_TRACE, limit=30, workers=3, arrival_speedup=1.0,
+    report = online.run_online(TRACE_1000, limit=30, workers=3, arrival_speedup=1.0,
                                sim_speedup=20.0, progress=None)
     for p in report["policies"]:
         assert p["errors"] == 0, p["first_error"]

@@ -5,7 +5,8 @@
 //! table of contents in `docs/README.md`; every relative link and `#anchor` in `docs/` and
 //! `README.md` resolves; and the module tables of `docs/ARCHITECTURE.md` name exactly the modules
 //! of `src/` and `crates/*/src`, whose top-level modules of `src/` import each other without a
-//! circle. Reads only files in the repository (and runs `kvpick serve
+//! circle; and nothing in the repository reads beside its checkout: the traces it needs are in
+//! `data/`, with their licence. Reads only files in the repository (and runs `kvpick serve
 //! --help`), so a plain `cargo test` from a fresh clone runs it.
 //!
 //! After adding a flag or a metric: `KVPICK_UPDATE_DOCS=1 cargo test --test docs` rewrites the
@@ -20,6 +21,7 @@ mod helm;
 mod layering;
 mod links;
 mod metrics;
+mod self_contained;
 
 use std::path::{Path, PathBuf};
 

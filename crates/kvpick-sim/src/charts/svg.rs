@@ -19,9 +19,14 @@ const PALETTE: [&str; 12] = [
     "#8c564b", "#7f7f7f", "#bcbd22", "#17becf",
 ];
 
-const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1600px}\
+/// The charts of a section fill the page's width: a grid of as many columns of at least ~520 px as
+/// fit (one on a phone, two on a laptop, three on a wide screen), each SVG scaled to its column
+/// (it has a viewBox and no fixed size), so a wide window shows bigger charts, not margins.
+const STYLE: &str = "body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}\
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:2em;border-bottom:1px solid #ccc}\
-p.note{color:#555}figure{display:inline-block;margin:0.5em}\
+p.note{color:#555}\
+div.charts{display:grid;grid-template-columns:repeat(auto-fit,minmax(min(100%,520px),1fr));gap:1em}\
+figure{margin:0}figure svg{display:block;width:100%;height:auto}\
 svg text{font-family:system-ui,sans-serif;font-size:11px;fill:#222}\
 svg .title{font-size:13px;font-weight:600}svg .grid{stroke:#e5e5e5}svg .axis{stroke:#555}";
 
@@ -118,6 +123,7 @@ fn section_html(section: &Section) -> String {
     if !section.note.is_empty() {
         let _ = writeln!(out, "<p class=\"note\">{}</p>", esc(&section.note));
     }
+    out.push_str("<div class=\"charts\">\n");
     for (title, svg) in section_charts(section) {
         let _ = writeln!(
             out,
@@ -125,7 +131,7 @@ fn section_html(section: &Section) -> String {
             esc(&title)
         );
     }
-    out.push_str("</section>\n");
+    out.push_str("</div>\n</section>\n");
     out
 }
 
@@ -165,8 +171,7 @@ impl Frame {
 
 fn svg_open(title: &str) -> String {
     format!(
-        "<svg width=\"{WIDTH}\" height=\"{HEIGHT}\" \
-         viewBox=\"0 0 {WIDTH} {HEIGHT}\" role=\"img\">\n<title>{t}</title>\n\
+        "<svg viewBox=\"0 0 {WIDTH} {HEIGHT}\" role=\"img\">\n<title>{t}</title>\n\
          <text class=\"title\" x=\"{LEFT}\" y=\"18\">{t}</text>\n",
         t = esc(title)
     )

@@ -80,6 +80,37 @@ fn page_has_one_svg_per_chart_and_escapes_names() {
 }
 
 #[test]
+fn charts_fill_the_page_width() {
+    let data = ChartData {
+        title: "t".into(),
+        sections: vec![Section {
+            title: "s".into(),
+            note: String::new(),
+            policies: vec![policy("kvpick", true)],
+        }],
+    };
+    let html = svg::page(&data);
+    // No cap on the page and no fixed chart size: every SVG scales to its grid column.
+    assert!(!html.contains("max-width"), "the page is capped");
+    assert!(html.contains("figure svg{display:block;width:100%;height:auto}"));
+    assert!(html.contains("div.charts{display:grid;"));
+    let svgs: Vec<&str> = html.split("<svg ").skip(1).collect();
+    assert_eq!(svgs.len(), svg::section_charts(&data.sections[0]).len());
+    for s in svgs {
+        let open = &s[..s.find('>').unwrap()];
+        assert!(open.starts_with("viewBox=\"0 0 "), "{open}");
+        assert!(
+            !open.contains("width") && !open.contains("height"),
+            "fixed size: {open}"
+        );
+    }
+    // The figures sit in the section's grid.
+    let grid = html.find("<div class=\"charts\">").unwrap();
+    assert!(grid < html.find("<figure").unwrap());
+    assert!(html.rfind("</figure>").unwrap() < html.rfind("</div>").unwrap());
+}
+
+#[test]
 fn validate_rejects_input_just_over_each_limit() {
     let mut p = policy("kvpick", false);
     p.ttft_cdf = vec![(1.0, 1.0); MAX_POINTS];

@@ -205,22 +205,47 @@ fn offered_load_conflicts_with_arrival_speedup_and_lands_in_the_report() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-/// `../shared/data/mooncake_trace_tiny.jsonl` beside the checkout, or the same two requests when
-/// it is absent.
-fn tiny_trace(dir: &std::path::Path) -> PathBuf {
-    let shared = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/mooncake_trace_tiny.jsonl");
-    if shared.exists() {
-        return shared;
+#[test]
+fn the_table_rounds_the_arrival_speedup_to_three_digits() {
+    assert_eq!(three_digits(0.6562185358190088), 0.656);
+    assert_eq!(three_digits(2.3), 2.3);
+    assert_eq!(three_digits(12_345.6), 12_300.0);
+    assert_eq!(three_digits(0.0), 0.0);
+    use clap::Parser;
+    #[derive(clap::Parser)]
+    struct Wrap {
+        #[command(flatten)]
+        args: ReplayArgs,
     }
-    let path = dir.join("tiny.jsonl");
-    std::fs::write(
-        &path,
-        "{\"timestamp\":0,\"input_length\":8,\"output_length\":2,\"hash_ids\":[1]}\n\
-         {\"timestamp\":1,\"input_length\":8,\"output_length\":2,\"hash_ids\":[1]}\n",
-    )
-    .unwrap();
-    path
+    let trace = tiny_trace();
+    let args = Wrap::parse_from([
+        "replay",
+        "--trace",
+        trace.to_str().unwrap(),
+        "--workers",
+        "2",
+        "--policy",
+        "round-robin",
+        "--arrival-speedup",
+        "0.6562185358190088",
+    ])
+    .args;
+    let report = build_report(&args).unwrap();
+    assert_eq!(
+        report.arrival_speedup, 0.6562185358190088,
+        "the JSON keeps it"
+    );
+    let table = markdown(&report);
+    assert!(
+        table.starts_with("2 requests, 2 workers, arrival speedup 0.656, "),
+        "{table}"
+    );
+}
+
+/// The two-request trace shipped in the repository (`data/mooncake/mooncake_trace_tiny.jsonl`).
+fn tiny_trace() -> PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../data/mooncake/mooncake_trace_tiny.jsonl")
 }
 
 #[test]
@@ -234,7 +259,7 @@ fn report_html_is_self_contained_with_one_svg_per_chart() {
     let dir = std::env::temp_dir().join(format!("kvpick-replay-html-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let (html, data) = (dir.join("r.html"), dir.join("r.json"));
-    let trace = tiny_trace(&dir);
+    let trace = tiny_trace();
     let args = Wrap::parse_from([
         "replay",
         "--trace",
