@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 import harness
-from vllm_engine import BLOCK
+from vllm_engine import BLOCK, MODEL, cached_tokens
 from vllm_support import (envoy_config_with_upstream_header, predicted_blocks, reusable_blocks,
                           send, text)
 
@@ -80,17 +80,24 @@ def test_routing_follows_the_engines_caches(vstack, vllm_pair, client):
 
 
 def test_cache_salt_separates_what_the_engine_separates(vstack, vllm_pair, client):
-    """`cache_salt` changes the first block's hash in vLLM and in kvpick alike: the same prompt
-    under another salt is predicted and served cold, under the same salt warm."""
+    """`cache_salt` changes the first block's hash in vLLM and in kvpick alike: after a salted
+    request, kvpick holds the prompt on the rank under that salt only, and the engine serves it
+    from cache under that salt only."""
     kv, url = vstack.kvpick, vstack.url()
     prompt = text(300, 700)
     tokens = vllm_pair[0].tokenize({"prompt": prompt})
     warm = send(client, url, COMPLETIONS, {"prompt": prompt, "cache_salt": "tenant-a"})
     assert warm.status == 200, warm.body
-    again = send(client, url, COMPLETIONS, {"prompt": prompt, "cache_salt": "tenant-a"})
-    assert again.upstream == warm.upstream
-    assert again.cached // BLOCK == reusable_blocks(len(tokens))
-    other = send(client, url, COMPLETIONS, {"prompt": prompt, "cache_salt": "tenant-b"})
-    assert other.cached == 0, "another salt shares nothing in the engine"
-    unsalted = predicted_blocks(kv.grpc_port, tokens)
-    assert unsalted.get(warm.upstream, 0) == 0, f"kvpick predicted salted blocks unsalted: {unsalted}"
+    engine = next(e for e in vllm_pair if e.endpoint == warm.upstream)
+    full = reusable_blocks(len(tokens))
+    harness.wait_until(
+        lambda: predicted_blocks(kv.grpc_port, tokens, "tenant-a").get(warm.upstream) == full,
+        10, desc="kvpick indexed the salted blocks from the engine's events")
+    assert predicted_blocks(kv.grpc_port, tokens, "tenant-b").get(warm.upstream) == 0
+    assert predicted_blocks(kv.grpc_port, tokens).get(warm.upstream) == 0, "unsalted sees nothing"
+    # The engine agrees, asked directly (the same rank whatever a router would pick).
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+    assert cached_tokens(engine.post("/v1/completions", {**body, "cache_salt": "tenant-a"})) \
+        == full * BLOCK
+    assert cached_tokens(engine.post("/v1/completions", {**body, "cache_salt": "tenant-b"})) == 0
+    assert cached_tokens(engine.post("/v1/completions", body)) == 0

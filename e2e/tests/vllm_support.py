@@ -10,7 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import harness
-from test_faults import overlap_scores
+import grpc
+
+from test_faults import _fields, _varint
 from vllm_engine import BLOCK, MODEL, cached_tokens
 
 JSON_CT = {"content-type": "application/json"}
@@ -61,9 +63,24 @@ def send(client, url: str, path: str, body: dict[str, Any],
                   int(usage.get("prompt_tokens") or 0), cached_tokens(payload), payload)
 
 
-def predicted_blocks(grpc_port: int, tokens: list[int]) -> dict[str, int]:
-    """kvpick's per-rank cached blocks of ``tokens`` (OverlapScores, GPU tier), by address."""
-    return overlap_scores(grpc_port, tokens, model=MODEL)
+def predicted_blocks(grpc_port: int, tokens: list[int], cache_salt: str | None = None
+                     ) -> dict[str, int]:
+    """kvpick's per-rank cached blocks of ``tokens`` (kvpick.v1.Selection/OverlapScores, GPU
+    tier), by address. Hand-encoded SelectRequest: 1 request_id, 2 model, 3 packed token_ids,
+    14 cache_salt."""
+    packed = b"".join(_varint(t) for t in tokens)
+    req = (b"\x0a" + _varint(5) + b"probe" + b"\x12" + _varint(len(MODEL)) + MODEL.encode()
+           + b"\x1a" + _varint(len(packed)) + packed)
+    if cache_salt:
+        req += b"\x72" + _varint(len(cache_salt)) + cache_salt.encode()
+    with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as ch:
+        resp = ch.unary_unary("/kvpick.v1.Selection/OverlapScores")(req, timeout=5)
+    scores = {}
+    for num, score in _fields(resp):
+        if num == 1:
+            fields = dict(_fields(score))
+            scores[dict(_fields(fields[1]))[3].decode()] = fields.get(2, 0)
+    return scores
 
 
 def reusable_blocks(prompt_tokens: int) -> int:

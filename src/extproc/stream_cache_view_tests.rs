@@ -227,13 +227,16 @@ fn an_engine_that_never_publishes_shows_as_hits_the_engine_does_not_report() {
 
 /// The engine's events flowed once (the rank is precise) and then stopped: what the engine
 /// caches since is unknown to kvpick, whose predictions end with their requests.
-#[test]
-fn an_engine_that_stopped_publishing_shows_as_hits_kvpick_never_predicted() {
+/// Each repeat comes past the end grace (a second after the first request ended, when its
+/// store event would long have arrived).
+#[tokio::test(start_paused = true)]
+async fn an_engine_that_stopped_publishing_shows_as_hits_kvpick_never_predicted() {
     let (core, rank) = setup();
     stored(&core, rank, &prompt(99, 1), BS);
     for tag in 1..=6 {
         let p = prompt(tag, 4);
         exchange(&core, &ids(&p), Some(0));
+        tokio::time::advance(std::time::Duration::from_millis(1_001)).await;
         exchange(&core, &ids(&p), Some(64));
     }
     let (total, exact, under, over) = outcomes(&core.metrics().cache_view);

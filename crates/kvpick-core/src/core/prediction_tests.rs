@@ -92,9 +92,19 @@ fn a_prediction_outlives_a_slow_prefill_and_ends_with_its_request() {
     core.mark_prefill_complete("long", claim, sibling);
     let later = t0 + Duration::from_secs(60);
     assert_eq!(cached(&core, prompt(1), later), 4, "decoding: still held");
-    // The engine never announced the blocks: once the request is over they are not believed.
+    // The engine never announced the blocks: once the request is over they are believed only
+    // while its events may still be on their way (the end grace), not a moment longer.
     core.free("long", claim, later);
-    assert_eq!(cached(&core, prompt(1), later), 0);
+    let grace = crate::partition::END_GRACE;
+    assert_eq!(
+        cached(&core, prompt(1), later + grace - Duration::from_millis(1)),
+        4,
+        "a sibling right after the end still finds them (the store event may be in flight)"
+    );
+    assert_eq!(
+        cached(&core, prompt(1), later + grace + Duration::from_millis(1)),
+        0
+    );
 }
 
 #[test]

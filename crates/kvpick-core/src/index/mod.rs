@@ -434,6 +434,32 @@ impl PrefixIndex {
         dropped
     }
 
+    /// Brings `rank`'s expiring entry of `seq_hash` in `tier` to expire by `at` at the latest
+    /// (a permanent entry, or one expiring sooner, is left as it is).
+    pub fn expire_by(&mut self, rank: RankKey, seq_hash: u64, tier: Tier, at: Instant) {
+        let Some(&id) = self.rank_ids.get(&rank) else {
+            return;
+        };
+        let who = (id << 2) | tier as u32;
+        let limit = self.units(at);
+        let Some(entry) = self.blocks.get_mut(&BlockKey::new(seq_hash)) else {
+            return;
+        };
+        let shorten = |h: &mut Holder| {
+            if h.who == who && !h.is_permanent() {
+                h.state = h.state.min(limit);
+            }
+        };
+        if entry.holder.who != MULTI {
+            shorten(&mut entry.holder);
+        } else {
+            self.slab[entry.multi() as usize]
+                .holders
+                .iter_mut()
+                .for_each(shorten);
+        }
+    }
+
     fn retain_in(&mut self, seq_hash: u64, keep: impl FnMut(&Holder) -> bool) {
         if let Some(entry) = self.blocks.get_mut(&BlockKey::new(seq_hash)) {
             if !retain_holders(entry, &mut self.slab, &mut self.free_slab, keep) {

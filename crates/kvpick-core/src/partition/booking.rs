@@ -226,7 +226,7 @@ impl Partition {
     /// Ends a booking: its session lease, its load and its precise predictions.
     pub(super) fn release(state: &mut State, booking: &Booking, now: Instant, facts: &mut Facts) {
         for chain in &booking.predicted {
-            health::end(state, chain.clone());
+            health::end(state, chain.clone(), now);
         }
         if let Some(sid) = &booking.session {
             state.sessions.release(sid, now);
@@ -286,7 +286,7 @@ impl Partition {
                 // The prefill rank's part is over: what it computed is stored (and announced).
                 let leg_chain = booking.predicted[1].take();
                 pair::unbook_leg(state, Some(&leg), facts);
-                health::end(state, leg_chain);
+                health::end(state, leg_chain, now);
                 if sample {
                     state.estimator.observe(leg.rank, ttft_tokens, observed);
                     facts.push(Fact::TtftObserved {

@@ -51,6 +51,8 @@ enum Op {
     Insert(Option<Instant>),
     /// Drop the rank's expiring entries (its engine's confirmed ones stay).
     Drop,
+    /// Bring the rank's expiring entries to expire by the instant at the latest.
+    ExpireBy(Instant),
 }
 
 /// Clears remembered by number, so a deferred prediction can tell whether its own rank was
@@ -122,6 +124,11 @@ fn write(kv: &mut Kv, pending: Vec<Prediction>) -> bool {
                     kv.index.drop_expiring(p.rank, h, Tier::Gpu);
                 }
             }
+            Op::ExpireBy(at) => {
+                for &h in hashes {
+                    kv.index.expire_by(p.rank, h, Tier::Gpu, at);
+                }
+            }
         }
         wrote = true;
     }
@@ -139,6 +146,12 @@ impl State {
     /// the chain go, written like a prediction (in order after it).
     pub(super) fn unpredict(&self, chain: health::PredictedChain) {
         self.defer(chain.rank, chain.hashes, chain.from, Op::Drop);
+    }
+
+    /// Ends what a pick predicted at its request's end: the rank's expiring entries of the
+    /// chain expire by `at` (the engine's events for them may still be on their way).
+    pub(super) fn end_prediction(&self, chain: health::PredictedChain, at: Instant) {
+        self.defer(chain.rank, chain.hashes, chain.from, Op::ExpireBy(at));
     }
 
     fn defer(&self, rank: RankKey, hashes: Arc<[u64]>, from: usize, op: Op) {

@@ -241,7 +241,7 @@ impl Partition {
             pair::unbook_leg(state, Some(&leg), facts);
         }
         for chain in leg_chains {
-            health::end(state, chain);
+            health::end(state, chain, now);
         }
         facts.push(Fact::Inflight(negative(slot.load.active_requests)));
         if slot.health.is_ejected() {

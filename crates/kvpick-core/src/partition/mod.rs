@@ -41,6 +41,8 @@ pub(crate) use admission::{Admitted, Claims, Refusal};
 use booking::Pick;
 use events::EngineMap;
 pub use events::EventStats;
+#[cfg(test)]
+pub(crate) use health::END_GRACE;
 use pipeline::{Affinity, Allowed, PromptBlocks};
 use ranks::{RankTable, Slot};
 use select::Ask;
