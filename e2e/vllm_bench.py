@@ -63,31 +63,13 @@ def workload(seed: int, sessions: int = 24, prefixes: int = 4, rate: float = 1.6
             for i, (at, prompt, max_tokens) in enumerate(out)]
 
 
-def round_robin_envoy(ports: list[int]) -> harness.Envoy:
-    """Envoy's own ROUND_ROBIN cluster (no picker), answering with the upstream it used."""
-    cfg = envoy_config_with_upstream_header()
-    main = cfg["static_resources"]["listeners"][0]
-    hcm = harness._hcm(main)
-    hcm["http_filters"] = [f for f in hcm["http_filters"]
-                           if f["name"] != "envoy.filters.http.ext_proc"]
-    route = hcm["route_config"]["virtual_hosts"][0]["routes"][0]
-    route["route"]["cluster"] = "round_robin"
-    route.pop("request_headers_to_add", None)
-    cfg["static_resources"]["clusters"].append({
-        "name": "round_robin", "type": "STATIC", "lb_policy": "ROUND_ROBIN",
-        "connect_timeout": "5s", "per_connection_buffer_limit_bytes": 67108864,
-        "load_assignment": {"cluster_name": "round_robin", "endpoints": [{"lb_endpoints": [
-            {"endpoint": {"address": {"socket_address": {"address": "127.0.0.1", "port_value": p}}}}
-            for p in ports]}]}})
-    return harness.Envoy(kvpick_port=1, secure=False, config=cfg).start()
-
-
 def run_policy(policy: str, catalog: list[dict[str, Any]], ports: list[int],
                requests: list[online.Prepared], model: str) -> dict[str, Any]:
     envoy = stack = None
     try:
         if policy == "envoy-round-robin":
-            envoy = round_robin_envoy(ports)
+            # Envoy's own ROUND_ROBIN cluster (no picker), answering with the upstream it used.
+            envoy = online.round_robin_envoy(ports, envoy_config_with_upstream_header())
             url = envoy.url()
         else:
             stack = harness.Stack(catalog, secure=False, name="vllm-bench",

@@ -309,9 +309,10 @@ class Sim:
         self.process.stop()
 
 
-def round_robin_envoy(ports: list[int]) -> harness.Envoy:
-    """The reference Envoy config without ext_proc, routing to a STATIC ROUND_ROBIN cluster."""
-    cfg = harness.load_envoy_template()
+def round_robin_envoy(ports: list[int], cfg: dict[str, Any] | None = None) -> harness.Envoy:
+    """The reference Envoy config (or ``cfg``, one derived from it) without ext_proc, routing to
+    a STATIC ROUND_ROBIN cluster."""
+    cfg = cfg or harness.load_envoy_template()
     main = next(l for l in cfg["static_resources"]["listeners"] if l["name"] == harness.MAIN_LISTENER)
     hcm = harness._hcm(main)
     hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
