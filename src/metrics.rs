@@ -504,6 +504,9 @@ impl SelectionMetrics {
 pub struct EventMetrics {
     /// KV events by result (applied, dropped, decode_error).
     pub kv_events: IntCounterVec,
+    /// Stores and removes by KV-cache group kind and whether the group filter admitted them
+    /// (`events::groups`).
+    pub kv_events_by_kind: IntCounterVec,
     /// Sequence gaps seen on KV-event streams.
     pub kv_event_gaps: IntCounter,
     /// Replays by result (ok, incomplete, failed).
@@ -529,6 +532,17 @@ impl EventMetrics {
             IntCounterVec::new(
                 Opts::new("kvpick_kv_events_total", "KV events by result"),
                 &["result"],
+            )
+            .unwrap(),
+        );
+        let kv_events_by_kind = register(
+            registry,
+            IntCounterVec::new(
+                Opts::new(
+                    "kvpick_kv_events_by_kind_total",
+                    "KV stores and removes by the KV-cache group kind of their group_idx (vLLM's kv_cache_spec_kind; none without a group, unclassified for a group whose kind the rank has not announced) and outcome: admitted (full, MLA or sink-full attention; groupless and legacy events) or dropped (sliding-window, Mamba and other kinds, whose blocks do not make a prefix reusable)",
+                ),
+                &["event", "kind", "outcome"],
             )
             .unwrap(),
         );
@@ -602,6 +616,7 @@ impl EventMetrics {
             block_size_mismatches,
             event_lag,
             kv_events,
+            kv_events_by_kind,
             kv_event_gaps,
             kv_replays,
             kv_resets,

@@ -10,7 +10,11 @@
 //!   unknown keys) are ignored;
 //! - block hashes as uint64, int64 (SGLang's `hash_str_to_int64`; the bits are kept) or bin of
 //!   8..=64 bytes (vLLM's sha256 / xxhash-128 `bytes` hashes; the last 8 bytes big-endian, the
-//!   same value vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` would have sent).
+//!   same value vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` would have sent);
+//! - vLLM 0.32's KV-cache group kinds (`kv_cache_spec_kind`, `kv_cache_spec_sliding_window`),
+//!   returned beside the events ([`EventBatch::group_specs`]); a store announcing a kind whose
+//!   `token_ids` do not split into its blocks (vLLM leaves null blocks out of `block_hashes` only)
+//!   is kept tokenless instead of failing the batch.
 //!
 //! Decoding never panics and never trusts a declared length: the payload is capped at
 //! [`MAX_PAYLOAD_BYTES`], nesting at [`MAX_DEPTH`] and every allocation is bounded by the bytes
@@ -60,6 +64,77 @@ pub struct EventBatch {
     /// Events with a tag this decoder does not know (a newer engine), skipped so the rest of the
     /// batch still applies.
     pub skipped_unknown: u32,
+    /// The KV-cache group kinds the batch's stores announce (vLLM 0.32+: `kv_cache_spec_kind`,
+    /// `kv_cache_spec_sliding_window`), one entry per store that carries a kind, in event order.
+    /// Kept beside `events` rather than in them: what a kind means for the index is decided above
+    /// the decoder (`events::groups`), and the core's events stay engine-neutral.
+    pub group_specs: Vec<GroupSpec>,
+}
+
+/// A `BlockStored`'s KV-cache group kind, as the engine announced it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupSpec {
+    /// Position of the store in [`EventBatch::events`].
+    pub event: usize,
+    pub kind: SpecKind,
+    /// Tokens of the group's window (sliding-window kinds), when sent.
+    pub sliding_window: Option<u32>,
+}
+
+/// vLLM's `KVCacheSpecKind` (`vllm/v1/kv_cache_interface.py`, `get_kv_cache_spec_kind`): what
+/// kind of layers a KV-cache group holds. A name this decoder does not know is [`SpecKind::Unknown`]
+/// (as vLLM's own `"unknown"`), so a newer engine's kind is bounded in logs and metric labels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SpecKind {
+    FullAttention,
+    MlaAttention,
+    SinkFullAttention,
+    SlidingWindow,
+    SlidingWindowMla,
+    ChunkedLocalAttention,
+    Mamba,
+    EncoderOnlyAttention,
+    CrossAttention,
+    Unknown,
+}
+
+impl SpecKind {
+    pub const ALL: [SpecKind; 10] = [
+        SpecKind::FullAttention,
+        SpecKind::MlaAttention,
+        SpecKind::SinkFullAttention,
+        SpecKind::SlidingWindow,
+        SpecKind::SlidingWindowMla,
+        SpecKind::ChunkedLocalAttention,
+        SpecKind::Mamba,
+        SpecKind::EncoderOnlyAttention,
+        SpecKind::CrossAttention,
+        SpecKind::Unknown,
+    ];
+
+    /// The wire name (vLLM's enum value), also the metric label.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SpecKind::FullAttention => "full_attention",
+            SpecKind::MlaAttention => "mla_attention",
+            SpecKind::SinkFullAttention => "sink_full_attention",
+            SpecKind::SlidingWindow => "sliding_window",
+            SpecKind::SlidingWindowMla => "sliding_window_mla",
+            SpecKind::ChunkedLocalAttention => "chunked_local_attention",
+            SpecKind::Mamba => "mamba",
+            SpecKind::EncoderOnlyAttention => "encoder_only_attention",
+            SpecKind::CrossAttention => "cross_attention",
+            SpecKind::Unknown => "unknown",
+        }
+    }
+
+    /// Exact, as vLLM writes them; anything else is [`SpecKind::Unknown`].
+    pub fn parse(s: &str) -> SpecKind {
+        SpecKind::ALL
+            .into_iter()
+            .find(|k| k.as_str() == s)
+            .unwrap_or(SpecKind::Unknown)
+    }
 }
 
 /// Why a message was rejected. Messages are short: they end up in logs and metrics labels.
@@ -157,10 +232,20 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         .or_else(|| fields.get(2, "attn_dp_rank"));
     let data_parallel_rank = rank.map(|v| as_u32(v, "data_parallel_rank")).transpose()?;
     let mut events = Vec::with_capacity(list.len());
+    let mut group_specs = Vec::new();
     let mut skipped_unknown: u32 = 0;
     for (index, event) in list.iter().enumerate() {
         match decode_event(event) {
-            Ok(event) => events.push(event),
+            Ok((event, spec)) => {
+                if let Some((kind, sliding_window)) = spec {
+                    group_specs.push(GroupSpec {
+                        event: events.len(),
+                        kind,
+                        sliding_window,
+                    });
+                }
+                events.push(event)
+            }
             Err(DecodeError::UnknownEventType(_)) => {
                 skipped_unknown = skipped_unknown.saturating_add(1)
             }
@@ -177,6 +262,7 @@ pub fn decode_batch(payload: &[u8]) -> Result<EventBatch, DecodeError> {
         events,
         data_parallel_rank,
         skipped_unknown,
+        group_specs,
     })
 }
 
@@ -217,7 +303,10 @@ fn lookup<'v, 'a>(
         .map(|(_, v)| v)
 }
 
-fn decode_event(v: &ValueRef<'_>) -> Result<KvEvent, DecodeError> {
+/// A store's announced group kind and window.
+type Spec = Option<(SpecKind, Option<u32>)>;
+
+fn decode_event(v: &ValueRef<'_>) -> Result<(KvEvent, Spec), DecodeError> {
     let (tag, fields) = match v {
         ValueRef::Array(items) => {
             let (tag, rest) = items
@@ -234,12 +323,15 @@ fn decode_event(v: &ValueRef<'_>) -> Result<KvEvent, DecodeError> {
     let tag = as_str(tag).ok_or(wrong("event tag", "string"))?;
     match tag {
         "BlockStored" => decode_stored(&fields),
-        "BlockRemoved" => Ok(KvEvent::BlockRemoved {
-            block_hashes: hashes(&fields)?,
-            medium: medium(fields.get(1, "medium"))?,
-            group_idx: opt_u32(fields.get(2, "group_idx"), "group_idx")?,
-        }),
-        "AllBlocksCleared" => Ok(KvEvent::AllBlocksCleared),
+        "BlockRemoved" => Ok((
+            KvEvent::BlockRemoved {
+                block_hashes: hashes(&fields)?,
+                medium: medium(fields.get(1, "medium"))?,
+                group_idx: opt_u32(fields.get(2, "group_idx"), "group_idx")?,
+            },
+            None,
+        )),
+        "AllBlocksCleared" => Ok((KvEvent::AllBlocksCleared, None)),
         other => Err(DecodeError::UnknownEventType(
             truncate(other, MAX_ECHO).to_owned(),
         )),
@@ -248,17 +340,19 @@ fn decode_event(v: &ValueRef<'_>) -> Result<KvEvent, DecodeError> {
 
 /// Positions (after the tag): block_hashes, parent_block_hash, token_ids, block_size, lora_id,
 /// medium, lora_name, extra_keys (only the cache salt is read from it), group_idx,
-/// kv_cache_spec_kind and kv_cache_spec_sliding_window (ignored), then anything newer (ignored).
-fn decode_stored(fields: &Fields<'_, '_>) -> Result<KvEvent, DecodeError> {
+/// kv_cache_spec_kind and kv_cache_spec_sliding_window (returned beside the event), then anything
+/// newer (ignored: vLLM 0.32's locality, ownership, session_id).
+fn decode_stored(fields: &Fields<'_, '_>) -> Result<(KvEvent, Spec), DecodeError> {
     let block_hashes = hashes(fields)?;
     let parent_block_hash = match fields.get(1, "parent_block_hash") {
         Some(v) => Some(hash(v, "parent_block_hash")?).filter(|h| *h != 0),
         None => None,
     };
-    let token_ids = match fields.get(2, "token_ids") {
+    let mut token_ids = match fields.get(2, "token_ids") {
         Some(v) => tokens(v)?,
         None => Vec::new(),
     };
+    let spec = group_spec(fields)?;
     let block_size = match fields.get(3, "block_size") {
         Some(v) => as_u32(v, "block_size")?,
         None => infer_block_size(token_ids.len(), block_hashes.len())?,
@@ -266,11 +360,18 @@ fn decode_stored(fields: &Fields<'_, '_>) -> Result<KvEvent, DecodeError> {
     if !token_ids.is_empty() {
         let expected = (block_hashes.len() as u64).checked_mul(u64::from(block_size));
         if expected != Some(token_ids.len() as u64) {
-            return Err(DecodeError::TokenCount {
-                tokens: token_ids.len(),
-                blocks: block_hashes.len(),
-                block_size,
-            });
+            if spec.is_none() {
+                return Err(DecodeError::TokenCount {
+                    tokens: token_ids.len(),
+                    blocks: block_hashes.len(),
+                    block_size,
+                });
+            }
+            // vLLM (0.32) leaves a group's null blocks (outside a sliding window, Mamba blocks
+            // between its aligned states) out of block_hashes but not out of token_ids, which
+            // then cannot be split into the blocks: the store is kept tokenless (only blocks
+            // already known by hash can apply) and its group decides the rest (events::groups).
+            token_ids = Vec::new();
         }
     }
     let lora_id = match fields.get(4, "lora_id") {
@@ -305,7 +406,7 @@ fn decode_stored(fields: &Fields<'_, '_>) -> Result<KvEvent, DecodeError> {
         }
     };
     let group_idx = opt_u32(fields.get(8, "group_idx"), "group_idx")?;
-    Ok(KvEvent::BlockStored {
+    let event = KvEvent::BlockStored {
         block_hashes,
         parent_block_hash,
         token_ids,
@@ -315,7 +416,21 @@ fn decode_stored(fields: &Fields<'_, '_>) -> Result<KvEvent, DecodeError> {
         lora_name,
         cache_salt,
         group_idx,
-    })
+    };
+    Ok((event, spec))
+}
+
+/// A store's `kv_cache_spec_kind` and `kv_cache_spec_sliding_window` (vLLM 0.32+), when sent.
+fn group_spec(fields: &Fields<'_, '_>) -> Result<Spec, DecodeError> {
+    let Some(v) = fields.get(9, "kv_cache_spec_kind") else {
+        return Ok(None);
+    };
+    let kind = as_str(v).ok_or(wrong("kv_cache_spec_kind", "string"))?;
+    let window = opt_u32(
+        fields.get(10, "kv_cache_spec_sliding_window"),
+        "kv_cache_spec_sliding_window",
+    )?;
+    Ok(Some((SpecKind::parse(kind), window)))
 }
 
 /// Longest cache salt kept (longer ones are cut; a salt is an opaque tenant key).

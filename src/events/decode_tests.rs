@@ -73,6 +73,7 @@ fn batch(ts: f64, events: Vec<KvEvent>, rank: Option<u32>) -> EventBatch {
         events,
         data_parallel_rank: rank,
         skipped_unknown: 0,
+        group_specs: Vec::new(),
     }
 }
 
@@ -83,7 +84,7 @@ fn decode(name: &str) -> EventBatch {
 
 #[test]
 fn vllm_array_layout() {
-    let want = batch(
+    let mut want = batch(
         1718000000.5,
         vec![
             gpu(
@@ -107,6 +108,11 @@ fn vllm_array_layout() {
         ],
         Some(0),
     );
+    want.group_specs = vec![GroupSpec {
+        event: 1,
+        kind: SpecKind::FullAttention,
+        sliding_window: Some(4096),
+    }];
     assert_eq!(decode("vllm_array"), want);
 }
 
@@ -268,7 +274,7 @@ fn tokenless_store() {
 
 #[test]
 fn unknown_fields_are_ignored() {
-    let want = batch(
+    let mut want = batch(
         1718000009.5,
         vec![
             stored(
@@ -286,6 +292,11 @@ fn unknown_fields_are_ignored() {
         ],
         Some(5),
     );
+    want.group_specs = vec![GroupSpec {
+        event: 0,
+        kind: SpecKind::SlidingWindow,
+        sliding_window: Some(1024),
+    }];
     assert_eq!(decode("unknown_fields_array"), want);
 
     let want = batch(

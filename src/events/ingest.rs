@@ -25,6 +25,7 @@ use tokio::task::JoinHandle;
 use zeromq::{SocketEvent, SocketRecv, ZmqMessage};
 
 use super::decode::{decode_batch, decode_message, EventBatch};
+use super::groups::{Mode, Outcome, RankGroups};
 use super::link::{self, Backoff, Reach, PROBE_INTERVAL};
 use super::replay::{replay, Ended, Visit};
 use super::sequence::{fingerprint, SeqAction, SequenceTracker};
@@ -69,6 +70,11 @@ struct RankStream {
     /// Nothing of this rank was applied since it was last cleared: clearing again would change
     /// nothing (and count the same restart twice).
     fresh: bool,
+    /// The engine run's KV-cache groups (hybrid models): which events may confirm a prefix.
+    groups: RankGroups,
+    /// The mode the groups decided last (logged when it changes) and the groups logged so far.
+    mode: Mode,
+    groups_logged: usize,
 }
 
 impl RankStream {
@@ -86,6 +92,9 @@ impl RankStream {
             replay,
             seq: SequenceTracker::default(),
             fresh: false,
+            groups: RankGroups::default(),
+            mode: Mode::Events,
+            groups_logged: 0,
         }
     }
 
@@ -98,7 +107,15 @@ impl RankStream {
                 .with_label_values(&["unknown_type"])
                 .inc_by(batch.skipped_unknown as u64);
         }
-        self.core.apply_kv_events(self.rank, &batch.events);
+        let filtered = self.groups.filter(batch);
+        count_kinds(&self.core, &filtered.outcomes);
+        if !filtered.events.is_empty() {
+            self.core.apply_kv_events(self.rank, &filtered.events);
+        }
+        if filtered.clear_rank {
+            self.core.clear_rank(self.rank);
+        }
+        self.note_groups();
         self.seq.applied(seq, print);
         self.fresh = false;
         if source == Source::Live {
@@ -112,8 +129,37 @@ impl RankStream {
         }
     }
 
+    /// Logs the rank's KV-cache groups as they are learnt, and its mode when it changes.
+    fn note_groups(&mut self) {
+        let kinds = self.groups.kinds();
+        if kinds.len() > self.groups_logged {
+            self.groups_logged = kinds.len();
+            let groups: Vec<String> = kinds
+                .iter()
+                .map(|(g, k)| format!("{g}:{}", k.as_str()))
+                .collect();
+            tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, groups = %groups.join(","), "KV-cache groups announced; only full-attention groups' blocks count as prefix matches");
+        }
+        let mode = self.groups.mode();
+        if mode == self.mode {
+            return;
+        }
+        self.mode = mode;
+        match mode {
+            Mode::Approximate => {
+                tracing::warn!(endpoint = %self.endpoint, rank = ?self.rank, "no full-attention KV-cache group on this rank (every layer sliding-window or state-space): its KV events cannot confirm a prefix, so the rank stays in approximate mode (kvpick's own picks predict its cache)")
+            }
+            Mode::Events => {
+                tracing::info!(endpoint = %self.endpoint, rank = ?self.rank, "a full-attention KV-cache group announced: the rank's KV events apply again")
+            }
+        }
+    }
+
     /// Forgets what the rank's engine held: a new engine run, or one that cannot be told from one.
     fn new_run(&mut self, why: &str) {
+        // A new run may serve another model: its groups are learnt again from its stores.
+        self.groups.reset();
+        self.groups_logged = 0;
         self.seq.restarted();
         if self.fresh {
             return;
@@ -373,6 +419,25 @@ impl RankStream {
             }
             answered = self.wait_down(backoff.next_wait()).await;
         }
+    }
+}
+
+/// Counts a batch's stores and removes by group kind and outcome, one counter update per distinct
+/// outcome (a batch holds hundreds of events of a few outcomes).
+fn count_kinds(core: &SelectionCore, outcomes: &[Outcome]) {
+    let mut counts: Vec<(Outcome, u64)> = Vec::new();
+    for outcome in outcomes {
+        match counts.iter_mut().find(|(o, _)| o == outcome) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((*outcome, 1)),
+        }
+    }
+    let counter = &core.metrics().events.kv_events_by_kind;
+    for (o, n) in counts {
+        let outcome = if o.admitted { "admitted" } else { "dropped" };
+        counter
+            .with_label_values(&[o.event, o.class.label(), outcome])
+            .inc_by(n);
     }
 }
 

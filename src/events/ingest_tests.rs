@@ -49,9 +49,9 @@ fn store(p: u32) -> KvEvent {
     }
 }
 
-fn worker(name: &str, ports: &EnginePorts, replay: bool) -> WorkerSpec {
+fn worker(name: &str, ports: &EnginePorts, replay: bool, bs: u32) -> WorkerSpec {
     WorkerSpec {
-        block_size: Some(BS),
+        block_size: Some(bs),
         kv_events: Some(ports.events_endpoint()),
         kv_replay: replay.then(|| ports.replay_endpoint()),
         ..WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![ports.http]))
@@ -71,6 +71,11 @@ impl Drop for Rig {
 
 /// `a` with KV events at `engine` (replay or not), `b` a plain rank (its HTTP port answers).
 async fn rig(engine: &FakeEngine, replay: bool, b_http: u16) -> Rig {
+    rig_sized(engine, replay, b_http, BS).await
+}
+
+/// [`rig`] with blocks of `bs` tokens.
+async fn rig_sized(engine: &FakeEngine, replay: bool, b_http: u16, bs: u32) -> Rig {
     let core = SelectionCore::new(
         CoreConfig {
             seed: Some(7),
@@ -80,10 +85,10 @@ async fn rig(engine: &FakeEngine, replay: bool, b_http: u16) -> Rig {
         Metrics::new(),
     );
     let b = WorkerSpec {
-        block_size: Some(BS),
+        block_size: Some(bs),
         ..WorkerSpec::for_test("b", "m", RankLayout::PerPort(vec![b_http]))
     };
-    core.apply_snapshot(vec![worker("a", &engine.ports, replay), b])
+    core.apply_snapshot(vec![worker("a", &engine.ports, replay, bs), b])
         .unwrap();
     let task = tokio::spawn(manage(Arc::clone(&core), core.catalog_changes()));
     Rig { core, task }
@@ -95,7 +100,11 @@ impl Rig {
     /// blocks: a block-aligned prompt is credited one block less (the engine recomputes its
     /// last token).
     fn on_a(&self, p: u32) -> u32 {
-        let mut query = tokens(p);
+        self.blocks_on_a(tokens(p))
+    }
+
+    /// Blocks of `query` plus one token indexed on rank a.
+    fn blocks_on_a(&self, mut query: Vec<u32>) -> u32 {
         query.push(7);
         let request = SelectionRequest {
             model: Some("m".into()),
@@ -343,5 +352,120 @@ async fn replayed_batches_are_not_observed_as_lag() {
     let lag = &rig.core.metrics().events.event_lag;
     assert_eq!(lag.get_sample_count(), 1, "the live batch only");
     assert!(lag.get_sample_sum() < 5.0, "{} s", lag.get_sample_sum());
+    engine.stop().await;
+}
+
+/// A payload of `tests/fixtures/kv_events/hybrid/` (recorded from a real vLLM 0.32).
+macro_rules! hybrid {
+    ($name:literal) => {
+        bytes::Bytes::from_static(include_bytes!(concat!(
+            "../../tests/fixtures/kv_events/hybrid/",
+            $name
+        )))
+    };
+}
+
+fn by_kind(rig: &Rig, event: &str, kind: &str, outcome: &str) -> u64 {
+    rig.core
+        .metrics()
+        .events
+        .kv_events_by_kind
+        .with_label_values(&[event, kind, outcome])
+        .get()
+}
+
+fn a_precise(rig: &Rig) -> i64 {
+    rig.core
+        .metrics()
+        .events
+        .rank_precise
+        .with_label_values(&["a", "0"])
+        .get()
+}
+
+/// What a real vLLM published for a hybrid model (sliding-window group 0, full-attention group
+/// 1, block size 32), byte for byte through a real subscription: the full-attention blocks are
+/// indexed (the batch used to be a decode error), the sliding-window events dropped and counted,
+/// and the evictions of the full-attention group take the prompt's blocks out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hybrid_vllms_recorded_events_index_its_full_attention_blocks() {
+    let b_http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut engine = FakeEngine::start(0).await.unwrap();
+    let rig = rig_sized(&engine, true, b_http.local_addr().unwrap().port(), 32).await;
+    engine.subscribed(1).await;
+    rig.until("subscribed", Duration::from_secs(10), |r| {
+        r.subscriptions() == 1
+    })
+    .await;
+    let store = hybrid!("recorded_store.msgpack");
+    let prompt = match &decode_batch(&store).unwrap().events[1] {
+        KvEvent::BlockStored { token_ids, .. } => token_ids.clone(),
+        other => panic!("{other:?}"),
+    };
+    engine.publish_payload(store, true);
+    rig.until(
+        "full-attention blocks indexed",
+        Duration::from_secs(10),
+        |r| r.blocks_on_a(prompt.clone()) == 63,
+    )
+    .await;
+    assert_eq!(by_kind(&rig, "stored", "full_attention", "admitted"), 1);
+    assert_eq!(by_kind(&rig, "stored", "sliding_window", "dropped"), 1);
+    assert_eq!(a_precise(&rig), 1);
+    let decode_errors = rig
+        .core
+        .metrics()
+        .events
+        .kv_events
+        .with_label_values(&["decode_error"]);
+    assert_eq!(decode_errors.get(), 0);
+
+    engine.publish_payload(hybrid!("recorded_evict.msgpack"), true);
+    rig.until(
+        "evicted but its first block",
+        Duration::from_secs(10),
+        |r| r.blocks_on_a(prompt.clone()) == 1,
+    )
+    .await;
+    assert_eq!(by_kind(&rig, "removed", "full_attention", "admitted"), 63);
+    assert_eq!(by_kind(&rig, "removed", "sliding_window", "dropped"), 2);
+    engine.stop().await;
+}
+
+/// A model with sliding-window attention on every layer (recorded from a real vLLM): its events
+/// cannot confirm a prefix, so the rank stays approximate; its AllBlocksCleared does not make it
+/// precise either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_without_full_attention_stays_approximate() {
+    let b_http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut engine = FakeEngine::start(0).await.unwrap();
+    let rig = rig_sized(&engine, true, b_http.local_addr().unwrap().port(), 32).await;
+    engine.subscribed(1).await;
+    rig.until("subscribed", Duration::from_secs(10), |r| {
+        r.subscriptions() == 1
+    })
+    .await;
+    engine.publish_payload(hybrid!("recorded_sliding_only_store.msgpack"), true);
+    engine.publish_payload(hybrid!("recorded_sliding_only_cleared.msgpack"), true);
+    // A groupless remove of a block never stored: handled after both, applied by nothing.
+    let marker = KvEvent::BlockRemoved {
+        block_hashes: vec![42],
+        medium: Medium::Gpu,
+        group_idx: None,
+    };
+    engine.publish(&[marker], true);
+    rig.until("all three handled", Duration::from_secs(10), |r| {
+        by_kind(r, "removed", "none", "admitted") == 1
+    })
+    .await;
+    assert_eq!(by_kind(&rig, "stored", "sliding_window", "dropped"), 1);
+    let applied = rig
+        .core
+        .metrics()
+        .events
+        .kv_events
+        .with_label_values(&["applied"]);
+    assert_eq!(applied.get(), 0, "nothing reached the index as an event");
+    assert_eq!(a_precise(&rig), 0, "approximate");
     engine.stop().await;
 }

@@ -2,13 +2,15 @@
 //!
 //! `decode` owns the wire format (ARCHITECTURE.md §7): the `[topic, seq, payload]` frames and every
 //! msgpack encoding of an `EventBatch`, decoded into the core's block events
-//! (`kvpick_core::event`). `ingest` owns each rank's subscription task: sequence tracking
+//! (`kvpick_core::event`). `groups` decides which events of a hybrid model's KV-cache groups may
+//! confirm a prefix (full attention only). `ingest` owns each rank's subscription task: sequence tracking
 //! (`sequence`), replay over DEALER (`replay`), restarts, and the engine's reachability, on top
 //! of `link` (the SUB socket and its monitor, the reconnect schedule, the endpoint probe). Neither touches the KV index directly: decoded events go to the
 //! selection core, which owns the index. Which endpoints to subscribe to is derived here from the
 //! catalog ([`subscriptions`]): the port arithmetic is a transport concern, not the core's.
 
 pub mod decode;
+pub mod groups;
 pub mod ingest;
 pub mod link;
 pub mod replay;

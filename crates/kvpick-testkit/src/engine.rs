@@ -110,9 +110,15 @@ impl FakeEngine {
 
     /// [`FakeEngine::publish`] with the batch stamped `ts` (seconds since the Unix epoch).
     pub fn publish_at(&mut self, events: &[KvEvent], live: bool, ts: f64) -> u64 {
+        let payload = Bytes::from(encode_batch(ts, events, Some(0), Encoding::Array));
+        self.publish_payload(payload, live)
+    }
+
+    /// Publishes a payload as given (e.g. one recorded from a real engine), numbered and buffered
+    /// like [`FakeEngine::publish`]'s.
+    pub fn publish_payload(&mut self, payload: Bytes, live: bool) -> u64 {
         let seq = self.next_seq;
         self.next_seq += 1;
-        let payload = Bytes::from(encode_batch(ts, events, Some(0), Encoding::Array));
         self.buffer.lock().push((seq, payload.clone()));
         if live {
             self.publisher
