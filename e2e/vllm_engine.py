@@ -35,12 +35,28 @@ def vllm_available() -> str | None:
     return None
 
 
+def derived_model(name: str, **config: Any) -> Path:
+    """The tiny model with ``config`` merged into its config.json, in its own directory (the
+    other files linked): e.g. ``layer_types`` + ``sliding_window``, which vLLM's Llama reads to
+    give the layers marked ``"sliding_attention"`` a sliding window (a hybrid KV cache)."""
+    out = WORK_ROOT / f"vllm-model-{name}"
+    out.mkdir(parents=True, exist_ok=True)
+    for f in MODEL_DIR.iterdir():
+        if f.name != "config.json" and not (out / f.name).exists():
+            (out / f.name).symlink_to(f.resolve())
+    merged = {**json.loads((MODEL_DIR / "config.json").read_text()), **config}
+    (out / "config.json").write_text(json.dumps(merged, indent=2))
+    return out
+
+
 class VllmEngine:
     """One `vllm.entrypoints.openai.api_server` process (and its engine-core children)."""
 
     def __init__(self, name: str, *, cpu: int = 0, kv_bytes: int = KV_BYTES, dp_size: int = 1,
-                 max_model_len: int = 4096, extra_args: list[str] | None = None) -> None:
+                 max_model_len: int = 4096, extra_args: list[str] | None = None,
+                 model_dir: Path = MODEL_DIR) -> None:
         self.name = name
+        self.model_dir = model_dir
         self.workdir = new_workdir(f"vllm-{name}")
         self.port = engine_ports(1)
         # vLLM offsets the event and replay ports by data-parallel rank.
@@ -89,7 +105,7 @@ class VllmEngine:
                   "endpoint": f"tcp://*:{self.events_port}",
                   "replay_endpoint": f"tcp://*:{self.replay_port}", "topic": "kv"}
         argv = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server",
-                "--model", str(MODEL_DIR), "--served-model-name", MODEL,
+                "--model", str(self.model_dir), "--served-model-name", MODEL,
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--block-size", str(BLOCK), "--max-model-len", str(self.max_model_len),
                 "--kv-cache-memory-bytes", str(self.kv_bytes), "--dtype", "bfloat16",
