@@ -516,3 +516,65 @@ async fn tls_with_a_private_ca_file() {
     assert!(connected, "no TLS exchange with the CA file");
     assert!(refused, "an unknown CA must not verify");
 }
+
+/// A session's final request on one replica deletes the shared binding: a replica that looks
+/// the session up afterwards finds none, and the releasing replica's own table has none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_request_releases_the_shared_binding() {
+    let redis = RedisServer::start();
+    redis.ready().await;
+    let (core_a, shared_a) = replica(&redis.url()).await;
+    let (core_b, shared_b) = replica(&redis.url()).await;
+    let drain = |shared: Arc<SharedState>, core: Arc<SelectionCore>| async move {
+        let write = shared
+            .writes_rx
+            .lock()
+            .await
+            .as_mut()
+            .unwrap()
+            .recv()
+            .await
+            .unwrap();
+        shared.write(&core, write).await;
+    };
+    let r = core_a.select_and_reserve(&request("a0", "s")).unwrap();
+    let bound = r.selection().primary.key;
+    drain(Arc::clone(&shared_a), Arc::clone(&core_a)).await;
+    // B follows A's binding for the final request, then releases it everywhere.
+    let job = core_b.session_lookup(Some("m"), "", Some("s")).unwrap();
+    core_b.prefetch_session(job).await;
+    let last = SelectionRequest {
+        session_final: true,
+        ..request("b-final", "s")
+    };
+    let r = core_b.select_and_reserve(&last).unwrap();
+    assert_eq!(r.selection().primary.key, bound, "routed on the binding");
+    assert_eq!(r.selection().session, Some(SessionOutcome::Released));
+    drain(Arc::clone(&shared_b), Arc::clone(&core_b)).await;
+    let mut conn = shared_b.connection();
+    let stored: Option<String> = redis::cmd("GET")
+        .arg(sessions::session_key("t", &partition(), "s"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(stored, None, "the key is gone");
+    assert_eq!(
+        shared_b
+            .metrics
+            .sessions
+            .with_label_values(&["released"])
+            .get(),
+        1
+    );
+    assert!(
+        core_b.session_lookup(Some("m"), "", Some("s")).is_some(),
+        "no local binding left"
+    );
+    let (core_c, _shared_c) = replica(&redis.url()).await;
+    let job = core_c.session_lookup(Some("m"), "", Some("s")).unwrap();
+    core_c.prefetch_session(job).await;
+    assert!(
+        core_c.session_lookup(Some("m"), "", Some("s")).is_some(),
+        "nothing found to install"
+    );
+}

@@ -97,6 +97,9 @@ pub enum Invalidation {
     SoftOverride,
     /// The table was full: the least recently idle binding made room for a new session.
     Evicted,
+    /// The session's final request (`x-dynamo-session-final: true`) was routed: the binding
+    /// is released at once instead of idling out.
+    Final,
 }
 
 impl Invalidation {
@@ -108,6 +111,7 @@ impl Invalidation {
             Invalidation::Adapter => "adapter",
             Invalidation::SoftOverride => "soft_override",
             Invalidation::Evicted => "evicted",
+            Invalidation::Final => "final",
         }
     }
 }
@@ -121,6 +125,9 @@ pub enum SessionOutcome {
     Reused,
     /// The table is full: routed without affinity.
     TableFull,
+    /// The session's final request: routed on its binding when it had one, which is then
+    /// released (here and, with shared state, for every replica).
+    Released,
 }
 
 /// What installing a binding decided elsewhere (another replica) did.
@@ -155,6 +162,7 @@ impl SessionOutcome {
             SessionOutcome::Created => "created",
             SessionOutcome::Reused => "reused",
             SessionOutcome::TableFull => "table_full",
+            SessionOutcome::Released => "released",
         }
     }
 }
