@@ -59,6 +59,10 @@ pub struct PickRequest<'a> {
     pub priority: i32,
     pub tenant: Option<&'a str>,
     pub slo_ttft_ms: Option<u64>,
+    /// Session columns: kvpick binds the session, and a child's first pick prefers its
+    /// parent's rank (docs/sessions.md); other policies ignore them.
+    pub session_id: Option<&'a str>,
+    pub parent_session_id: Option<&'a str>,
 }
 
 impl<'a> PickRequest<'a> {
@@ -70,6 +74,8 @@ impl<'a> PickRequest<'a> {
             priority: 0,
             tenant: None,
             slo_ttft_ms: None,
+            session_id: None,
+            parent_session_id: None,
         }
     }
 }
@@ -693,6 +699,8 @@ pub fn selection_request(req: &PickRequest) -> SelectionRequest {
         priority: req.priority,
         fairness_key: req.tenant.map(str::to_string),
         slo_ttft_ms: req.slo_ttft_ms,
+        session_id: req.session_id.map(str::to_string),
+        parent_session_id: req.parent_session_id.map(str::to_string),
         ..Default::default()
     }
 }
