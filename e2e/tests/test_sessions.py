@@ -283,7 +283,7 @@ def test_50_concurrent_first_requests_of_one_session_share_a_rank(sstack):
 # 3. fallback session headers and their precedence
 
 
-@pytest.mark.parametrize("header", ["x-session-id", "x-claude-code-session-id"])
+@pytest.mark.parametrize("header", ["x-session-id", "x-claude-code-session-id", "session-id", "thread-id"])
 def test_fallback_session_header_alone_is_sticky(sstack, client, header):
     kv = sstack.kvpick
     before = SessionCounters.read(kv)
