@@ -789,10 +789,10 @@ impl Metrics {
                     .session_events
                     .with_label_values(&[outcome.as_str()])
                     .inc(),
-                Fact::SessionParent(followed) => self
+                Fact::SessionParent(parent) => self
                     .selection
                     .session_events
-                    .with_label_values(&[if *followed {
+                    .with_label_values(&[if parent.followed() {
                         "parent_followed"
                     } else {
                         "parent_declined"

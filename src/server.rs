@@ -598,7 +598,8 @@ pub struct ServeArgs {
     )]
     pub session_final_headers: Vec<String>,
 
-    /// Soft mode: keep the bound rank while its cost is within this many blocks of the best.
+    /// Soft mode: keep the bound rank while its cost is within this many blocks of the best;
+    /// either mode: how much costlier a child session's parent rank may be for its first pick.
     #[arg(
         long,
         default_value_t = 64.0,

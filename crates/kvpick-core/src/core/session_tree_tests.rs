@@ -6,7 +6,7 @@ use std::time::Instant;
 use super::registry_tests::core_with;
 use super::*;
 use crate::request::PromptInput;
-use crate::session::{Invalidation, SessionOutcome};
+use crate::session::{Invalidation, ParentPick, SessionOutcome};
 
 fn request(id: &str, session: Option<&str>, prompt: u32) -> SelectionRequest {
     SelectionRequest {
@@ -56,9 +56,9 @@ fn parent_on_loaded_a(config: CoreConfig, load: u32) -> (Core, RankKey, RankKey)
     (core, a, b)
 }
 
-fn parent_fact(facts: &Facts) -> Option<bool> {
+fn parent_fact(facts: &Facts) -> Option<ParentPick> {
     facts.iter().find_map(|f| match f {
-        Fact::SessionParent(followed) => Some(*followed),
+        Fact::SessionParent(parent) => Some(*parent),
         _ => None,
     })
 }
@@ -77,7 +77,7 @@ fn a_child_prefers_its_parents_rank_within_the_soft_margin() {
     let (first, facts) = core.select_and_reserve(&child("c1", "p"), now).unwrap();
     assert_eq!(first.primary.key, a);
     assert_eq!(first.session, Some(SessionOutcome::Created));
-    assert_eq!(parent_fact(&facts), Some(true));
+    assert_eq!(parent_fact(&facts), Some(ParentPick::Preferred));
     assert_eq!(
         core.session_binding(Some("m"), "", "c1", now).unwrap().1,
         Some(a)
@@ -92,6 +92,24 @@ fn a_child_prefers_its_parents_rank_within_the_soft_margin() {
     assert_eq!(
         core.session_binding(Some("m"), "", "p", now).unwrap().1,
         Some(a)
+    );
+    // A child whose prompt the parent's rank caches goes there on cost alone.
+    let tokens: Vec<u32> = (1_000..3_048).collect();
+    let hashes =
+        crate::hash::prompt_hashes(&tokens, DEFAULT_BLOCK_SIZE as usize, crate::hash::BASE_SEED);
+    let partition = PartitionKey {
+        model: "m".into(),
+        routing_group: String::new(),
+    };
+    core.insert_blocks(&partition, a, &hashes, crate::index::Tier::Gpu, None, now);
+    let cached = SelectionRequest {
+        prompt: PromptInput::Tokens(tokens),
+        ..child("c4", "p")
+    };
+    let (s, facts) = core.select_and_reserve(&cached, now).unwrap();
+    assert_eq!(
+        (s.primary.key, parent_fact(&facts)),
+        (a, Some(ParentPick::Cheapest))
     );
     // A parent without a binding, or naming the child itself, is no preference.
     for (id, parent) in [("c2", "unknown"), ("c3", "c3")] {
@@ -111,7 +129,7 @@ fn a_child_does_not_follow_a_parent_rank_costlier_than_the_margin() {
         .unwrap();
     assert_eq!(s.primary.key, b);
     assert_eq!(s.session, Some(SessionOutcome::Created));
-    assert_eq!(parent_fact(&facts), Some(false));
+    assert_eq!(parent_fact(&facts), Some(ParentPick::Declined));
 }
 
 /// A parent rank over a busy threshold is no candidate: the child goes elsewhere, where a
@@ -130,7 +148,7 @@ fn a_child_does_not_follow_an_overloaded_parent_rank() {
     );
     let (s, facts) = core.select_and_reserve(&child("c1", "p"), now).unwrap();
     assert_eq!(s.primary.key, b);
-    assert_eq!(parent_fact(&facts), Some(false));
+    assert_eq!(parent_fact(&facts), Some(ParentPick::Declined));
 }
 
 #[test]

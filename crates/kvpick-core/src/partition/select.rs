@@ -72,9 +72,8 @@ pub(super) struct Decided {
     pub decision: Decision,
     roles: Option<Vec<Role>>,
     pub affinity: Affinity,
-    /// A child session's parent rank: `Some(true)` when it was preferred, `Some(false)` when
-    /// it cost too much (or was busy, ejected, outside the subset); `None` without a parent.
-    parent: Option<bool>,
+    /// A child session's parent rank, when it had one: taken or declined.
+    parent: Option<crate::session::ParentPick>,
 }
 
 /// The picked ranks and what the booking and the answer say of them.
@@ -170,8 +169,8 @@ impl Partition {
             String::new()
         };
         state.ranks.touch(&picked.primary.key);
-        if let Some(followed) = decided.parent.filter(|_| ask.booking.is_some()) {
-            facts.push(Fact::SessionParent(followed));
+        if let Some(parent) = decided.parent.filter(|_| ask.booking.is_some()) {
+            facts.push(Fact::SessionParent(parent));
         }
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
         Ok(SelectOutcome {

@@ -192,6 +192,10 @@ pub struct PolicyReport {
     /// How well the policy's TTFT estimate predicted the observed TTFT (kvpick only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_prediction: Option<policy::PredictionReport>,
+    /// Child sessions' first picks that had a bound parent rank (kvpick, traces with session
+    /// columns): whether the preference decided them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_parents: Option<SessionParents>,
     /// Per priority band, highest first (traces with flow-control columns only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub bands: Vec<flow_report::BandReport>,
@@ -256,6 +260,17 @@ pub struct PdSection {
     pub threshold_tokens: u64,
     pub transfer_block_cost: f64,
     pub policies: Vec<pd::PdPolicyReport>,
+}
+
+/// Child sessions' first picks with a parent rank ([`PolicyReport::session_parents`]).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct SessionParents {
+    /// The parent's rank was the best pick anyway.
+    pub cheapest: u64,
+    /// The parent's rank went first though another cost less (within the soft margin).
+    pub preferred: u64,
+    /// The parent's rank was no candidate or cost more than the margin.
+    pub declined: u64,
 }
 
 /// One trace request ready to replay.
@@ -596,6 +611,13 @@ async fn run_one(
         refused,
         preemptions: ranks.iter().map(|r| r.engine.stats().preemptions).sum(),
         ttft_prediction: policy.prediction_report(),
+        session_parents: policy
+            .session_parents()
+            .map(|(cheapest, preferred, declined)| SessionParents {
+                cheapest,
+                preferred,
+                declined,
+            }),
         bands: flow_report::bands(&outcomes, requests, makespan_ns),
         tenants: flow_report::tenants(&outcomes, requests, makespan_ns),
         charts: Some(Box::new(chart)),

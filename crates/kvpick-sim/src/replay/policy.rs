@@ -112,6 +112,11 @@ pub trait Policy {
     fn prediction_report(&self) -> Option<PredictionReport> {
         None
     }
+    /// Child sessions' first picks that had a parent rank: `(cheapest anyway, preferred,
+    /// declined)` (kvpick).
+    fn session_parents(&self) -> Option<(u64, u64, u64)> {
+        None
+    }
     /// Flow control: dispatch now, hold, or refuse. Policies without a queue pick now.
     fn admit(&mut self, request: &PickRequest, fleet: &FleetView) -> Admit {
         Admit::Now(self.pick(request, fleet))
@@ -578,6 +583,8 @@ pub struct Kvpick {
     pub events_dropped: u64,
     /// Flow control on: the policy has a queue ([`Policy::queued`]).
     flow_enabled: bool,
+    /// Child sessions' first picks with a parent rank: cheapest anyway, preferred, declined.
+    parents: (u64, u64, u64),
 }
 
 /// Port of simulated rank 0 in the replay's catalog (never bound: no sockets in the replay).
@@ -650,6 +657,7 @@ impl Kvpick {
             released: Vec::new(),
             predictions: PredictionSums::default(),
             rejected: 0,
+            parents: (0, 0, 0),
             events_dropped: 0,
             flow_enabled: options.flow.enabled,
         }
@@ -666,6 +674,15 @@ impl Kvpick {
     /// Collects the queued requests an operation released (booked or refused).
     fn collect(&mut self, facts: &kvpick_core::Facts) {
         for fact in facts.iter() {
+            if let kvpick_core::Fact::SessionParent(parent) = fact {
+                use kvpick_core::session::ParentPick;
+                let (cheapest, preferred, declined) = &mut self.parents;
+                *match parent {
+                    ParentPick::Cheapest => cheapest,
+                    ParentPick::Preferred => preferred,
+                    ParentPick::Declined => declined,
+                } += 1;
+            }
             let kvpick_core::Fact::Dequeued { ticket, result } = fact else {
                 continue;
             };
@@ -720,7 +737,8 @@ impl Policy for Kvpick {
     }
     fn pick(&mut self, req: &PickRequest, _: &FleetView) -> usize {
         match self.core.select_and_reserve(&selection_request(req), now()) {
-            Ok((sel, _)) => {
+            Ok((sel, facts)) => {
+                self.collect(&facts);
                 self.bookings.insert(req.id, sel.booking_id.clone());
                 self.port_to_rank[&sel.primary.endpoint.port()]
             }
@@ -777,6 +795,9 @@ impl Policy for Kvpick {
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
         let (stats, _) = self.core.apply_kv_events(self.ranks[rank], events, now());
         self.events_dropped += stats.dropped;
+    }
+    fn session_parents(&self) -> Option<(u64, u64, u64)> {
+        Some(self.parents).filter(|&(a, b, c)| a + b + c > 0)
     }
     fn prediction_report(&self) -> Option<PredictionReport> {
         Some(self.predictions.report())
