@@ -722,8 +722,12 @@ impl StreamMachine {
 
     /// `--shared-state`: the Redis lookup this request's session needs before its pick.
     fn session_lookup_for(&self, parsed: &ParsedBody) -> Option<crate::shared::SessionLookupJob> {
-        self.core
-            .session_lookup(parsed.model.as_deref(), "", self.session_id.as_deref())
+        self.core.session_tree_lookup(
+            parsed.model.as_deref(),
+            "",
+            self.session_id.as_deref(),
+            self.parent_session_id.as_deref(),
+        )
     }
 
     /// Routes a pending request, unless its session must be looked up first: then it stays

@@ -578,3 +578,49 @@ async fn a_final_request_releases_the_shared_binding() {
         "nothing found to install"
     );
 }
+
+/// A child session's first request on a replica that knows neither it nor its parent: the
+/// parent's binding (made by another replica) is looked up with the child's, so the child's
+/// first pick can prefer the parent's rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_childs_lookup_brings_its_parents_binding_from_another_replica() {
+    let redis = RedisServer::start();
+    redis.ready().await;
+    let (core_a, shared_a) = replica(&redis.url()).await;
+    let (core_b, _shared_b) = replica(&redis.url()).await;
+    let r = core_a.select_and_reserve(&request("a0", "p")).unwrap();
+    let home = r.selection().primary.key;
+    let write = shared_a
+        .writes_rx
+        .lock()
+        .await
+        .as_mut()
+        .unwrap()
+        .recv()
+        .await
+        .unwrap();
+    shared_a.write(&core_a, write).await;
+    let job = core_b
+        .session_tree_lookup(Some("m"), "", Some("c"), Some("p"))
+        .unwrap();
+    assert_eq!(job.parent_session_id.as_deref(), Some("p"));
+    core_b.prefetch_session(job).await;
+    let child = SelectionRequest {
+        parent_session_id: Some("p".into()),
+        ..request("b-child", "c")
+    };
+    let r = core_b.select_and_reserve(&child).unwrap();
+    assert_eq!(r.selection().primary.key, home);
+    let followed = core_b
+        .metrics()
+        .selection
+        .session_events
+        .with_label_values(&["parent_followed"])
+        .get();
+    assert_eq!(followed, 1);
+    // Once the parent is bound here, a sibling's lookup asks only for its own session.
+    let job = core_b
+        .session_tree_lookup(Some("m"), "", Some("c2"), Some("p"))
+        .unwrap();
+    assert_eq!(job.parent_session_id, None);
+}
