@@ -154,6 +154,9 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         slo_ttft_ms: None,
         slo_tpot_ms: None,
         session_id: (!req.session_id.is_empty()).then_some(req.session_id),
+        // The selection API names no parent or final session (yet): a tree is ext_proc's.
+        parent_session_id: None,
+        session_final: false,
         on_duplicate: DuplicateId::Reject,
         holder: crate::selection::Holder::Stream,
     })

@@ -334,7 +334,8 @@ pub struct SelectionMetrics {
     pub bookings_expired: IntCounter,
     /// Live session bindings.
     pub sessions_live: IntGauge,
-    /// Session outcomes: created, reused, table_full, expired.
+    /// Session outcomes: created, reused, table_full, released, expired, parent_followed,
+    /// parent_declined.
     pub session_events: IntCounterVec,
     /// Session bindings dropped, by reason.
     pub session_invalidated: IntCounterVec,
@@ -417,7 +418,7 @@ impl SelectionMetrics {
             IntCounterVec::new(
                 Opts::new(
                     "kvpick_session_events_total",
-                    "Session affinity outcomes (created, reused, table_full, expired)",
+                    "Session affinity outcomes (created, reused, table_full, released, expired, parent_followed, parent_declined)",
                 ),
                 &["event"],
             )
@@ -802,6 +803,15 @@ impl Metrics {
                     .selection
                     .session_events
                     .with_label_values(&[outcome.as_str()])
+                    .inc(),
+                Fact::SessionParent(parent) => self
+                    .selection
+                    .session_events
+                    .with_label_values(&[if parent.followed() {
+                        "parent_followed"
+                    } else {
+                        "parent_declined"
+                    }])
                     .inc(),
                 Fact::SessionInvalidated(reason) => self
                     .selection

@@ -556,17 +556,50 @@ pub struct ServeArgs {
     )]
     pub session_max_entries: usize,
 
-    /// Request headers carrying a session id, in order of preference.
+    /// Request headers carrying a session id, in order of preference (docs/sessions.md).
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "x-dynamo-session-id,x-session-id,x-claude-code-session-id",
+        default_value = "x-dynamo-session-id,x-claude-code-session-id,session-id,thread-id,x-session-id",
         value_name = "H1,H2",
         help_heading = "Sessions"
     )]
     pub session_headers: Vec<String>,
 
-    /// Soft mode: keep the bound rank while its cost is within this many blocks of the best.
+    /// Each session header's parent-session header, `SESSION=PARENT` (empty: no parents).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "x-dynamo-session-id=x-dynamo-parent-session-id,x-claude-code-session-id=x-claude-code-parent-agent-id,thread-id=x-codex-parent-thread-id,x-session-id=x-parent-session-id",
+        value_name = "S=P,..",
+        help_heading = "Sessions"
+    )]
+    pub session_parent_headers: Vec<String>,
+
+    /// Headers naming an agent (a child session `<session>/<agent>`) inside a session,
+    /// `SESSION=AGENT`; with one, the session's parent header names the parent agent.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "x-claude-code-session-id=x-claude-code-agent-id",
+        value_name = "S=A,..",
+        help_heading = "Sessions"
+    )]
+    pub session_agent_headers: Vec<String>,
+
+    /// Headers whose value `true` marks a session's last request: its binding is released
+    /// once it is routed (empty: none).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "x-dynamo-session-final",
+        value_name = "H1,H2",
+        help_heading = "Sessions"
+    )]
+    pub session_final_headers: Vec<String>,
+
+    /// Soft mode: keep the bound rank while its cost is within this many blocks of the best;
+    /// either mode: how much costlier a child session's parent rank may be for its first pick.
     #[arg(
         long,
         default_value_t = 64.0,
@@ -793,6 +826,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
     let tokenizers = config::tokenizers(&args, &metrics.registry)?;
+    let session_headers = config::session_headers(&args)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let shared = tasks::start_shared(&args, &core, &metrics).await?;
 
@@ -835,6 +869,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             &args,
             &metrics,
             tokenizers,
+            session_headers,
             flow_policy.clone(),
             flow_settings,
             telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),

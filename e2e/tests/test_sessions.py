@@ -283,7 +283,7 @@ def test_50_concurrent_first_requests_of_one_session_share_a_rank(sstack):
 # 3. fallback session headers and their precedence
 
 
-@pytest.mark.parametrize("header", ["x-session-id", "x-claude-code-session-id"])
+@pytest.mark.parametrize("header", ["x-session-id", "x-claude-code-session-id", "session-id", "thread-id"])
 def test_fallback_session_header_alone_is_sticky(sstack, client, header):
     kv = sstack.kvpick
     before = SessionCounters.read(kv)
@@ -324,6 +324,59 @@ def test_dynamo_session_header_wins_over_x_session_id(sstack, client):
     # the x-session-id binding is untouched by the combined requests
     resp, raw = post(client, url, headers={"x-session-id": s_id})
     assert landing(resp, raw) == s_rank and resp.headers.get(SID) == s_id
+
+
+# ------------------------------------------------------------------------------------------------
+# 3b. session trees: a child's first pick joins its parent's rank; a final request releases
+
+
+def fresh_body(tag: str) -> dict[str, Any]:
+    """A prompt no other request shares: only the session headers can place it."""
+    return {"model": "m1",
+            "messages": [{"role": "user", "content": f"{tag} {uuid.uuid4().hex} " * 8}]}
+
+
+def test_children_join_their_parents_rank_and_a_final_request_releases_the_binding(sstack, client):
+    kv = sstack.kvpick
+    url = sstack.url()
+    followed = lambda: m(kv, EVENTS, event="parent_followed")  # noqa: E731
+    before, followed_before = SessionCounters.read(kv), followed()
+    parents = []
+    for i in range(8):
+        sid = new_sid("cc")
+        resp, raw = post(client, url, fresh_body(f"parent {i}"),
+                         {"x-claude-code-session-id": sid})
+        parents.append((sid, landing(resp, raw)))
+    # A Claude Code subagent (agent id) and an OpenCode child (parent session header), each
+    # with a prompt unlike its parent's, land on the parent's rank.
+    for i, (sid, home) in enumerate(parents):
+        agent = {"x-claude-code-session-id": sid, "x-claude-code-agent-id": f"agent-{i}"}
+        resp, raw = post(client, url, fresh_body(f"subagent {i}"), agent)
+        assert landing(resp, raw) == home, (sid, resp.json()["port"], home)
+        assert resp.headers.get(SID) == f"{sid}/agent-{i}", resp.headers
+    for i, (sid, home) in enumerate(parents[:4]):
+        child = {"x-dynamo-session-id": new_sid("oc-child"), "x-dynamo-parent-session-id": sid}
+        resp, raw = post(client, url, fresh_body(f"child {i}"), child)
+        assert landing(resp, raw) == home
+    assert followed() - followed_before == 12
+    d = SessionCounters.read(kv).minus(before)
+    assert d["created"] == 8 + 12 and d["bindings"] == 8 + 12, d
+    # Each parent's final request is routed on its binding, which is then released.
+    released_before = m(kv, EVENTS, event="released")
+    final_before = m(kv, INVALIDATED, reason="final")
+    for sid, home in parents:
+        hdrs = {"x-claude-code-session-id": sid, "x-dynamo-session-final": "true"}
+        resp, raw = post(client, url, fresh_body("bye"), hdrs)
+        assert landing(resp, raw) == home
+    assert m(kv, EVENTS, event="released") - released_before == 8
+    assert m(kv, INVALIDATED, reason="final") - final_before == 8
+    d = SessionCounters.read(kv).minus(before)
+    assert d["bindings"] == 12, d
+    # The next request with a released id binds anew (created, not reused).
+    created = SessionCounters.read(kv).created
+    resp, raw = post(client, url, fresh_body("again"), {"x-claude-code-session-id": parents[0][0]})
+    landing(resp, raw)
+    assert SessionCounters.read(kv).created - created == 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 pub mod budget;
 pub mod codec;
 pub mod pd_headers;
+pub mod session_ids;
 pub mod stream;
 
 use std::pin::Pin;
@@ -22,6 +23,7 @@ use crate::tokenize::{TokenizeOutcome, Tokenizers};
 pub use budget::{BodyBudget, BodyLease, DEFAULT_BUDGET_BYTES};
 use codec::{ExtProcCodec, Inbound, Outbound};
 pub use pd_headers::PdProtocol;
+pub use session_ids::{SessionHeaders, DEFAULT_SESSION_HEADERS};
 pub use stream::StreamMachine;
 
 /// Per-process ext_proc settings.
@@ -30,8 +32,8 @@ pub struct ExtProcSettings {
     pub max_body_bytes: usize,
     pub fallbacks: usize,
     pub conformance_test_mode: bool,
-    /// Request headers carrying a session id, in order of preference (lower-case).
-    pub session_headers: Vec<String>,
+    /// Request headers naming a session, its parent and its end, in order of preference.
+    pub session_headers: SessionHeaders,
     /// Per-model tokenizers for text and chat prompts (`--tokenizer-config`).
     pub tokenizers: Option<Arc<Tokenizers>>,
     /// Request-body bytes all streams together may buffer (`--max-buffered-body-bytes`).
@@ -46,20 +48,13 @@ pub struct ExtProcSettings {
     pub tracer: Option<crate::telemetry::RequestTracer>,
 }
 
-/// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
-pub const DEFAULT_SESSION_HEADERS: [&str; 3] = [
-    "x-dynamo-session-id",
-    "x-session-id",
-    "x-claude-code-session-id",
-];
-
 impl Default for ExtProcSettings {
     fn default() -> Self {
         ExtProcSettings {
             max_body_bytes: 32 << 20,
             fallbacks: 0,
             conformance_test_mode: false,
-            session_headers: DEFAULT_SESSION_HEADERS.map(String::from).to_vec(),
+            session_headers: SessionHeaders::default(),
             tokenizers: None,
             body_budget: BodyBudget::unmetered(DEFAULT_BUDGET_BYTES),
             flow_policy: None,

@@ -189,6 +189,9 @@ pub struct StreamMachine {
     /// A client error found in the headers, answered (400) once the request would be routed.
     header_error: Option<String>,
     session_id: Option<String>,
+    /// The parent of a child session, and whether this is the session's last request.
+    parent_session_id: Option<String>,
+    session_final: bool,
     pending: Option<PendingRoute>,
     /// Flow control: the fairness key and SLOs of the request (headers).
     fairness_key: Option<String>,
@@ -234,6 +237,8 @@ impl StreamMachine {
             priority: 0,
             header_error: None,
             session_id: None,
+            parent_session_id: None,
+            session_final: false,
             pending: None,
             fairness_key: None,
             slo_ttft_ms: None,
@@ -407,7 +412,7 @@ impl StreamMachine {
             ));
         }
         let (mut worker_pin, mut rank_pin) = (None, None);
-        let mut session: Option<(usize, String)> = None;
+        let mut session_headers: Vec<(String, String)> = Vec::new();
         let mut declared_len: Option<u64> = None;
         for h in headers.headers.iter().flat_map(|m| m.headers.iter()) {
             let name = h.key.to_ascii_lowercase();
@@ -429,22 +434,19 @@ impl StreamMachine {
             if let Some(seed) = &mut self.trace_seed {
                 seed.http.offer(&name, header_bytes(h));
             }
-            if let Some(preference) = self
-                .settings
-                .session_headers
-                .iter()
-                .position(|h| *h == name)
-            {
+            let ids = &self.settings.session_headers;
+            if ids.names_session(&name) {
                 // The limit is on the bytes the client sent: invalid UTF-8 grows when made
                 // lossy (one byte becomes a 3-byte U+FFFD).
                 if let Err(err) =
                     check_session_id_len(header_len(h), &format!("session id ({name})"))
                 {
                     self.header_error.get_or_insert_with(|| err.to_string());
-                } else if !value.is_empty() && session.as_ref().is_none_or(|(p, _)| preference < *p)
-                {
-                    session = Some((preference, session_key(h)));
+                } else {
+                    session_headers.push((name.clone(), session_key(h)));
                 }
+            } else if ids.is_final_header(&name) {
+                session_headers.push((name.clone(), value.chars().take(8).collect()));
             }
             self.header_names.push(name);
         }
@@ -453,7 +455,9 @@ impl StreamMachine {
         if declared_len.is_some_and(|n| n > self.settings.max_body_bytes as u64) {
             return Ok(self.reject_too_large());
         }
-        self.session_id = session.map(|(_, id)| id);
+        let ids = self.settings.session_headers.resolve(&session_headers);
+        (self.session_id, self.parent_session_id) = (ids.session, ids.parent);
+        self.session_final = ids.last;
         self.classify(&headers);
         if self.core.config().allow_pins {
             self.read_pin(worker_pin, rank_pin);
@@ -718,8 +722,12 @@ impl StreamMachine {
 
     /// `--shared-state`: the Redis lookup this request's session needs before its pick.
     fn session_lookup_for(&self, parsed: &ParsedBody) -> Option<crate::shared::SessionLookupJob> {
-        self.core
-            .session_lookup(parsed.model.as_deref(), "", self.session_id.as_deref())
+        self.core.session_tree_lookup(
+            parsed.model.as_deref(),
+            "",
+            self.session_id.as_deref(),
+            self.parent_session_id.as_deref(),
+        )
     }
 
     /// Routes a pending request, unless its session must be looked up first: then it stays
@@ -831,6 +839,8 @@ impl StreamMachine {
             slo_ttft_ms: self.slo_ttft_ms,
             slo_tpot_ms: self.slo_tpot_ms,
             session_id: self.session_id.clone(),
+            parent_session_id: self.parent_session_id.clone(),
+            session_final: self.session_final,
             on_duplicate: DuplicateId::Suffix,
             holder: crate::selection::Holder::Stream,
         };

@@ -2117,3 +2117,6 @@ mod trace;
 
 #[path = "stream_scan_tests.rs"]
 mod scan;
+
+#[path = "stream_session_tests.rs"]
+mod sessions;

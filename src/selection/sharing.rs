@@ -32,6 +32,9 @@ pub trait SharedHooks: Send + Sync {
 pub struct SessionLookupJob {
     pub partition: PartitionKey,
     pub session_id: String,
+    /// A child session's parent, looked up too when it has no binding here either, so the
+    /// child's first pick can prefer the parent's rank bound by another replica.
+    pub parent_session_id: Option<String>,
 }
 
 /// `--shared-state`: a session's local binding before its pick, so the pick can be published
@@ -87,7 +90,27 @@ impl SelectionCore {
         Some(SessionLookupJob {
             partition,
             session_id: sid.to_string(),
+            parent_session_id: None,
         })
+    }
+
+    /// [`SelectionCore::session_lookup`] for a child session: its parent is looked up too when
+    /// this replica has no binding for it either.
+    pub fn session_tree_lookup(
+        &self,
+        model: Option<&str>,
+        routing_group: &str,
+        session_id: Option<&str>,
+        parent_session_id: Option<&str>,
+    ) -> Option<SessionLookupJob> {
+        let mut job = self.session_lookup(model, routing_group, session_id)?;
+        if let Some(parent) = parent_session_id.filter(|p| *p != job.session_id) {
+            let unbound = self
+                .local_binding(model, routing_group, parent)
+                .is_some_and(|(_, bound)| bound.is_none());
+            job.parent_session_id = unbound.then(|| parent.to_string());
+        }
+        Some(job)
     }
 
     /// Runs a [`SelectionCore::session_lookup`] job: a binding another replica made is installed
@@ -96,8 +119,26 @@ impl SelectionCore {
         let Some(shared) = self.shared.get() else {
             return;
         };
-        if let Some(rank) = shared.lookup(&job).await {
+        let parent = job
+            .parent_session_id
+            .as_ref()
+            .map(|parent| SessionLookupJob {
+                partition: job.partition.clone(),
+                session_id: parent.clone(),
+                parent_session_id: None,
+            });
+        let parent_lookup = async {
+            match &parent {
+                Some(p) => shared.lookup(p).await.map(|rank| (p, rank)),
+                None => None,
+            }
+        };
+        // Both at once: the wait stays one lookup's.
+        let (own, parent) = futures::join!(shared.lookup(&job), parent_lookup);
+        if let Some(rank) = own {
             self.install_session_binding(&job.partition, &job.session_id, rank);
+        } else if let Some((p, rank)) = parent {
+            self.install_session_binding(&p.partition, &p.session_id, rank);
         }
     }
 

@@ -41,11 +41,24 @@ pub fn tokenizers(
     ))))
 }
 
+/// `--session-headers`, `--session-parent-headers`, `--session-agent-headers` and
+/// `--session-final-headers`, checked (a pair naming no session header is an error).
+pub fn session_headers(args: &ServeArgs) -> anyhow::Result<crate::extproc::SessionHeaders> {
+    crate::extproc::SessionHeaders::from_lists(
+        &args.session_headers,
+        &args.session_parent_headers,
+        &args.session_agent_headers,
+        &args.session_final_headers,
+    )
+    .map_err(anyhow::Error::msg)
+}
+
 /// The ext_proc host's settings from flags, with what start-up made (tokenizers, flow policy).
 pub fn extproc_settings(
     args: &ServeArgs,
     metrics: &crate::metrics::Metrics,
     tokenizers: Option<Arc<crate::tokenize::Tokenizers>>,
+    session_headers: crate::extproc::SessionHeaders,
     flow_policy: crate::flow::PolicyRx,
     flow_settings: crate::flow::FlowSettings,
     tracer: Option<crate::telemetry::RequestTracer>,
@@ -54,12 +67,7 @@ pub fn extproc_settings(
         max_body_bytes: args.max_body_bytes,
         fallbacks: args.fallbacks,
         conformance_test_mode: args.conformance_test_mode,
-        session_headers: args
-            .session_headers
-            .iter()
-            .map(|h| h.trim().to_ascii_lowercase())
-            .filter(|h| !h.is_empty())
-            .collect(),
+        session_headers,
         tokenizers,
         body_budget: crate::extproc::BodyBudget::new(
             args.max_buffered_body_bytes,

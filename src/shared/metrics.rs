@@ -17,7 +17,8 @@ pub struct SharedMetrics {
     pub errors: IntCounterVec,
     /// Session lookups this replica routed on local state alone, by reason (down, timeout, error).
     pub local_fallbacks: IntCounterVec,
-    /// Session events: remote_hit, remote_miss, claimed, adopted, not_adopted_full, reconciled, dropped.
+    /// Session events: remote_hit, remote_miss, claimed, adopted, not_adopted_full, reconciled,
+    /// released, dropped.
     pub sessions: IntCounterVec,
     /// Latency of the one synchronous call: the lookup of a session this replica does not know.
     pub lookup_seconds: Histogram,
@@ -58,7 +59,7 @@ impl SharedMetrics {
         let sessions = IntCounterVec::new(
             Opts::new(
                 "kvpick_shared_state_sessions_total",
-                "Shared session bindings: remote_hit, remote_miss, claimed, adopted, not_adopted_full, reconciled, dropped",
+                "Shared session bindings: remote_hit, remote_miss, claimed, adopted, not_adopted_full, reconciled, released, dropped",
             ),
             &["event"],
         )

@@ -10,6 +10,8 @@
 //!   otherwise the binding already there wins and is installed locally for the next requests. A
 //!   reused binding refreshes the key's TTL the same way, which also rewrites it after Redis lost
 //!   it (reconciliation after an outage or a Redis restart).
+//! - A session's final request (`x-dynamo-session-final: true`) deletes the key after its pick,
+//!   so no replica follows the released binding.
 //!
 //! Must not: decide a pick (the core does, from the installed binding) or wait on Redis for
 //! anything but the one lookup.
@@ -59,6 +61,8 @@ pub struct SessionWrite {
     ours: RankKey,
     /// The pick reused its binding (a refresh), rather than making a new one.
     reused: bool,
+    /// The session's final request: the key is deleted.
+    release: bool,
 }
 
 /// Redis key of a session binding. The partition is hashed (model names may hold any byte),
@@ -139,9 +143,10 @@ impl SharedState {
     /// `before` is the session's local binding before the pick. Never blocks: a full queue drops
     /// the write (the session's next request writes again).
     pub fn after_pick(&self, selection: &Selection, session_id: &str, before: Option<RankKey>) {
-        let reused = match selection.session {
-            Some(SessionOutcome::Created) => false,
-            Some(SessionOutcome::Reused) => true,
+        let (reused, release) = match selection.session {
+            Some(SessionOutcome::Created) => (false, false),
+            Some(SessionOutcome::Reused) => (true, false),
+            Some(SessionOutcome::Released) => (false, true),
             _ => return,
         };
         let ours = selection.primary.key;
@@ -151,6 +156,7 @@ impl SharedState {
             expected: before.filter(|b| *b != ours),
             ours,
             reused,
+            release,
         };
         if self.writes.try_send(write).is_err() {
             self.metrics.sessions.with_label_values(&["dropped"]).inc();
@@ -177,6 +183,19 @@ impl SharedState {
 
     pub(super) async fn write(&self, core: &SelectionCore, write: SessionWrite) {
         let key = self.key_of(&write.partition, &write.session_id);
+        if write.release {
+            let mut conn = self.connection();
+            let deleted: Result<i64, CallError> = self
+                .call(
+                    "session_write",
+                    redis::cmd("DEL").arg(&key).query_async(&mut conn),
+                )
+                .await;
+            if deleted.is_ok() {
+                self.metrics.sessions.with_label_values(&["released"]).inc();
+            }
+            return;
+        }
         let ours = encode_rank(write.ours);
         let expected = write.expected.map(encode_rank);
         let event = |name: &str| self.metrics.sessions.with_label_values(&[name]).inc();

@@ -516,3 +516,111 @@ async fn tls_with_a_private_ca_file() {
     assert!(connected, "no TLS exchange with the CA file");
     assert!(refused, "an unknown CA must not verify");
 }
+
+/// A session's final request on one replica deletes the shared binding: a replica that looks
+/// the session up afterwards finds none, and the releasing replica's own table has none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_final_request_releases_the_shared_binding() {
+    let redis = RedisServer::start();
+    redis.ready().await;
+    let (core_a, shared_a) = replica(&redis.url()).await;
+    let (core_b, shared_b) = replica(&redis.url()).await;
+    let drain = |shared: Arc<SharedState>, core: Arc<SelectionCore>| async move {
+        let write = shared
+            .writes_rx
+            .lock()
+            .await
+            .as_mut()
+            .unwrap()
+            .recv()
+            .await
+            .unwrap();
+        shared.write(&core, write).await;
+    };
+    let r = core_a.select_and_reserve(&request("a0", "s")).unwrap();
+    let bound = r.selection().primary.key;
+    drain(Arc::clone(&shared_a), Arc::clone(&core_a)).await;
+    // B follows A's binding for the final request, then releases it everywhere.
+    let job = core_b.session_lookup(Some("m"), "", Some("s")).unwrap();
+    core_b.prefetch_session(job).await;
+    let last = SelectionRequest {
+        session_final: true,
+        ..request("b-final", "s")
+    };
+    let r = core_b.select_and_reserve(&last).unwrap();
+    assert_eq!(r.selection().primary.key, bound, "routed on the binding");
+    assert_eq!(r.selection().session, Some(SessionOutcome::Released));
+    drain(Arc::clone(&shared_b), Arc::clone(&core_b)).await;
+    let mut conn = shared_b.connection();
+    let stored: Option<String> = redis::cmd("GET")
+        .arg(sessions::session_key("t", &partition(), "s"))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(stored, None, "the key is gone");
+    assert_eq!(
+        shared_b
+            .metrics
+            .sessions
+            .with_label_values(&["released"])
+            .get(),
+        1
+    );
+    assert!(
+        core_b.session_lookup(Some("m"), "", Some("s")).is_some(),
+        "no local binding left"
+    );
+    let (core_c, _shared_c) = replica(&redis.url()).await;
+    let job = core_c.session_lookup(Some("m"), "", Some("s")).unwrap();
+    core_c.prefetch_session(job).await;
+    assert!(
+        core_c.session_lookup(Some("m"), "", Some("s")).is_some(),
+        "nothing found to install"
+    );
+}
+
+/// A child session's first request on a replica that knows neither it nor its parent: the
+/// parent's binding (made by another replica) is looked up with the child's, so the child's
+/// first pick can prefer the parent's rank.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_childs_lookup_brings_its_parents_binding_from_another_replica() {
+    let redis = RedisServer::start();
+    redis.ready().await;
+    let (core_a, shared_a) = replica(&redis.url()).await;
+    let (core_b, _shared_b) = replica(&redis.url()).await;
+    let r = core_a.select_and_reserve(&request("a0", "p")).unwrap();
+    let home = r.selection().primary.key;
+    let write = shared_a
+        .writes_rx
+        .lock()
+        .await
+        .as_mut()
+        .unwrap()
+        .recv()
+        .await
+        .unwrap();
+    shared_a.write(&core_a, write).await;
+    let job = core_b
+        .session_tree_lookup(Some("m"), "", Some("c"), Some("p"))
+        .unwrap();
+    assert_eq!(job.parent_session_id.as_deref(), Some("p"));
+    core_b.prefetch_session(job).await;
+    let child = SelectionRequest {
+        parent_session_id: Some("p".into()),
+        ..request("b-child", "c")
+    };
+    let r = core_b.select_and_reserve(&child).unwrap();
+    assert_eq!(r.selection().primary.key, home);
+    let followed = core_b
+        .metrics()
+        .selection
+        .session_events
+        .with_label_values(&["parent_followed"])
+        .get();
+    assert_eq!(followed, 1);
+    // Once the parent is bound here, a sibling's lookup asks only for its own session.
+    let job = core_b
+        .session_tree_lookup(Some("m"), "", Some("c2"), Some("p"))
+        .unwrap();
+    assert_eq!(job.parent_session_id, None);
+}

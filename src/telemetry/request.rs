@@ -345,11 +345,7 @@ fn pick_attributes(s: &Selection, pinned: bool) -> Vec<KeyValue> {
         KeyValue::new("kvpick.fallbacks", s.fallbacks.len() as i64),
     ];
     if let Some(outcome) = s.session {
-        let name = match outcome {
-            SessionOutcome::Created => "created",
-            SessionOutcome::Reused => "reused",
-            SessionOutcome::TableFull => "table_full",
-        };
+        let name = outcome.as_str();
         kv.push(KeyValue::new("kvpick.session", name));
     }
     if let Some(prefill) = &s.prefill {

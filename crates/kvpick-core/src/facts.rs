@@ -68,6 +68,8 @@ pub enum Fact {
     EjectedRanks(i64),
     /// What session affinity did for one request.
     Session(SessionOutcome),
+    /// A child session's first pick had a bound parent rank: what became of it.
+    SessionParent(crate::session::ParentPick),
     /// A binding was dropped.
     SessionInvalidated(Invalidation),
     /// This many idle bindings expired.

@@ -142,6 +142,12 @@ pub struct SelectionRequest {
     pub slo_tpot_ms: Option<u64>,
     /// Session for affinity (at most [`MAX_SESSION_ID_BYTES`]).
     pub session_id: Option<String>,
+    /// The parent session of a child session (a subagent): its first pick prefers the parent's
+    /// bound rank when that costs no more than a soft binding would allow (docs/sessions.md).
+    pub parent_session_id: Option<String>,
+    /// The session's last request (`x-dynamo-session-final: true`): routed on the binding, which
+    /// is then released.
+    pub session_final: bool,
     pub on_duplicate: DuplicateId,
     pub holder: Holder,
 }
@@ -198,6 +204,8 @@ impl SelectionRequest {
             slo_ttft_ms: self.slo_ttft_ms,
             slo_tpot_ms: self.slo_tpot_ms,
             session_id: self.session_id.clone(),
+            parent_session_id: self.parent_session_id.clone(),
+            session_final: self.session_final,
             on_duplicate: self.on_duplicate,
             holder: self.holder,
         }
@@ -206,9 +214,15 @@ impl SelectionRequest {
     /// Checks every field that comes from a client. The core calls it before any pick, so both
     /// hosts refuse the same requests with the same messages.
     pub fn validate(&self) -> Result<(), SelectError> {
-        if let Some(sid) = &self.session_id {
-            if sid.len() > MAX_SESSION_ID_STRING_BYTES {
-                check_session_id_len(sid.len(), "session id")?;
+        for (sid, what) in [
+            (&self.session_id, "session id"),
+            (&self.parent_session_id, "parent session id"),
+        ] {
+            if let Some(sid) = sid
+                .as_ref()
+                .filter(|s| s.len() > MAX_SESSION_ID_STRING_BYTES)
+            {
+                check_session_id_len(sid.len(), what)?;
             }
         }
         if self.request_id.len() > MAX_REQUEST_ID_CHARS

@@ -45,6 +45,7 @@ pub struct SessionConfig {
     pub ttl: Duration,
     pub max_entries: usize,
     /// Soft mode: the bound rank is kept while its cost is within this many blocks of the best.
+    /// Either mode: a child session's first pick goes to its parent's rank within this margin.
     pub soft_margin_blocks: f64,
 }
 
@@ -97,6 +98,9 @@ pub enum Invalidation {
     SoftOverride,
     /// The table was full: the least recently idle binding made room for a new session.
     Evicted,
+    /// The session's final request (`x-dynamo-session-final: true`) was routed: the binding
+    /// is released at once instead of idling out.
+    Final,
 }
 
 impl Invalidation {
@@ -108,6 +112,7 @@ impl Invalidation {
             Invalidation::Adapter => "adapter",
             Invalidation::SoftOverride => "soft_override",
             Invalidation::Evicted => "evicted",
+            Invalidation::Final => "final",
         }
     }
 }
@@ -121,6 +126,27 @@ pub enum SessionOutcome {
     Reused,
     /// The table is full: routed without affinity.
     TableFull,
+    /// The session's final request: routed on its binding when it had one, which is then
+    /// released (here and, with shared state, for every replica).
+    Released,
+}
+
+/// A child session's first pick with a bound parent rank ([`crate::facts::Fact::SessionParent`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ParentPick {
+    /// The parent's rank was the best pick anyway (its cache already said so).
+    Cheapest,
+    /// The parent's rank went first though another cost less (within the soft margin).
+    Preferred,
+    /// The parent's rank was no candidate (busy, ejected, outside the subset) or cost too much.
+    Declined,
+}
+
+impl ParentPick {
+    /// Whether the child went to its parent's rank.
+    pub fn followed(self) -> bool {
+        self != ParentPick::Declined
+    }
 }
 
 /// What installing a binding decided elsewhere (another replica) did.
@@ -155,6 +181,7 @@ impl SessionOutcome {
             SessionOutcome::Created => "created",
             SessionOutcome::Reused => "reused",
             SessionOutcome::TableFull => "table_full",
+            SessionOutcome::Released => "released",
         }
     }
 }

@@ -106,6 +106,7 @@ fn family_trace() -> Vec<TraceRecord> {
             output_length: 8,
             hash_ids: vec![1, 2, 3, 1_000 + i],
             class: Default::default(),
+            session: Default::default(),
         })
         .collect()
 }

@@ -59,7 +59,7 @@ impl StreamMachine {
         if let (Some(id), Some(r)) = (&self.session_id, &self.reservation) {
             if matches!(
                 r.selection().session,
-                Some(SessionOutcome::Created | SessionOutcome::Reused)
+                Some(SessionOutcome::Created | SessionOutcome::Reused | SessionOutcome::Released)
             ) {
                 set.push(set_header("x-dynamo-session-id", id));
             }

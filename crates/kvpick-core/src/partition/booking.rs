@@ -176,6 +176,18 @@ impl Partition {
         // A request without a prompt (`GET /v1/models`, header-only) holds no KV cache: it may
         // follow a binding but never creates one, so it cannot fill the table.
         let may_bind = affinity == Affinity::Kept || has_prompt;
+        if let Some(sid) = request
+            .session_id
+            .as_deref()
+            .filter(|_| request.session_final)
+        {
+            // The session's last request (Dynamo's `x-dynamo-session-final`): it was routed on
+            // the binding (when it had one); the binding goes now rather than idling out, and
+            // this request holds no lease on it.
+            Self::invalidate_session(state, sid, Invalidation::Final, facts);
+            facts.push(Fact::Session(SessionOutcome::Released));
+            return (Some(SessionOutcome::Released), None);
+        }
         let Some(sid) = request.session_id.as_deref().filter(|_| may_bind) else {
             return (None, None);
         };

@@ -574,6 +574,32 @@ pub(crate) fn apply_affinity(
     }
 }
 
+/// A child session's first pick: the parent session's rank goes first when it is a candidate
+/// (eligible, not over a busy threshold, not ejected) and costs at most `soft_margin_blocks`
+/// more than the best, the soft-affinity bound in either mode. A subagent shares its parent's
+/// context, so its prompt is usually cached there already (and the cost says so); the margin
+/// lets the tree stay together when the difference is only load.
+pub(crate) fn prefer_parent(
+    decision: &mut Decision,
+    candidates: &[Candidate],
+    parent: RankKey,
+    sessions: &SessionConfig,
+) -> crate::session::ParentPick {
+    use crate::session::ParentPick;
+    let first = decision.ranking.first().and_then(|&i| candidates.get(i));
+    if first.is_some_and(|c| c.key == parent) {
+        return ParentPick::Cheapest;
+    }
+    let soft = SessionConfig {
+        mode: AffinityMode::Soft,
+        ..sessions.clone()
+    };
+    match apply_affinity(decision, candidates, Some(parent), &soft) {
+        Affinity::Kept => ParentPick::Preferred,
+        _ => ParentPick::Declined,
+    }
+}
+
 pub(crate) fn picked(slots: &[(RankKey, Slot)], position: usize) -> Option<PickedRank> {
     slots.get(position).map(|(key, s)| PickedRank {
         key: *key,

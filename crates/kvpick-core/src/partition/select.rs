@@ -61,6 +61,9 @@ pub(super) struct Field {
     pub candidates: Vec<Candidate>,
     /// The session's bound rank, while it may still serve the request.
     bound: Option<RankKey>,
+    /// A child session without a binding of its own: its parent's bound rank (a soft
+    /// preference, [`pipeline::prefer_parent`]).
+    parent: Option<RankKey>,
 }
 
 /// The decision: the ranking, each candidate's role when the partition splits prefill and
@@ -69,6 +72,8 @@ pub(super) struct Decided {
     pub decision: Decision,
     roles: Option<Vec<Role>>,
     pub affinity: Affinity,
+    /// A child session's parent rank, when it had one: taken or declined.
+    parent: Option<crate::session::ParentPick>,
 }
 
 /// The picked ranks and what the booking and the answer say of them.
@@ -164,6 +169,9 @@ impl Partition {
             String::new()
         };
         state.ranks.touch(&picked.primary.key);
+        if let Some(parent) = decided.parent.filter(|_| ask.booking.is_some()) {
+            facts.push(Fact::SessionParent(parent));
+        }
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
         Ok(SelectOutcome {
             selection: self.selection(ask, &field, picked, session),
@@ -187,9 +195,10 @@ impl Partition {
         let mut bound = ask.request.session_id.as_deref().and_then(|sid| {
             Self::session_binding(state, sid, allowed, booked, &config.sessions, now, facts)
         });
+        let parent = Self::parent_binding(state, ask, allowed, bound, facts);
         let mut matches = LazyMatches(None);
         if !ask.exhaustive {
-            let sparse = self.sparse_field(state, ask, allowed, bound, &mut matches);
+            let sparse = self.sparse_field(state, ask, allowed, bound, parent, &mut matches);
             if let Some(sparse) = sparse.map_err(|e| match e {
                 // Over a busy threshold is saturation: with flow control the request waits.
                 SelectError::Overloaded(_) if ask.admission.is_some() => Refusal::Saturated,
@@ -200,6 +209,7 @@ impl Partition {
                     eligible: sparse.eligible,
                     candidates: sparse.candidates,
                     bound: sparse.bound,
+                    parent,
                 });
             }
         }
@@ -245,7 +255,37 @@ impl Partition {
             eligible,
             candidates,
             bound,
+            parent,
         })
+    }
+
+    /// A child session with no binding of its own (its first request, or its binding was
+    /// dropped): the parent session's bound rank, when the parent has one that may serve this
+    /// request. Read only: the parent's binding is never changed by a child's pick.
+    fn parent_binding(
+        state: &mut State,
+        ask: &Ask,
+        allowed: &Allowed,
+        bound: Option<RankKey>,
+        facts: &mut Facts,
+    ) -> Option<RankKey> {
+        if bound.is_some() {
+            return None;
+        }
+        let request = ask.request;
+        let parent = request
+            .parent_session_id
+            .as_deref()
+            .filter(|p| request.session_id.as_deref().is_some_and(|s| s != *p))?;
+        Self::session_binding(
+            state,
+            parent,
+            allowed,
+            false,
+            &ask.config.sessions,
+            ask.now,
+            facts,
+        )
     }
 
     /// The prompt's matches: the prefix every rank holds once, when the index can tell
@@ -363,10 +403,17 @@ impl Partition {
             field.bound,
             &ask.config.sessions,
         );
+        let parent = field
+            .parent
+            .filter(|_| affinity == Affinity::Unbound)
+            .map(|p| {
+                pipeline::prefer_parent(&mut decision, &field.candidates, p, &ask.config.sessions)
+            });
         Ok(Decided {
             decision,
             roles,
             affinity,
+            parent,
         })
     }
 

@@ -284,6 +284,7 @@ impl Partition {
         ask: &Ask,
         allowed: &Allowed,
         bound: Option<RankKey>,
+        parent: Option<RankKey>,
         lazy: &mut super::select::LazyMatches,
     ) -> Result<Option<SparseField>, SelectError> {
         let (config, request) = (ask.config, ask.request);
@@ -380,7 +381,9 @@ impl Partition {
         for (key, depths) in &matches.ranks {
             found.visit(*key, *depths);
         }
-        if let Some(b) = bound {
+        // The bound rank and a child session's parent rank are costed outright: affinity
+        // compares them with the best, wherever the search would have stopped.
+        for b in bound.into_iter().chain(parent) {
             found.visit(b, matches.depths_of(&b));
         }
         let order = state.ranks.order();

@@ -109,6 +109,14 @@ pub struct ReplayArgs {
     /// (as `kvpick serve`; `inf` = off).
     #[arg(long, default_value_t = 0.5)]
     pub saturation_wait: f64,
+    /// kvpick policy: bind the trace's `session_id` column as `kvpick serve` binds a session
+    /// header (`false` drops the session columns).
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub sessions: bool,
+    /// kvpick policy: a child session's first pick prefers its parent's rank (the trace's
+    /// `parent_session_id` column); `false` binds children independently.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub session_parents: bool,
     /// Prefill/decode mode ([`pd`]): ranks `0..P` prefill and the rest decode for the split
     /// policies; runs `--pd-policy` instead of `--policy`.
     #[arg(long, value_name = "P", help_heading = "Prefill/decode")]
@@ -184,6 +192,10 @@ pub struct PolicyReport {
     /// How well the policy's TTFT estimate predicted the observed TTFT (kvpick only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ttft_prediction: Option<policy::PredictionReport>,
+    /// Child sessions' first picks that had a bound parent rank (kvpick, traces with session
+    /// columns): whether the preference decided them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_parents: Option<SessionParents>,
     /// Per priority band, highest first (traces with flow-control columns only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub bands: Vec<flow_report::BandReport>,
@@ -250,6 +262,17 @@ pub struct PdSection {
     pub policies: Vec<pd::PdPolicyReport>,
 }
 
+/// Child sessions' first picks with a parent rank ([`PolicyReport::session_parents`]).
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub struct SessionParents {
+    /// The parent's rank was the best pick anyway.
+    pub cheapest: u64,
+    /// The parent's rank went first though another cost less (within the soft margin).
+    pub preferred: u64,
+    /// The parent's rank was no candidate or cost more than the margin.
+    pub declined: u64,
+}
+
 /// One trace request ready to replay.
 #[derive(Debug, Clone)]
 pub struct Prepared {
@@ -258,6 +281,7 @@ pub struct Prepared {
     pub tokens: Vec<u32>,
     pub output: u32,
     pub class: trace::FlowClass,
+    pub session: trace::SessionColumns,
 }
 
 pub fn prepare(records: &[TraceRecord], speedup: f64) -> Vec<Prepared> {
@@ -271,6 +295,7 @@ pub fn prepare(records: &[TraceRecord], speedup: f64) -> Vec<Prepared> {
             tokens: trace::synthesize(r),
             output: r.output_length.max(1),
             class: r.class.clone(),
+            session: r.session.clone(),
         })
         .collect();
     out.sort_by_key(|p| (p.arrival_ns, p.id));
@@ -473,6 +498,8 @@ async fn run_one(
                     priority: req.class.priority.unwrap_or(0),
                     tenant: req.class.tenant.as_deref(),
                     slo_ttft_ms: req.class.slo_ttft_ms,
+                    session_id: req.session.session_id.as_deref(),
+                    parent_session_id: req.session.parent_session_id.as_deref(),
                 },
                 &FleetView { metrics: &metrics },
             );
@@ -584,6 +611,13 @@ async fn run_one(
         refused,
         preemptions: ranks.iter().map(|r| r.engine.stats().preemptions).sum(),
         ttft_prediction: policy.prediction_report(),
+        session_parents: policy
+            .session_parents()
+            .map(|(cheapest, preferred, declined)| SessionParents {
+                cheapest,
+                preferred,
+                declined,
+            }),
         bands: flow_report::bands(&outcomes, requests, makespan_ns),
         tenants: flow_report::tenants(&outcomes, requests, makespan_ns),
         charts: Some(Box::new(chart)),
@@ -649,7 +683,15 @@ pub fn build_report_with(args: &ReplayArgs, peers: policy::PeerBuilder) -> anyho
         Some(target) => speedup_for_load(&records, &config, args.workers, target)?,
         None => args.arrival_speedup,
     };
-    let requests = prepare(&records, arrival_speedup);
+    let mut requests = prepare(&records, arrival_speedup);
+    for r in &mut requests {
+        if !args.sessions {
+            r.session = trace::SessionColumns::default();
+        }
+        if !args.session_parents {
+            r.session.parent_session_id = None;
+        }
+    }
     for (name, v) in [
         ("--overlap-score-credit", args.overlap_score_credit),
         ("--prefill-load-scale", args.prefill_load_scale),

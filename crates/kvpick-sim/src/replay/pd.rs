@@ -610,6 +610,7 @@ mod tests {
                     .collect(),
                 output: 64,
                 class: Default::default(),
+                session: Default::default(),
             })
             .collect()
     }

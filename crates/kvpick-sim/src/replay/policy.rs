@@ -59,6 +59,10 @@ pub struct PickRequest<'a> {
     pub priority: i32,
     pub tenant: Option<&'a str>,
     pub slo_ttft_ms: Option<u64>,
+    /// Session columns: kvpick binds the session, and a child's first pick prefers its
+    /// parent's rank (docs/sessions.md); other policies ignore them.
+    pub session_id: Option<&'a str>,
+    pub parent_session_id: Option<&'a str>,
 }
 
 impl<'a> PickRequest<'a> {
@@ -70,6 +74,8 @@ impl<'a> PickRequest<'a> {
             priority: 0,
             tenant: None,
             slo_ttft_ms: None,
+            session_id: None,
+            parent_session_id: None,
         }
     }
 }
@@ -104,6 +110,11 @@ pub trait Policy {
     fn on_kv_events(&mut self, _rank: usize, _events: &[KvEvent]) {}
     /// How well the policy's own TTFT estimate predicted the first tokens (if it makes one).
     fn prediction_report(&self) -> Option<PredictionReport> {
+        None
+    }
+    /// Child sessions' first picks that had a parent rank: `(cheapest anyway, preferred,
+    /// declined)` (kvpick).
+    fn session_parents(&self) -> Option<(u64, u64, u64)> {
         None
     }
     /// Flow control: dispatch now, hold, or refuse. Policies without a queue pick now.
@@ -572,6 +583,8 @@ pub struct Kvpick {
     pub events_dropped: u64,
     /// Flow control on: the policy has a queue ([`Policy::queued`]).
     flow_enabled: bool,
+    /// Child sessions' first picks with a parent rank: cheapest anyway, preferred, declined.
+    parents: (u64, u64, u64),
 }
 
 /// Port of simulated rank 0 in the replay's catalog (never bound: no sockets in the replay).
@@ -644,6 +657,7 @@ impl Kvpick {
             released: Vec::new(),
             predictions: PredictionSums::default(),
             rejected: 0,
+            parents: (0, 0, 0),
             events_dropped: 0,
             flow_enabled: options.flow.enabled,
         }
@@ -660,6 +674,15 @@ impl Kvpick {
     /// Collects the queued requests an operation released (booked or refused).
     fn collect(&mut self, facts: &kvpick_core::Facts) {
         for fact in facts.iter() {
+            if let kvpick_core::Fact::SessionParent(parent) = fact {
+                use kvpick_core::session::ParentPick;
+                let (cheapest, preferred, declined) = &mut self.parents;
+                *match parent {
+                    ParentPick::Cheapest => cheapest,
+                    ParentPick::Preferred => preferred,
+                    ParentPick::Declined => declined,
+                } += 1;
+            }
             let kvpick_core::Fact::Dequeued { ticket, result } = fact else {
                 continue;
             };
@@ -693,6 +716,8 @@ pub fn selection_request(req: &PickRequest) -> SelectionRequest {
         priority: req.priority,
         fairness_key: req.tenant.map(str::to_string),
         slo_ttft_ms: req.slo_ttft_ms,
+        session_id: req.session_id.map(str::to_string),
+        parent_session_id: req.parent_session_id.map(str::to_string),
         ..Default::default()
     }
 }
@@ -712,7 +737,8 @@ impl Policy for Kvpick {
     }
     fn pick(&mut self, req: &PickRequest, _: &FleetView) -> usize {
         match self.core.select_and_reserve(&selection_request(req), now()) {
-            Ok((sel, _)) => {
+            Ok((sel, facts)) => {
+                self.collect(&facts);
                 self.bookings.insert(req.id, sel.booking_id.clone());
                 self.port_to_rank[&sel.primary.endpoint.port()]
             }
@@ -769,6 +795,9 @@ impl Policy for Kvpick {
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
         let (stats, _) = self.core.apply_kv_events(self.ranks[rank], events, now());
         self.events_dropped += stats.dropped;
+    }
+    fn session_parents(&self) -> Option<(u64, u64, u64)> {
+        Some(self.parents).filter(|&(a, b, c)| a + b + c > 0)
     }
     fn prediction_report(&self) -> Option<PredictionReport> {
         Some(self.predictions.report())

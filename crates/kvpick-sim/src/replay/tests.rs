@@ -9,6 +9,7 @@ fn small_trace() -> Vec<TraceRecord> {
             output_length: 4 + (i % 5) as u32,
             hash_ids: vec![i % 3, 100 + i],
             class: Default::default(),
+            session: Default::default(),
         })
         .collect()
 }
@@ -106,6 +107,7 @@ fn kvpick_follows_the_kv_events_to_the_rank_holding_the_prefix() {
             output_length: 2,
             hash_ids: vec![7, 200 + i],
             class: Default::default(),
+            session: Default::default(),
         })
         .collect();
     let requests = prepare(&records, 1.0);
@@ -135,9 +137,11 @@ fn infinite_bound_counts_prefixes_seen_before() {
             output_length: 1,
             hash_ids: ids,
             class: Default::default(),
+            session: Default::default(),
         }),
         output: 1,
         class: Default::default(),
+        session: Default::default(),
     };
     let reqs = vec![r(0, vec![1, 2]), r(1, vec![1, 3]), r(2, vec![1, 2])];
     // second: 512 of 1024; third: all but the last block (1024 - 16).

@@ -22,6 +22,19 @@ pub struct TraceRecord {
     /// Flow-control columns (absent in Mooncake's traces): priority, tenant, TTFT SLO.
     #[serde(flatten)]
     pub class: FlowClass,
+    /// Session columns (absent in Mooncake's traces): the request's session and its parent.
+    #[serde(flatten)]
+    pub session: SessionColumns,
+}
+
+/// A request's session, optional trace columns: `session_id` (kvpick binds it as it binds a
+/// session header) and `parent_session_id` (a sub-agent's parent session; docs/sessions.md).
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+pub struct SessionColumns {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<String>,
 }
 
 /// A request's flow-control class, optional trace columns: `priority` (integer, negative =
@@ -109,6 +122,7 @@ mod tests {
             output_length: 1,
             hash_ids: vec![0, 1],
             class: FlowClass::default(),
+            session: Default::default(),
         };
         let b = TraceRecord {
             hash_ids: vec![0, 2],

@@ -118,6 +118,7 @@ mod tests {
                 output_length: 1,
                 hash_ids: vec![i as u64],
                 class: Default::default(),
+                session: Default::default(),
             })
             .collect()
     }

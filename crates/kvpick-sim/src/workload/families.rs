@@ -1,4 +1,4 @@
-//! The five workload families as seeded generators of timed requests (see the module doc of
+//! The workload families as seeded generators of timed requests (see the module doc of
 //! [`super`] for what each models and where its numbers come from). Owns the sampling and the
 //! sessions' contexts as Mooncake blocks; writes nothing and knows nothing of engines or policies.
 //!
@@ -30,6 +30,9 @@ pub struct Timed {
     pub hash_ids: Vec<u64>,
     /// The session, document or prefix family the request belongs to.
     pub group: u64,
+    /// `agent-tree`: the agent session and its parent session (a sub-agent's), as the
+    /// trace's `session_id` / `parent_session_id` columns.
+    pub session: Option<(String, Option<String>)>,
 }
 
 /// The seeded sampler every family draws from, and the allocator of fresh block ids.
@@ -204,6 +207,7 @@ impl Context {
             output_length,
             hash_ids: self.ids.clone(),
             group,
+            session: None,
         }
     }
 }
@@ -293,6 +297,19 @@ impl SessionSource for Chat {
 pub struct Agentic {
     prefixes: Vec<Vec<u64>>,
     popularity: WeightedIndex<f64>,
+    /// `agent-tree`: every request names its agent session, and a sub-agent its parent's.
+    tree: bool,
+    /// `agent-tree-fresh`: a sub-agent starts a fresh context (the app's prefix and its
+    /// instruction) instead of the parent's history.
+    fresh: bool,
+}
+
+/// Which agent of a session a loop is, when requests name their sessions (`agent-tree`).
+struct AgentTag {
+    session: String,
+    parent: Option<String>,
+    /// `agent-tree-fresh`: the app prefix a sub-agent's fresh context starts with.
+    fresh: Option<Vec<u64>>,
 }
 
 /// Agent applications, each with its own tool/system prefix of 8–32 blocks (4–16k tokens).
@@ -330,11 +347,36 @@ impl Agentic {
                 })
                 .collect(),
             popularity: zipf_weights(AGENT_APPS, 1.0),
+            tree: false,
+            fresh: false,
+        }
+    }
+
+    /// `agent-tree`: the `agentic` generator (same draws, same requests), each request tagged
+    /// with its agent session: the root `a<group>`, its sub-agents `a<group>.<k>` whose parent
+    /// is the root. A sub-agent's prompt starts with the parent's whole history.
+    pub fn tree(s: &mut Sampler) -> Self {
+        Agentic {
+            tree: true,
+            ..Agentic::new(s)
+        }
+    }
+
+    /// `agent-tree-fresh`: as [`Agentic::tree`], but a sub-agent's context starts fresh from
+    /// the app's tool/system prefix and its instruction (Claude Code's subagents run in their
+    /// own context): the parent's history is not in its prompt, only its session says whose
+    /// it is.
+    pub fn tree_fresh(s: &mut Sampler) -> Self {
+        Agentic {
+            fresh: true,
+            ..Agentic::tree(s)
         }
     }
 
     /// One agent loop of `turns` calls on `ctx` from `at`; returns when its last answer arrived.
-    /// A parent (`spawn`) may fan out sub-agents that branch off its history.
+    /// A parent (`spawn`) may fan out sub-agents that branch off its history; `tag` names the
+    /// loop's session (`agent-tree`), `agents` counts the session's sub-agents so far.
+    #[allow(clippy::too_many_arguments)]
     fn agent_loop(
         s: &mut Sampler,
         ctx: &mut Context,
@@ -343,25 +385,46 @@ impl Agentic {
         group: u64,
         spawn: bool,
         out: &mut Vec<Timed>,
+        tag: Option<&AgentTag>,
+        agents: &mut u32,
     ) -> f64 {
         for turn in 0..turns {
             if ctx.len() > AGENT_CONTEXT_LIMIT {
                 break;
             }
             let call = s.tokens(AGENT_CALL);
-            out.push(ctx.request(at, call as u32, group));
+            let mut request = ctx.request(at, call as u32, group);
+            request.session = tag.map(|t| (t.session.clone(), t.parent.clone()));
+            out.push(request);
             ctx.append(call, s);
             at += call as f64 * NOMINAL_MS_PER_OUTPUT_TOKEN;
             if spawn && turn > 0 && s.chance(SUBAGENT_SPAWN_CHANCE) {
                 let fanout = s.int(SUBAGENT_FANOUT.0, SUBAGENT_FANOUT.1);
                 let mut done = at;
                 for _ in 0..fanout {
-                    let mut sub = ctx.branch(s);
+                    let mut sub = match tag.and_then(|t| t.fresh.as_deref()) {
+                        Some(prefix) => Context::from_blocks(prefix),
+                        None => ctx.branch(s),
+                    };
                     let instruction = s.tokens(SUBAGENT_INSTRUCTION);
                     sub.append(instruction, s);
                     let sub_turns = s.truncated_geometric(SUBAGENT_TURNS);
+                    *agents += 1;
+                    let sub_tag = tag.map(|t| AgentTag {
+                        session: format!("{}.{agents}", t.session),
+                        parent: Some(t.session.clone()),
+                        fresh: None,
+                    });
                     done = done.max(Self::agent_loop(
-                        s, &mut sub, at, sub_turns, group, false, out,
+                        s,
+                        &mut sub,
+                        at,
+                        sub_turns,
+                        group,
+                        false,
+                        out,
+                        sub_tag.as_ref(),
+                        agents,
                     ));
                 }
                 at = done;
@@ -396,7 +459,22 @@ impl SessionSource for Agentic {
         ctx.append(task, s);
         let turns = s.truncated_geometric(AGENT_TURNS);
         let mut out = Vec::new();
-        Self::agent_loop(s, &mut ctx, start_ms, turns, group, true, &mut out);
+        let tag = self.tree.then(|| AgentTag {
+            session: format!("a{group}"),
+            parent: None,
+            fresh: self.fresh.then(|| prefix.clone()),
+        });
+        Self::agent_loop(
+            s,
+            &mut ctx,
+            start_ms,
+            turns,
+            group,
+            true,
+            &mut out,
+            tag.as_ref(),
+            &mut 0,
+        );
         out
     }
 }

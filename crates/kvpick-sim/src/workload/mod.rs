@@ -1,4 +1,4 @@
-//! `kvpick workload`: seeded generators of Mooncake JSONL traces in five workload families, and
+//! `kvpick workload`: seeded generators of Mooncake JSONL traces in seven workload families, and
 //! their statistics. Owns the families' shapes ([`families`]), the window a trace is cut from,
 //! and the statistics ([`stats`]); it must not depend on routing policies or engine state (the
 //! one engine reference is the offered-load figure it prints, from the default engine's cost
@@ -18,6 +18,10 @@
 //!   sub-agents with probability 0.1, each branching off the parent's history for 2–12 calls, the
 //!   parent resuming with their summaries. Modelled on Mooncake's tool&agent trace (shorter outputs,
 //!   high prefix reuse) and published agent traces (long-lived sessions, sub-agents).
+//! - `agent-tree`: `agentic` (the same requests) with session columns: each request names its
+//!   agent session (`session_id`), a sub-agent's also its parent (`parent_session_id`), as agents'
+//!   session headers do (docs/sessions.md). `agent-tree-fresh`: the same tree, but a sub-agent
+//!   starts a fresh context (the app's prefix and its instruction) instead of the parent's history.
 //! - `shared-docs`: a pool of 400 documents (median 4k tokens) behind one shared instruction block,
 //!   Zipf(0.9) popularity, each request an unrelated user's question on one document: the
 //!   retrieval/long-document pattern described by RAG caching work (skewed document reuse).
@@ -43,7 +47,7 @@ use std::collections::BinaryHeap;
 use std::io::Write;
 use std::path::PathBuf;
 
-use crate::replay::trace::TraceRecord;
+use crate::replay::trace::{self, TraceRecord};
 use families::{SessionSource, Timed};
 
 /// The workload families.
@@ -51,15 +55,23 @@ use families::{SessionSource, Timed};
 pub enum Family {
     Chat,
     Agentic,
+    /// `agentic` with every request naming its agent session and a sub-agent its parent
+    /// (`session_id` / `parent_session_id` columns).
+    AgentTree,
+    /// `agent-tree` whose sub-agents start a fresh context (the app prefix and their
+    /// instruction), not the parent's history.
+    AgentTreeFresh,
     SharedDocs,
     SmallFamilies,
     NoReuse,
 }
 
 impl Family {
-    pub const ALL: [Family; 5] = [
+    pub const ALL: [Family; 7] = [
         Family::Chat,
         Family::Agentic,
+        Family::AgentTree,
+        Family::AgentTreeFresh,
         Family::SharedDocs,
         Family::SmallFamilies,
         Family::NoReuse,
@@ -69,6 +81,8 @@ impl Family {
         match self {
             Family::Chat => "chat",
             Family::Agentic => "agentic",
+            Family::AgentTree => "agent-tree",
+            Family::AgentTreeFresh => "agent-tree-fresh",
             Family::SharedDocs => "shared-docs",
             Family::SmallFamilies => "small-families",
             Family::NoReuse => "no-reuse",
@@ -81,7 +95,7 @@ impl Family {
     pub fn default_rate(self) -> f64 {
         match self {
             Family::Chat => 22.0,
-            Family::Agentic => 5.3,
+            Family::Agentic | Family::AgentTree | Family::AgentTreeFresh => 5.3,
             Family::SharedDocs => 21.5,
             Family::SmallFamilies => 8.0,
             Family::NoReuse => 39.5,
@@ -92,6 +106,8 @@ impl Family {
         match self {
             Family::Chat => Box::new(families::Chat::new(s)),
             Family::Agentic => Box::new(families::Agentic::new(s)),
+            Family::AgentTree => Box::new(families::Agentic::tree(s)),
+            Family::AgentTreeFresh => Box::new(families::Agentic::tree_fresh(s)),
             Family::SharedDocs => Box::new(families::SharedDocs::new(s)),
             Family::SmallFamilies => Box::new(families::SmallFamilies),
             Family::NoReuse => Box::new(families::NoReuse),
@@ -199,6 +215,12 @@ pub fn generate(family: Family, seed: u64, requests: usize, rate: f64) -> anyhow
             output_length: t.output_length,
             hash_ids: t.hash_ids,
             class: Default::default(),
+            session: t.session.map_or_else(Default::default, |(id, parent)| {
+                trace::SessionColumns {
+                    session_id: Some(id),
+                    parent_session_id: parent,
+                }
+            }),
         })
         .collect();
     Ok(Workload {

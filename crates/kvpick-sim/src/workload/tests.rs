@@ -220,3 +220,38 @@ fn the_rate_sets_the_request_rate() {
         2.2,
     );
 }
+
+/// `agent-tree` is `agentic` with session columns: the same requests, every one naming its
+/// agent session, each sub-agent's naming the root as parent, and a sub-agent's first prompt
+/// starting with its parent's last prompt (all but that prompt's partial last block).
+#[test]
+fn agent_tree_is_agentic_with_sessions_and_parents() {
+    let rate = Family::Agentic.default_rate();
+    let tree = generate(Family::AgentTree, 4, 3_000, rate).unwrap();
+    let plain = generate(Family::Agentic, 4, 3_000, rate).unwrap();
+    assert_eq!(tree.records.len(), plain.records.len());
+    let mut last_of: std::collections::HashMap<&str, &trace::TraceRecord> = Default::default();
+    let (mut children, mut checked) = (0, 0);
+    for (t, p) in tree.records.iter().zip(&plain.records) {
+        assert_eq!(
+            (t.timestamp, &t.hash_ids, p.session.session_id.as_deref()),
+            (p.timestamp, &p.hash_ids, None)
+        );
+        let sid = t.session.session_id.as_deref().unwrap();
+        match t.session.parent_session_id.as_deref() {
+            None => assert!(!sid.contains('.'), "{sid}"),
+            Some(parent) => {
+                assert_eq!(sid.split_once('.').map(|(root, _)| root), Some(parent));
+                children += 1;
+                let first = !last_of.contains_key(sid);
+                if let Some(prev) = last_of.get(parent).filter(|_| first) {
+                    let whole = prev.hash_ids.len() - 1;
+                    assert_eq!(t.hash_ids[..whole], prev.hash_ids[..whole], "{sid}");
+                    checked += 1;
+                }
+            }
+        }
+        last_of.insert(sid, t);
+    }
+    assert!(children > 300 && checked > 20, "{children} {checked}");
+}

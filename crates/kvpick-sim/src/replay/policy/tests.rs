@@ -166,3 +166,21 @@ fn a_peer_policy_without_the_peers_crate_says_where_it_lives() {
         .to_string();
     assert!(unknown.contains("dynamo"), "{unknown}");
 }
+
+/// The trace's session columns reach kvpick's core as the request's session and parent.
+#[test]
+fn session_columns_become_the_requests_session_and_parent() {
+    let t = tokens(1, 32);
+    let req = PickRequest {
+        session_id: Some("a1.2"),
+        parent_session_id: Some("a1"),
+        ..PickRequest::new(7, &t)
+    };
+    let r = selection_request(&req);
+    assert_eq!(
+        (r.session_id.as_deref(), r.parent_session_id.as_deref()),
+        (Some("a1.2"), Some("a1"))
+    );
+    let plain = selection_request(&PickRequest::new(8, &t));
+    assert_eq!((plain.session_id, plain.parent_session_id), (None, None));
+}
