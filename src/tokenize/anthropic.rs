@@ -13,9 +13,11 @@
 //! `tool_result` in a user turn becomes a `tool` message placed before that turn's remaining
 //! text; `redacted_thinking` and `tool_reference` blocks are skipped. `tools` become OpenAI
 //! function tools (`description` null when absent, `input_schema` with `type: object` added when
-//! missing). What the engine cannot render token-exactly from the body (images, which it expands
-//! per image; a `tool_use` without an id, which it names by the clock; a list `tool_result` in an
-//! assistant turn, which it renders as a Python repr) is [`Unsupported`]: load-only routing.
+//! missing). `image` blocks with a source become image parts where they stand (placed by the chat
+//! path, identified by `super::media`). What the engine cannot render token-exactly from the body
+//! (an image inside a `tool_result`; a `tool_use` without an id, which it names by the clock; a
+//! list `tool_result` in an assistant turn, which it renders as a Python repr) is
+//! [`Unsupported`]: load-only routing.
 
 use super::json::Json;
 use super::prompt::{chat_message, ChatPrompt, ContentFormat, Message, PromptSpec, Unsupported};
@@ -139,8 +141,9 @@ fn opt_str<'a>(block: &'a Json, key: &'static str) -> Result<Option<&'a str>, Un
 /// What one message's blocks add up to.
 #[derive(Default)]
 struct Converted {
-    /// Text parts, in order.
-    parts: Vec<String>,
+    /// Text and image parts, in order (an image as an `image_url` part without its URL: the
+    /// conversion only places it; `media::items` identifies it from the body).
+    parts: Vec<Json>,
     tool_calls: Vec<Json>,
     reasoning: Option<String>,
 }
@@ -174,9 +177,12 @@ fn convert_message(role: &str, content: &Json, out: &mut Vec<Json>) -> Result<()
     let has_content = !c.parts.is_empty();
     if has_content {
         // One text part is a string; more stay a part list (the chat path joins or keeps it).
-        let content = match <[String; 1]>::try_from(c.parts) {
-            Ok([text]) => Json::String(text),
-            Err(parts) => Json::Array(parts.into_iter().map(text_part).collect()),
+        let content = match <[Json; 1]>::try_from(c.parts) {
+            Ok([part]) if part.get("type").and_then(Json::as_str) == Some("text") => {
+                part.get("text").cloned().unwrap_or(Json::Null)
+            }
+            Ok([part]) => Json::Array(vec![part]),
+            Err(parts) => Json::Array(parts),
         };
         message.push(("content", content));
     }
@@ -196,12 +202,15 @@ fn convert_block(
     match block_type(block)? {
         "text" => {
             if let Some(text) = opt_str(block, "text")?.filter(|t| !t.is_empty()) {
-                c.parts.push(text.to_string());
+                c.parts.push(text_part(text.to_string()));
             }
         }
         "image" => {
             if matches!(block.get("source"), Some(Json::Object(s)) if !s.is_empty()) {
-                return Err(Unsupported("image block (multimodal)"));
+                c.parts.push(Json::object(vec![(
+                    "type",
+                    Json::String("image_url".into()),
+                )]));
             }
         }
         "thinking" => {
@@ -219,7 +228,7 @@ fn convert_block(
                 Some(Json::String(s)) => s,
                 Some(_) => return Err(Unsupported("a list tool_result in an assistant turn")),
             };
-            c.parts.push(format!("Tool result: {text}"));
+            c.parts.push(text_part(format!("Tool result: {text}")));
         }
         // "redacted_thinking" (opaque) and "tool_reference" (expanded inside tool results only).
         _ => {}
