@@ -677,8 +677,9 @@ mod tests {
     fn images_become_placeholders_and_other_media_is_unsupported() {
         let s = media::IMAGE_SENTINEL;
         let content = |body: &str, format| {
-            let PromptSpec::Chat(chat) = prompt_spec(&serde_json::from_str(body).unwrap(), format)
-                .unwrap() else {
+            let PromptSpec::Chat(chat) =
+                prompt_spec(&serde_json::from_str(body).unwrap(), format).unwrap()
+            else {
                 panic!()
             };
             chat.messages[0].get("content").cloned().unwrap()

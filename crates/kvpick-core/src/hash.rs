@@ -1,6 +1,8 @@
 //! Block hashing of token ids (ARCHITECTURE.md §7), shared by requests and KV events so both sides key the
 //! index identically: `local_hash` per complete block (xxh3-64 over u32 little-endian tokens,
-//! seed 1337 salted by LoRA name and cache salt), chained into position-aware `seq_hash`es.
+//! seed 1337 salted by LoRA name and cache salt; a block holding an image's placeholder tokens has
+//! the image's `(identifier, offset)` keys folded in, as vLLM's `extra_keys` key it), chained into
+//! position-aware `seq_hash`es.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 

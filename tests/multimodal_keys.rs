@@ -1,0 +1,244 @@
+//! Multimodal cache keys end to end without an engine: KV events carrying vLLM's multimodal
+//! `extra_keys` (written by vLLM's own code, `tests/fixtures/kv_events/multimodal/`) and requests
+//! carrying the same images key the same blocks; another image, or the same image behind other
+//! tokens, shares nothing from the image's block on (docs/kv-events.md "Multimodal").
+
+#![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is a failure report
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kvpick::catalog::{RankLayout, WorkerSpec};
+use kvpick::events::decode::decode_batch;
+use kvpick::metrics::Metrics;
+use kvpick::selection::{CoreConfig, RankKey, SelectionCore};
+use kvpick::tokenize::media::{base64_identifier, MediaItem};
+use kvpick::tokenize::{ModelEntry, TokenizeOutcome, Tokenizers};
+use kvpick_core::hash::{media_id, MediaSpan};
+use kvpick_core::request::{PromptInput, SelectionRequest};
+use prometheus::Registry;
+use serde_json::Value;
+
+const FIXTURES: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/fixtures/kv_events/multimodal"
+);
+
+fn layout() -> Value {
+    serde_json::from_str(&std::fs::read_to_string(format!("{FIXTURES}/layout.json")).unwrap())
+        .unwrap()
+}
+
+fn b64(name: &str) -> String {
+    std::fs::read_to_string(format!("{FIXTURES}/{name}.b64")).unwrap()
+}
+
+fn core(block: u32) -> (Arc<SelectionCore>, RankKey) {
+    let core = SelectionCore::new(CoreConfig::default(), Metrics::new());
+    core.apply_snapshot(vec![WorkerSpec {
+        block_size: Some(block),
+        ..WorkerSpec::for_test("w", "m", RankLayout::PerPort(vec![8000]))
+    }])
+    .unwrap();
+    let id = core.list_workers(None)[0].record.id;
+    (
+        core,
+        RankKey {
+            worker_id: id,
+            dp_rank: 0,
+        },
+    )
+}
+
+/// Blocks of `prompt` the rank holds (asked with one token more: an engine computes a prompt's
+/// last token, so only then are all of its blocks reusable).
+fn overlap(core: &SelectionCore, rank: RankKey, tokens: &[u32], media: &[MediaSpan]) -> u32 {
+    let request = SelectionRequest {
+        request_id: "q".into(),
+        model: Some("m".into()),
+        prompt: PromptInput::MediaTokens {
+            tokens: [tokens, &[u32::MAX]].concat(),
+            media: media.to_vec(),
+        },
+        cache_salt: Some("tenant-a".into()),
+        ..Default::default()
+    };
+    let (_, scores) = core.overlap_scores(&request).unwrap();
+    scores
+        .into_iter()
+        .find(|(p, _)| p.key == rank)
+        .map_or(0, |(_, d)| d.gpu)
+}
+
+/// The fixture's request as kvpick sees it: its tokens and its images' spans, the data-URL image
+/// identified by kvpick from its bytes (not copied from the events).
+fn fixture_request(image: &str) -> (Vec<u32>, Vec<MediaSpan>) {
+    let layout = layout();
+    let tokens: Vec<u32> = layout["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_u64().unwrap() as u32)
+        .collect();
+    let model_id = layout["model_id"].as_str().unwrap();
+    let f = &layout["features"];
+    let red = base64_identifier(&b64(image), model_id).unwrap();
+    let spans = vec![
+        MediaSpan {
+            id: media_id(&red),
+            offset: f[0]["offset"].as_u64().unwrap(),
+            length: f[0]["length"].as_u64().unwrap(),
+        },
+        MediaSpan {
+            id: media_id("client-uuid-7"),
+            offset: f[1]["offset"].as_u64().unwrap(),
+            length: f[1]["length"].as_u64().unwrap(),
+        },
+    ];
+    (tokens, spans)
+}
+
+#[test]
+fn a_request_with_the_image_matches_every_block_the_events_stored() {
+    let (core, rank) = core(16);
+    let batch =
+        decode_batch(&std::fs::read(format!("{FIXTURES}/stored.msgpack")).unwrap()).unwrap();
+    let stats = core.apply_kv_events(rank, &batch.events);
+    assert_eq!((stats.applied, stats.dropped), (2, 0));
+    let (tokens, spans) = fixture_request("red");
+    assert_eq!(tokens.len(), 96);
+    assert_eq!(overlap(&core, rank, &tokens, &spans), 6);
+    // The same tokens keyed as text (the images ignored) match nothing: the events' image
+    // blocks carry the image, and block 0 holds the first one.
+    assert_eq!(overlap(&core, rank, &tokens, &[]), 0);
+}
+
+#[test]
+fn another_image_or_the_same_image_behind_other_tokens_shares_nothing_from_its_block_on() {
+    let (core, rank) = core(16);
+    let batch =
+        decode_batch(&std::fs::read(format!("{FIXTURES}/stored.msgpack")).unwrap()).unwrap();
+    core.apply_kv_events(rank, &batch.events);
+    // Another picture in the same place: block 0 holds its start, so nothing is shared.
+    let (tokens, blue) = fixture_request("blue");
+    assert_eq!(overlap(&core, rank, &tokens, &blue), 0);
+    // The second image (a client uuid, from token 55 in block 3) changed: blocks 0-2 still match.
+    let (tokens, mut spans) = fixture_request("red");
+    spans[1].id = media_id("client-uuid-8");
+    assert_eq!(overlap(&core, rank, &tokens, &spans), 3);
+    // The same images, one text token before the first changed: nothing (prefix semantics).
+    let (mut tokens, spans) = fixture_request("red");
+    tokens[0] += 1;
+    assert_eq!(overlap(&core, rank, &tokens, &spans), 0);
+    // Same images and prefix, text changed after the second image (block 4): blocks 0-3 match.
+    let (mut tokens, spans) = fixture_request("red");
+    tokens[70] += 1;
+    assert_eq!(overlap(&core, rank, &tokens, &spans), 4);
+}
+
+/// The tiny LLaVA directory `e2e/vllm/tiny_llava.py` writes (tokenizer with `<image>` = 4096,
+/// 64 placeholder tokens per image), made by that script into a temporary directory.
+fn llava_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("kvpick-llava-{}", std::process::id()));
+    if !dir.join("config.json").exists() {
+        let python = ["/work/main/.venv/bin/python", "python3"]
+            .into_iter()
+            .find(|p| !p.starts_with('/') || Path::new(p).exists())
+            .unwrap();
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/vllm/tiny_llava.py");
+        let ok = std::process::Command::new(python)
+            .arg(script)
+            .arg(&dir)
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "tiny_llava.py failed");
+    }
+    dir
+}
+
+fn tokenizers(dir: &Path) -> Tokenizers {
+    let mut entry = ModelEntry::for_dir(&format!("llava={}", dir.display())).unwrap();
+    entry.engine_model = Some("kvpick-test/tiny-llava".into());
+    Tokenizers::from_entries(&[entry], Path::new("."), &Registry::new()).unwrap()
+}
+
+async fn tokenize(t: &Tokenizers, body: Value) -> (Vec<u32>, Vec<MediaSpan>) {
+    match t.tokenize("llava", Bytes::from(body.to_string())).await {
+        TokenizeOutcome::Tokens { ids, media, .. } => (ids, media),
+        other => panic!("{body}: {other:?}"),
+    }
+}
+
+fn chat(text: &str, images: &[&str]) -> Value {
+    let mut content = vec![serde_json::json!({"type": "text", "text": text})];
+    for b64 in images {
+        content.push(serde_json::json!({"type": "image_url",
+            "image_url": {"url": format!("data:image/png;base64,{b64}")}}));
+    }
+    serde_json::json!({"model": "llava", "messages": [{"role": "user", "content": content}]})
+}
+
+#[tokio::test]
+async fn chat_images_tokenize_to_expanded_placeholders_with_the_images_identifiers() {
+    let dir = llava_dir();
+    let t = tokenizers(&dir);
+    let (red, blue) = (b64("red"), b64("blue"));
+    let (ids, media) = tokenize(&t, chat("what is this?", &[&red])).await;
+    // vLLM's string format: `<image>\nwhat is this?`; the placeholder expanded to 64 tokens.
+    assert_eq!(media.len(), 1);
+    let span = media[0];
+    assert_eq!(span.length, 64);
+    let at = span.offset as usize;
+    assert!(ids[at..at + 64].iter().all(|&t| t == 4096));
+    assert_eq!(ids.iter().filter(|&&t| t == 4096).count(), 64);
+    let expected = layout()["features"][0]["identifier"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert_eq!(span.id, media_id(&expected));
+    // Another image: the same tokens, another identifier.
+    let (ids2, media2) = tokenize(&t, chat("what is this?", &[&blue])).await;
+    assert_eq!(ids2, ids);
+    assert_ne!(media2[0].id, span.id);
+    // Anthropic's base64 source: the same identifier and tokens.
+    let anthropic = serde_json::json!({"model": "llava", "max_tokens": 1, "messages": [{"role": "user",
+        "content": [{"type": "text", "text": "what is this?"}, {"type": "image", "source":
+        {"type": "base64", "media_type": "image/png", "data": red}}]}]});
+    let out = t
+        .tokenize_request(
+            kvpick::request::Endpoint::Messages,
+            "llava",
+            Bytes::from(anthropic.to_string()),
+        )
+        .await;
+    let TokenizeOutcome::Tokens {
+        ids: a_ids,
+        media: a_media,
+        ..
+    } = out
+    else {
+        panic!("{out:?}")
+    };
+    assert_eq!((a_ids, a_media), (ids, media));
+    std::fs::remove_dir_all(&dir).ok();
+    let _ = MediaItem {
+        identifier: String::new(),
+        exact: true,
+    };
+}
+
+#[tokio::test]
+async fn a_model_without_an_image_layout_routes_image_requests_on_load_alone() {
+    let text_model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vllm-model");
+    let entry = ModelEntry::for_dir(&format!("m={}", text_model.display())).unwrap();
+    let t = Tokenizers::from_entries(&[entry], Path::new("."), &Registry::new()).unwrap();
+    let mut body = chat("hi", &[&b64("red")]);
+    body["model"] = "m".into();
+    let out = t.tokenize("m", Bytes::from(body.to_string())).await;
+    assert!(
+        matches!(&out, TokenizeOutcome::Fallback { reason } if reason.contains("image")),
+        "{out:?}"
+    );
+}
