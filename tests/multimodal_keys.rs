@@ -13,7 +13,7 @@ use kvpick::catalog::{RankLayout, WorkerSpec};
 use kvpick::events::decode::decode_batch;
 use kvpick::metrics::Metrics;
 use kvpick::selection::{CoreConfig, RankKey, SelectionCore};
-use kvpick::tokenize::media::{base64_identifier, MediaItem};
+use kvpick::tokenize::media::base64_identifier;
 use kvpick::tokenize::{ModelEntry, TokenizeOutcome, Tokenizers};
 use kvpick_core::hash::{media_id, MediaSpan};
 use kvpick_core::request::{PromptInput, SelectionRequest};
@@ -137,24 +137,35 @@ fn another_image_or_the_same_image_behind_other_tokens_shares_nothing_from_its_b
     assert_eq!(overlap(&core, rank, &tokens, &spans), 4);
 }
 
-/// The tiny LLaVA directory `e2e/vllm/tiny_llava.py` writes (tokenizer with `<image>` = 4096,
-/// 64 placeholder tokens per image), made by that script into a temporary directory.
-fn llava_dir() -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("kvpick-llava-{}", std::process::id()));
-    if !dir.join("config.json").exists() {
-        let python = ["/work/main/.venv/bin/python", "python3"]
-            .into_iter()
-            .find(|p| !p.starts_with('/') || Path::new(p).exists())
+/// The tiny LLaVA directory `e2e/vllm/tiny_llava.py` writes for vLLM, as far as kvpick reads it:
+/// the e2e model's tokenizer with `<image>` added as token 4096, and a LLaVA `config.json` whose
+/// 112 px CLIP tower with 14 px patches gives 64 placeholder tokens per image.
+fn llava_dir(name: &str) -> PathBuf {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vllm-model");
+    let dir = std::env::temp_dir().join(format!("kvpick-llava-{name}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut tok: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("tokenizer.json")).unwrap())
             .unwrap();
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/vllm/tiny_llava.py");
-        let ok = std::process::Command::new(python)
-            .arg(script)
-            .arg(&dir)
-            .status()
-            .unwrap()
-            .success();
-        assert!(ok, "tiny_llava.py failed");
-    }
+    tok["added_tokens"]
+        .as_array_mut()
+        .unwrap()
+        .push(serde_json::json!({"id": 4096,
+        "content": "<image>", "single_word": false, "lstrip": false, "rstrip": false,
+        "normalized": false, "special": true}));
+    std::fs::write(dir.join("tokenizer.json"), tok.to_string()).unwrap();
+    std::fs::copy(
+        src.join("tokenizer_config.json"),
+        dir.join("tokenizer_config.json"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.join("config.json"),
+        r#"{"model_type": "llava", "image_token_index": 4096,
+        "vision_feature_select_strategy": "default",
+        "vision_config": {"image_size": 112, "patch_size": 14}}"#,
+    )
+    .unwrap();
     dir
 }
 
@@ -182,7 +193,7 @@ fn chat(text: &str, images: &[&str]) -> Value {
 
 #[tokio::test]
 async fn chat_images_tokenize_to_expanded_placeholders_with_the_images_identifiers() {
-    let dir = llava_dir();
+    let dir = llava_dir("chat");
     let t = tokenizers(&dir);
     let (red, blue) = (b64("red"), b64("blue"));
     let (ids, media) = tokenize(&t, chat("what is this?", &[&red])).await;
@@ -223,10 +234,6 @@ async fn chat_images_tokenize_to_expanded_placeholders_with_the_images_identifie
     };
     assert_eq!((a_ids, a_media), (ids, media));
     std::fs::remove_dir_all(&dir).ok();
-    let _ = MediaItem {
-        identifier: String::new(),
-        exact: true,
-    };
 }
 
 #[tokio::test]
@@ -241,4 +248,115 @@ async fn a_model_without_an_image_layout_routes_image_requests_on_load_alone() {
         matches!(&out, TokenizeOutcome::Fallback { reason } if reason.contains("image")),
         "{out:?}"
     );
+}
+
+/// `engine.json`: what a real vLLM 0.32 serving the tiny LLaVA (`e2e/vllm/tiny_llava.py`,
+/// `--load-format dummy`, block size 32) published for four chat requests with images
+/// (`e2e/vllm/record_multimodal.py`): each body, its prompt token count and the KV-event payloads.
+struct EngineCase {
+    name: String,
+    body: Value,
+    prompt_tokens: usize,
+    events: Vec<kvpick::events::decode::KvEvent>,
+}
+
+fn engine_cases() -> (String, Vec<EngineCase>) {
+    let text = std::fs::read_to_string(format!("{FIXTURES}/engine.json")).unwrap();
+    let recorded: Value = serde_json::from_str(&text).unwrap();
+    let cases = recorded["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| EngineCase {
+            name: c["name"].as_str().unwrap().to_string(),
+            body: c["body"].clone(),
+            prompt_tokens: c["prompt_tokens"].as_u64().unwrap() as usize,
+            events: c["payloads"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|p| {
+                    let hex = p.as_str().unwrap().as_bytes();
+                    let bytes: Vec<u8> = hex
+                        .chunks(2)
+                        .map(|b| u8::from_str_radix(std::str::from_utf8(b).unwrap(), 16).unwrap())
+                        .collect();
+                    decode_batch(&bytes).unwrap().events
+                })
+                .collect(),
+        })
+        .collect();
+    (recorded["model_id"].as_str().unwrap().to_string(), cases)
+}
+
+#[tokio::test]
+async fn kvpicks_tokens_and_keys_equal_a_real_vllms_for_the_same_image_requests() {
+    let (model_id, cases) = engine_cases();
+    let dir = llava_dir("engine");
+    let mut entry = ModelEntry::for_dir(&format!("llava={}", dir.display())).unwrap();
+    entry.engine_model = Some(model_id);
+    let t = Tokenizers::from_entries(&[entry], Path::new("."), &Registry::new()).unwrap();
+    std::fs::remove_dir_all(&dir).ok();
+    let mut requests = Vec::new();
+    for case in &cases {
+        let (ids, media) = tokenize(&t, case.body.clone()).await;
+        // The engine's prompt: its token count, and every stored block's tokens are ours.
+        assert_eq!(ids.len(), case.prompt_tokens, "{}", case.name);
+        let stored: Vec<u32> = case
+            .events
+            .iter()
+            .flat_map(|e| match e {
+                kvpick::events::decode::KvEvent::BlockStored { token_ids, .. } => token_ids.clone(),
+                _ => Vec::new(),
+            })
+            .collect();
+        // A store continuing a cached prefix (vLLM reuses the blocks it holds) holds the trailing
+        // full blocks of the prompt.
+        let skipped = (ids.len() / 32) * 32 - stored.len();
+        assert_eq!(
+            &ids[skipped..skipped + stored.len()],
+            &stored[..],
+            "{}",
+            case.name
+        );
+        requests.push((ids, media));
+    }
+    // The engine's state after the four requests, on one rank: each request matches every block
+    // of its prompt (101 tokens: 3 blocks of 32; "two", 153 tokens: 4, the first of them stored
+    // by "red" and reused by the engine, so kvpick's key for it agrees across the two requests).
+    let (core, rank) = core(32);
+    for case in &cases {
+        let stats = core.apply_kv_events(rank, &case.events);
+        assert_eq!(stats.dropped, 0, "{}", case.name);
+    }
+    let overlap = |ids: &[u32], media: &[MediaSpan]| {
+        let request = SelectionRequest {
+            request_id: "q".into(),
+            model: Some("m".into()),
+            prompt: PromptInput::MediaTokens {
+                tokens: [ids, &[u32::MAX]].concat(),
+                media: media.to_vec(),
+            },
+            ..Default::default()
+        };
+        let (_, scores) = core.overlap_scores(&request).unwrap();
+        scores
+            .into_iter()
+            .find(|(p, _)| p.key == rank)
+            .map_or(0, |(_, d)| d.gpu)
+    };
+    for (case, (ids, media)) in cases.iter().zip(&requests) {
+        assert_eq!(
+            overlap(ids, media) as usize,
+            case.prompt_tokens / 32,
+            "{}",
+            case.name
+        );
+    }
+    // The same tokens with an image the engine never saw: nothing, the image starts in block 0.
+    let (ids, mut media) = requests[0].clone();
+    media[0].id = media_id("never-seen");
+    assert_eq!(overlap(&ids, &media), 0);
+    // The same request keyed as text only: nothing either.
+    assert_eq!(overlap(&ids, &[]), 0);
 }

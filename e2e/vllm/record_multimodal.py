@@ -1,12 +1,11 @@
 """Records what a real vLLM (the tiny LLaVA of tiny_llava.py, `--load-format dummy`) publishes for
 chat requests with images, for tests/multimodal_keys.rs: each request body and the KV-event
 payloads its prefill produced (ZeroMQ SUB on the engine's event port), written to
-tests/fixtures/kv_events/multimodal/engine.json (payloads base64).
+tests/fixtures/kv_events/multimodal/engine.json (payloads in hex).
 
     python e2e/vllm/record_multimodal.py HTTP_PORT EVENT_PORT MODEL_ID
 """
 
-import base64
 import json
 import sys
 import time
@@ -52,7 +51,7 @@ def main():
         payloads = []
         while sub.poll(200):
             frames = sub.recv_multipart()
-            payloads.append(base64.b64encode(frames[-1]).decode())
+            payloads.append(frames[-1].hex())
         out["cases"].append({"name": name, "body": b,
                              "prompt_tokens": resp["usage"]["prompt_tokens"],
                              "payloads": payloads})
