@@ -28,6 +28,11 @@ pub const IMAGE_SENTINEL: &str = "\u{FDD0}kvpick:image\u{FDD1}";
 /// vLLM identifier (a blake3 hex digest or a client uuid of another shape).
 const APPROX_PREFIX: &str = "kvpick-approx:";
 
+/// Most placeholder tokens the images of one prompt may add (4 MiB of token ids, the default body
+/// budget): a body of many tiny image parts must not grow into a prompt far larger than itself.
+/// Over it the prompt routes on load alone (no engine serves such a prompt anyway).
+pub const MAX_IMAGE_TOKENS: usize = 1 << 20;
+
 /// Decoded bytes hashed per step: the only buffer an image costs.
 const DECODE_CHUNK: usize = 3 * 1024;
 
@@ -354,6 +359,13 @@ pub fn expand(
         ));
     }
     let n = config.tokens_per_image as usize;
+    let added = items.len().saturating_mul(n);
+    if added > MAX_IMAGE_TOKENS {
+        return Err(format!(
+            "{} images of {n} tokens: over {MAX_IMAGE_TOKENS} image tokens",
+            items.len()
+        ));
+    }
     let extra = items.len().saturating_mul(n.saturating_sub(1));
     let mut out = Vec::with_capacity(ids.len().saturating_add(extra));
     let mut spans = Vec::with_capacity(items.len());

@@ -249,6 +249,20 @@ fn placeholders_expand_to_the_models_count_with_one_span_each() {
 }
 
 #[test]
+fn image_tokens_are_bounded_per_prompt() {
+    // 4 tokens per image: exactly the bound expands, one image more does not.
+    let at = MAX_IMAGE_TOKENS / 4;
+    let items: Vec<MediaItem> = (0..at + 1)
+        .map(|_| identify(None, Some("a"), "m"))
+        .collect();
+    let ids = vec![9u32; at + 1];
+    let (out, spans) = expand(&ids[..at], &config(), &items[..at]).unwrap();
+    assert_eq!((out.len(), spans.len()), (MAX_IMAGE_TOKENS, at));
+    let err = expand(&ids, &config(), &items).unwrap_err();
+    assert!(err.contains("image tokens"), "{err}");
+}
+
+#[test]
 fn the_model_directory_gives_the_image_layout() {
     let dir = std::env::temp_dir().join(format!("kvpick-media-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

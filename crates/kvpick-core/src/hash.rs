@@ -327,6 +327,27 @@ mod tests {
     }
 
     #[test]
+    fn the_same_image_at_another_offset_in_identical_blocks_is_another_key() {
+        // Block 1 is all placeholder tokens either way; only where the image began differs.
+        let key = |offset| MediaKey {
+            id: media_id("img"),
+            offset,
+        };
+        let block = block_hash(&[9; 16], BASE_SEED);
+        assert_ne!(fold_media(block, &[key(-6)]), fold_media(block, &[key(-4)]));
+        assert_ne!(fold_media(block, &[key(-6)]), block);
+        // Order matters, as in vLLM's tuple.
+        let other = MediaKey {
+            id: media_id("other"),
+            offset: 3,
+        };
+        assert_ne!(
+            fold_media(block, &[key(-6), other]),
+            fold_media(block, &[other, key(-6)])
+        );
+    }
+
+    #[test]
     fn media_changes_the_blocks_it_occupies_and_everything_after() {
         let tokens: Vec<u32> = (0..96).map(|t| t % 7).collect();
         let span = |id: &str| MediaSpan {
