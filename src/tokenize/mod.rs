@@ -471,6 +471,16 @@ impl Tokenizers {
                 .filter(|l| l.tokenizer.cache_enabled())
                 .map(|_| ConversationCache::new(entry.prefix_cache_tokens.saturating_mul(4)));
             let media = media_config(&entry, &base, local.as_ref());
+            if let Some(m) = &media {
+                tracing::info!(
+                    model,
+                    image_token = m.image_token,
+                    placeholder = %m.placeholder,
+                    tokens_per_image = m.tokens_per_image,
+                    engine_model = %m.model_id,
+                    "images: placeholders expanded and keyed as vLLM keys them"
+                );
+            }
             models.insert(
                 model.to_string(),
                 Arc::new(ModelTokenizer {
