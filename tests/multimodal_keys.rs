@@ -232,7 +232,29 @@ async fn chat_images_tokenize_to_expanded_placeholders_with_the_images_identifie
     else {
         panic!("{out:?}")
     };
-    assert_eq!((a_ids, a_media), (ids, media));
+    assert_eq!((&a_ids, &a_media), (&ids, &media));
+    // Responses' `input_image`: the same.
+    let responses = serde_json::json!({"model": "llava", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": format!("data:image/png;base64,{red}")}]}]});
+    assert_eq!(tokenize(&t, responses).await, (ids.clone(), media.clone()));
+    // An http URL: the same tokens, an approximate identifier (not vLLM's), stable per URL.
+    let url = |u: &str| {
+        serde_json::json!({"model": "llava", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?"},
+            {"type": "image_url", "image_url": {"url": u}}]}]})
+    };
+    let (h_ids, h_media) = tokenize(&t, url("https://example.com/a.png")).await;
+    assert_eq!(h_ids, ids);
+    assert_ne!(h_media[0].id, media[0].id);
+    assert_eq!(
+        tokenize(&t, url("https://example.com/a.png")).await.1,
+        h_media
+    );
+    assert_ne!(
+        tokenize(&t, url("https://example.com/b.png")).await.1,
+        h_media
+    );
     std::fs::remove_dir_all(&dir).ok();
 }
 
