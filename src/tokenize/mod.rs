@@ -235,6 +235,8 @@ pub struct ModelTokenizer {
     content_format: ContentFormat,
     /// The model's image layout (`media::MediaConfig`), when its directory gives one.
     media: Option<media::MediaConfig>,
+    /// `kvpick_tokenize_images_total{model}` for exact and approximate identifiers.
+    images: [prometheus::IntCounter; 2],
     /// Parsed conversations of recent bodies (with the in-process tokenizer's prefix cache).
     conversations: Option<ConversationCache>,
 }
@@ -272,6 +274,8 @@ pub struct TokenizeMetrics {
     pub undefined_tokens: IntGaugeVec,
     /// Bytes of request bodies queued or being tokenized (bounded by `--tokenize-queue-max-bytes`).
     pub queued_bytes: IntGauge,
+    /// Images of tokenized prompts by model and identifier (exact, approximate).
+    pub images: IntCounterVec,
 }
 
 impl TokenizeMetrics {
@@ -335,6 +339,15 @@ impl TokenizeMetrics {
         )
         .unwrap();
         let _ = registry.register(Box::new(undefined_tokens.clone()));
+        let images = IntCounterVec::new(
+            Opts::new(
+                "kvpick_tokenize_images_total",
+                "Images of tokenized prompts by how they were identified: exact (vLLM's own identifier: a client uuid or the hash of a data URL's bytes) or approximate (an http URL, a malformed data URL, processor kwargs: its blocks never match the engine's events)",
+            ),
+            &["model", "identifier"],
+        )
+        .unwrap();
+        let _ = registry.register(Box::new(images.clone()));
         let queued_bytes = IntGauge::new(
             "kvpick_tokenize_queued_bytes",
             "Bytes of request bodies queued for or being tokenized (bounded by --tokenize-queue-max-bytes)",
@@ -355,6 +368,7 @@ impl TokenizeMetrics {
             queue_wait,
             undefined_tokens,
             queued_bytes,
+            images,
         }
     }
 }
@@ -489,6 +503,8 @@ impl Tokenizers {
                     render,
                     content_format: entry.content_format,
                     media,
+                    images: ["exact", "approximate"]
+                        .map(|kind| metrics.images.with_label_values(&[model, kind])),
                     conversations,
                 }),
             );
@@ -883,6 +899,9 @@ fn media_prompt(
     let items = media::items(endpoint, &json, &config.model_id);
     drop(json);
     let (ids, spans) = media::expand(&ids, config, &items).map_err(|e| ("body", e))?;
+    let exact = items.iter().filter(|i| i.exact).count();
+    m.images[0].inc_by(exact as u64);
+    m.images[1].inc_by(items.len().saturating_sub(exact) as u64);
     Ok(Local::Done(ids, source, spans))
 }
 
