@@ -13,11 +13,11 @@
 //! `tool_result` in a user turn becomes a `tool` message placed before that turn's remaining
 //! text; `redacted_thinking` and `tool_reference` blocks are skipped. `tools` become OpenAI
 //! function tools (`description` null when absent, `input_schema` with `type: object` added when
-//! missing). `image` blocks with a source become image parts where they stand (placed by the chat
+//! missing). `image` blocks with a source become image parts where they stand, and a user
+//! `tool_result`'s images a user message of image parts after its tool message (placed by the chat
 //! path, identified by `super::media`). What the engine cannot render token-exactly from the body
-//! (an image inside a `tool_result`; a `tool_use` without an id, which it names by the clock; a
-//! list `tool_result` in an assistant turn, which it renders as a Python repr) is
-//! [`Unsupported`]: load-only routing.
+//! (a `tool_use` without an id, which it names by the clock; a list `tool_result` in an assistant
+//! turn, which it renders as a Python repr) is [`Unsupported`]: load-only routing.
 
 use super::json::Json;
 use super::prompt::{chat_message, ChatPrompt, ContentFormat, Message, PromptSpec, Unsupported};
@@ -221,7 +221,18 @@ fn convert_block(
             }
         }
         "tool_use" => c.tool_calls.push(tool_call(block)?),
-        "tool_result" if role == "user" => out.push(tool_message(block)?),
+        "tool_result" if role == "user" => {
+            let (message, images) = tool_message(block)?;
+            out.push(message);
+            // vLLM follows the tool message with a user message of the result's images.
+            if images > 0 {
+                let part = Json::object(vec![("type", Json::String("image_url".into()))]);
+                out.push(Json::object(vec![
+                    ("role", Json::String("user".into())),
+                    ("content", Json::Array(vec![part; images])),
+                ]));
+            }
+        }
         "tool_result" => {
             let text = match block.get("content") {
                 None | Some(Json::Null) => "",
@@ -269,8 +280,10 @@ fn tool_call(block: &Json) -> Result<Json, Unsupported> {
 }
 
 /// A user turn's `tool_result` block as a `tool` message: string content as sent, a list's text
-/// items joined with `\n`.
-fn tool_message(block: &Json) -> Result<Json, Unsupported> {
+/// items joined with `\n`; and how many images (with a source) the list holds, which vLLM puts in
+/// a user message after it.
+fn tool_message(block: &Json) -> Result<(Json, usize), Unsupported> {
+    let mut images = 0;
     let text = match block.get("content") {
         None | Some(Json::Null) => String::new(),
         Some(Json::String(s)) => s.clone(),
@@ -287,7 +300,9 @@ fn tool_message(block: &Json) -> Result<Json, Unsupported> {
                         Some(_) => return Err(Unsupported("tool_result text is not a string")),
                     },
                     Some("image") => {
-                        return Err(Unsupported("image in a tool_result (multimodal)"))
+                        if matches!(item.get("source"), Some(Json::Object(s)) if !s.is_empty()) {
+                            images += 1;
+                        }
                     }
                     Some("tool_reference") => {
                         return Err(Unsupported("tool_reference in a tool_result"))
@@ -304,11 +319,12 @@ fn tool_message(block: &Json) -> Result<Json, Unsupported> {
         }
     };
     let id = opt_str(block, "tool_use_id")?.unwrap_or_default();
-    Ok(Json::object(vec![
+    let message = Json::object(vec![
         ("role", Json::String("tool".into())),
         ("content", Json::String(text)),
         ("tool_call_id", Json::String(id.into())),
-    ]))
+    ]);
+    Ok((message, images))
 }
 
 /// Anthropic tools as the OpenAI function tools vLLM hands the template (its tool models dumped:

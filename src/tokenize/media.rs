@@ -124,28 +124,50 @@ pub fn items(endpoint: Endpoint, body: &Json, model_id: &str) -> Vec<MediaItem> 
         _ => body.get("messages").or_else(|| body.get("input")),
     };
     for message in conversation.and_then(Json::as_array).unwrap_or_default() {
-        if endpoint == Endpoint::Messages
-            && message.get("role").and_then(Json::as_str) == Some("system")
-        {
-            continue;
-        }
-        for part in message
+        let parts = message
             .get("content")
             .and_then(Json::as_array)
-            .unwrap_or_default()
-        {
-            let item = match endpoint {
-                Endpoint::Messages => anthropic_item(part, model_id),
-                _ => openai_item(part, model_id),
-            };
-            if let Some(mut item) = item {
-                if kwargs && item.exact {
-                    item = approximate(item.identifier.as_bytes());
-                }
-                out.push(item);
+            .unwrap_or_default();
+        let found: Vec<MediaItem> = match endpoint {
+            Endpoint::Messages => anthropic_message(message, parts, model_id),
+            _ => parts
+                .iter()
+                .filter_map(|p| openai_item(p, model_id))
+                .collect(),
+        };
+        for mut item in found {
+            if kwargs && item.exact {
+                item = approximate(item.identifier.as_bytes());
             }
+            out.push(item);
         }
     }
+    out
+}
+
+/// One Anthropic message's images in the order vLLM's conversion emits them: a user turn's
+/// `tool_result` images first (each result's tool message is followed by a user message of its
+/// images, and all of them precede the turn's own message), then the message's `image` blocks.
+/// System messages hold none (their text moves to the front).
+fn anthropic_message(message: &Json, blocks: &[Json], model_id: &str) -> Vec<MediaItem> {
+    let role = message.get("role").and_then(Json::as_str);
+    if role == Some("system") {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    if role != Some("assistant") {
+        for block in blocks {
+            if block.get("type").and_then(Json::as_str) != Some("tool_result") {
+                continue;
+            }
+            let results = block
+                .get("content")
+                .and_then(Json::as_array)
+                .unwrap_or_default();
+            out.extend(results.iter().filter_map(|b| anthropic_item(b, model_id)));
+        }
+    }
+    out.extend(blocks.iter().filter_map(|b| anthropic_item(b, model_id)));
     out
 }
 

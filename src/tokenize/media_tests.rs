@@ -79,6 +79,25 @@ fn every_body_shape_finds_the_same_image_identifier() {
 }
 
 #[test]
+fn anthropic_tool_result_images_come_before_the_turns_own_as_vllm_orders_them() {
+    let body = json(
+        r#"{"messages":[
+        {"role":"system","content":[{"type":"image","source":{"type":"url","url":"https://s"}}]},
+        {"role":"user","content":[
+            {"type":"image","source":{"type":"url","url":"https://a"}},
+            {"type":"tool_result","tool_use_id":"t","content":[
+                {"type":"image","source":{"type":"url","url":"https://b"}}]}]},
+        {"role":"assistant","content":[{"type":"tool_result","tool_use_id":"t","content":[
+            {"type":"image","source":{"type":"url","url":"https://c"}}]}]}]}"#,
+    );
+    let url = |u: &str| identify(Some(u), None, "m");
+    assert_eq!(
+        items(Endpoint::Messages, &body, "m"),
+        vec![url("https://b"), url("https://a")]
+    );
+}
+
+#[test]
 fn a_client_uuid_is_the_identifier_unless_processor_kwargs_change_the_hash() {
     let body = json(
         r#"{"messages":[{"role":"user","content":[
