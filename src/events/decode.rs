@@ -496,3 +496,7 @@ fn as_str<'v>(v: &'v ValueRef<'_>) -> Option<&'v str> {
 #[cfg(test)]
 #[path = "decode_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "decode_multimodal_tests.rs"]
+mod multimodal_tests;
