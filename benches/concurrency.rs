@@ -137,6 +137,7 @@ fn stored(rank: u64, batch: u64) -> KvEvent {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     }
 }
 

@@ -107,6 +107,7 @@ fn store_events(ids: &[u64]) -> Vec<KvEvent> {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     }]
 }
 

@@ -55,6 +55,12 @@ pub struct ParsedBody {
 pub enum Prompt {
     /// `/v1/completions` with `prompt: [int]`: the engine's own token ids.
     TokenIds(Vec<u32>),
+    /// Token ids of a multimodal prompt as the tokenizer made them (placeholders expanded) and
+    /// the images' spans (`tokenize::media`).
+    MediaTokenIds {
+        ids: Vec<u32>,
+        media: Vec<kvpick_core::hash::MediaSpan>,
+    },
     /// The prompt-bearing JSON (messages + tools, prompt text, responses input), byte for byte as
     /// sent: stable across turns that append to a conversation.
     Text(Vec<u8>),

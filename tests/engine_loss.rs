@@ -32,6 +32,7 @@ fn store(p: u64, block_size: u32) -> KvEvent {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     }
 }
 

@@ -19,6 +19,7 @@ fn sample() -> Vec<KvEvent> {
             lora_name: None,
             cache_salt: None,
             group_idx: None,
+            media: Vec::new(),
         },
         KvEvent::BlockStored {
             block_hashes: vec![9],
@@ -30,6 +31,7 @@ fn sample() -> Vec<KvEvent> {
             lora_name: None,
             cache_salt: None,
             group_idx: None,
+            media: Vec::new(),
         },
         KvEvent::BlockRemoved {
             block_hashes: vec![9, 7],
@@ -98,6 +100,7 @@ fn a_salted_store_round_trips_through_both_encodings() {
         lora_name: None,
         cache_salt: Some("tenant-1".into()),
         group_idx: None,
+        media: Vec::new(),
     }];
     for enc in [Encoding::Array, Encoding::Map] {
         let batch = decode_batch(&encode_batch(0.0, &salted, None, enc)).unwrap();

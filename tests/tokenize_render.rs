@@ -181,7 +181,8 @@ async fn registry_uses_render_and_falls_back_to_load_only_counting_it() {
         t.tokenize("m", chat.clone()).await,
         TokenizeOutcome::Tokens {
             ids: vec![1, 2, 3],
-            source: Source::Render
+            source: Source::Render,
+            media: Vec::new(),
         }
     );
     let responses = Bytes::from_static(br#"{"model":"m","input":"hi"}"#);
@@ -189,7 +190,8 @@ async fn registry_uses_render_and_falls_back_to_load_only_counting_it() {
         t.tokenize("m", responses).await,
         TokenizeOutcome::Tokens {
             ids: vec![1, 2, 3],
-            source: Source::Render
+            source: Source::Render,
+            media: Vec::new(),
         }
     );
     assert_eq!(

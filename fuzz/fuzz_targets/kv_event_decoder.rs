@@ -18,9 +18,14 @@ fn check(batch: &EventBatch) {
             parent_block_hash,
             token_ids,
             block_size,
+            media,
             ..
         } = event
         {
+            assert!(
+                media.iter().all(|m| (m.block as usize) < block_hashes.len()),
+                "a multimodal key names a block the store does not hold"
+            );
             assert!(
                 token_ids.is_empty()
                     || token_ids.len() as u64 == block_hashes.len() as u64 * u64::from(*block_size),

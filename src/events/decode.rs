@@ -8,6 +8,8 @@
 //! - each event as a tag-first array (`array_like` structs) or a map with the tag under `"type"`;
 //!   trailing positional fields may be missing and unknown extra fields (trailing positions or
 //!   unknown keys) are ignored;
+//! - `extra_keys` (vLLM): the first block's cache salt, and every block's multimodal
+//!   `(identifier, offset)` pairs (ARCHITECTURE.md §7, docs/kv-events.md "Multimodal");
 //! - block hashes as uint64, int64 (SGLang's `hash_str_to_int64`; the bits are kept) or bin of
 //!   8..=64 bytes (vLLM's sha256 / xxhash-128 `bytes` hashes; the last 8 bytes big-endian, the
 //!   same value vLLM's `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` would have sent);
@@ -37,7 +39,8 @@
 use rmpv::decode::read_value_ref_with_max_depth;
 use rmpv::ValueRef;
 
-pub use kvpick_core::event::{truncate, EngineHash, KvEvent, Medium, REPLAY_END_SEQ};
+pub use kvpick_core::event::{truncate, BlockMedia, EngineHash, KvEvent, Medium, REPLAY_END_SEQ};
+use kvpick_core::hash::{media_id, MediaKey};
 
 /// Largest payload frame decoded. One batch is one engine step, whose stores are bounded by the
 /// tokens computed in that step (tens of thousands, a few hundred KiB of msgpack), so this leaves
@@ -339,9 +342,9 @@ fn decode_event(v: &ValueRef<'_>) -> Result<(KvEvent, Spec), DecodeError> {
 }
 
 /// Positions (after the tag): block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-/// medium, lora_name, extra_keys (only the cache salt is read from it), group_idx,
-/// kv_cache_spec_kind and kv_cache_spec_sliding_window (returned beside the event), then anything
-/// newer (ignored: vLLM 0.32's locality, ownership, session_id).
+/// medium, lora_name, extra_keys (the cache salt and the multimodal pairs are read from it),
+/// group_idx, kv_cache_spec_kind and kv_cache_spec_sliding_window (returned beside the event),
+/// then anything newer (ignored: vLLM 0.32's locality, ownership, session_id).
 fn decode_stored(fields: &Fields<'_, '_>) -> Result<(KvEvent, Spec), DecodeError> {
     let block_hashes = hashes(fields)?;
     let parent_block_hash = match fields.get(1, "parent_block_hash") {
@@ -406,6 +409,7 @@ fn decode_stored(fields: &Fields<'_, '_>) -> Result<(KvEvent, Spec), DecodeError
         }
     };
     let group_idx = opt_u32(fields.get(8, "group_idx"), "group_idx")?;
+    let media = media_keys(fields.get(7, "extra_keys"), block_hashes.len());
     let event = KvEvent::BlockStored {
         block_hashes,
         parent_block_hash,
@@ -416,6 +420,7 @@ fn decode_stored(fields: &Fields<'_, '_>) -> Result<(KvEvent, Spec), DecodeError
         lora_name,
         cache_salt,
         group_idx,
+        media,
     };
     Ok((event, spec))
 }
@@ -463,6 +468,45 @@ fn salt_of_first_block(
         }
     }
     None
+}
+
+/// The multimodal `(identifier, offset)` pairs of each block's `extra_keys` entry (vLLM's
+/// `to_event_extra_keys`: the `("mm", identifier, offset)` keys of `_gen_mm_extra_hash_keys` with
+/// their tag dropped), as [`BlockMedia`] in block order. A two-item array of a string and an
+/// integer is a pair; every other key (LoRA name, salt, prompt-embedding digest) is not. At most
+/// one entry per stored block is read; a malformed field adds no keys (the block then hashes as
+/// text, as before this field was read).
+fn media_keys(extra_keys: Option<&ValueRef<'_>>, blocks: usize) -> Vec<BlockMedia> {
+    let Some(ValueRef::Array(entries)) = extra_keys else {
+        return Vec::new();
+    };
+    let mut media = Vec::new();
+    for (block, entry) in entries.iter().take(blocks).enumerate() {
+        let ValueRef::Array(keys) = entry else {
+            continue;
+        };
+        for key in keys {
+            let ValueRef::Array(pair) = key else {
+                continue;
+            };
+            let [ValueRef::String(id), ValueRef::Integer(offset)] = pair.as_slice() else {
+                continue;
+            };
+            let (Some(id), Some(offset), Ok(block)) =
+                (id.as_str(), offset.as_i64(), u32::try_from(block))
+            else {
+                continue;
+            };
+            media.push(BlockMedia {
+                block,
+                key: MediaKey {
+                    id: media_id(id),
+                    offset,
+                },
+            });
+        }
+    }
+    media
 }
 
 fn infer_block_size(tokens: usize, blocks: usize) -> Result<u32, DecodeError> {
@@ -567,3 +611,7 @@ fn as_str<'v>(v: &'v ValueRef<'_>) -> Option<&'v str> {
 #[cfg(test)]
 #[path = "decode_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "decode_multimodal_tests.rs"]
+mod multimodal_tests;

@@ -51,6 +51,7 @@ fn stored(
         lora_name: lora_name.map(str::to_owned),
         cache_salt: None,
         group_idx,
+        media: Vec::new(),
     }
 }
 

@@ -12,6 +12,7 @@ fn store(hashes: &[u64], group: Option<u32>) -> KvEvent {
         lora_name: None,
         cache_salt: None,
         group_idx: group,
+        media: Vec::new(),
     }
 }
 

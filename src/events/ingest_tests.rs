@@ -46,6 +46,7 @@ fn store(p: u32) -> KvEvent {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     }
 }
 

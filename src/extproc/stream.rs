@@ -773,7 +773,12 @@ impl StreamMachine {
             trace_tokenize(t, &outcome);
         }
         match outcome {
-            TokenizeOutcome::Tokens { ids, .. } => parsed.prompt = Prompt::TokenIds(ids),
+            TokenizeOutcome::Tokens { ids, media, .. } if media.is_empty() => {
+                parsed.prompt = Prompt::TokenIds(ids)
+            }
+            TokenizeOutcome::Tokens { ids, media, .. } => {
+                parsed.prompt = Prompt::MediaTokenIds { ids, media }
+            }
             TokenizeOutcome::Fallback { .. } | TokenizeOutcome::Skipped { .. } => {
                 parsed.prompt = Prompt::Absent
             }
@@ -816,6 +821,10 @@ impl StreamMachine {
                     Prompt::TokenIds(ids) => {
                         self.routed_on_tokens = true;
                         PromptInput::Tokens(ids)
+                    }
+                    Prompt::MediaTokenIds { ids, media } => {
+                        self.routed_on_tokens = true;
+                        PromptInput::MediaTokens { tokens: ids, media }
                     }
                     Prompt::Text(text) => PromptInput::Text(text),
                     Prompt::Absent => PromptInput::None,

@@ -51,6 +51,7 @@ fn stored(core: &SelectionCore, rank: RankKey, tokens: &[u32], block_size: u32) 
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     };
     core.apply_kv_events(rank, &[event]);
 }

@@ -1135,6 +1135,7 @@ fn text_prompt_of_a_tokenized_model_waits_for_ids_then_routes_and_echoes_the_bod
         crate::tokenize::TokenizeOutcome::Tokens {
             ids: (0..64).collect(),
             source: crate::tokenize::Source::Local,
+            media: Vec::new(),
         },
         crate::tokenize::TokenizeOutcome::Fallback {
             reason: "test".into(),
@@ -1195,6 +1196,7 @@ fn anthropic_messages_and_sglang_generate_are_tokenized_with_their_path() {
     let step = m.resume(crate::tokenize::TokenizeOutcome::Tokens {
         ids: (0..64).collect(),
         source: crate::tokenize::Source::Local,
+        media: Vec::new(),
     });
     assert!(set_value(header_mutation(&step.responses[0]), DESTINATION_HEADER).is_some());
     // /generate with `input_ids`: routed at once on the ids, no model, no tokenizer.

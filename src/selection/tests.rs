@@ -981,6 +981,7 @@ mod kv_events {
             lora_name: None,
             cache_salt: None,
             group_idx: None,
+            media: Vec::new(),
         }
     }
 

@@ -13,9 +13,11 @@
 //! `tool_result` in a user turn becomes a `tool` message placed before that turn's remaining
 //! text; `redacted_thinking` and `tool_reference` blocks are skipped. `tools` become OpenAI
 //! function tools (`description` null when absent, `input_schema` with `type: object` added when
-//! missing). What the engine cannot render token-exactly from the body (images, which it expands
-//! per image; a `tool_use` without an id, which it names by the clock; a list `tool_result` in an
-//! assistant turn, which it renders as a Python repr) is [`Unsupported`]: load-only routing.
+//! missing). `image` blocks with a source become image parts where they stand, and a user
+//! `tool_result`'s images a user message of image parts after its tool message (placed by the chat
+//! path, identified by `super::media`). What the engine cannot render token-exactly from the body
+//! (a `tool_use` without an id, which it names by the clock; a list `tool_result` in an assistant
+//! turn, which it renders as a Python repr) is [`Unsupported`]: load-only routing.
 
 use super::json::Json;
 use super::prompt::{chat_message, ChatPrompt, ContentFormat, Message, PromptSpec, Unsupported};
@@ -139,8 +141,9 @@ fn opt_str<'a>(block: &'a Json, key: &'static str) -> Result<Option<&'a str>, Un
 /// What one message's blocks add up to.
 #[derive(Default)]
 struct Converted {
-    /// Text parts, in order.
-    parts: Vec<String>,
+    /// Text and image parts, in order (an image as an `image_url` part without its URL: the
+    /// conversion only places it; `media::items` identifies it from the body).
+    parts: Vec<Json>,
     tool_calls: Vec<Json>,
     reasoning: Option<String>,
 }
@@ -174,9 +177,12 @@ fn convert_message(role: &str, content: &Json, out: &mut Vec<Json>) -> Result<()
     let has_content = !c.parts.is_empty();
     if has_content {
         // One text part is a string; more stay a part list (the chat path joins or keeps it).
-        let content = match <[String; 1]>::try_from(c.parts) {
-            Ok([text]) => Json::String(text),
-            Err(parts) => Json::Array(parts.into_iter().map(text_part).collect()),
+        let content = match <[Json; 1]>::try_from(c.parts) {
+            Ok([part]) if part.get("type").and_then(Json::as_str) == Some("text") => {
+                part.get("text").cloned().unwrap_or(Json::Null)
+            }
+            Ok([part]) => Json::Array(vec![part]),
+            Err(parts) => Json::Array(parts),
         };
         message.push(("content", content));
     }
@@ -196,12 +202,15 @@ fn convert_block(
     match block_type(block)? {
         "text" => {
             if let Some(text) = opt_str(block, "text")?.filter(|t| !t.is_empty()) {
-                c.parts.push(text.to_string());
+                c.parts.push(text_part(text.to_string()));
             }
         }
         "image" => {
             if matches!(block.get("source"), Some(Json::Object(s)) if !s.is_empty()) {
-                return Err(Unsupported("image block (multimodal)"));
+                c.parts.push(Json::object(vec![(
+                    "type",
+                    Json::String("image_url".into()),
+                )]));
             }
         }
         "thinking" => {
@@ -212,14 +221,25 @@ fn convert_block(
             }
         }
         "tool_use" => c.tool_calls.push(tool_call(block)?),
-        "tool_result" if role == "user" => out.push(tool_message(block)?),
+        "tool_result" if role == "user" => {
+            let (message, images) = tool_message(block)?;
+            out.push(message);
+            // vLLM follows the tool message with a user message of the result's images.
+            if images > 0 {
+                let part = Json::object(vec![("type", Json::String("image_url".into()))]);
+                out.push(Json::object(vec![
+                    ("role", Json::String("user".into())),
+                    ("content", Json::Array(vec![part; images])),
+                ]));
+            }
+        }
         "tool_result" => {
             let text = match block.get("content") {
                 None | Some(Json::Null) => "",
                 Some(Json::String(s)) => s,
                 Some(_) => return Err(Unsupported("a list tool_result in an assistant turn")),
             };
-            c.parts.push(format!("Tool result: {text}"));
+            c.parts.push(text_part(format!("Tool result: {text}")));
         }
         // "redacted_thinking" (opaque) and "tool_reference" (expanded inside tool results only).
         _ => {}
@@ -260,8 +280,10 @@ fn tool_call(block: &Json) -> Result<Json, Unsupported> {
 }
 
 /// A user turn's `tool_result` block as a `tool` message: string content as sent, a list's text
-/// items joined with `\n`.
-fn tool_message(block: &Json) -> Result<Json, Unsupported> {
+/// items joined with `\n`; and how many images (with a source) the list holds, which vLLM puts in
+/// a user message after it.
+fn tool_message(block: &Json) -> Result<(Json, usize), Unsupported> {
+    let mut images = 0;
     let text = match block.get("content") {
         None | Some(Json::Null) => String::new(),
         Some(Json::String(s)) => s.clone(),
@@ -278,7 +300,9 @@ fn tool_message(block: &Json) -> Result<Json, Unsupported> {
                         Some(_) => return Err(Unsupported("tool_result text is not a string")),
                     },
                     Some("image") => {
-                        return Err(Unsupported("image in a tool_result (multimodal)"))
+                        if matches!(item.get("source"), Some(Json::Object(s)) if !s.is_empty()) {
+                            images += 1;
+                        }
                     }
                     Some("tool_reference") => {
                         return Err(Unsupported("tool_reference in a tool_result"))
@@ -295,11 +319,12 @@ fn tool_message(block: &Json) -> Result<Json, Unsupported> {
         }
     };
     let id = opt_str(block, "tool_use_id")?.unwrap_or_default();
-    Ok(Json::object(vec![
+    let message = Json::object(vec![
         ("role", Json::String("tool".into())),
         ("content", Json::String(text)),
         ("tool_call_id", Json::String(id.into())),
-    ]))
+    ]);
+    Ok((message, images))
 }
 
 /// Anthropic tools as the OpenAI function tools vLLM hands the template (its tool models dumped:

@@ -192,11 +192,6 @@ fn tools_become_function_tools_as_vllm_dumps_them() {
 #[test]
 fn what_the_engine_cannot_render_exactly_is_unsupported() {
     let cases = [
-        // Images: the engine expands each image into its own tokens.
-        serde_json::json!([{"role": "user", "content": [{"type": "image",
-            "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]),
-        serde_json::json!([{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t",
-            "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]}]),
         // The engine names an id-less tool call by the clock.
         serde_json::json!([{"role": "assistant", "content": [{"type": "tool_use", "name": "f", "input": {}}]}]),
         // A Python repr in the engine's prompt.
@@ -217,6 +212,35 @@ fn what_the_engine_cannot_render_exactly_is_unsupported() {
     assert_eq!(
         messages(&c),
         serde_json::json!([{"role": "user", "content": "q"}])
+    );
+    // An image with a source is placed where it stands: in front of the text, one placeholder per
+    // image (the chat path's `string` format), identified later from the body (`media`).
+    let c = chat(
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "q"}, {"type": "image", "source": {"type": "base64",
+        "media_type": "image/png", "data": "AAAA"}}]}]}),
+    );
+    let placeholder = crate::tokenize::media::IMAGE_SENTINEL;
+    assert_eq!(
+        messages(&c),
+        serde_json::json!([{"role": "user", "content": format!("{placeholder}\nq")}])
+    );
+    // A tool result's images: a user message of them after the tool message, before the turn's
+    // own content (vLLM's `_convert_user_tool_result`).
+    let c = chat(
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "url", "url": "http://a"}},
+        {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "r"},
+            {"type": "image", "source": {"type": "url", "url": "http://b"}}]},
+        {"type": "text", "text": "q"}]}]}),
+    );
+    assert_eq!(
+        messages(&c),
+        serde_json::json!([
+            {"role": "tool", "content": "r", "tool_call_id": "t"},
+            {"role": "user", "content": placeholder},
+            {"role": "user", "content": format!("{placeholder}\nq")}
+        ])
     );
 }
 

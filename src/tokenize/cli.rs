@@ -75,8 +75,15 @@ pub fn run(args: TokenizeArgs) -> anyhow::Result<()> {
             }
         );
         let mut answer = match outcome {
-            TokenizeOutcome::Tokens { ids, source } => {
+            TokenizeOutcome::Tokens { ids, source, media } if media.is_empty() => {
                 serde_json::json!({"ids": ids, "source": source.label()})
+            }
+            TokenizeOutcome::Tokens { ids, source, media } => {
+                let media: Vec<_> = media
+                    .iter()
+                    .map(|s| serde_json::json!({"offset": s.offset, "length": s.length}))
+                    .collect();
+                serde_json::json!({"ids": ids, "source": source.label(), "media": media})
             }
             TokenizeOutcome::Fallback { reason } => serde_json::json!({ "fallback": reason }),
             TokenizeOutcome::Skipped { reason } => serde_json::json!({ "fallback": reason }),

@@ -698,9 +698,9 @@ mod tests {
         let (spec, reused) = cached_spec(&cache, &Bytes::from(twice.clone())).unwrap();
         assert_eq!(reused, 0);
         assert_eq!(spec, plain_spec(twice.as_bytes()).unwrap());
-        // Multimodal content after a shared message fails as it does without the cache.
+        // Unsupported content after a shared message fails as it does without the cache.
         let image = format!(
-            r#"{{"messages":[{{"role":"user","content":"{long}"}},{{"role":"user","content":[{{"type":"image_url","image_url":{{"url":"x"}}}}]}}]}}"#
+            r#"{{"messages":[{{"role":"user","content":"{long}"}},{{"role":"user","content":[{{"type":"input_audio","input_audio":{{"data":"x"}}}}]}}]}}"#
         );
         assert!(cached_spec(&cache, &Bytes::from(image.clone())).is_err());
         assert!(plain_spec(image.as_bytes()).is_err());

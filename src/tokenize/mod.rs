@@ -12,6 +12,7 @@ pub mod conversation;
 pub mod fast;
 pub mod json;
 pub mod local;
+pub mod media;
 pub mod model_dir;
 pub mod pool;
 pub mod prefix_cache;
@@ -139,6 +140,10 @@ pub struct ModelEntry {
     /// How message content lists reach the template: `string` (joined) or `openai` (as sent).
     #[serde(default)]
     pub content_format: ContentFormat,
+    /// The `--model` the engine was started with (vLLM's `model_config.model`), which vLLM's image
+    /// hashes include; default: `model`.
+    #[serde(default)]
+    pub engine_model: Option<String>,
 }
 
 fn yes() -> bool {
@@ -173,6 +178,7 @@ impl ModelEntry {
             render_url: None,
             prefix_cache_tokens: DEFAULT_PREFIX_CACHE_TOKENS,
             content_format: ContentFormat::default(),
+            engine_model: None,
         })
     }
 }
@@ -204,8 +210,13 @@ impl Source {
 /// What tokenization produced for one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TokenizeOutcome {
-    /// Exact engine token ids.
-    Tokens { ids: Vec<u32>, source: Source },
+    /// Exact engine token ids, and the spans of the images they hold (placeholders expanded,
+    /// `media`; empty for a text prompt).
+    Tokens {
+        ids: Vec<u32>,
+        source: Source,
+        media: Vec<kvpick_core::hash::MediaSpan>,
+    },
     /// Tokenization failed (counted): route on load alone.
     Fallback { reason: String },
     /// Not tokenized because of a [`TokenizeLimits`] bound (counted, `reason` is the metric
@@ -222,6 +233,10 @@ pub struct ModelTokenizer {
     pub local: Option<LocalTokenizer>,
     pub render: Option<RenderClient>,
     content_format: ContentFormat,
+    /// The model's image layout (`media::MediaConfig`), when its directory gives one.
+    media: Option<media::MediaConfig>,
+    /// `kvpick_tokenize_images_total{model}` for exact and approximate identifiers.
+    images: [prometheus::IntCounter; 2],
     /// Parsed conversations of recent bodies (with the in-process tokenizer's prefix cache).
     conversations: Option<ConversationCache>,
 }
@@ -234,7 +249,7 @@ impl ModelTokenizer {
         body: &Bytes,
     ) -> Result<Option<(Vec<u32>, Source)>, String> {
         match tokenize_blocking(self, Endpoint::Generate, body) {
-            Ok(Local::Done(ids, source)) => Ok(Some((ids, source))),
+            Ok(Local::Done(ids, source, _)) => Ok(Some((ids, source))),
             Ok(Local::Remote(_) | Local::Nothing) => Ok(None),
             Err((stage, e)) => Err(format!("{stage}: {e}")),
         }
@@ -259,6 +274,8 @@ pub struct TokenizeMetrics {
     pub undefined_tokens: IntGaugeVec,
     /// Bytes of request bodies queued or being tokenized (bounded by `--tokenize-queue-max-bytes`).
     pub queued_bytes: IntGauge,
+    /// Images of tokenized prompts by model and identifier (exact, approximate).
+    pub images: IntCounterVec,
 }
 
 impl TokenizeMetrics {
@@ -322,6 +339,15 @@ impl TokenizeMetrics {
         )
         .unwrap();
         let _ = registry.register(Box::new(undefined_tokens.clone()));
+        let images = IntCounterVec::new(
+            Opts::new(
+                "kvpick_tokenize_images_total",
+                "Images of tokenized prompts by how they were identified: exact (vLLM's own identifier: a client uuid or the hash of a data URL's bytes) or approximate (an http URL, a malformed data URL, processor kwargs: its blocks never match the engine's events)",
+            ),
+            &["model", "identifier"],
+        )
+        .unwrap();
+        let _ = registry.register(Box::new(images.clone()));
         let queued_bytes = IntGauge::new(
             "kvpick_tokenize_queued_bytes",
             "Bytes of request bodies queued for or being tokenized (bounded by --tokenize-queue-max-bytes)",
@@ -342,6 +368,7 @@ impl TokenizeMetrics {
             queue_wait,
             undefined_tokens,
             queued_bytes,
+            images,
         }
     }
 }
@@ -457,6 +484,17 @@ impl Tokenizers {
                 .as_ref()
                 .filter(|l| l.tokenizer.cache_enabled())
                 .map(|_| ConversationCache::new(entry.prefix_cache_tokens.saturating_mul(4)));
+            let media = media_config(&entry, &base, local.as_ref());
+            if let Some(m) = &media {
+                tracing::info!(
+                    model,
+                    image_token = m.image_token,
+                    placeholder = %m.placeholder,
+                    tokens_per_image = m.tokens_per_image,
+                    engine_model = %m.model_id,
+                    "images: placeholders expanded and keyed as vLLM keys them"
+                );
+            }
             models.insert(
                 model.to_string(),
                 Arc::new(ModelTokenizer {
@@ -464,6 +502,9 @@ impl Tokenizers {
                     local,
                     render,
                     content_format: entry.content_format,
+                    media,
+                    images: ["exact", "approximate"]
+                        .map(|kind| metrics.images.with_label_values(&[model, kind])),
                     conversations,
                 }),
             );
@@ -655,8 +696,8 @@ impl Tokenizers {
             Err(outcome) => return outcome,
         };
         let (spec, failure) = match local {
-            Ok(Local::Done(ids, source)) => {
-                return TokenizeOutcome::Tokens { ids, source };
+            Ok(Local::Done(ids, source, media)) => {
+                return TokenizeOutcome::Tokens { ids, source, media };
             }
             Ok(Local::Nothing) => return TokenizeOutcome::NotApplicable,
             Ok(Local::Remote(spec)) => (spec, None),
@@ -693,6 +734,7 @@ impl Tokenizers {
             Ok(ids) => TokenizeOutcome::Tokens {
                 ids,
                 source: Source::Render,
+                media: Vec::new(),
             },
             Err(e) => {
                 error("render");
@@ -702,6 +744,19 @@ impl Tokenizers {
             }
         }
     }
+}
+
+/// A model's image layout from its directory (`media::MediaConfig::from_dir`), the hash's model id
+/// being `engine_model` or else the model name.
+fn media_config(
+    entry: &ModelEntry,
+    base: &Path,
+    local: Option<&LocalTokenizer>,
+) -> Option<media::MediaConfig> {
+    let dir = base.join(entry.tokenizer_dir.as_ref()?);
+    let tokenizer = local?.tokenizer.tokenizer();
+    let model_id = entry.engine_model.as_deref().unwrap_or(&entry.model);
+    media::MediaConfig::from_dir(&dir, |id| tokenizer.id_to_token(id), model_id)
 }
 
 /// The pool's outstanding bytes as `kvpick_tokenize_queued_bytes`.
@@ -755,7 +810,7 @@ fn warn_missing(model: &str, resolved: &Resolved, metrics: &TokenizeMetrics) {
 }
 
 enum Local {
-    Done(Vec<u32>, Source),
+    Done(Vec<u32>, Source, Vec<kvpick_core::hash::MediaSpan>),
     /// No in-process source (or it failed): ask the render endpoint; the spec when parsed.
     Remote(Option<PromptSpec>),
     Nothing,
@@ -787,7 +842,7 @@ fn tokenize_blocking(
     .map_err(|e| ("body", e.to_string()))?;
     match &spec {
         PromptSpec::None => return Ok(Local::Nothing),
-        PromptSpec::Ids(ids) => return Ok(Local::Done(ids.clone(), Source::Body)),
+        PromptSpec::Ids(ids) => return Ok(Local::Done(ids.clone(), Source::Body, Vec::new())),
         _ => {}
     }
     let Some(local) = &m.local else {
@@ -795,13 +850,59 @@ fn tokenize_blocking(
     };
     if let PromptSpec::Chat(chat) = &spec {
         let text = local.render_chat(chat).map_err(|e| ("template", e))?;
+        if has_media(chat) {
+            return media_prompt(m, endpoint, body, local, chat, &text);
+        }
         let (ids, source) = local
             .tokenize_text(&text, chat.add_special_tokens)
             .map_err(|e| ("tokenizer", e))?;
-        return Ok(Local::Done(ids, source));
+        return Ok(Local::Done(ids, source, Vec::new()));
     }
     let (ids, source) = local.tokenize(&spec).map_err(|e| ("tokenizer", e))?;
-    Ok(Local::Done(ids, source))
+    Ok(Local::Done(ids, source, Vec::new()))
+}
+
+/// Whether a converted conversation holds an image part (a placeholder of either content format).
+fn has_media(chat: &prompt::ChatPrompt) -> bool {
+    chat.messages.iter().any(|m| match m.get("content") {
+        Some(Json::String(s)) => s.contains(media::IMAGE_SENTINEL),
+        Some(Json::Array(parts)) => parts
+            .iter()
+            .any(|p| p.get("type").and_then(Json::as_str) == Some("image")),
+        _ => false,
+    })
+}
+
+/// A chat prompt with images: the model's placeholder in place of the conversion's sentinel,
+/// tokenized, each placeholder token expanded to the model's count, and the images identified from
+/// the body (`media`). A model without a known image layout is a body error (load-only routing).
+fn media_prompt(
+    m: &ModelTokenizer,
+    endpoint: Endpoint,
+    body: &Bytes,
+    local: &LocalTokenizer,
+    chat: &prompt::ChatPrompt,
+    text: &str,
+) -> Result<Local, StageError> {
+    let Some(config) = &m.media else {
+        return Err((
+            "body",
+            "image parts, but the model's image token and count are unknown".into(),
+        ));
+    };
+    let text = text.replace(media::IMAGE_SENTINEL, &config.placeholder);
+    let (ids, source) = local
+        .tokenize_text(&text, chat.add_special_tokens)
+        .map_err(|e| ("tokenizer", e))?;
+    // The conversation cache keeps converted messages, not images: read them from the body.
+    let json: Json = serde_json::from_slice(body).map_err(|e| ("body", e.to_string()))?;
+    let items = media::items(endpoint, &json, &config.model_id);
+    drop(json);
+    let (ids, spans) = media::expand(&ids, config, &items).map_err(|e| ("body", e))?;
+    let exact = items.iter().filter(|i| i.exact).count();
+    m.images[0].inc_by(exact as u64);
+    m.images[1].inc_by(items.len().saturating_sub(exact) as u64);
+    Ok(Local::Done(ids, source, spans))
 }
 
 /// The render endpoint and body for a request: the body as sent for chat and completions;

@@ -7,6 +7,7 @@
 use std::sync::{Arc, OnceLock};
 
 use super::json::Json;
+use super::media;
 
 /// One conversation message as the template sees it (after vLLM's preprocessing), with its
 /// template value made once: a message reused from an earlier request (see
@@ -332,18 +333,41 @@ fn part_text(part: &Json) -> Result<&str, Unsupported> {
     }
 }
 
+/// A message's content as the template sees it. Image parts (`image_url`, `input_image`) become
+/// what vLLM's chat parser makes of them: in `string` format one placeholder per image in front
+/// of the joined text, separated by `\n` (`_get_full_multimodal_text_prompt` without
+/// `interleave_strings`; written as [`media::IMAGE_SENTINEL`] until the model's placeholder
+/// replaces it); in `openai` format a `{"type": "image"}` part in place.
 fn normalize_content(content: &Json, format: ContentFormat) -> Result<Json, Unsupported> {
     match content {
         Json::Array(parts) => match format {
             ContentFormat::String => {
-                let texts = parts.iter().map(part_text).collect::<Result<Vec<_>, _>>()?;
-                Ok(Json::String(texts.join("\n")))
+                let mut placeholders = Vec::new();
+                let mut texts = Vec::new();
+                for p in parts {
+                    if media::is_image_part(p) {
+                        placeholders.push(media::IMAGE_SENTINEL);
+                    } else {
+                        texts.push(part_text(p)?);
+                    }
+                }
+                let text = texts.join("\n");
+                if !text.is_empty() || placeholders.is_empty() {
+                    placeholders.push(&text);
+                }
+                Ok(Json::String(placeholders.join("\n")))
             }
             ContentFormat::Openai => {
+                let mut out = Vec::with_capacity(parts.len());
                 for p in parts {
-                    part_text(p)?;
+                    if media::is_image_part(p) {
+                        out.push(Json::object(vec![("type", Json::String("image".into()))]));
+                    } else {
+                        part_text(p)?;
+                        out.push(p.clone());
+                    }
                 }
-                Ok(content.clone())
+                Ok(Json::Array(out))
             }
         },
         other => Ok(other.clone()),
@@ -650,10 +674,45 @@ mod tests {
     }
 
     #[test]
-    fn multimodal_is_unsupported() {
-        assert!(spec(
-            r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#
-        )
-        .is_err());
+    fn images_become_placeholders_and_other_media_is_unsupported() {
+        let s = media::IMAGE_SENTINEL;
+        let content = |body: &str, format| {
+            let PromptSpec::Chat(chat) =
+                prompt_spec(&serde_json::from_str(body).unwrap(), format).unwrap()
+            else {
+                panic!()
+            };
+            chat.messages[0].get("content").cloned().unwrap()
+        };
+        // vLLM's `string` format: one placeholder per image in front of the joined text.
+        let two = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},
+            {"type":"image_url","image_url":{"url":"x"}},{"type":"text","text":"b"},
+            {"type":"image_url","image_url":{"url":"y"}}]}]}"#;
+        assert_eq!(
+            content(two, ContentFormat::String),
+            Json::String(format!("{s}\n{s}\na\nb"))
+        );
+        let only = r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}]}"#;
+        assert_eq!(content(only, ContentFormat::String), Json::String(s.into()));
+        // `openai` format: `{"type": "image"}` in place.
+        let Json::Array(parts) = content(two, ContentFormat::Openai) else {
+            panic!()
+        };
+        let image = Json::object(vec![("type", Json::String("image".into()))]);
+        assert_eq!((&parts[1], &parts[3]), (&image, &image));
+        // Responses `input_image`.
+        let responses = r#"{"input":[{"role":"user","content":[{"type":"input_image","image_url":"x"},
+            {"type":"input_text","text":"a"}]}]}"#;
+        assert_eq!(
+            content(responses, ContentFormat::String),
+            Json::String(format!("{s}\na"))
+        );
+        for part in [
+            r#"{"type":"input_audio","input_audio":{"data":"x","format":"wav"}}"#,
+            r#"{"type":"video_url","video_url":{"url":"x"}}"#,
+        ] {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":[{part}]}}]}}"#);
+            assert!(spec(&body).is_err(), "{part}");
+        }
     }
 }

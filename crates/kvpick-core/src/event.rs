@@ -68,6 +68,10 @@ pub enum KvEvent {
         cache_salt: Option<String>,
         /// KV-cache group (hybrid models); `None` when not sent.
         group_idx: Option<u32>,
+        /// Multimodal keys of the stored blocks (vLLM's `extra_keys` `(identifier, offset)`
+        /// pairs), in block order and, within a block, in the engine's order; empty for a
+        /// text-only store. Folded into the block's key like a request's (`hash::fold_media`).
+        media: Vec<BlockMedia>,
     },
     /// These blocks were evicted from `medium`.
     BlockRemoved {
@@ -77,6 +81,13 @@ pub enum KvEvent {
     },
     /// Every block of the rank is gone.
     AllBlocksCleared,
+}
+
+/// One multimodal key of a stored block: the block's index within its event and the key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockMedia {
+    pub block: u32,
+    pub key: crate::hash::MediaKey,
 }
 
 /// The longest prefix of `s` of at most `max` bytes that ends on a char boundary.

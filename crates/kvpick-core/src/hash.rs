@@ -1,6 +1,8 @@
 //! Block hashing of token ids (ARCHITECTURE.md §7), shared by requests and KV events so both sides key the
 //! index identically: `local_hash` per complete block (xxh3-64 over u32 little-endian tokens,
-//! seed 1337 salted by LoRA name and cache salt), chained into position-aware `seq_hash`es.
+//! seed 1337 salted by LoRA name and cache salt; a block holding an image's placeholder tokens has
+//! the image's `(identifier, offset)` keys folded in, as vLLM's `extra_keys` key it), chained into
+//! position-aware `seq_hash`es.
 
 use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
@@ -141,6 +143,87 @@ pub fn salted_text_hashes(
     chained(local)
 }
 
+/// One multimodal item of a prompt (an image, say) as vLLM places it: its identifier folded to
+/// 64 bits ([`media_id`]) and the placeholder tokens it occupies, `[offset, offset + length)`
+/// (vLLM's `mm_position`). A prompt's spans are sorted by offset and do not overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MediaSpan {
+    pub id: u64,
+    pub offset: u64,
+    pub length: u64,
+}
+
+/// One `(identifier, offset)` key of a block, as vLLM's `_gen_mm_extra_hash_keys` makes it: the
+/// item's start relative to the block's first token (negative when the item began in an earlier
+/// block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MediaKey {
+    pub id: u64,
+    pub offset: i64,
+}
+
+/// A multimodal identifier (vLLM's `mm_hash` or a client's uuid, as a string) as 64 bits. Seeded
+/// apart from every other use of xxh3 here so an identifier never equals a text id.
+pub fn media_id(identifier: &str) -> u64 {
+    xxh3_64_with_seed(identifier.as_bytes(), MEDIA_SEED)
+}
+
+const MEDIA_SEED: u64 = 0x6d6d_5f6b_6579; // "mm_key"
+
+/// The media keys of the block `[start, end)`, in vLLM's order: every span that overlaps it,
+/// with its offset relative to `start` (vLLM's `_gen_mm_extra_hash_keys`).
+pub fn block_media_keys(spans: &[MediaSpan], start: u64, end: u64) -> Vec<MediaKey> {
+    spans
+        .iter()
+        .filter(|s| end > s.offset && start < s.offset.saturating_add(s.length))
+        .map(|s| MediaKey {
+            id: s.id,
+            offset: (s.offset as i64).wrapping_sub(start as i64),
+        })
+        .collect()
+}
+
+/// A block's local hash with its media keys folded in, in order. No keys: `local` unchanged, so
+/// text-only blocks hash as they always did, on both sides.
+pub fn fold_media(local: u64, keys: &[MediaKey]) -> u64 {
+    keys.iter().fold(local, |acc, key| {
+        let mut buf = [0u8; 24];
+        buf[..8].copy_from_slice(&acc.to_le_bytes());
+        buf[8..16].copy_from_slice(&key.id.to_le_bytes());
+        buf[16..].copy_from_slice(&key.offset.to_le_bytes());
+        xxh3_64_with_seed(&buf, MEDIA_SEED)
+    })
+}
+
+/// [`salted_prompt_hashes`] of a prompt with multimodal items: each block overlapping a span has
+/// that span's key folded into its local hash (before chaining), as a KV event's `extra_keys` for
+/// the same block fold on the event side. Blocks past every span hash as text; the chain carries
+/// an image's identity to every later block (prefix semantics).
+pub fn media_prompt_hashes(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    cache_salt: Option<&str>,
+    spans: &[MediaSpan],
+) -> Vec<u64> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let mut local = local_hashes(tokens, block_size, seed);
+    if let (Some(first), Some(block)) = (local.first_mut(), tokens.get(..block_size)) {
+        if cache_salt.is_some() {
+            *first = block_hash(block, salted(seed, cache_salt));
+        }
+    }
+    let bs = block_size as u64;
+    for (i, h) in local.iter_mut().enumerate() {
+        let start = (i as u64).saturating_mul(bs);
+        let keys = block_media_keys(spans, start, start.saturating_add(bs));
+        *h = fold_media(*h, &keys);
+    }
+    chained(local)
+}
+
 /// A well-mixed 64-bit value of `n` (test data: keys the way chained hashes look).
 #[cfg(test)]
 pub(crate) fn text_id_u64(n: u64) -> u64 {
@@ -218,6 +301,74 @@ mod tests {
             }
         }
         assert!(salted_text_hashes(&text, 0, 9, None).is_empty());
+    }
+
+    #[test]
+    fn media_keys_follow_vllms_block_overlap_rule() {
+        let img = MediaSpan {
+            id: media_id("img"),
+            offset: 10,
+            length: 40,
+        };
+        // Blocks of 16: [0,16) holds the start at +10, [16,32) and [32,48) hold it from before
+        // (-6, -22), [48,64) holds its last two tokens (-38), [64,80) is past it.
+        let offsets: Vec<Vec<i64>> = (0..5u64)
+            .map(|b| {
+                block_media_keys(&[img], b * 16, b * 16 + 16)
+                    .iter()
+                    .map(|k| k.offset)
+                    .collect()
+            })
+            .collect();
+        assert_eq!(
+            offsets,
+            vec![vec![10], vec![-6], vec![-22], vec![-38], vec![]]
+        );
+    }
+
+    #[test]
+    fn the_same_image_at_another_offset_in_identical_blocks_is_another_key() {
+        // Block 1 is all placeholder tokens either way; only where the image began differs.
+        let key = |offset| MediaKey {
+            id: media_id("img"),
+            offset,
+        };
+        let block = block_hash(&[9; 16], BASE_SEED);
+        assert_ne!(fold_media(block, &[key(-6)]), fold_media(block, &[key(-4)]));
+        assert_ne!(fold_media(block, &[key(-6)]), block);
+        // Order matters, as in vLLM's tuple.
+        let other = MediaKey {
+            id: media_id("other"),
+            offset: 3,
+        };
+        assert_ne!(
+            fold_media(block, &[key(-6), other]),
+            fold_media(block, &[other, key(-6)])
+        );
+    }
+
+    #[test]
+    fn media_changes_the_blocks_it_occupies_and_everything_after() {
+        let tokens: Vec<u32> = (0..96).map(|t| t % 7).collect();
+        let span = |id: &str| MediaSpan {
+            id: media_id(id),
+            offset: 20,
+            length: 20,
+        };
+        let plain = salted_prompt_hashes(&tokens, 16, 9, None);
+        let a = media_prompt_hashes(&tokens, 16, 9, None, &[span("a")]);
+        let b = media_prompt_hashes(&tokens, 16, 9, None, &[span("b")]);
+        assert_eq!(media_prompt_hashes(&tokens, 16, 9, None, &[]), plain);
+        // Block 0 ends before the image: shared by all three.
+        assert_eq!((a[0], b[0]), (plain[0], plain[0]));
+        for i in 1..a.len() {
+            assert_ne!(a[i], b[i], "block {i}");
+            assert_ne!(a[i], plain[i], "block {i}");
+        }
+        assert_eq!(
+            media_prompt_hashes(&tokens, 16, 9, Some("s"), &[span("a")])[0],
+            salted_prompt_hashes(&tokens, 16, 9, Some("s"))[0]
+        );
     }
 
     #[test]

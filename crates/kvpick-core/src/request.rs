@@ -98,6 +98,13 @@ pub enum PromptInput {
     None,
     /// Engine token ids: exact block hashes.
     Tokens(Vec<u32>),
+    /// Engine token ids of a multimodal prompt (placeholder tokens expanded) and the items they
+    /// hold: each block a span overlaps has the item's key folded in (`hash::media_prompt_hashes`),
+    /// as vLLM's `extra_keys` do for the same block.
+    MediaTokens {
+        tokens: Vec<u32>,
+        media: Vec<crate::hash::MediaSpan>,
+    },
     /// Precomputed chained block hashes (gRPC callers that hash themselves).
     BlockHashes {
         seq_hashes: Vec<u64>,
@@ -263,7 +270,7 @@ impl SelectionRequest {
         }
         let tokens = match &self.prompt {
             PromptInput::None => 0,
-            PromptInput::Tokens(t) => t.len() as u64,
+            PromptInput::Tokens(t) | PromptInput::MediaTokens { tokens: t, .. } => t.len() as u64,
             PromptInput::BlockHashes { prompt_tokens, .. } => *prompt_tokens,
             PromptInput::Text(bytes) => (bytes.len() as u64).div_ceil(4),
         };

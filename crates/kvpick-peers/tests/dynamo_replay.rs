@@ -33,6 +33,7 @@ fn stored(tokens: &[u32], first_hash: u64) -> KvEvent {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     }
 }
 

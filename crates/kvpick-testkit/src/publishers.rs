@@ -210,6 +210,7 @@ impl RankCache {
             lora_name: None,
             cache_salt: None,
             group_idx: None,
+            media: Vec::new(),
         });
         self.cursor = first + count;
         events

@@ -72,7 +72,7 @@ impl StreamMachine {
 pub(super) fn trace_tokenize(trace: &mut RequestTrace, outcome: &TokenizeOutcome) {
     use std::borrow::Cow;
     match outcome {
-        TokenizeOutcome::Tokens { ids, source } => trace.tokenize_done(
+        TokenizeOutcome::Tokens { ids, source, .. } => trace.tokenize_done(
             "tokens",
             Cow::Owned(format!("{source:?}").to_ascii_lowercase()),
             ids.len(),

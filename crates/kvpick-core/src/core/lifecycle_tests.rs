@@ -37,6 +37,7 @@ fn announce(core: &Core, spec: &WorkerSpec) {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     };
     let (stats, _) = core.apply_kv_events(rank(spec), &[event], Instant::now());
     assert_eq!(stats.applied, 1);
@@ -124,6 +125,7 @@ fn a_restarted_data_parallel_worker_forgets_every_rank_and_only_its_own() {
             lora_name: None,
             cache_salt: None,
             group_idx: None,
+            media: Vec::new(),
         };
         let key = RankKey {
             dp_rank,
@@ -298,6 +300,7 @@ fn the_block_size_is_learned_from_events_and_mismatches_are_counted() {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     };
     let now = Instant::now();
     let (stats, _) = core.apply_kv_events(rank(&a), &[store(vec![1, 2], tokens.clone(), 64)], now);
@@ -333,6 +336,7 @@ fn salted_blocks_match_only_requests_with_the_same_salt() {
         lora_name: None,
         cache_salt: salt.map(str::to_owned),
         group_idx: None,
+        media: Vec::new(),
     };
     let now = Instant::now();
     core.apply_kv_events(rank(&a), &[store(Some("tenant-1"))], now);

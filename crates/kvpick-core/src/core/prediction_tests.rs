@@ -54,6 +54,7 @@ fn store(tokens: &[u32]) -> KvEvent {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     }
 }
 

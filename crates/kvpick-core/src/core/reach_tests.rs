@@ -50,6 +50,7 @@ fn store(size: u32) -> KvEvent {
         lora_name: None,
         cache_salt: None,
         group_idx: None,
+        media: Vec::new(),
     }
 }
 

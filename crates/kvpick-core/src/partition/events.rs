@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use crate::event::{KvEvent, Medium};
+use crate::event::{BlockMedia, KvEvent, Medium};
 use crate::facts::{Fact, Facts};
 use crate::hash;
 use crate::index::{MixedMap, PrefixIndex, Tier};
@@ -56,6 +56,8 @@ struct StoredBlocks<'a> {
     seed: u64,
     /// Mixed into the first block when this store starts a sequence.
     cache_salt: Option<&'a str>,
+    /// Multimodal keys by block index (sorted by block, as decoded).
+    media: &'a [BlockMedia],
 }
 
 /// Applies one KV event of `rank` to the index; false when it is dropped (a stored block of
@@ -110,6 +112,7 @@ fn apply_event(
             medium,
             lora_name,
             cache_salt,
+            media,
             ..
         } => {
             sizes.matched |= !token_ids.is_empty();
@@ -121,6 +124,7 @@ fn apply_event(
                 tier: tier_of(medium),
                 seed: hash::block_seed(lora_name.as_deref(), None),
                 cache_salt: cache_salt.as_deref(),
+                media,
             };
             store_blocks(index, map, rank, &stored, block_size)
         }
@@ -175,7 +179,8 @@ fn store_blocks(
             } else {
                 stored.seed
             };
-            let local = hash::block_hash(block, seed);
+            let local =
+                hash::fold_media(hash::block_hash(block, seed), &block_keys(stored.media, i));
             parent.map_or(local, |p| hash::chain(p, local))
         };
         map.entries.insert(*engine_hash, seq);
@@ -183,6 +188,15 @@ fn store_blocks(
         parent = Some(seq);
     }
     ok
+}
+
+/// The media keys of block `i` of a store, in order.
+fn block_keys(media: &[BlockMedia], i: usize) -> Vec<hash::MediaKey> {
+    media
+        .iter()
+        .filter(|m| m.block as usize == i)
+        .map(|m| m.key)
+        .collect()
 }
 
 impl Partition {

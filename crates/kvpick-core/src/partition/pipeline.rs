@@ -90,6 +90,17 @@ pub(crate) fn prompt_blocks(
             ),
             true,
         ),
+        PromptInput::MediaTokens { tokens, media } => (
+            tokens.len() as u64,
+            hash::media_prompt_hashes(
+                &tokens[..tokens.len().min(max_tokens)],
+                bs,
+                seed,
+                cache_salt,
+                media,
+            ),
+            true,
+        ),
         PromptInput::BlockHashes {
             seq_hashes,
             prompt_tokens,

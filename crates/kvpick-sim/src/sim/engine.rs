@@ -615,6 +615,7 @@ fn commit_blocks(
             lora_name: None,
             cache_salt: None,
             group_idx: None,
+            media: Vec::new(),
         });
     }
 }

@@ -60,6 +60,7 @@ fn event(e: &KvEvent, encoding: Encoding) -> Value {
                 lora_name,
                 cache_salt,
                 group_idx,
+                media: _,
             },
             _,
         ) => {

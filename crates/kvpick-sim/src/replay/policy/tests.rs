@@ -118,6 +118,7 @@ fn kvpick_uses_announced_blocks_and_its_own_bookings() {
             lora_name: None,
             cache_salt: None,
             group_idx: None,
+            media: Vec::new(),
         }],
     );
     assert_eq!(p.events_dropped, 0);
