@@ -251,7 +251,8 @@ def test_client_supplied_routing_headers_are_replaced(stack, upstreams, client):
         "x-gateway-destination-endpoint-served": "127.0.0.1:2",
         "x-gateway-destination-endpoint-fallback": "127.0.0.1:3",
         "x-gateway-inference-fairness-id": "tenant-x",
-        "x-gateway-model-name-rewrite": "evil",
+        # a target model (read as llm-d-router reads it: docs/headers.md), never forwarded
+        "x-gateway-model-name-rewrite": "m1",
     }
     for _ in range(5):
         h = assert_routed(post_chat(client, stack.url(), headers=spoof), ports)["headers"]
