@@ -156,6 +156,8 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         session_id: (!req.session_id.is_empty()).then_some(req.session_id),
         on_duplicate: DuplicateId::Reject,
         holder: crate::selection::Holder::Stream,
+        // The gRPC answer carries the pick's own cost; per-candidate scores are the gateway's.
+        scores: 0,
     })
 }
 

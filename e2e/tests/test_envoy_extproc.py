@@ -262,6 +262,54 @@ def test_client_supplied_routing_headers_are_replaced(stack, upstreams, client):
 
 
 # ------------------------------------------------------------------------------------------------
+# endpoint scores (--emit-endpoint-scores): envoy.lb x-gateway-destination-endpoint-scores
+
+
+def scores_envoy_config():
+    """The reference config with the scores metadata copied into a request header the upstream
+    echoes (as x-seen-metadata shows the destination)."""
+    cfg = harness.load_envoy_template()
+    for listener in cfg["static_resources"]["listeners"]:
+        for vh in harness._hcm(listener)["route_config"]["virtual_hosts"]:
+            for route in vh["routes"]:
+                route.setdefault("request_headers_to_add", []).append({
+                    "header": {"key": "x-seen-scores", "value":
+                               "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint-scores)%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"})
+    return cfg
+
+
+def test_endpoint_scores_reach_envoy(make_stack, make_upstream, client):
+    ups = [make_upstream(f"s{i}") for i in range(3)]
+    ports = {u.port for u in ups}
+    s = make_stack([worker(f"w{i}", ports=[u.port]) for i, u in enumerate(ups)], name="scores",
+                   envoy_config=scores_envoy_config(),
+                   extra_args=["--emit-endpoint-scores", "--endpoint-scores-limit", "2"])
+    for _ in range(5):
+        j = assert_routed(post_chat(client, s.url()), ports)
+        dest = j["headers"]["x-gateway-destination-endpoint"]
+        scores = json.loads(j["headers"]["x-seen-scores"])
+        # Three candidates, a limit of 2: the destination and the best other one.
+        assert len(scores) == 2, scores
+        assert dest in scores, (scores, dest)
+        assert set(scores) <= {f"127.0.0.1:{p}" for p in ports}, scores
+        assert all(0 < v <= 1 for v in scores.values()), scores
+    # The documented access-log format shows the same struct (Envoy flushes its log on a timer).
+    log = s.envoy.access_log
+    wait_until(lambda: log.exists() and "scores={" in log.read_text(), 30,
+               desc="the access log prints envoy.lb:x-gateway-destination-endpoint-scores")
+
+
+def test_endpoint_scores_are_off_by_default(make_stack, make_upstream, client):
+    ups = [make_upstream(f"o{i}") for i in range(2)]
+    s = make_stack([worker(f"w{i}", ports=[u.port]) for i, u in enumerate(ups)],
+                   name="noscores", envoy_config=scores_envoy_config())
+    for _ in range(3):
+        h = assert_routed(post_chat(client, s.url()), {u.port for u in ups})["headers"]
+        assert h.get("x-seen-scores", "") in ("", "-"), h
+
+
+# ------------------------------------------------------------------------------------------------
 # data-parallel ranks multiplexed behind one port
 
 

@@ -44,6 +44,9 @@ pub struct ExtProcSettings {
     pub pd_protocol: PdProtocol,
     /// OpenTelemetry tracing (`--otlp-endpoint`); `None` = off: no span, no `traceparent`.
     pub tracer: Option<crate::telemetry::RequestTracer>,
+    /// `--emit-endpoint-scores`: most endpoints whose scores the `envoy.lb` metadata carries
+    /// (`--endpoint-scores-limit`); 0 = off, no scores computed.
+    pub endpoint_scores: usize,
 }
 
 /// `x-dynamo-session-id` first, then the fallbacks agents commonly send.
@@ -66,6 +69,7 @@ impl Default for ExtProcSettings {
             flow_settings: crate::flow::FlowSettings::default(),
             pd_protocol: PdProtocol::default(),
             tracer: None,
+            endpoint_scores: 0,
         }
     }
 }

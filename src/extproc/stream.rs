@@ -48,6 +48,9 @@ pub const MAX_BODY_CHUNK: usize = 62_000;
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+/// `envoy.lb` key of the candidates' scores (`--emit-endpoint-scores`; llm-d-router's
+/// `DestinationEndpointScoresKey`): a struct, address -> number.
+pub const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 pub const LB_NAMESPACE: &str = "envoy.lb";
@@ -847,6 +850,7 @@ impl StreamMachine {
             session_id: self.session_id.clone(),
             on_duplicate: DuplicateId::Suffix,
             holder: crate::selection::Holder::Stream,
+            scores: self.settings.endpoint_scores,
         };
         let pick_started = Instant::now();
         let admitted = self.core.admit(&request);
@@ -916,7 +920,7 @@ impl StreamMachine {
         waited: bool,
     ) -> Step {
         let (destination, set, remove) = self.route_headers(reservation.selection(), request_id);
-        let response = headers_response(&destination, set, remove);
+        let response = headers_response(&destination, &reservation.selection().scores, set, remove);
         tracing::debug!(
             booking = reservation.booking_id(),
             endpoint = %destination,
@@ -1075,3 +1079,7 @@ mod tests;
 #[cfg(test)]
 #[path = "stream_cache_view_tests.rs"]
 mod cache_view_tests;
+
+#[cfg(test)]
+#[path = "stream_scores_tests.rs"]
+mod scores_tests;

@@ -270,3 +270,6 @@ mod reach_tests;
 
 #[cfg(test)]
 mod prediction_tests;
+
+#[cfg(test)]
+mod scores_tests;
