@@ -97,8 +97,11 @@ fn destination(lb: &Struct) -> Vec<String> {
 #[test]
 fn n_plus_one_candidates_carry_exactly_n_scores() {
     let limit = crate::server::DEFAULT_ENDPOINT_SCORES_LIMIT;
-    let mut m = setup(limit as u16 + 1, limit, 1);
+    // Two fallbacks: the bounded search ranks 2 * 8 + 1 = 17 exactly, so all 17 are costed.
+    let mut m = setup(limit as u16 + 1, limit, 2);
     let lb = route(&mut m);
+    let candidates = m.reservation.as_ref().unwrap().selection().candidates;
+    assert_eq!(candidates as usize, limit + 1);
     let scores = scores(&lb);
     assert_eq!(scores.len(), limit, "{scores:?}");
     for d in destination(&lb) {
