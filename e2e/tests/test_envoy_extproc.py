@@ -261,6 +261,20 @@ def test_client_supplied_routing_headers_are_replaced(stack, upstreams, client):
                 assert name not in h, f"client-supplied {name} reached the upstream"
 
 
+def test_llm_d_s_fairness_header_counts_under_its_tenant(stack, upstreams, client):
+    """Issue 46: three requests naming their tenant in llm-d-router's current header, through
+    Envoy, are counted under that tenant (docs/headers.md)."""
+    ports = {u.port for u in upstreams}
+    kv = stack.kvpick
+    before = metric_or_zero(kv, "llm_d_epp_request_total", fairness_id="tenant-zz7")
+    for _ in range(3):
+        assert_routed(post_chat(client, stack.url(),
+                                headers={"x-llm-d-inference-fairness-id": "tenant-zz7"}), ports)
+    wait_until(lambda: metric_or_zero(kv, "llm_d_epp_request_total",
+                                      fairness_id="tenant-zz7") == before + 3, 15,
+               desc="three requests counted under fairness_id=tenant-zz7")
+
+
 # ------------------------------------------------------------------------------------------------
 # endpoint scores (--emit-endpoint-scores): envoy.lb x-gateway-destination-endpoint-scores
 
