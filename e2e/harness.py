@@ -865,6 +865,7 @@ def patch_envoy_config(cfg: dict[str, Any], *, kvpick_port: int, secure: bool,
                     "%RESPONSE_CODE% %RESPONSE_FLAGS% %RESPONSE_CODE_DETAILS% up=%UPSTREAM_HOST% "
                     "dst=%REQ(x-gateway-destination-endpoint)% "
                     "md=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)% "
+                    "scores=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint-scores)% "
                     "in=%BYTES_RECEIVED% out=%BYTES_SENT% dur=%DURATION%ms\n"}},
             },
         }]

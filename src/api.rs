@@ -159,6 +159,8 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         session_final: false,
         on_duplicate: DuplicateId::Reject,
         holder: crate::selection::Holder::Stream,
+        // The gRPC answer carries the pick's own cost; per-candidate scores are the gateway's.
+        scores: 0,
     })
 }
 

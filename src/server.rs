@@ -224,6 +224,17 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 0, value_name = "N")]
     pub fallbacks: usize,
 
+    /// Emit the candidates' scores in the ext_proc response's `envoy.lb` dynamic metadata under
+    /// `x-gateway-destination-endpoint-scores` (llm-d-router's flag and key): a struct of
+    /// `ip:port` -> 1 / (1 + cost), higher is better (docs/headers.md#endpoint-scores).
+    #[arg(long)]
+    pub emit_endpoint_scores: bool,
+
+    /// With --emit-endpoint-scores: at most this many endpoints carry a score (the destinations,
+    /// then the best other candidates), 1..=1024.
+    #[arg(long, default_value_t = DEFAULT_ENDPOINT_SCORES_LIMIT, value_name = "N", value_parser = endpoint_scores_limit)]
+    pub endpoint_scores_limit: usize,
+
     /// Prefill/decode disaggregation: the headers that name the prefill rank of a pair. `llm-d`:
     /// `x-prefiller-host-port` (llm-d's routing sidecar); `dynamo`: `x-dynamo-prefill-instance-id`,
     /// `x-dynamo-prefill-dp-rank`, `x-dynamo-routing-mode`. Only partitions whose workers declare
@@ -954,6 +965,19 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
 /// Period of the Kubernetes source's forced re-publication of its full state.
 pub const KUBE_RESYNC: Duration = Duration::from_secs(30);
+
+/// `--endpoint-scores-limit`'s default: a gateway weighing fallbacks needs the few best, and the
+/// metadata Envoy keeps per request stays a few hundred bytes at any fleet size.
+pub const DEFAULT_ENDPOINT_SCORES_LIMIT: usize = 16;
+
+/// `--endpoint-scores-limit`: 1..=[`kvpick_core::request::MAX_ENDPOINT_SCORES`].
+fn endpoint_scores_limit(s: &str) -> Result<usize, String> {
+    let max = kvpick_core::request::MAX_ENDPOINT_SCORES;
+    match s.trim().parse::<usize>() {
+        Ok(n) if (1..=max).contains(&n) => Ok(n),
+        _ => Err(format!("must be 1..={max}, got {s:?}")),
+    }
+}
 
 /// `--session-affinity-mode`: `hard` or `soft`.
 fn affinity_mode(s: &str) -> Result<AffinityMode, String> {

@@ -251,13 +251,76 @@ def test_client_supplied_routing_headers_are_replaced(stack, upstreams, client):
         "x-gateway-destination-endpoint-served": "127.0.0.1:2",
         "x-gateway-destination-endpoint-fallback": "127.0.0.1:3",
         "x-gateway-inference-fairness-id": "tenant-x",
-        "x-gateway-model-name-rewrite": "evil",
+        # a target model (read as llm-d-router reads it: docs/headers.md), never forwarded
+        "x-gateway-model-name-rewrite": "m1",
     }
     for _ in range(5):
         h = assert_routed(post_chat(client, stack.url(), headers=spoof), ports)["headers"]
         for name in spoof:
             if name != "x-gateway-destination-endpoint":
                 assert name not in h, f"client-supplied {name} reached the upstream"
+
+
+def test_llm_d_s_fairness_header_counts_under_its_tenant(stack, upstreams, client):
+    """Issue 46: three requests naming their tenant in llm-d-router's current header, through
+    Envoy, are counted under that tenant (docs/headers.md)."""
+    ports = {u.port for u in upstreams}
+    kv = stack.kvpick
+    before = metric_or_zero(kv, "llm_d_epp_request_total", fairness_id="tenant-zz7")
+    for _ in range(3):
+        assert_routed(post_chat(client, stack.url(),
+                                headers={"x-llm-d-inference-fairness-id": "tenant-zz7"}), ports)
+    wait_until(lambda: metric_or_zero(kv, "llm_d_epp_request_total",
+                                      fairness_id="tenant-zz7") == before + 3, 15,
+               desc="three requests counted under fairness_id=tenant-zz7")
+
+
+# ------------------------------------------------------------------------------------------------
+# endpoint scores (--emit-endpoint-scores): envoy.lb x-gateway-destination-endpoint-scores
+
+
+def scores_envoy_config():
+    """The reference config with the scores metadata copied into a request header the upstream
+    echoes (as x-seen-metadata shows the destination)."""
+    cfg = harness.load_envoy_template()
+    for listener in cfg["static_resources"]["listeners"]:
+        for vh in harness._hcm(listener)["route_config"]["virtual_hosts"]:
+            for route in vh["routes"]:
+                route.setdefault("request_headers_to_add", []).append({
+                    "header": {"key": "x-seen-scores", "value":
+                               "%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint-scores)%"},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"})
+    return cfg
+
+
+def test_endpoint_scores_reach_envoy(make_stack, make_upstream, client):
+    ups = [make_upstream(f"s{i}") for i in range(3)]
+    ports = {u.port for u in ups}
+    s = make_stack([worker(f"w{i}", ports=[u.port]) for i, u in enumerate(ups)], name="scores",
+                   envoy_config=scores_envoy_config(),
+                   extra_args=["--emit-endpoint-scores", "--endpoint-scores-limit", "2"])
+    for _ in range(5):
+        j = assert_routed(post_chat(client, s.url()), ports)
+        dest = j["headers"]["x-gateway-destination-endpoint"]
+        scores = json.loads(j["headers"]["x-seen-scores"])
+        # Three candidates, a limit of 2: the destination and the best other one.
+        assert len(scores) == 2, scores
+        assert dest in scores, (scores, dest)
+        assert set(scores) <= {f"127.0.0.1:{p}" for p in ports}, scores
+        assert all(0 < v <= 1 for v in scores.values()), scores
+    # The documented access-log format shows the same struct (Envoy flushes its log on a timer).
+    log = s.envoy.access_log
+    wait_until(lambda: log.exists() and "scores={" in log.read_text(), 30,
+               desc="the access log prints envoy.lb:x-gateway-destination-endpoint-scores")
+
+
+def test_endpoint_scores_are_off_by_default(make_stack, make_upstream, client):
+    ups = [make_upstream(f"o{i}") for i in range(2)]
+    s = make_stack([worker(f"w{i}", ports=[u.port]) for i, u in enumerate(ups)],
+                   name="noscores", envoy_config=scores_envoy_config())
+    for _ in range(3):
+        h = assert_routed(post_chat(client, s.url()), {u.port for u in ups})["headers"]
+        assert h.get("x-seen-scores", "") in ("", "-"), h
 
 
 # ------------------------------------------------------------------------------------------------

@@ -211,3 +211,54 @@ fn a_queued_request_is_in_the_queue_gauges_until_its_stream_goes() {
     assert_eq!(value(&text, "kvpick_queue_length"), Some(0.0));
     assert_eq!(value(&text, "kvpick_queue_oldest_age_seconds"), Some(0.0));
 }
+
+/// Issue 46's measurement: three requests naming their tenant in llm-d-router's current header
+/// are counted under that tenant, not under the default key.
+#[test]
+fn three_requests_with_llm_d_s_fairness_header_count_under_their_tenant() {
+    let core = core(CoreConfig::default());
+    let mut machines: Vec<StreamMachine> = (0..3).map(|_| machine(&core)).collect();
+    for m in &mut machines {
+        m.handle(request_headers(&[(
+            "x-llm-d-inference-fairness-id",
+            "tenant-zz7",
+        )]))
+        .unwrap();
+        m.handle(body(PROMPT)).unwrap();
+    }
+    let text = core.metrics().render();
+    let tenant = r#"{fairness_id="tenant-zz7",model_name="m",priority="0",target_model_name="m"}"#;
+    assert_eq!(
+        value(&text, &format!("llm_d_epp_request_total{tenant}")),
+        Some(3.0),
+        "{text}"
+    );
+    assert!(
+        !text.contains(r#"fairness_id="default""#),
+        "nothing under the default key: {text}"
+    );
+}
+
+/// `x-llm-d-model-name-rewrite` (and its deprecated alias) sends the request to the model it
+/// names: the body is rewritten before the pick, so the pick is in the target's partition and the
+/// metrics name both models.
+#[test]
+fn the_model_rewrite_header_routes_to_the_model_it_names() {
+    for name in crate::flow::MODEL_REWRITE_HEADERS {
+        let core = core(CoreConfig::default());
+        let mut m = machine(&core);
+        m.handle(request_headers(&[(name, "m")])).unwrap();
+        let step = m
+            .handle(body(br#"{"model":"asked","prompt":"hello"}"#))
+            .unwrap();
+        assert!(!step.finished, "{name}: routed, not refused");
+        let text = core.metrics().render();
+        let labels =
+            r#"{fairness_id="default",model_name="asked",priority="0",target_model_name="m"}"#;
+        assert_eq!(
+            value(&text, &format!("llm_d_epp_request_total{labels}")),
+            Some(1.0),
+            "{name}: {text}"
+        );
+    }
+}

@@ -46,6 +46,9 @@ pub struct ExtProcSettings {
     pub pd_protocol: PdProtocol,
     /// OpenTelemetry tracing (`--otlp-endpoint`); `None` = off: no span, no `traceparent`.
     pub tracer: Option<crate::telemetry::RequestTracer>,
+    /// `--emit-endpoint-scores`: most endpoints whose scores the `envoy.lb` metadata carries
+    /// (`--endpoint-scores-limit`); 0 = off, no scores computed.
+    pub endpoint_scores: usize,
 }
 
 impl Default for ExtProcSettings {
@@ -61,6 +64,7 @@ impl Default for ExtProcSettings {
             flow_settings: crate::flow::FlowSettings::default(),
             pd_protocol: PdProtocol::default(),
             tracer: None,
+            endpoint_scores: 0,
         }
     }
 }

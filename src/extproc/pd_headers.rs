@@ -113,6 +113,7 @@ mod tests {
             session: None,
             candidates: 1,
             predicted_ttft_seconds: 0.0,
+            scores: vec![],
         }
     }
 

@@ -48,6 +48,9 @@ pub const MAX_BODY_CHUNK: usize = 62_000;
 
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
+/// `envoy.lb` key of the candidates' scores (`--emit-endpoint-scores`; llm-d-router's
+/// `DestinationEndpointScoresKey`): a struct, address -> number.
+pub const SCORES_KEY: &str = "x-gateway-destination-endpoint-scores";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 pub const LB_NAMESPACE: &str = "envoy.lb";
@@ -197,6 +200,8 @@ pub struct StreamMachine {
     fairness_key: Option<String>,
     slo_ttft_ms: Option<u64>,
     slo_tpot_ms: Option<u64>,
+    /// The model the request's `x-llm-d-model-name-rewrite` names (`flow::MODEL_REWRITE_HEADERS`).
+    model_rewrite: Option<String>,
     /// Routed once its [`Waiter`] is released.
     queued: Option<QueuedRoute>,
     /// The request's EPP series (`crate::epp_metrics`).
@@ -243,6 +248,7 @@ impl StreamMachine {
             fairness_key: None,
             slo_ttft_ms: None,
             slo_tpot_ms: None,
+            model_rewrite: None,
             queued: None,
             epp,
             tokenize_started: None,
@@ -684,6 +690,7 @@ impl StreamMachine {
                 self.fairness_key = Some(class.fairness_key);
                 self.slo_ttft_ms = class.slo_ttft_ms;
                 self.slo_tpot_ms = class.slo_tpot_ms;
+                self.model_rewrite = class.model_rewrite;
             }
             Err(err) => {
                 self.header_error.get_or_insert_with(|| err.to_string());
@@ -691,7 +698,8 @@ impl StreamMachine {
         }
     }
 
-    /// Model rewrite (InferenceModelRewrite rules of the flow policy), before the body is parsed,
+    /// Model rewrite (`x-llm-d-model-name-rewrite`, then InferenceModelRewrite rules of the flow
+    /// policy, as llm-d-router orders them: `flow::rewrite_request_body`), before the body is parsed,
     /// so tokenizer, partition and pick all see the target model and Envoy forwards the rewritten
     /// body. The target is chosen by a hash of the session id (a session stays on one target and
     /// keeps its KV cache), else of the client's `x-request-id` (a retry keeps its model), else at
@@ -699,15 +707,24 @@ impl StreamMachine {
     /// removes it from the request whenever body mutation is possible (ext_proc
     /// `processing_mode.proto`). `Some` = a step to answer instead (budget exhausted).
     fn rewrite_model(&mut self) -> Option<Step> {
-        let policy = self.settings.flow_policy.as_ref()?.borrow().clone();
-        if policy.rules().is_empty() {
+        let policy = match (&self.settings.flow_policy, &self.model_rewrite) {
+            (Some(rx), _) => rx.borrow().clone(),
+            (None, Some(_)) => Arc::new(crate::flow::FlowPolicy::default()),
+            (None, None) => return None,
+        };
+        if policy.rules().is_empty() && self.model_rewrite.is_none() {
             return None; // no copy of a multi-chunk body when there is nothing to rewrite
         }
         let pick = match self.session_id.as_ref().or(self.request_id.as_ref()) {
             Some(id) => xxhash_rust::xxh3::xxh3_64(id.as_bytes()),
             None => rand::random(),
         };
-        let rewritten = crate::flow::rewrite_request_body(&policy, &self.body.contiguous(), pick)?;
+        let rewritten = crate::flow::rewrite_request_body(
+            &policy,
+            &self.body.contiguous(),
+            pick,
+            self.model_rewrite.as_deref(),
+        )?;
         tracing::debug!(from = %rewritten.from, to = %rewritten.to, "model rewritten");
         self.epp.rewritten(&rewritten.from, &rewritten.to);
         let grow = rewritten.body.len().saturating_sub(self.body.len);
@@ -852,6 +869,7 @@ impl StreamMachine {
             session_final: self.session_final,
             on_duplicate: DuplicateId::Suffix,
             holder: crate::selection::Holder::Stream,
+            scores: self.settings.endpoint_scores,
         };
         let pick_started = Instant::now();
         let admitted = self.core.admit(&request);
@@ -921,7 +939,7 @@ impl StreamMachine {
         waited: bool,
     ) -> Step {
         let (destination, set, remove) = self.route_headers(reservation.selection(), request_id);
-        let response = headers_response(&destination, set, remove);
+        let response = headers_response(&destination, &reservation.selection().scores, set, remove);
         tracing::debug!(
             booking = reservation.booking_id(),
             endpoint = %destination,
@@ -1080,3 +1098,7 @@ mod tests;
 #[cfg(test)]
 #[path = "stream_cache_view_tests.rs"]
 mod cache_view_tests;
+
+#[cfg(test)]
+#[path = "stream_scores_tests.rs"]
+mod scores_tests;

@@ -461,7 +461,8 @@ fn spoofed_headers_are_removed_and_fallbacks_listed() {
             ("x-gateway-destination-endpoint", "6.6.6.6:1"),
             ("x-gateway-destination-endpoint-subset", "6.6.6.6"),
             ("X-Gateway-Inference-Objective", "x"),
-            ("x-gateway-model-name-rewrite", "evil"),
+            // Read (a target model, as llm-d-router reads it), then kept from the upstream.
+            ("x-gateway-model-name-rewrite", "m"),
             ("x-data-parallel-rank", "7"),
         ],
         false,

@@ -61,16 +61,33 @@ pub const MAX_SLO_MS: u64 = 3_600_000;
 /// Fairness key of a request without a fairness id and without a known objective.
 pub const DEFAULT_FAIRNESS_KEY: &str = "default";
 
-/// Request headers read by [`classify`], most preferred first within each pair.
-pub const OBJECTIVE_HEADERS: [&str; 2] = [
+/// Request headers read by [`classify`]: each list is one header, its current name first, then
+/// its deprecated aliases in the order they are preferred (llm-d-router's `metadata.HeaderNames`:
+/// the current name wins over an alias when a request sends both). Every name is listed in
+/// `docs/headers.md`.
+///
+/// The objective: llm-d-router's `ObjectiveKey`, then its deprecated `OldObjectiveKey` (GIE's).
+pub const OBJECTIVE_HEADERS: &[&str] = &[
     "x-llm-d-inference-objective",
     "x-gateway-inference-objective",
 ];
-pub const FAIRNESS_HEADERS: [&str; 2] = ["x-llm-d-fairness-id", "x-gateway-inference-fairness-id"];
+/// The fairness id: llm-d-router's `FlowFairnessIDKey`, its deprecated `OldFlowFairnessIDKey`
+/// (GIE's), then kvpick's own former name (`x-llm-d-fairness-id`, never llm-d's: kept so
+/// clients configured from kvpick's older docs keep their tenant).
+pub const FAIRNESS_HEADERS: &[&str] = &[
+    "x-llm-d-inference-fairness-id",
+    "x-gateway-inference-fairness-id",
+    "x-llm-d-fairness-id",
+];
 pub const PRIORITY_HEADER: &str = "x-dynamo-request-priority";
-pub const SLO_TTFT_HEADER: &str = "x-llm-d-slo-ttft-ms";
-pub const SLO_TPOT_HEADER: &str = "x-llm-d-slo-tpot-ms";
-
+/// The TTFT SLO: llm-d-router's `TTFTSLOHeaderKey`, then its deprecated `OldTTFTSLOHeaderKey`.
+pub const SLO_TTFT_HEADERS: &[&str] = &["x-llm-d-slo-ttft-ms", "x-slo-ttft-ms"];
+/// The TPOT SLO: llm-d-router's `TPOTSLOHeaderKey`, then its deprecated `OldTPOTSLOHeaderKey`.
+pub const SLO_TPOT_HEADERS: &[&str] = &["x-llm-d-slo-tpot-ms", "x-slo-tpot-ms"];
+/// The model to forward to: llm-d-router's `ModelNameRewriteKey`, then its deprecated
+/// `OldModelNameRewriteKey` (GIE's).
+pub const MODEL_REWRITE_HEADERS: &[&str] =
+    &["x-llm-d-model-name-rewrite", "x-gateway-model-name-rewrite"];
 /// Where an objective or rule came from (for logs and precedence).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Origin {
@@ -272,10 +289,17 @@ impl FlowPolicy {
     /// number, or a hash of the request id for a stable choice): target *i* is chosen when `pick`
     /// falls in its share of the `u64` range, `weight_i / sum(weights)`.
     pub fn rewrite(&self, model: &str, pick: u64) -> Option<String> {
+        self.rule_choice(model, pick)
+            .filter(|chosen| *chosen != model)
+            .map(str::to_string)
+    }
+
+    /// The target the rule matching `model` chooses for `pick` (possibly `model` itself); `None`
+    /// when no rule matches.
+    fn rule_choice(&self, model: &str, pick: u64) -> Option<&str> {
         let index = self.exact.get(model).copied().or(self.wildcard)?;
         let rule = self.rules.get(index)?;
-        let chosen = weighted_choice(&rule.targets, pick)?;
-        (chosen.model != model).then(|| chosen.model.clone())
+        weighted_choice(&rule.targets, pick).map(|t| t.model.as_str())
     }
 }
 
@@ -308,6 +332,10 @@ pub struct Classification {
     pub objective: Option<String>,
     pub slo_ttft_ms: Option<u64>,
     pub slo_tpot_ms: Option<u64>,
+    /// The model the request is forwarded to ([`MODEL_REWRITE_HEADERS`]), when it names one; an
+    /// InferenceModelRewrite rule matching the body's model still wins
+    /// ([`rewrite_request_body`]).
+    pub model_rewrite: Option<String>,
 }
 
 /// A malformed flow header: the host answers 400 with [`ClassifyError`]'s message.
@@ -325,50 +353,57 @@ pub enum ClassifyError {
 
 /// Classifies a request from its headers. `headers` yields `(name, value)` pairs as Envoy sent
 /// them (names compared case-insensitively, values as raw bytes so length caps count what the
-/// client sent). Empty values count as absent. For each header the first occurrence counts.
+/// client sent). Empty values count as absent. For each header the first occurrence counts, and
+/// of a header's names (current, then deprecated aliases) the first listed that the request sends
+/// counts, wherever it stands in the request (`docs/headers.md`).
 ///
-/// - **Objective**: `x-llm-d-inference-objective`, else `x-gateway-inference-objective`. A known
-///   name gives its priority and `objective: Some(name)`; an unknown name gives priority 0 and
-///   `objective: None` (it is not an error: clients may name objectives before they are
-///   created, and a client-chosen unknown name must not become a metric label).
+/// - **Objective** ([`OBJECTIVE_HEADERS`]): a known name gives its priority and
+///   `objective: Some(name)`; an unknown name gives priority 0 and `objective: None` (it is not
+///   an error: clients may name objectives before they are created, and a client-chosen unknown
+///   name must not become a metric label).
 /// - **Priority**: with [`FlowSettings::client_priority`] (default), `x-dynamo-request-priority`
 ///   *overrides* the objective's priority (the per-request header is the more specific), clamped
 ///   to the bands the policy defines ([`FlowPolicy::band_for`]); without it the header is ignored
 ///   and the objective alone decides (0 without one).
-/// - **Fairness key**: `x-llm-d-fairness-id`, else `x-gateway-inference-fairness-id`; absent, the
-///   known objective's name, else [`DEFAULT_FAIRNESS_KEY`]. At most [`MAX_FAIRNESS_ID_LEN`] bytes of
-///   printable ASCII. The value is client-controlled: whoever counts per key must bound them.
-/// - **SLOs**: `x-llm-d-slo-ttft-ms`, `x-llm-d-slo-tpot-ms`, whole milliseconds 1..=[`MAX_SLO_MS`].
+/// - **Fairness key** ([`FAIRNESS_HEADERS`]); absent, the known objective's name, else
+///   [`DEFAULT_FAIRNESS_KEY`]. At most [`MAX_FAIRNESS_ID_LEN`] bytes of printable ASCII. The value
+///   is client-controlled: whoever counts per key must bound them.
+/// - **SLOs** ([`SLO_TTFT_HEADERS`], [`SLO_TPOT_HEADERS`]): whole milliseconds 1..=[`MAX_SLO_MS`].
+/// - **Model rewrite** ([`MODEL_REWRITE_HEADERS`]): at most [`MAX_MODEL_LEN`] bytes of printable
+///   ASCII.
 pub fn classify<'a>(
     headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
     policy: &FlowPolicy,
     settings: &FlowSettings,
 ) -> Result<Classification, ClassifyError> {
-    let mut objective: [Option<&[u8]>; 2] = [None, None];
-    let mut fairness: [Option<&[u8]>; 2] = [None, None];
-    let (mut priority, mut ttft, mut tpot) = (None::<&[u8]>, None::<&[u8]>, None::<&[u8]>);
+    let mut objective = Named::new(OBJECTIVE_HEADERS);
+    let mut fairness = Named::new(FAIRNESS_HEADERS);
+    let mut ttft = Named::new(SLO_TTFT_HEADERS);
+    let mut tpot = Named::new(SLO_TPOT_HEADERS);
+    let mut rewrite = Named::new(MODEL_REWRITE_HEADERS);
+    let mut priority = None::<&[u8]>;
     for (name, value) in headers {
         if value.is_empty() {
             continue;
         }
-        let slot = if let Some(i) = position(&OBJECTIVE_HEADERS, name) {
-            &mut objective[i]
-        } else if let Some(i) = position(&FAIRNESS_HEADERS, name) {
-            &mut fairness[i]
-        } else if name.eq_ignore_ascii_case(PRIORITY_HEADER) {
-            &mut priority
-        } else if name.eq_ignore_ascii_case(SLO_TTFT_HEADER) {
-            &mut ttft
-        } else if name.eq_ignore_ascii_case(SLO_TPOT_HEADER) {
-            &mut tpot
-        } else {
+        if name.eq_ignore_ascii_case(PRIORITY_HEADER) {
+            priority.get_or_insert(value);
             continue;
-        };
-        slot.get_or_insert(value);
+        }
+        let _ = [
+            &mut objective,
+            &mut fairness,
+            &mut ttft,
+            &mut tpot,
+            &mut rewrite,
+        ]
+        .into_iter()
+        .any(|h| h.offer(name, value));
     }
 
-    let objective_name = first_token(&objective, &OBJECTIVE_HEADERS, MAX_OBJECTIVE_LEN)?;
-    let fairness_id = first_token(&fairness, &FAIRNESS_HEADERS, MAX_FAIRNESS_ID_LEN)?;
+    let objective_name = objective.token(MAX_OBJECTIVE_LEN)?;
+    let fairness_id = fairness.token(MAX_FAIRNESS_ID_LEN)?;
+    let model_rewrite = rewrite.token(MAX_MODEL_LEN)?.map(str::to_string);
     let known = objective_name.and_then(|n| policy.objective(n));
     if let (Some(name), None) = (objective_name, known) {
         tracing::debug!(
@@ -397,56 +432,86 @@ pub fn classify<'a>(
         priority: out_priority,
         fairness_key,
         objective: known.map(|o| o.name.clone()),
-        slo_ttft_ms: slo(ttft, SLO_TTFT_HEADER)?,
-        slo_tpot_ms: slo(tpot, SLO_TPOT_HEADER)?,
+        slo_ttft_ms: ttft.slo()?,
+        slo_tpot_ms: tpot.slo()?,
+        model_rewrite,
     })
 }
 
-fn position(names: &[&str; 2], name: &str) -> Option<usize> {
-    names.iter().position(|n| n.eq_ignore_ascii_case(name))
+/// One header under its names (current first, then deprecated aliases): the first value each
+/// name was sent with.
+struct Named<'a> {
+    names: &'static [&'static str],
+    values: [Option<&'a [u8]>; MAX_HEADER_NAMES],
 }
 
-/// The preferred header's value as a token: at most `max` bytes of printable ASCII (0x21..=0x7e),
-/// surrounding spaces trimmed.
-fn first_token<'a>(
-    values: &[Option<&'a [u8]>; 2],
-    names: &[&'static str; 2],
-    max: usize,
-) -> Result<Option<&'a str>, ClassifyError> {
-    let Some((i, raw)) = values
-        .iter()
-        .enumerate()
-        .find_map(|(i, v)| v.map(|v| (i, v)))
-    else {
-        return Ok(None);
-    };
-    let header = names[i];
-    if raw.len() > max {
-        return Err(ClassifyError::TooLong { header, max });
+/// Most names one header has (current + aliases).
+const MAX_HEADER_NAMES: usize = 4;
+
+impl<'a> Named<'a> {
+    fn new(names: &'static [&'static str]) -> Self {
+        debug_assert!(names.len() <= MAX_HEADER_NAMES);
+        Named {
+            names,
+            values: [None; MAX_HEADER_NAMES],
+        }
     }
-    let text = std::str::from_utf8(raw)
-        .map_err(|_| ClassifyError::BadChars { header })?
-        .trim_matches(' ');
-    if text.is_empty() {
-        return Ok(None);
+
+    /// Takes the value when `name` is one of this header's names; `true` when it was.
+    fn offer(&mut self, name: &str, value: &'a [u8]) -> bool {
+        let Some(i) = self.names.iter().position(|n| n.eq_ignore_ascii_case(name)) else {
+            return false;
+        };
+        if let Some(slot) = self.values.get_mut(i) {
+            slot.get_or_insert(value);
+        }
+        true
     }
-    if !text.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-        return Err(ClassifyError::BadChars { header });
+
+    /// The most preferred name sent, and its value.
+    fn preferred(&self) -> Option<(&'static str, &'a [u8])> {
+        self.names
+            .iter()
+            .zip(self.values.iter())
+            .find_map(|(n, v)| v.map(|v| (*n, v)))
     }
-    Ok(Some(text))
+
+    /// The preferred value as a token: at most `max` bytes of printable ASCII (0x21..=0x7e),
+    /// surrounding spaces trimmed.
+    fn token(&self, max: usize) -> Result<Option<&'a str>, ClassifyError> {
+        let Some((header, raw)) = self.preferred() else {
+            return Ok(None);
+        };
+        if raw.len() > max {
+            return Err(ClassifyError::TooLong { header, max });
+        }
+        let text = std::str::from_utf8(raw)
+            .map_err(|_| ClassifyError::BadChars { header })?
+            .trim_matches(' ');
+        if text.is_empty() {
+            return Ok(None);
+        }
+        if !text.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(ClassifyError::BadChars { header });
+        }
+        Ok(Some(text))
+    }
+
+    fn slo(&self) -> Result<Option<u64>, ClassifyError> {
+        match self.preferred() {
+            None => Ok(None),
+            Some((header, raw)) => slo(raw, header).map(Some),
+        }
+    }
 }
 
-fn slo(raw: Option<&[u8]>, header: &'static str) -> Result<Option<u64>, ClassifyError> {
-    let Some(raw) = raw else {
-        return Ok(None);
-    };
+fn slo(raw: &[u8], header: &'static str) -> Result<u64, ClassifyError> {
     std::str::from_utf8(raw)
         .ok()
         .map(str::trim)
         .filter(|s| !s.is_empty() && s.len() <= 10 && s.bytes().all(|b| b.is_ascii_digit()))
         .and_then(|s| s.parse::<u64>().ok())
         .filter(|ms| (1..=MAX_SLO_MS).contains(ms))
-        .map(Some)
         .ok_or(ClassifyError::Slo {
             header,
             max: MAX_SLO_MS,
@@ -505,17 +570,30 @@ pub struct RewrittenBody {
     pub body: Vec<u8>,
 }
 
-/// The ext_proc host's one call: the body with its model rewritten when a rule of `policy`
-/// applies, else `None` — also for a body that is not a JSON object with a string `model` (the
-/// host's own body parser then answers it as usual). Free when the policy has no rules.
-pub fn rewrite_request_body(policy: &FlowPolicy, body: &[u8], pick: u64) -> Option<RewrittenBody> {
-    if policy.rules.is_empty() {
+/// The ext_proc host's one call: the body with its model rewritten, else `None` — also for a
+/// body that is not a JSON object with a string `model` (the host's own body parser then answers
+/// it as usual). Free when the policy has no rules and the request names no target.
+///
+/// The target is llm-d-router's (`Director.modelRewriteIfNeeded`): the model the request's
+/// [`MODEL_REWRITE_HEADERS`] name (`header_target`), else the body's; then a rule of `policy`
+/// matching the body's model, when one does, chooses instead.
+pub fn rewrite_request_body(
+    policy: &FlowPolicy,
+    body: &[u8],
+    pick: u64,
+    header_target: Option<&str>,
+) -> Option<RewrittenBody> {
+    if policy.rules.is_empty() && header_target.is_none() {
         return None;
     }
     let text = std::str::from_utf8(body).ok()?;
     let span = model_span(text).ok()?;
     let from: String = serde_json::from_str(text.get(span.clone())?).ok()?;
-    let to = policy.rewrite(&from, pick)?;
+    let to = policy
+        .rule_choice(&from, pick)
+        .or(header_target)
+        .filter(|to| *to != from)?
+        .to_string();
     let body = splice(body, span, &to).ok()?;
     Some(RewrittenBody { from, to, body })
 }
@@ -579,5 +657,7 @@ fn model_span(text: &str) -> Result<std::ops::Range<usize>, RewriteBodyError> {
 /// Shared handle type the host reads the current policy through.
 pub type PolicyRx = tokio::sync::watch::Receiver<Arc<FlowPolicy>>;
 
+#[cfg(test)]
+mod headers_tests;
 #[cfg(test)]
 mod tests;

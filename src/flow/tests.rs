@@ -62,6 +62,7 @@ fn no_headers_is_priority_zero_in_the_default_key() {
             objective: None,
             slo_ttft_ms: None,
             slo_tpot_ms: None,
+            model_rewrite: None,
         }
     );
 }
@@ -98,8 +99,9 @@ fn unknown_objective_is_priority_zero_and_not_carried() {
 #[test]
 fn fairness_ids_by_preference() {
     let c = ok(&[
+        ("x-llm-d-fairness-id", "tenant-c"),
         ("x-gateway-inference-fairness-id", "tenant-b"),
-        ("x-llm-d-fairness-id", "tenant-a"),
+        ("x-llm-d-inference-fairness-id", "tenant-a"),
         ("x-gateway-inference-objective", "batch"),
     ]);
     assert_eq!(c.fairness_key, "tenant-a");
@@ -383,24 +385,28 @@ fn body_rewrite_errors() {
 #[test]
 fn request_body_rewrite_applies_rules_and_leaves_the_rest_to_the_parser() {
     let p = policy();
-    let r = rewrite_request_body(&p, br#"{"model": "llama", "prompt": "x"}"#, u64::MAX).unwrap();
+    let r =
+        rewrite_request_body(&p, br#"{"model": "llama", "prompt": "x"}"#, u64::MAX, None).unwrap();
     assert_eq!((r.from.as_str(), r.to.as_str()), ("llama", "llama-v2"));
     assert_eq!(r.body, br#"{"model": "llama-v2", "prompt": "x"}"#);
     // An escaped model name is compared unescaped.
-    let r = rewrite_request_body(&p, br#"{"model": "\u006c\u006cama"}"#, 0).unwrap();
+    let r = rewrite_request_body(&p, br#"{"model": "\u006c\u006cama"}"#, 0, None).unwrap();
     assert_eq!(r.to, "llama-v1");
-    assert_eq!(rewrite_request_body(&p, br#"{"model": "keep"}"#, 0), None);
+    assert_eq!(
+        rewrite_request_body(&p, br#"{"model": "keep"}"#, 0, None),
+        None
+    );
     for bad in [
         &b"not json"[..],
         br#"{"model": 1}"#,
         br#"{"prompt": "x"}"#,
         b"\xff",
     ] {
-        assert_eq!(rewrite_request_body(&p, bad, 0), None, "{bad:?}");
+        assert_eq!(rewrite_request_body(&p, bad, 0, None), None, "{bad:?}");
     }
     let empty = FlowPolicy::default();
     assert_eq!(
-        rewrite_request_body(&empty, br#"{"model": "llama"}"#, 0),
+        rewrite_request_body(&empty, br#"{"model": "llama"}"#, 0, None),
         None
     );
 }
@@ -453,7 +459,7 @@ fn body_rewrite_and_classify_hold_their_invariants_on_mutated_input() {
             before["model"] = target.into();
             assert_eq!(before, after, "{}", String::from_utf8_lossy(&body));
         }
-        let _ = rewrite_request_body(&p, &body, next());
+        let _ = rewrite_request_body(&p, &body, next(), None);
         let headers = [
             ("x-llm-d-inference-objective", &body[..body.len().min(300)]),
             ("x-llm-d-fairness-id", &body[..body.len().min(140)]),

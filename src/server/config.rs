@@ -77,6 +77,11 @@ pub fn extproc_settings(
         flow_settings,
         pd_protocol: args.pd_protocol,
         tracer,
+        endpoint_scores: if args.emit_endpoint_scores {
+            args.endpoint_scores_limit
+        } else {
+            0
+        },
     }
 }
 

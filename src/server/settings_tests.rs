@@ -315,3 +315,35 @@ fn tokenizer_dirs_are_a_list_and_the_old_queue_flag_sets_the_stall_timeout() {
     assert_eq!(args.tokenize_queue_max_bytes, None, "default: per thread");
     assert!(args.tokenizer_dir.is_empty());
 }
+
+#[test]
+fn endpoint_scores_flags_default_off_bounded_1_to_1024() {
+    let parse = |argv: &[&str]| {
+        serve_command()
+            .try_get_matches_from(argv.iter().map(OsString::from))
+            .map(|m| ServeArgs::from_arg_matches(&m).unwrap())
+    };
+    let plain = parse(&[]).unwrap();
+    assert!(!plain.emit_endpoint_scores);
+    assert_eq!(
+        plain.endpoint_scores_limit,
+        crate::server::DEFAULT_ENDPOINT_SCORES_LIMIT
+    );
+    let at_cap = parse(&["--emit-endpoint-scores", "--endpoint-scores-limit", "1024"]).unwrap();
+    assert!(at_cap.emit_endpoint_scores);
+    assert_eq!(at_cap.endpoint_scores_limit, 1024);
+    for over in ["0", "1025"] {
+        let err = parse(&["--endpoint-scores-limit", over])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--endpoint-scores-limit") && err.contains("must be 1..=1024"),
+            "{over}: {err}"
+        );
+    }
+    // The settings file names it like any flag.
+    let file = File::new("emit-endpoint-scores: true\nendpoint-scores-limit: 4\n");
+    let args = load(&file, &[]).unwrap();
+    assert!(args.emit_endpoint_scores);
+    assert_eq!(args.endpoint_scores_limit, 4);
+}

@@ -253,6 +253,7 @@ fn the_reason_is_the_first_rule_that_decided() {
         session: None,
         candidates: 2,
         predicted_ttft_seconds: 0.05,
+        scores: vec![],
     };
     assert_eq!(pick_reason(&base, false), "load");
     let cached = Selection {

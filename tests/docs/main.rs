@@ -3,7 +3,7 @@
 //! definitions in `src/`) and must equal what is committed; the Helm values table of
 //! `docs/deployment.md` names every value of the chart; every page of `docs/` is reachable from the
 //! table of contents in `docs/README.md`; every relative link and `#anchor` in `docs/` and
-//! `README.md` resolves; and the module tables of `docs/ARCHITECTURE.md` name exactly the modules
+//! `README.md` resolves; `docs/headers.md`'s table names every header of the code; and the module tables of `docs/ARCHITECTURE.md` name exactly the modules
 //! of `src/` and `crates/*/src`, whose top-level modules of `src/` import each other without a
 //! circle; and nothing in the repository reads beside its checkout: the traces it needs are in
 //! `data/`, with their licence. Reads only files in the repository (and runs `kvpick serve
@@ -17,6 +17,7 @@
 mod architecture;
 mod flags;
 mod generated;
+mod headers;
 mod helm;
 mod layering;
 mod links;

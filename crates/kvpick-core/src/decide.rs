@@ -225,6 +225,16 @@ pub fn engine_metrics_cost(c: &Candidate, params: &CostParams) -> f64 {
     load + adapter
 }
 
+/// A cost as a gateway score: `1 / (1 + cost)`, in (0, 1], higher is better (llm-d-router's
+/// scores are higher-is-better). 1 is a rank that costs nothing (the whole prompt cached, no
+/// load); the cost comes back as `1 / score - 1`. A NaN or infinite cost scores 0.
+pub fn gateway_score(cost: f64) -> f64 {
+    if cost.is_nan() {
+        return 0.0;
+    }
+    1.0 / (1.0 + cost.max(0.0))
+}
+
 /// Where a candidate ranks: ranks within the TTFT bound first, then by cost, then by the
 /// rank's tie key, then by the rank itself (a total order that does not depend on the order of
 /// the candidates, so a decision over a subset of them can be proved equal to one over all).

@@ -109,6 +109,31 @@ pub struct Selection {
     pub candidates: u32,
     /// The first-token time the estimator predicted for this pick, in seconds.
     pub predicted_ttft_seconds: f64,
+    /// With [`SelectionRequest::scores`] > 0: the scored endpoints, one per address, at most that
+    /// many — the destinations (primary, then fallbacks) first, then the other candidates best
+    /// first. Empty otherwise.
+    pub scores: Vec<EndpointScore>,
+}
+
+/// One endpoint's score in the decision that picked ([`Selection::scores`]): what a gateway
+/// weighing fallbacks reads (llm-d-router's `x-gateway-destination-endpoint-scores`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EndpointScore {
+    /// The address (`ip:port`). Ranks of a multiplexed data-parallel engine share one: it carries
+    /// the picked rank's score when it is a destination, else its best rank's.
+    pub endpoint: SocketAddr,
+    /// The rank the score is for.
+    pub rank: RankKey,
+    /// The decision's cost of the rank ([`decide::cost`]: uncached prefill blocks at the
+    /// partition's speed; lower is better).
+    pub cost: f64,
+}
+
+impl EndpointScore {
+    /// The score: [`decide::gateway_score`] of the cost, in (0, 1], higher is better.
+    pub fn score(&self) -> f64 {
+        decide::gateway_score(self.cost)
+    }
 }
 
 /// A read-only view of one worker and its per-rank load, for listing.

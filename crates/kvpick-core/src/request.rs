@@ -22,6 +22,8 @@ pub const MAX_FAIRNESS_KEY_BYTES: usize = 256;
 pub const MAX_SLO_MS: u64 = 3_600_000;
 /// Most fallback endpoints one request may ask for.
 pub const MAX_FALLBACKS: usize = 16;
+/// Most candidate ranks whose scores one answer carries ([`SelectionRequest::scores`]).
+pub const MAX_ENDPOINT_SCORES: usize = 1_024;
 /// Largest prompt a request may declare (tokens). Far above any context window; it only keeps
 /// load arithmetic (tokens summed over bookings) far from overflow.
 pub const MAX_PROMPT_TOKENS: u64 = 1 << 32;
@@ -157,6 +159,10 @@ pub struct SelectionRequest {
     pub session_final: bool,
     pub on_duplicate: DuplicateId,
     pub holder: Holder,
+    /// Most endpoints whose scores the answer carries ([`crate::Selection::scores`]: the
+    /// destinations, then the best-scored other candidates); 0 = none, and nothing is allocated
+    /// for them. At most [`MAX_ENDPOINT_SCORES`].
+    pub scores: usize,
 }
 
 /// Precomputed block hashes must describe the prompt they claim: `prompt_tokens` within one
@@ -215,6 +221,7 @@ impl SelectionRequest {
             session_final: self.session_final,
             on_duplicate: self.on_duplicate,
             holder: self.holder,
+            scores: self.scores,
         }
     }
 
@@ -259,6 +266,12 @@ impl SelectionRequest {
             return Err(SelectError::BadRequest(format!(
                 "at most {MAX_FALLBACKS} fallbacks, got {}",
                 self.fallbacks
+            )));
+        }
+        if self.scores > MAX_ENDPOINT_SCORES {
+            return Err(SelectError::BadRequest(format!(
+                "at most {MAX_ENDPOINT_SCORES} endpoint scores, got {}",
+                self.scores
             )));
         }
         if let Some(t) = self.temperature {

@@ -19,7 +19,7 @@ use crate::request::BodyError;
 
 use super::super::budget::BodyLease;
 use super::super::codec::{BodySide, Outbound};
-use super::{Step, DESTINATION_HEADER, LB_NAMESPACE, MAX_BODY_CHUNK};
+use super::{Step, DESTINATION_HEADER, LB_NAMESPACE, MAX_BODY_CHUNK, SCORES_KEY};
 
 pub(super) fn check_protocol(
     config: &envoy_types::pb::envoy::service::ext_proc::v3::ProtocolConfiguration,
@@ -123,14 +123,16 @@ pub(super) fn set_header(key: &str, value: &str) -> HeaderValueOption {
 }
 
 /// The request-headers answer of a routed request: the header mutation, the `envoy.lb` metadata
-/// naming the same destination, and a cleared route cache so Envoy routes on the new headers.
+/// naming the same destination (and the candidates' scores, when the pick carries them), and a
+/// cleared route cache so Envoy routes on the new headers.
 pub(super) fn headers_response(
     destination: &str,
+    scores: &[kvpick_core::EndpointScore],
     set_headers: Vec<HeaderValueOption>,
     remove_headers: Vec<String>,
 ) -> ProcessingResponse {
     ProcessingResponse {
-        dynamic_metadata: Some(lb_metadata(destination)),
+        dynamic_metadata: Some(lb_metadata(destination, scores)),
         response: Some(processing_response::Response::RequestHeaders(
             HeadersResponse {
                 response: Some(CommonResponse {
@@ -147,8 +149,10 @@ pub(super) fn headers_response(
     }
 }
 
-pub(super) fn lb_metadata(destination: &str) -> Struct {
-    let inner = Struct {
+/// `envoy.lb`: the destination and, when `scores` is not empty, the scores struct (llm-d-router's
+/// shape: `"ip:port"` -> number; docs/headers.md says what the number means).
+pub(super) fn lb_metadata(destination: &str, scores: &[kvpick_core::EndpointScore]) -> Struct {
+    let mut inner = Struct {
         fields: [(
             DESTINATION_HEADER.to_string(),
             Value {
@@ -157,6 +161,25 @@ pub(super) fn lb_metadata(destination: &str) -> Struct {
         )]
         .into(),
     };
+    if !scores.is_empty() {
+        let by_endpoint = scores
+            .iter()
+            .map(|s| {
+                let score = Value {
+                    kind: Some(Kind::NumberValue(s.score())),
+                };
+                (s.endpoint.to_string(), score)
+            })
+            .collect();
+        inner.fields.insert(
+            SCORES_KEY.to_string(),
+            Value {
+                kind: Some(Kind::StructValue(Struct {
+                    fields: by_endpoint,
+                })),
+            },
+        );
+    }
     Struct {
         fields: [(
             LB_NAMESPACE.to_string(),

@@ -273,3 +273,6 @@ mod prediction_tests;
 
 #[cfg(test)]
 mod session_tree_tests;
+
+#[cfg(test)]
+mod scores_tests;

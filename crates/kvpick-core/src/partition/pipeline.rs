@@ -12,7 +12,9 @@
 //! 9. [`apply_affinity`]: hard affinity keeps the bound rank, soft keeps it within a margin;
 //! 10. [`dispatch_or_wait`] (flow control on): a saturated pick gives way to a rank with room
 //!     only if that one is no slower, else the request waits;
-//! 11. [`picked_ranks`]: the primary and distinct fallback endpoints.
+//! 11. [`picked_ranks`]: the primary and distinct fallback endpoints;
+//! 12. [`endpoint_scores`] (when asked): the decision's costs of the destinations and the best
+//!     other candidates, one per address, for the gateway.
 //!
 //! Every stage is a function of its arguments (the partition's rank table, the request, the
 //! config): no lock, no clock, no metrics. The partition runs them under its lock and books the
@@ -27,7 +29,7 @@ use crate::index::TierDepths;
 use crate::request::{clip, EndpointFilter, Pin, PromptInput};
 use crate::session::{AffinityMode, Invalidation, SessionConfig};
 use crate::types::{RankKey, RankLoad};
-use crate::PickedRank;
+use crate::{EndpointScore, PickedRank};
 use std::time::{Duration, Instant};
 
 use super::ranks::Slot;
@@ -643,6 +645,60 @@ pub(crate) fn picked_ranks(
         }
     }
     Some((primary, rest))
+}
+
+/// At most `top` endpoints with the decision's cost (`decision.costs`, never recomputed): the
+/// destinations first (their own rank's cost), then the other candidates by cost (ties by rank),
+/// one per address — the first rank seen at an address speaks for it, which is the cheapest
+/// one of a multiplexed engine that is not a destination. `top` 0 returns an empty vector
+/// without allocating; otherwise O(candidates × log) for the sort and O(candidates × top) for
+/// the address check, paid only by requests that ask.
+pub(crate) fn endpoint_scores(
+    slots: &[(RankKey, Slot)],
+    eligible: &[usize],
+    candidates: &[Candidate],
+    decision: &Decision,
+    destinations: &[&PickedRank],
+    top: usize,
+) -> Vec<EndpointScore> {
+    if top == 0 {
+        return Vec::new();
+    }
+    let cost_of = |i: usize| decision.costs.get(i).copied().unwrap_or(f64::INFINITY);
+    let score_of = |i: usize| -> Option<EndpointScore> {
+        let (key, slot) = slots.get(*eligible.get(i)?)?;
+        Some(EndpointScore {
+            endpoint: slot.endpoint,
+            rank: *key,
+            cost: cost_of(i),
+        })
+    };
+    let mut out: Vec<EndpointScore> = Vec::with_capacity(top.min(candidates.len()));
+    for d in destinations {
+        if out.len() == top {
+            return out;
+        }
+        if let Some(i) = candidates.iter().position(|c| c.key == d.key) {
+            out.extend(score_of(i));
+        }
+    }
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    order.sort_unstable_by(|&a, &b| {
+        cost_of(a)
+            .total_cmp(&cost_of(b))
+            .then_with(|| candidates[a].key.cmp(&candidates[b].key))
+    });
+    for i in order {
+        if out.len() == top {
+            break;
+        }
+        if let Some(s) = score_of(i) {
+            if out.iter().all(|o| o.endpoint != s.endpoint) {
+                out.push(s);
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -168,15 +168,30 @@ impl Partition {
         } else {
             String::new()
         };
+        // The gateway's scores (opt-in): the decision's own costs, before the pick is booked.
+        let destinations: Vec<&crate::PickedRank> = if ask.request.scores > 0 {
+            std::iter::once(&picked.primary)
+                .chain(&picked.fallbacks)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let scores = pipeline::endpoint_scores(
+            &state.ranks.slots,
+            &field.eligible,
+            &field.candidates,
+            &decided.decision,
+            &destinations,
+            ask.request.scores,
+        );
         state.ranks.touch(&picked.primary.key);
         if let Some(parent) = decided.parent.filter(|_| ask.booking.is_some()) {
             facts.push(Fact::SessionParent(parent));
         }
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
-        Ok(SelectOutcome {
-            selection: self.selection(ask, &field, picked, session),
-            trace,
-        })
+        let mut selection = self.selection(ask, &field, picked, session);
+        selection.scores = scores;
+        Ok(SelectOutcome { selection, trace })
     }
 
     /// Stages 1–3: the session's binding, the eligible ranks (allowed, pin, adapter, ejected,
@@ -578,6 +593,7 @@ impl Partition {
             session,
             candidates: field.candidates.len() as u32,
             predicted_ttft_seconds: picked.predicted_ttft,
+            scores: Vec::new(),
         }
     }
 

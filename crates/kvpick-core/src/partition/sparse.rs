@@ -367,7 +367,13 @@ impl Partition {
             candidates: Vec::new(),
             terms: Vec::new(),
             seen: HashSet::new(),
-            top: request.fallbacks.saturating_mul(8).saturating_add(1),
+            // The ranks the answer must rank exactly: the fallbacks' margin, or as many as the
+            // request wants scored (`SelectionRequest::scores`: the best N are then costed).
+            top: request
+                .fallbacks
+                .saturating_mul(8)
+                .saturating_add(1)
+                .max(request.scores),
             best: BinaryHeap::new(),
         };
         let bound = Self::sparse_bound(&found, bound, config, sheddable)?;
