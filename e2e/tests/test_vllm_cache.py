@@ -61,16 +61,26 @@ def test_routing_follows_the_engines_caches(vstack, vllm_pair, client):
     """Followers of a prefix go to the rank whose cache holds it (the engine confirms)."""
     for e in vllm_pair:
         e.reset_prefix_cache()
-    url = vstack.url()
+    kv, url = vstack.kvpick, vstack.url()
     first = {}
     followers = []
+
+    def stores_applied() -> float:
+        return kv.metric("kvpick_kv_events_by_kind_total", event="stored", outcome="admitted") or 0
+
     for i in range(16):
         group = 100 + i % 4             # 4 prefixes of ~1k tokens: both caches hold two each
         prompt = text(group, 800) + " " + text(2000 + i, 30)
+        before = stores_applied()
         served = send(client, url, COMPLETIONS, {"prompt": prompt})
         assert served.status == 200, served.body
         if group not in first:
             first[group] = served.upstream
+            # Followers are to follow the engine's events, not kvpick's own prediction of this
+            # request (kept only a grace past its end): wait for the engine's stores, which a
+            # CPU-starved vLLM can publish more than a second late.
+            harness.wait_until(lambda: stores_applied() > before, 30,
+                               desc="kvpick applied the engine's stores of the group's first prompt")
         else:
             followers.append((group, served.upstream, served.cached, served.prompt_tokens))
     same_rank = sum(up == first[g] for g, up, _, _ in followers)
