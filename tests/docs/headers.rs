@@ -6,26 +6,12 @@
 //! header kvpick no longer speaks.
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
 
 const PAGE: &str = "docs/headers.md";
 const SOURCES: &[&str] = &["src", "crates/kvpick-core/src"];
 /// Header-like names in the code that are not HTTP headers: the page must still say what they
 /// are (outside the table).
 const NOT_HTTP: &[&str] = &["x-anthropic-billing-header"];
-
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs")
-            && !path.to_string_lossy().ends_with("tests.rs")
-        {
-            out.push(path);
-        }
-    }
-}
 
 /// The code before its inline test module, if any.
 fn without_tests(text: &str) -> &str {
@@ -71,10 +57,11 @@ fn is_header_name(s: &str) -> bool {
 
 /// The header names the code speaks.
 fn code_headers() -> BTreeSet<String> {
-    let mut files = Vec::new();
-    for dir in SOURCES {
-        rust_files(&crate::repo().join(dir), &mut files);
-    }
+    // Test files are left out: they send headers the code does not speak.
+    let files = SOURCES
+        .iter()
+        .flat_map(|dir| crate::rust_files(&crate::repo().join(dir)))
+        .filter(|p| !p.to_string_lossy().ends_with("tests.rs"));
     let mut names = BTreeSet::new();
     for file in files {
         let text = std::fs::read_to_string(&file).unwrap();
@@ -93,30 +80,10 @@ fn code_headers() -> BTreeSet<String> {
     names
 }
 
-/// The backticked names in the first cell of each row of the page's table.
-fn table_headers(page: &str) -> BTreeSet<String> {
-    let start = page.find("## The table").expect("a `## The table` section");
-    page[start..]
-        .lines()
-        .skip_while(|l| !l.starts_with('|'))
-        .take_while(|l| l.starts_with('|'))
-        .skip(2)
-        .flat_map(|row| {
-            let first = row.split('|').nth(1).unwrap_or("");
-            first
-                .split('`')
-                .skip(1)
-                .step_by(2)
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        })
-        .collect()
-}
-
 #[test]
 fn the_header_table_names_every_header_of_the_code() {
     let page = crate::read(PAGE);
-    let table = table_headers(&page);
+    let table = crate::first_cell_names(&page, "## The table");
     let code = code_headers();
     assert!(
         code.contains("x-llm-d-inference-fairness-id") && code.contains("traceparent"),

@@ -40,24 +40,7 @@ fn the_helm_values_table_names_every_value_of_the_chart() {
     let mut want = BTreeSet::new();
     leaves(&values, "", &mut want);
     let page = crate::read(PAGE);
-    let start = page
-        .find("## Helm values")
-        .expect("a `## Helm values` section");
-    let documented: BTreeSet<String> = page[start..]
-        .lines()
-        .skip_while(|l| !l.starts_with('|'))
-        .take_while(|l| l.starts_with('|'))
-        .skip(2)
-        .flat_map(|row| {
-            let first = row.split('|').nth(1).unwrap_or("");
-            first
-                .split('`')
-                .skip(1)
-                .step_by(2)
-                .map(str::to_string)
-                .collect::<Vec<_>>()
-        })
-        .collect();
+    let documented = crate::first_cell_names(&page, "## Helm values");
     let missing: Vec<&String> = want.difference(&documented).collect();
     let extra: Vec<&String> = documented.difference(&want).collect();
     assert!(

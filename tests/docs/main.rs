@@ -39,3 +39,39 @@ pub fn read(rel: impl AsRef<Path>) -> String {
     let path = repo().join(rel.as_ref());
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
+
+/// Every `.rs` file below `dir`, recursively.
+pub fn rust_files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(rust_files(&path));
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// The backticked names in the first cell of each row of the first table after `section`.
+pub fn first_cell_names(page: &str, section: &str) -> std::collections::BTreeSet<String> {
+    let start = page
+        .find(section)
+        .unwrap_or_else(|| panic!("a `{section}` section"));
+    page[start..]
+        .lines()
+        .skip_while(|l| !l.starts_with('|'))
+        .take_while(|l| l.starts_with('|'))
+        .skip(2)
+        .flat_map(|row| {
+            let first = row.split('|').nth(1).unwrap_or("");
+            first
+                .split('`')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}

@@ -9,7 +9,6 @@
 //! with a flag (`--shared-state`, `--tokenizer-config`).
 
 use std::collections::BTreeMap;
-use std::path::Path;
 
 const PAGE: &str = "docs/observability.md";
 /// Names of the families kvpick exports (`--metrics-families`): its own and the EPP contract's.
@@ -50,17 +49,6 @@ struct Metric {
     labels: Vec<String>,
     help: String,
     file: String,
-}
-
-fn rust_files(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
-    for entry in std::fs::read_dir(dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            rust_files(&path, out);
-        } else if path.extension().is_some_and(|e| e == "rs") {
-            out.push(path);
-        }
-    }
 }
 
 /// A Rust string literal starting at `s[0] == '"'`: its value and the bytes it spans.
@@ -154,8 +142,7 @@ fn labels_of(call: &str, name: &str) -> Vec<String> {
 }
 
 fn metrics() -> BTreeMap<String, Metric> {
-    let mut files = Vec::new();
-    rust_files(&crate::repo().join("src"), &mut files);
+    let mut files = crate::rust_files(&crate::repo().join("src"));
     files.sort();
     let mut out = BTreeMap::new();
     for path in files {
