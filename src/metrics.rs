@@ -232,6 +232,8 @@ pub struct ExtProcMetrics {
     pub body_bytes_buffered: IntGauge,
     /// Requests answered 503 because the global body budget could not hold their body.
     pub body_budget_rejected: IntCounter,
+    /// ext_proc streams open now (`--max-ext-proc-streams` in use).
+    pub streams_open: IntGauge,
 }
 
 impl ExtProcMetrics {
@@ -305,7 +307,16 @@ impl ExtProcMetrics {
             )
             .unwrap(),
         );
+        let streams_open = register(
+            registry,
+            IntGauge::new(
+                "kvpick_extproc_streams_open",
+                "ext_proc streams open now (--max-ext-proc-streams in use)",
+            )
+            .unwrap(),
+        );
         ExtProcMetrics {
+            streams_open,
             requests,
             pick_latency,
             streams,

@@ -207,10 +207,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = crate::extproc::DEFAULT_BUDGET_BYTES, value_name = "BYTES")]
     pub max_buffered_body_bytes: usize,
 
-    /// Most concurrent HTTP/2 streams per connection on the ext_proc port (SETTINGS_MAX_CONCURRENT_STREAMS);
-    /// Envoy opens more connections past it.
-    #[arg(long, default_value_t = 1024, value_name = "N")]
-    pub max_concurrent_streams: u32,
+    /// Streams per connection and in the whole process, and the idle timeout before routing.
+    #[command(flatten)]
+    pub ext_proc_streams: crate::extproc::bounds::StreamArgs,
 
     /// Bounds on connections and on what a client may make the HTTP/2 layer decode.
     #[command(flatten)]
@@ -884,7 +883,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             flow_policy.clone(),
             flow_settings,
             telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
-        ),
+        )?,
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
     let live_streams = extproc.live_streams();
@@ -899,7 +898,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let grpc_server = ports::serve_grpc(
         conn_limits
             .http2_settings(tonic::transport::Server::builder())
-            .max_concurrent_streams(Some(args.max_concurrent_streams))
+            .max_concurrent_streams(Some(args.ext_proc_streams.max_concurrent_streams))
             .add_service(health_service.clone())
             .add_service(extproc.into_server())
             .add_service(

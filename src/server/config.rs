@@ -62,8 +62,9 @@ pub fn extproc_settings(
     flow_policy: crate::flow::PolicyRx,
     flow_settings: crate::flow::FlowSettings,
     tracer: Option<crate::telemetry::RequestTracer>,
-) -> crate::extproc::ExtProcSettings {
-    crate::extproc::ExtProcSettings {
+) -> anyhow::Result<crate::extproc::ExtProcSettings> {
+    let streams = (args.ext_proc_streams).bounds(metrics.extproc.streams_open.clone())?;
+    Ok(crate::extproc::ExtProcSettings {
         max_body_bytes: args.max_body_bytes,
         fallbacks: args.fallbacks,
         conformance_test_mode: args.conformance_test_mode,
@@ -82,7 +83,8 @@ pub fn extproc_settings(
         } else {
             0
         },
-    }
+        streams,
+    })
 }
 
 /// The scraper's settings from flags (`None` with `--engine-metrics off`).
