@@ -29,7 +29,8 @@ import h2.config
 import h2.connection
 import h2.events
 import hpack
-from hyperframe.frame import Frame, GoAwayFrame
+from hyperframe.frame import (ContinuationFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame,
+                              SettingsFrame)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MAX_FRAME_SIZE = 16_384  # what kvpick advertises (SETTINGS_MAX_FRAME_SIZE)
@@ -496,6 +497,79 @@ def window_update_flood(host: str, port: int, *, streams: int = 100, seconds: fl
                     for i in range(100))
     return flood(host, port, setup=open_streams(streams), unit=unit, frames_per_unit=200,
                  seconds=seconds, reconnect=reconnect)
+
+
+class HeldStreams:
+    """``streams`` ext_proc streams opened on one new connection (HEADERS, no message, never
+    ended) and held while ``poll`` reads what the server answers: each stream's ``grpc-status``
+    (from a trailers-only answer or trailers; kvpick refuses a stream past
+    ``--max-ext-proc-streams`` with 8, RESOURCE_EXHAUSTED, and ends one silent for
+    ``--ext-proc-idle-timeout`` with 4, DEADLINE_EXCEEDED). The server's SETTINGS and PINGs are
+    acknowledged, so only the streams' silence is in question."""
+
+    def __init__(self, host: str, port: int, streams: int, *, timeout: float = 5.0) -> None:
+        self.sock = connect(host, port, timeout=timeout)
+        self.sock.sendall(open_streams(streams))
+        self.streams = streams
+        self.statuses: dict[int, str] = {}
+        self.closed = False
+        self._decoder = hpack.Decoder()
+        self._buf = b""
+
+    def _frame(self, f) -> None:
+        if isinstance(f, SettingsFrame) and "ACK" not in f.flags:
+            self.sock.sendall(frame(SETTINGS, 0x1, 0, b""))
+        elif isinstance(f, PingFrame) and "ACK" not in f.flags:
+            self.sock.sendall(frame(PING, 0x1, 0, bytes(f.opaque_data)))
+        elif isinstance(f, (HeadersFrame, ContinuationFrame)):
+            # kvpick's header blocks fit one frame: decode each as it comes.
+            for name, value in self._decoder.decode(bytes(f.data), raw=True):
+                if name == b"grpc-status":
+                    self.statuses[f.stream_id] = value.decode()
+
+    def poll(self, seconds: float) -> dict[int, str]:
+        """Reads for up to ``seconds``, or until every stream has a status or the server closed
+        the connection; returns the statuses so far (stream id -> grpc-status)."""
+        deadline = time.monotonic() + seconds
+        while (not self.closed and len(self.statuses) < self.streams
+               and time.monotonic() < deadline):
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = self.sock.recv(65536)
+            except (socket.timeout, TimeoutError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.closed = True
+                break
+            self._buf += chunk
+            while len(self._buf) >= 9:
+                length = int.from_bytes(self._buf[:3], "big")
+                if len(self._buf) < 9 + length:
+                    break
+                f, _ = Frame.parse_frame_header(memoryview(self._buf[:9]))
+                f.parse_body(memoryview(self._buf[9:9 + length]))
+                self._buf = self._buf[9 + length:]
+                self._frame(f)
+        return dict(self.statuses)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def rapid_reset(host: str, port: int, *, streams: int = 1000, timeout: float = 10.0) -> Outcome:
+    """CVE-2023-44487's shape: ``streams`` ext_proc streams each opened and at once reset
+    (RST_STREAM CANCEL), in one write. h2 answers GOAWAY(ENHANCE_YOUR_CALM, ``too_many_resets``)
+    itself. Bounded by ``timeout`` seconds."""
+    enc = hpack.Encoder()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", EXT_PROC_PATH),
+               (":authority", "kvpick"), ("content-type", "application/grpc"),
+               ("te", "trailers")]
+    attack = b"".join(frame(HEADERS, END_HEADERS, 1 + 2 * i, enc.encode(headers))
+                      + frame(RST_STREAM, 0, 1 + 2 * i, struct.pack(">I", 0x8))
+                      for i in range(streams))
+    return run_attack(host, port, attack, timeout=timeout)
 
 
 def cpu_seconds(pid: int) -> float:
