@@ -423,7 +423,7 @@ def window_update(stream_id: int, increment: int = 1) -> bytes:
 
 def _drain(sock: socket.socket, received: bytearray) -> bool:
     """Reads what the server sent without waiting; False once it closed the connection."""
-    while select.select([sock], [], [], 0)[0]:
+    while (isinstance(sock, ssl.SSLSocket) and sock.pending()) or select.select([sock], [], [], 0)[0]:
         try:
             chunk = sock.recv(65536)
         except OSError:
@@ -435,7 +435,8 @@ def _drain(sock: socket.socket, received: bytearray) -> bool:
 
 
 def flood(host: str, port: int, *, setup: bytes, unit: bytes, frames_per_unit: int,
-          seconds: float = 10.0, reconnect: bool = True, timeout: float = 5.0) -> FloodOutcome:
+          seconds: float = 10.0, reconnect: bool = True, tls: bool = False,
+          timeout: float = 5.0) -> FloodOutcome:
     """For ``seconds``: connects, sends ``setup`` (e.g. ``open_streams``), then ``unit`` (a batch
     of flood frames) again and again while reading whatever the server answers, until the
     server closes the connection; then, with ``reconnect``, starts over on a new one. Bounded by
@@ -444,7 +445,7 @@ def flood(host: str, port: int, *, setup: bytes, unit: bytes, frames_per_unit: i
     deadline = start + seconds
     out = FloodOutcome()
     while time.monotonic() < deadline:
-        sock = connect(host, port, timeout=timeout)
+        sock = connect(host, port, tls=tls, timeout=timeout)
         out.connections += 1
         received = bytearray()
         try:
@@ -479,24 +480,24 @@ def flood(host: str, port: int, *, setup: bytes, unit: bytes, frames_per_unit: i
 
 
 def settings_flood(host: str, port: int, *, streams: int = 1000, seconds: float = 10.0,
-                   reconnect: bool = True) -> FloodOutcome:
+                   reconnect: bool = True, tls: bool = False) -> FloodOutcome:
     """Issue 45's SETTINGS flood: ``streams`` open ext_proc streams, then SETTINGS frames
     toggling SETTINGS_INITIAL_WINDOW_SIZE (each change walks every open stream in h2). kvpick
     answers GOAWAY(ENHANCE_YOUR_CALM, ``settings_flood``) past 32 frames (2 a second after)."""
     unit = (settings_frame(65_536) + settings_frame(65_535)) * 50
     return flood(host, port, setup=open_streams(streams), unit=unit, frames_per_unit=100,
-                 seconds=seconds, reconnect=reconnect)
+                 seconds=seconds, reconnect=reconnect, tls=tls)
 
 
 def window_update_flood(host: str, port: int, *, streams: int = 100, seconds: float = 10.0,
-                        reconnect: bool = True) -> FloodOutcome:
+                        reconnect: bool = True, tls: bool = False) -> FloodOutcome:
     """WINDOW_UPDATE frames of 1 byte on the connection and on each of ``streams`` open ext_proc
     streams, with no data received to acknowledge. kvpick answers GOAWAY(ENHANCE_YOUR_CALM,
     ``window_update_flood``) past its burst of 256."""
     unit = b"".join(window_update(0) + window_update(1 + 2 * (i % max(1, streams)))
                     for i in range(100))
     return flood(host, port, setup=open_streams(streams), unit=unit, frames_per_unit=200,
-                 seconds=seconds, reconnect=reconnect)
+                 seconds=seconds, reconnect=reconnect, tls=tls)
 
 
 class HeldStreams:
@@ -507,8 +508,9 @@ class HeldStreams:
     ``--ext-proc-idle-timeout`` with 4, DEADLINE_EXCEEDED). The server's SETTINGS and PINGs are
     acknowledged, so only the streams' silence is in question."""
 
-    def __init__(self, host: str, port: int, streams: int, *, timeout: float = 5.0) -> None:
-        self.sock = connect(host, port, timeout=timeout)
+    def __init__(self, host: str, port: int, streams: int, *, tls: bool = False,
+                 timeout: float = 5.0) -> None:
+        self.sock = connect(host, port, tls=tls, timeout=timeout)
         self.sock.sendall(open_streams(streams))
         self.streams = streams
         self.statuses: dict[int, str] = {}

@@ -208,6 +208,13 @@ def test_settings_flood_with_open_streams_gets_goaway_and_costs_little_cpu(h2c):
     assert goaways_sent(h2c, "ENHANCE_YOUR_CALM", "settings_flood") == before + 1
 
 
+def test_settings_flood_over_tls_gets_the_same_answer(tls):
+    out = hostile.settings_flood(HOST, tls.grpc_port, streams=1000, seconds=10.0,
+                                 reconnect=False, tls=True)
+    assert out.goaways == {hostile.ENHANCE_YOUR_CALM: 1} and out.debug == {b"settings_flood"}, out
+    assert hostile.health_check(HOST, tls.grpc_port, tls=True)
+
+
 def test_window_update_flood_gets_goaway(h2c):
     fine = hostile.run_attack(HOST, h2c.grpc_port, hostile.window_update(0) * 256, timeout=1.0)
     assert fine.goaway_code is None and not fine.closed, fine
