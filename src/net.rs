@@ -83,7 +83,8 @@ pub struct ConnArgs {
     /// client over it gets GOAWAY (ENHANCE_YOUR_CALM) and its connection is closed
     /// (`kvpick_connections_refused_total{reason="settings_flood"}`). h2 applies each SETTINGS
     /// to every open stream, so a flood toggling INITIAL_WINDOW_SIZE on a connection with many
-    /// streams costs CPU-seconds; real clients send one at connect. 0 = unlimited.
+    /// streams costs CPU-seconds; real clients send one at connect (gRPC's BDP probing a few
+    /// more over a connection's life, as its window grows). 0 = unlimited.
     #[arg(long = "http2-max-settings-per-second", default_value_t = DEFAULT_SETTINGS_PER_SECOND, value_name = "N")]
     pub http2_max_settings_per_second: u32,
 

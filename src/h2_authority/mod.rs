@@ -253,8 +253,9 @@ impl<S> AuthorityFix<S> {
     fn wrote(&mut self, bytes: &[u8]) {
         let was_idle = self.filter.streams().is_idle();
         self.outbound.advance(bytes, self.filter.streams_mut());
+        let goaways = self.outbound.sent().take_goaways();
         if let Some(observe) = &self.on_goaway {
-            for (code, reason) in self.outbound.sent().take_goaways() {
+            for (code, reason) in goaways {
                 observe(code, reason);
             }
         }
