@@ -17,6 +17,7 @@ use crate::extproc::ExtProcService;
 use crate::metrics::Metrics;
 use crate::selection::{AffinityMode, SelectionCore};
 
+mod bookings;
 mod config;
 mod memory;
 mod ports;
@@ -211,6 +212,10 @@ pub struct ServeArgs {
     /// Envoy opens more connections past it.
     #[arg(long, default_value_t = 1024, value_name = "N")]
     pub max_concurrent_streams: u32,
+
+    /// How long a booking's load is believed without the engine's evidence.
+    #[command(flatten)]
+    pub bookings: bookings::BookingArgs,
 
     /// Bounds on connections and on what a client may make the HTTP/2 layer decode.
     #[command(flatten)]

@@ -219,6 +219,10 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             decode_request_weight: args.pd_decode_request_weight,
         },
         outlier: outlier_config(args)?,
+        bookings: args.bookings.bounds(
+            (args.engine_metrics != crate::server::EngineMetricsMode::Off)
+                .then(|| Duration::from_millis(args.engine_metrics_interval_ms)),
+        )?,
         ..CoreConfig::default()
     })
 }
