@@ -420,7 +420,12 @@ impl AsyncWrite for Transport {
 /// One TLS handshake on an accepted TCP connection.
 async fn tls_handshake(tls: &TlsServer, stream: TcpStream) -> anyhow::Result<SslStream<Socket>> {
     let mut stream = SslStream::new(tls.ssl()?, socket(stream))?;
-    Pin::new(&mut stream).accept().await?;
+    if let Err(err) = Pin::new(&mut stream).accept().await {
+        return Err(match tls.refusal(stream.ssl()) {
+            Some(refusal) => anyhow::Error::new(refusal).context(err.to_string()),
+            None => err.into(),
+        });
+    }
     Ok(stream)
 }
 
@@ -470,6 +475,13 @@ async fn handshake_and_send(
         Ok(Ok(tls)) => Ok(tls),
         Ok(Err(err)) => {
             tracing::debug!(?peer, err = format!("{err:#}"), "TLS handshake failed");
+            if let Some(refusal) = err.downcast_ref::<crate::tls::Refusal>() {
+                let reason = [refusal.as_str()];
+                metrics
+                    .tls_client_auth_refused
+                    .with_label_values(&reason)
+                    .inc();
+            }
             Err("failed")
         }
         Err(_) => {

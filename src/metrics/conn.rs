@@ -21,6 +21,8 @@ pub struct ConnMetrics {
     pub tls_handshakes: IntCounterVec,
     pub tls_handshakes_waiting: IntGauge,
     pub tls_handshakes_in_progress: IntGauge,
+    /// Handshakes refused by client authentication, by reason (`crate::tls::Refusal`).
+    pub tls_client_auth_refused: IntCounterVec,
     /// Open connections per connection thread of the ext_proc port (`crate::lanes`); the lanes'
     /// own load counts, read to choose a lane.
     pub thread_open: IntGaugeVec,
@@ -99,6 +101,18 @@ impl ConnMetrics {
                 IntGauge::new(
                     "kvpick_tls_handshakes_waiting",
                     "Accepted connections waiting for one of --max-concurrent-tls-handshakes",
+                )
+                .unwrap(),
+            ),
+            tls_client_auth_refused: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_tls_client_auth_refused_total",
+                        "TLS handshakes refused by client authentication (--client-ca-path), by \
+                         reason: no_certificate, untrusted, san_not_allowed",
+                    ),
+                    &["reason"],
                 )
                 .unwrap(),
             ),
