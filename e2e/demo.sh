@@ -11,5 +11,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh
 case " $* " in *" --engine vllm "*|*" --engine=vllm "*) bash e2e/vllm/setup.sh ;; esac
-cargo build --locked --release --bin kvpick
+# kvpick and the lab beside it: `kvpick sim|replay|workload` run target/release/kvpick-lab.
+cargo build --locked --release -p kvpick -p kvpick-lab
 KVPICK_BIN="$PWD/target/release/kvpick" exec .venv/bin/python e2e/demo.py "$@"

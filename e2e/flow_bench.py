@@ -8,7 +8,8 @@ Scenarios (8 simulated ranks, `kvpick replay`, seeded traces from `kvpick worklo
    the band's work while both are backlogged;
 4. SLOs: high 1.5 s, normal 3 s TTFT SLOs at 1.3x: attainment per band.
 
-Usage: python3 e2e/flow_bench.py [--bin target/release/kvpick] [--out docs/bench/flow.md]
+Usage: cargo build --release -p kvpick -p kvpick-lab &&
+       python3 e2e/flow_bench.py [--bin target/release/kvpick] [--out docs/bench/flow.md]
 """
 
 from __future__ import annotations

@@ -645,7 +645,7 @@ class Kvpick:
         binary = kvpick_binary()
         if not binary.exists():
             raise HarnessError(
-                f"kvpick binary not found at {binary} (build it with `cargo build`, "
+                f"kvpick binary not found at {binary} (build it with `cargo build -p kvpick -p kvpick-lab`, "
                 "or point KVPICK_BIN at it)")
         self.process.start()
 

@@ -285,7 +285,7 @@ def main() -> int:
         return 0
     binary = args.bin
     if not Path(binary).exists():
-        print(f"matrix: no kvpick binary at {binary} (cargo build --release --bin kvpick)",
+        print(f"matrix: no kvpick binary at {binary} (cargo build --release -p kvpick -p kvpick-lab)",
               file=sys.stderr)
         return 2
     out = Path(args.out)

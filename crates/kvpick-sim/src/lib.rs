@@ -1,5 +1,6 @@
 //! kvpick-sim: everything kvpick needs to measure routing without GPUs, kept out of the
-//! production library.
+//! production library and binary. Its binary is `kvpick-lab` (crates/kvpick-lab), which
+//! `kvpick sim|replay|workload|report-html` hand over to.
 //!
 //! # Layout
 //! - [`sim`]: the vLLM-like simulator: [`sim::engine`] (one rank, pure and clock-agnostic),

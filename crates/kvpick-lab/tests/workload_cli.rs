@@ -1,4 +1,4 @@
-//! `kvpick workload` and `kvpick replay --offered-load` through the real binary: the subcommand
+//! `kvpick-lab workload` and `kvpick-lab replay --offered-load` through the real binary: the subcommand
 //! writes a trace and its statistics, the same seed writes the same bytes, the replay loads the
 //! trace at the asked load, and bad input is a clear error (exit 2), not a panic.
 
@@ -27,17 +27,17 @@ impl Drop for TempDir {
     }
 }
 
-fn kvpick(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_kvpick"))
+fn lab(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvpick-lab"))
         .args(args)
         .output()
-        .expect("run kvpick")
+        .expect("run kvpick-lab")
 }
 
 fn workload(dir: &Path, name: &str, seed: &str) -> (Vec<u8>, serde_json::Value, String) {
     let out = dir.join(format!("{name}.jsonl"));
     let stats = dir.join(format!("{name}.stats.json"));
-    let run = kvpick(&[
+    let run = lab(&[
         "workload",
         "--family",
         "chat",
@@ -77,7 +77,7 @@ fn workload_writes_a_deterministic_trace_that_replays_at_the_asked_load() {
     assert!(printed.contains("reuse gap"), "{printed}");
 
     let report = dir.path().join("report.json");
-    let run = kvpick(&[
+    let run = lab(&[
         "replay",
         "--trace",
         dir.path().join("a.jsonl").to_str().unwrap(),
@@ -107,7 +107,7 @@ fn workload_writes_a_deterministic_trace_that_replays_at_the_asked_load() {
 fn bad_workload_arguments_are_clear_errors() {
     let dir = TempDir::new();
     let out = dir.path().join("t.jsonl");
-    let zero = kvpick(&[
+    let zero = lab(&[
         "workload",
         "--family",
         "agentic",
@@ -118,7 +118,7 @@ fn bad_workload_arguments_are_clear_errors() {
     ]);
     assert_eq!(zero.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&zero.stderr).contains("--requests must be in"));
-    let family = kvpick(&[
+    let family = lab(&[
         "workload",
         "--family",
         "nope",
@@ -127,7 +127,7 @@ fn bad_workload_arguments_are_clear_errors() {
     ]);
     assert_eq!(family.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&family.stderr).contains("small-families"));
-    let rate = kvpick(&[
+    let rate = lab(&[
         "workload",
         "--family",
         "chat",
