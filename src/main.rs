@@ -127,7 +127,7 @@ fn main() -> std::process::ExitCode {
                     return std::process::ExitCode::from(2);
                 }
             };
-            match runtime.block_on(kvpick::server::run(args)) {
+            match runtime.block_on(kvpick::server::serve(args)) {
                 Ok(()) => std::process::ExitCode::SUCCESS,
                 Err(err) => {
                     tracing::error!("{err:#}");

@@ -2,7 +2,9 @@
 //! ports (ext_proc + health + selection API, health, metrics), and runs until SIGTERM/SIGINT, then
 //! drains: readiness goes NOT_SERVING and new ext_proc streams are refused while every port keeps
 //! answering (so probes and Envoy's health checks see NOT_SERVING, not a refused connection); open
-//! streams get a bounded grace; then the listeners close and the process exits.
+//! streams get a bounded grace; then the listeners close and the process exits. The entry is
+//! `entry`: [`serve`] for the process, [`run`] for listeners and a shutdown signal a caller (a
+//! test) provides.
 
 use std::net::IpAddr;
 use std::path::PathBuf;
@@ -10,21 +12,21 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Args, ValueEnum};
-use tokio::sync::watch;
 
-use crate::api::SelectionApi;
-use crate::extproc::ExtProcService;
-use crate::metrics::Metrics;
-use crate::selection::{AffinityMode, SelectionCore};
+use crate::selection::AffinityMode;
 
 mod bookings;
 mod config;
+mod entry;
 mod memory;
 mod outlier_args;
 mod ports;
 pub mod settings;
 mod tasks;
 mod tls_args;
+
+pub use entry::{run, serve};
+pub use ports::Listeners;
 
 pub use config::{
     catalog_source, core_config, flow_config, flow_kube_config, flow_settings, outlier_config,
@@ -786,151 +788,6 @@ pub fn init_logging(format: LogFormat) {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),
     }
-}
-
-pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    // Before any KV index allocates.
-    let huge_pages_off = memory::apply_huge_pages(args.huge_pages);
-    tracing::debug!(huge_pages_off, "transparent huge pages");
-    let metrics = Metrics::with_families(args.metrics_families);
-    let conn_limits = args.conn.limits()?;
-    let telemetry = tasks::start_telemetry(&args)?;
-    let core = SelectionCore::new(core_config(&args)?, metrics.clone());
-    crate::server::settings::start(&args, &core)?;
-    metrics
-        .epp
-        .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));
-
-    // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
-    let tokenizers = config::tokenizers(&args, &metrics.registry)?;
-    let session_headers = config::session_headers(&args)?;
-    let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let shared = tasks::start_shared(&args, &core, &metrics).await?;
-
-    // Catalog source first: a bad catalog fails start-up with a clear message.
-    let catalog = catalog_source(&args, std::env::var("NAMESPACE").ok())?;
-    let flow_kube = flow_kube_config(&args, &catalog);
-    let kube = tasks::start_catalog(&args, &core, catalog).await?;
-
-    // Flow-control policy (objectives, rewrites): an invalid --flow-config fails start-up.
-    let flow_settings = flow_settings(&args);
-    let flow_policy = tasks::start_flow_policy(
-        &args,
-        &flow_settings,
-        kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
-    )?;
-    tasks::start_engine_feeds(&args, &core)?;
-    tasks::spawn_maintenance(&core);
-
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    // Every service registered before a port is announced: an early probe reads NOT_SERVING,
-    // never "service not registered".
-    crate::health::register(&health_reporter, *core.readiness().borrow()).await;
-    tokio::spawn(crate::health::track(
-        health_reporter,
-        core.readiness(),
-        shutdown_rx.clone(),
-    ));
-
-    let listeners = ports::Listeners::bind(&args).await?;
-    let ports = listeners.ports()?;
-    let client_auth = args.tls.client_auth()?;
-    let tls = if args.tls.secure_serving {
-        Some(crate::tls::server_with(
-            args.tls.cert_path.clone(),
-            client_auth,
-        )?)
-    } else {
-        None
-    };
-
-    let extproc = ExtProcService::new(
-        Arc::clone(&core),
-        config::extproc_settings(
-            &args,
-            &metrics,
-            tokenizers,
-            session_headers,
-            flow_policy.clone(),
-            flow_settings,
-            telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
-        )?,
-    );
-    let extproc = extproc.with_drain(shutdown_rx.clone());
-    let live_streams = extproc.live_streams();
-    // Listeners close only once draining is over: until then health answers NOT_SERVING.
-    let (exit_tx, exit_rx) = watch::channel(false);
-    let listening = |name, tls| crate::net::Listening {
-        name,
-        tls,
-        limits: conn_limits.clone(),
-        metrics: metrics.conn.clone(),
-    };
-    let grpc_server = ports::serve_grpc(
-        conn_limits
-            .http2_settings(tonic::transport::Server::builder())
-            .max_concurrent_streams(Some(args.ext_proc_streams.max_concurrent_streams))
-            .add_service(health_service.clone())
-            .add_service(extproc.into_server())
-            .add_service(
-                SelectionApi::new(Arc::clone(&core))
-                    .with_worker_writes(args.worker_api)
-                    .with_reservations(args.selection_api)
-                    .into_server(),
-            ),
-        listeners.grpc,
-        listening("grpc", tls),
-        exit_rx.clone(),
-        conn_limits.connection_threads,
-    );
-    let health_server = ports::serve_grpc(
-        conn_limits
-            .http2_settings(tonic::transport::Server::builder())
-            .add_service(health_service),
-        listeners.health,
-        listening("health", None),
-        exit_rx.clone(),
-        0,
-    );
-    let metrics_server = ports::serve_metrics(listeners.metrics, metrics.clone(), exit_rx.clone());
-
-    if let Some(path) = &args.port_file {
-        ports::write_port_file(path, ports)?;
-    }
-    tracing::info!(
-        grpc = ports.0,
-        health = ports.1,
-        metrics = ports.2,
-        tls = args.tls.secure_serving,
-        connection_threads = conn_limits.connection_threads,
-        "kvpick serving"
-    );
-
-    let grpc_task = tokio::spawn(grpc_server);
-    let health_task = tokio::spawn(health_server);
-    let metrics_task = tokio::spawn(metrics_server);
-
-    ports::termination().await;
-    tasks::drain(&args, &core, &shutdown_tx, &live_streams).await;
-    if let Some(shared) = &shared {
-        shared.leave().await;
-    }
-    // The policy sources run for as long as a receiver lives.
-    drop(flow_policy);
-    exit_tx.send_replace(true);
-    // The servers now close their (idle) connections; a peer that does not let go of one
-    // cannot hold the exit.
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = grpc_task.await;
-        let _ = health_task.await;
-        let _ = metrics_task.await;
-    })
-    .await;
-    if let Some(telemetry) = telemetry {
-        // The exporter's channel runs on this runtime: flush from a blocking thread beside it.
-        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
-    }
-    Ok(())
 }
 
 /// Period of the Kubernetes source's forced re-publication of its full state.

@@ -4,7 +4,7 @@
 //! from the same limits, `/metrics` over plain HTTP/1. Also the port file and the termination
 //! signal.
 //!
-//! It must not decide which services a port carries (`run` does) or when draining ends.
+//! It must not decide which services a port carries (`entry` does) or when draining ends.
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -18,22 +18,47 @@ use crate::net::Listening;
 
 use super::ServeArgs;
 
-/// The listeners of the three ports.
-pub(super) struct Listeners {
+/// The listeners of the three ports, bound by `serve` from the flags or by the caller of
+/// [`super::run`] (a test binds 127.0.0.1 port 0).
+pub struct Listeners {
+    /// ext_proc, gRPC health and the selection API (`--grpc-port`).
     pub grpc: TcpListener,
+    /// gRPC health alone, never TLS (`--grpc-health-port`).
     pub health: TcpListener,
+    /// `/metrics` over HTTP/1 (`--metrics-port`).
     pub metrics: TcpListener,
 }
 
-impl Listeners {
-    pub async fn bind(args: &ServeArgs) -> anyhow::Result<Listeners> {
-        Ok(Listeners {
-            grpc: bind(args.bind, args.grpc_port, "ext_proc gRPC").await?,
-            health: bind(args.bind, args.grpc_health_port, "gRPC health").await?,
-            metrics: bind(args.bind, args.metrics_port, "metrics").await?,
-        })
+/// Where `serve` binds the three ports (`--bind` and the `--*-port` flags), owned so that the
+/// binding can wait until start-up reaches it.
+#[derive(Clone, Copy)]
+pub(super) struct Addresses {
+    ip: IpAddr,
+    grpc: u16,
+    health: u16,
+    metrics: u16,
+}
+
+impl Addresses {
+    pub fn of(args: &ServeArgs) -> Addresses {
+        Addresses {
+            ip: args.bind,
+            grpc: args.grpc_port,
+            health: args.grpc_health_port,
+            metrics: args.metrics_port,
+        }
     }
 
+    pub async fn bind(self) -> anyhow::Result<Listeners> {
+        Ok(Listeners {
+            grpc: bind(self.ip, self.grpc, "ext_proc gRPC").await?,
+            health: bind(self.ip, self.health, "gRPC health").await?,
+            metrics: bind(self.ip, self.metrics, "metrics").await?,
+        })
+    }
+}
+
+impl Listeners {
     /// The bound ports `(grpc, health, metrics)` (port 0 asks the system for one).
     pub fn ports(&self) -> anyhow::Result<(u16, u16, u16)> {
         Ok((

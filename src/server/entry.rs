@@ -1,0 +1,194 @@
+//! The server's entry: start-up (the core, its sources, the tokenizers, the hosts), the three
+//! ports served on their listeners, and the drain when the shutdown signal comes. `serve` is the
+//! process's (it binds `--bind`/`--*-port` and waits for SIGTERM/SIGINT); `run` takes listeners
+//! and a shutdown future from its caller, so a test binds 127.0.0.1 port 0 itself and runs the
+//! whole server in-process.
+//!
+//! It must not own what a port carries beyond wiring the services to it (`ports`), nor the flags
+//! (`super::ServeArgs`, `config`).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use crate::api::SelectionApi;
+use crate::extproc::ExtProcService;
+use crate::metrics::Metrics;
+use crate::selection::SelectionCore;
+
+use super::ports::{self, Listeners};
+use super::ServeArgs;
+use super::{catalog_source, config, core_config, flow_kube_config, flow_settings, memory, tasks};
+
+/// `kvpick serve`: the server on the ports `args` names, until SIGTERM or SIGINT. The ports are
+/// bound where start-up always bound them (after the tokenizers and the catalog load, so a bad
+/// file fails start-up before anything listens); a taken port fails start-up naming it.
+pub async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let addresses = ports::Addresses::of(&args);
+    start(args, addresses.bind(), ports::termination()).await
+}
+
+/// The server on `listeners` the caller bound (`args`' `--bind` and `--*-port` are not read),
+/// until `shutdown` resolves; then it drains as on SIGTERM (readiness NOT_SERVING, open streams
+/// get `--shutdown-grace`), closes the listeners and returns. `--port-file`, if set, gets the
+/// listeners' ports.
+pub async fn run(
+    args: ServeArgs,
+    listeners: Listeners,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    start(args, async { Ok(listeners) }, shutdown).await
+}
+
+async fn start(
+    args: ServeArgs,
+    bind: impl Future<Output = anyhow::Result<Listeners>>,
+    shutdown: impl Future<Output = ()>,
+) -> anyhow::Result<()> {
+    // Before any KV index allocates.
+    let huge_pages_off = memory::apply_huge_pages(args.huge_pages);
+    tracing::debug!(huge_pages_off, "transparent huge pages");
+    let metrics = Metrics::with_families(args.metrics_families);
+    let conn_limits = args.conn.limits()?;
+    let telemetry = tasks::start_telemetry(&args)?;
+    let core = SelectionCore::new(core_config(&args)?, metrics.clone());
+    super::settings::start(&args, &core)?;
+    metrics
+        .epp
+        .set_pool_name(args.pool_name.as_deref().unwrap_or("default"));
+
+    // Tokenizers load (and validate) before anything listens: a bad file fails start-up.
+    let tokenizers = config::tokenizers(&args, &metrics.registry)?;
+    let session_headers = config::session_headers(&args)?;
+    let (shutdown_tx, shutdown_rx) = watch::channel(false);
+    let shared = tasks::start_shared(&args, &core, &metrics).await?;
+
+    // Catalog source first: a bad catalog fails start-up with a clear message.
+    let catalog = catalog_source(&args, std::env::var("NAMESPACE").ok())?;
+    let flow_kube = flow_kube_config(&args, &catalog);
+    let kube = tasks::start_catalog(&args, &core, catalog).await?;
+
+    // Flow-control policy (objectives, rewrites): an invalid --flow-config fails start-up.
+    let flow_settings = flow_settings(&args);
+    let flow_policy = tasks::start_flow_policy(
+        &args,
+        &flow_settings,
+        kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
+    )?;
+    tasks::start_engine_feeds(&args, &core)?;
+    tasks::spawn_maintenance(&core);
+
+    let (health_reporter, health_service) = tonic_health::server::health_reporter();
+    // Every service registered before a port is announced: an early probe reads NOT_SERVING,
+    // never "service not registered".
+    // Read before the await: the watch's guard must not be held across it (the future is Send).
+    let ready = *core.readiness().borrow();
+    crate::health::register(&health_reporter, ready).await;
+    tokio::spawn(crate::health::track(
+        health_reporter,
+        core.readiness(),
+        shutdown_rx.clone(),
+    ));
+
+    let listeners = bind.await?;
+    let ports = listeners.ports()?;
+    let client_auth = args.tls.client_auth()?;
+    let tls = if args.tls.secure_serving {
+        Some(crate::tls::server_with(
+            args.tls.cert_path.clone(),
+            client_auth,
+        )?)
+    } else {
+        None
+    };
+
+    let extproc = ExtProcService::new(
+        Arc::clone(&core),
+        config::extproc_settings(
+            &args,
+            &metrics,
+            tokenizers,
+            session_headers,
+            flow_policy.clone(),
+            flow_settings,
+            telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
+        )?,
+    );
+    let extproc = extproc.with_drain(shutdown_rx.clone());
+    let live_streams = extproc.live_streams();
+    // Listeners close only once draining is over: until then health answers NOT_SERVING.
+    let (exit_tx, exit_rx) = watch::channel(false);
+    let listening = |name, tls| crate::net::Listening {
+        name,
+        tls,
+        limits: conn_limits.clone(),
+        metrics: metrics.conn.clone(),
+    };
+    let grpc_server = ports::serve_grpc(
+        conn_limits
+            .http2_settings(tonic::transport::Server::builder())
+            .max_concurrent_streams(Some(args.ext_proc_streams.max_concurrent_streams))
+            .add_service(health_service.clone())
+            .add_service(extproc.into_server())
+            .add_service(
+                SelectionApi::new(Arc::clone(&core))
+                    .with_worker_writes(args.worker_api)
+                    .with_reservations(args.selection_api)
+                    .into_server(),
+            ),
+        listeners.grpc,
+        listening("grpc", tls),
+        exit_rx.clone(),
+        conn_limits.connection_threads,
+    );
+    let health_server = ports::serve_grpc(
+        conn_limits
+            .http2_settings(tonic::transport::Server::builder())
+            .add_service(health_service),
+        listeners.health,
+        listening("health", None),
+        exit_rx.clone(),
+        0,
+    );
+    let metrics_server = ports::serve_metrics(listeners.metrics, metrics.clone(), exit_rx.clone());
+
+    if let Some(path) = &args.port_file {
+        ports::write_port_file(path, ports)?;
+    }
+    tracing::info!(
+        grpc = ports.0,
+        health = ports.1,
+        metrics = ports.2,
+        tls = args.tls.secure_serving,
+        connection_threads = conn_limits.connection_threads,
+        "kvpick serving"
+    );
+
+    let grpc_task = tokio::spawn(grpc_server);
+    let health_task = tokio::spawn(health_server);
+    let metrics_task = tokio::spawn(metrics_server);
+
+    shutdown.await;
+    tasks::drain(&args, &core, &shutdown_tx, &live_streams).await;
+    if let Some(shared) = &shared {
+        shared.leave().await;
+    }
+    // The policy sources run for as long as a receiver lives.
+    drop(flow_policy);
+    exit_tx.send_replace(true);
+    // The servers now close their (idle) connections; a peer that does not let go of one
+    // cannot hold the exit.
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        let _ = grpc_task.await;
+        let _ = health_task.await;
+        let _ = metrics_task.await;
+    })
+    .await;
+    if let Some(telemetry) = telemetry {
+        // The exporter's channel runs on this runtime: flush from a blocking thread beside it.
+        let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
+    }
+    Ok(())
+}
