@@ -51,8 +51,9 @@ struct LabArgs {
 /// The lab's subcommands live in `kvpick-lab` (crates/kvpick-lab), so that this binary links
 /// neither the simulator nor tokio's `test-util`. As git and cargo do for their external
 /// subcommands, `kvpick replay ...` becomes `kvpick-lab replay ...` when the lab is installed
-/// beside this binary (`cargo build` builds both into `target/debug`); the process is replaced,
-/// so signals and the exit status are the lab's own. Without it, the error names the command.
+/// beside this binary (`cargo build -p kvpick -p kvpick-lab` builds both into one folder); the
+/// process is replaced, so signals and the exit status are the lab's own. Without it, the error
+/// names the commands that build and run it.
 fn lab(subcommand: &str, args: LabArgs) -> std::process::ExitCode {
     use std::os::unix::process::CommandExt;
     let beside = std::env::current_exe()
@@ -66,20 +67,17 @@ fn lab(subcommand: &str, args: LabArgs) -> std::process::ExitCode {
         eprintln!("kvpick: error: cannot run {}: {err}", lab.display());
         return std::process::ExitCode::from(2);
     }
-    let shown: Vec<String> = args
-        .args
-        .iter()
-        .map(|a| shell_word(&a.to_string_lossy()))
+    let command: Vec<String> = std::iter::once(subcommand.to_string())
+        .chain(args.args.iter().map(|a| shell_word(&a.to_string_lossy())))
         .collect();
+    let place = beside.map(|p| format!(" ({})", p.display()));
     eprintln!(
         "kvpick: error: `kvpick {subcommand}` is in the lab binary, kvpick-lab, which is not \
-         installed beside this kvpick{where_}.\n\
+         installed beside this kvpick{}.\n\
          Build it:  cargo build --release -p kvpick-lab\n\
-         Then run:  target/release/kvpick-lab {subcommand} {args}",
-        where_ = beside
-            .map(|p| format!(" ({})", p.display()))
-            .unwrap_or_default(),
-        args = shown.join(" "),
+         Then run:  target/release/kvpick-lab {}",
+        place.unwrap_or_default(),
+        command.join(" "),
     );
     std::process::ExitCode::from(2)
 }
