@@ -324,6 +324,7 @@ class Slots:
         self.conns: list[H.H2Client | None] = [None] * conns
         self.sids: list[list[int | None]] = [[None] * k for k in self.slot_count]
         self.retry_at = [0.0] * conns
+        self.settled: list[tuple | None] = [None] * conns
         self.stream_retry_at = [[0.0] * k for k in self.slot_count]
         self.clients: list[H.H2Client] = []  # every client made (pump's list)
         self.counts = H.ClientCounts()
@@ -354,6 +355,8 @@ class Slots:
 
     def _keep(self, ci: int, c: H.H2Client, now: float) -> None:
         sids, retry = self.sids[ci], self.stream_retry_at[ci]
+        if self.top_up is None and self.settled[ci] == (c, c.counts.streams_ended):
+            return  # every slot open and none ended since: nothing to walk
         for si, sid in enumerate(sids):
             if sid is not None and sid in c.windows:
                 if self.top_up is not None:
@@ -364,6 +367,8 @@ class Slots:
                 retry[si] = now + self.reopen_after
             if now >= retry[si] and c.next_stream < 2**31 - 2:
                 sids[si] = self.open_stream(c)
+        if None not in sids:
+            self.settled[ci] = (c, c.counts.streams_ended)
 
     def _connect(self) -> H.H2Client | None:
         t = self.target
