@@ -688,14 +688,18 @@ def measure(name: str, opts: Options) -> dict:
     attack = ATTACKS[name]
     params = dict(attack.short if opts.short else attack.full)
     seconds = opts.hold_seconds if name == "held_bookings" else opts.attack_seconds
+    max_message = flag_default(harness.kvpick_binary(), "--max-ext-proc-message-bytes",
+                               TONIC_MAX_MESSAGE)
     up, ports = soak.start_upstreams()
     body = soak.write_body(f"adv-{name}")
-    stack = harness.Stack([harness.worker("w0", ports=ports[:2]),
-                           harness.worker("w1", ports=ports[2:])], name=f"adv-{name}").start()
+    try:
+        stack = harness.Stack([harness.worker("w0", ports=ports[:2]),
+                               harness.worker("w1", ports=ports[2:])], name=f"adv-{name}").start()
+    except BaseException:
+        up.kill()
+        raise
     pid = stack.kvpick.process.pid
-    binary = harness.kvpick_binary()
-    target = Target("127.0.0.1", stack.kvpick.grpc_port, stack.secure,
-                    flag_default(binary, "--max-ext-proc-message-bytes", TONIC_MAX_MESSAGE), stack)
+    target = Target("127.0.0.1", stack.kvpick.grpc_port, stack.secure, max_message, stack)
     total = opts.warm_seconds + seconds + opts.tail_seconds
     gen = subprocess.Popen(
         [str(soak.LOADGEN), "run", "--url", stack.url() + CHAT, "--body", str(body),
@@ -725,12 +729,13 @@ def measure(name: str, opts: Options) -> dict:
         attack_s = time.monotonic() - t0
         alive = stack.kvpick.process.alive()
         cpu = cpu_seconds(pid) - cpu0 if alive else None
-        moved = {k: v - before.get(k, 0.0) for k, v in counters(stack).items()
-                 if v != before.get(k, 0.0)}
         out, _ = gen.communicate(timeout=total + 180)
         load = json.loads(out) if out.strip() else {}
         peak = watch.peak_since(began_at)
         alive = alive and stack.kvpick.process.alive()
+        # After the tail: the ends of the attack's streams are counted too.
+        moved = {k: v - before.get(k, 0.0) for k, v in counters(stack).items()
+                 if v != before.get(k, 0.0)}
         inflight = soak.bookings_left(stack) if alive else None
     finally:
         watch.close()
