@@ -308,8 +308,9 @@ def flag_default(binary: Path, flag: str, fallback: int) -> int:
 class Slots:
     """Keeps ``n`` attack streams open, ``per_conn`` to a connection: ``open(client)`` opens one
     and queues what it sends; ``top_up(client, sid)`` (optional) queues more while it lives. A
-    stream the server ends is opened again, and a connection it closes or sends GOAWAY on is
-    made again, each ``reopen_after`` seconds later (a persistent attacker, not a hot loop).
+    stream the server ends is opened again ``reopen_after`` seconds later (that times the
+    number of times its slot was ended, up to 8), and a connection it closes or sends GOAWAY on
+    is made again ``reopen_after`` seconds later: a persistent attacker, not a hot loop.
     ``tick`` does a bounded amount of connecting per call so ``pump`` stays responsive."""
 
     def __init__(self, target: Target, n: int, per_conn: int,
@@ -326,6 +327,7 @@ class Slots:
         self.retry_at = [0.0] * conns
         self.settled: list[tuple | None] = [None] * conns
         self.stream_retry_at = [[0.0] * k for k in self.slot_count]
+        self.stream_ends = [[0] * k for k in self.slot_count]
         self.clients: list[H.H2Client] = []  # every client made (pump's list)
         self.counts = H.ClientCounts()
         self.scan_every = 0.02 if n <= 64 else 0.25
@@ -354,7 +356,7 @@ class Slots:
             self._keep(ci, c, now)
 
     def _keep(self, ci: int, c: H.H2Client, now: float) -> None:
-        sids, retry = self.sids[ci], self.stream_retry_at[ci]
+        sids, retry, ends = self.sids[ci], self.stream_retry_at[ci], self.stream_ends[ci]
         if self.top_up is None and self.settled[ci] == (c, c.counts.streams_ended):
             return  # every slot open and none ended since: nothing to walk
         for si, sid in enumerate(sids):
@@ -362,9 +364,10 @@ class Slots:
                 if self.top_up is not None:
                     self.top_up(c, sid)
                 continue
-            if sid is not None:  # ended by the server: open again later
+            if sid is not None:  # ended by the server: open again later, later each time
                 sids[si] = None
-                retry[si] = now + self.reopen_after
+                ends[si] = min(ends[si] + 1, 8)
+                retry[si] = now + self.reopen_after * ends[si]
             if now >= retry[si] and c.next_stream < 2**31 - 2:
                 sids[si] = self.open_stream(c)
         if None not in sids:
@@ -426,8 +429,10 @@ def attack_padded_body(t: Target, stop: threading.Event, seconds: float, streams
         return sid
 
     def top_up(c: H.H2Client, sid: int) -> None:
-        if c.queued(sid) < len(more):
+        queued = c.queued(sid)
+        while queued < max(len(more), MiB):  # enough to last until the next tick
             c.send(sid, more)
+            queued += len(more)
             sent[0] += 1
 
     counts = run_slots(Slots(t, streams, 1, open_stream, top_up), stop, seconds)
