@@ -22,12 +22,13 @@ runs from a warm-up before it to a little after it:
   them, on a connection with 1,000 open streams;
 - ``window_update_flood``: WINDOW_UPDATE frames (increment 1) on the connection and its 100 open
   streams;
-- ``issue24_mix``: issue 24's attacks together (header bombs, CONTINUATION floods, slow TLS,
-  resets mid-body, 32 MiB bodies, random priorities, selection-API floods; no broken engine);
+- ``issue24_mix``: ``start_attacks`` below, all together: issue 24's header bombs, CONTINUATION
+  floods, slow TLS, resets mid-body, 32 MiB bodies, random priorities and selection-API floods,
+  with short SETTINGS / WINDOW_UPDATE floods and silent streams (no broken engine);
 - ``baseline``: no attack (the good traffic's own cost).
 
-An attacker whose stream or connection kvpick ends opens a new one (a second later), as a real
-one would. Per attack: kvpick's peak RSS growth over its RSS just before the attack (VmRSS
+An attacker whose stream or connection kvpick ends opens a new one (a second later, a stream
+later each time it is ended), as a real one would. Per attack: kvpick's peak RSS growth over its RSS just before the attack (VmRSS
 sampled every 0.1 s), its CPU-seconds during the attack (utime + stime), the good requests sent
 / answered 200 / failed and their p50 / p99, what the attacker got back (GOAWAYs by code and
 debug text, RST_STREAMs, grpc-status trailers, closes), the kvpick counters that moved, and
@@ -37,14 +38,14 @@ growth passes ``--rss-abort-gib``, so a kvpick without the bounds cannot take th
 Writes target/soak-adversarial.json and prints the table. ``--short`` runs each attack for
 seconds at a small scale (the e2e suite's smoke run, e2e/tests/test_soak_smoke.py).
 
-``--mixed`` keeps issue 24's run: the mix above plus one engine answering every request with an
-instant 503, compared with a clean run of the same good traffic.
+``--mixed`` keeps issue 24's run: ``start_attacks`` beside the good traffic (40 req/s) plus one
+engine answering every request with an instant 503 (kvpick's outlier detection must eject it),
+compared with a clean run of the same good traffic.
 """
 from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import re
 import socket
@@ -180,6 +181,23 @@ def verdict(outcome) -> str:
     return "closed" if outcome.closed else "left_open"
 
 
+def flood_verdict(outcome: hostile_h2.FloodOutcome) -> str:
+    """A flood's end, as a count key: the GOAWAY code, or `left_open`."""
+    codes = sorted(outcome.goaways)
+    return f"goaway_{codes[0]:#x}" if codes else "left_open"
+
+
+def idle_streams(port: int, tls: bool, streams: int = 100) -> str:
+    """Opens `streams` ext_proc streams and never sends them a message; kvpick ends each at
+    --ext-proc-idle-timeout (60 s) with DEADLINE_EXCEEDED (4)."""
+    held = hostile_h2.HeldStreams("127.0.0.1", port, streams, tls=tls)
+    try:
+        statuses = set(held.poll(75.0).values())
+    finally:
+        held.close()
+    return "status_" + "_".join(sorted(statuses)) if statuses else "left_open"
+
+
 def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
     attacks = Attacks()
     url = stack.url()
@@ -195,6 +213,12 @@ def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
         "127.0.0.1", grpc_port, tls=stack.secure)), 1.0)
     for i in range(4):
         attacks.run(f"slow_tls_{i}", lambda: slow_tls_handshake(grpc_port, seconds), 0.5)
+    attacks.run("settings_flood", lambda: flood_verdict(hostile_h2.settings_flood(
+        "127.0.0.1", grpc_port, streams=1000, seconds=5.0, reconnect=False,
+        tls=stack.secure)), 1.0)
+    attacks.run("window_update_flood", lambda: flood_verdict(hostile_h2.window_update_flood(
+        "127.0.0.1", grpc_port, seconds=5.0, reconnect=False, tls=stack.secure)), 1.0)
+    attacks.run("idle_streams", lambda: idle_streams(grpc_port, stack.secure), 1.0)
     attacks.run("reset_mid_body", lambda: reset_mid_body(url), 0.2)
     attacks.run("body_32mib", lambda: big_body(client, url, blob), 3.0)
     attacks.run("random_priority", lambda: random_priority(client, url, rng), 0.2)
@@ -607,11 +631,6 @@ class Options:
     next ones' sending for the whole hold."""
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 class RssWatch:
     """Samples a process's VmRSS every ``every`` s; sets ``stop`` (and ``exceeded``) when it
     grows past ``abort`` bytes over ``idle``."""
@@ -718,7 +737,7 @@ def measure(name: str, opts: Options) -> dict:
         idle = watch.now()
         watch.idle, watch.abort, watch.stop = idle, opts.rss_abort, stop
         began_at = watch.elapsed()
-        cpu0, before = cpu_seconds(pid), counters(stack)
+        cpu0, before = H.cpu_seconds(pid), counters(stack)
         t0 = time.monotonic()
 
         def go() -> None:
@@ -733,7 +752,7 @@ def measure(name: str, opts: Options) -> dict:
         stop.set()
         attack_s = time.monotonic() - t0
         alive = stack.kvpick.process.alive()
-        cpu = cpu_seconds(pid) - cpu0 if alive else None
+        cpu = H.cpu_seconds(pid) - cpu0 if alive else None
         out, _ = gen.communicate(timeout=total + 180)
         load = json.loads(out) if out.strip() else {}
         peak = watch.peak_since(began_at)

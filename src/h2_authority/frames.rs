@@ -8,6 +8,7 @@
 
 use bytes::{Buf, BufMut, BytesMut};
 
+use super::floods::FrameCounts;
 use super::hpack::{decode_block, HeaderList};
 use super::limits::{FrontLimits, Violation};
 use super::streams::{Streams, FRAME_HEADER_LEN, TYPE_HEADERS};
@@ -52,6 +53,8 @@ pub struct FrameFilter {
     /// Highest stream id whose HEADERS went to h2 (a GOAWAY's last-stream-id).
     last_stream_id: u32,
     streams: Streams,
+    /// SETTINGS and WINDOW_UPDATE frames so far (rate-limited by the layer, `floods`).
+    counts: FrameCounts,
 }
 
 impl FrameFilter {
@@ -73,6 +76,7 @@ impl FrameFilter {
             rewrites: 0,
             last_stream_id: 0,
             streams: Streams::default(),
+            counts: FrameCounts::default(),
         }
     }
 
@@ -118,6 +122,10 @@ impl FrameFilter {
         &mut self.streams
     }
 
+    pub fn counts(&self) -> FrameCounts {
+        self.counts
+    }
+
     /// Moves what can be processed from `input` to `output`.
     pub fn process(&mut self) -> Result<(), Violation> {
         if self.preface_left > 0 {
@@ -159,6 +167,7 @@ impl FrameFilter {
                     return Err(Violation::Protocol);
                 }
                 self.streams.client_frame(kind, flags, stream_id);
+                self.counts.client_frame(kind, flags);
                 self.out
                     .extend_from_slice(&self.raw.split_to(FRAME_HEADER_LEN));
                 self.passthrough_left = len;

@@ -80,6 +80,27 @@ pub mod code {
     pub const FRAME_SIZE_ERROR: u32 = 0x6;
     pub const COMPRESSION_ERROR: u32 = 0x9;
     pub const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+    /// The `code` label of `kvpick_http2_goaways_sent_total` (a closed set).
+    pub fn name(code: u32) -> &'static str {
+        const NAMES: [&str; 14] = [
+            "NO_ERROR",
+            "PROTOCOL_ERROR",
+            "INTERNAL_ERROR",
+            "FLOW_CONTROL_ERROR",
+            "SETTINGS_TIMEOUT",
+            "STREAM_CLOSED",
+            "FRAME_SIZE_ERROR",
+            "REFUSED_STREAM",
+            "CANCEL",
+            "COMPRESSION_ERROR",
+            "CONNECT_ERROR",
+            "ENHANCE_YOUR_CALM",
+            "INADEQUATE_SECURITY",
+            "HTTP_1_1_REQUIRED",
+        ];
+        NAMES.get(code as usize).copied().unwrap_or("UNKNOWN")
+    }
 }
 
 /// How a connection broke a limit or the protocol; the connection gets GOAWAY and is closed.
@@ -101,10 +122,14 @@ pub enum Violation {
     /// Framing the layer cannot pass on: an interrupted block, a CONTINUATION without its
     /// HEADERS, bad padding, a client PUSH_PROMISE.
     Protocol,
+    /// SETTINGS frames over `--http2-max-settings-per-second` (`floods`).
+    SettingsFlood,
+    /// WINDOW_UPDATE frames over their allowance (`floods`).
+    WindowUpdateFlood,
 }
 
 impl Violation {
-    pub const ALL: [Violation; 7] = [
+    pub const ALL: [Violation; 9] = [
         Violation::FrameTooLarge,
         Violation::HeaderBlockTooLarge,
         Violation::TooManyContinuations,
@@ -112,6 +137,8 @@ impl Violation {
         Violation::TableSizeUpdate,
         Violation::Compression,
         Violation::Protocol,
+        Violation::SettingsFlood,
+        Violation::WindowUpdateFlood,
     ];
 
     /// The `reason` label of `kvpick_connections_refused_total` (a closed set).
@@ -124,6 +151,8 @@ impl Violation {
             Violation::TableSizeUpdate => "table_size_update",
             Violation::Compression => "compression",
             Violation::Protocol => "protocol",
+            Violation::SettingsFlood => "settings_flood",
+            Violation::WindowUpdateFlood => "window_update_flood",
         }
     }
 
@@ -136,7 +165,9 @@ impl Violation {
             Violation::FrameTooLarge => code::FRAME_SIZE_ERROR,
             Violation::HeaderBlockTooLarge
             | Violation::TooManyContinuations
-            | Violation::HeaderListTooLarge => code::ENHANCE_YOUR_CALM,
+            | Violation::HeaderListTooLarge
+            | Violation::SettingsFlood
+            | Violation::WindowUpdateFlood => code::ENHANCE_YOUR_CALM,
             Violation::TableSizeUpdate | Violation::Compression => code::COMPRESSION_ERROR,
             Violation::Protocol => code::PROTOCOL_ERROR,
         }
@@ -153,6 +184,8 @@ impl fmt::Display for Violation {
             Violation::TableSizeUpdate => "misplaced or oversized HPACK table size update",
             Violation::Compression => "HPACK decoding error",
             Violation::Protocol => "HTTP/2 framing error",
+            Violation::SettingsFlood => "SETTINGS frames over the rate limit",
+            Violation::WindowUpdateFlood => "WINDOW_UPDATE frames over the allowance",
         };
         f.write_str(what)
     }

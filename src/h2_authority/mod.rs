@@ -20,16 +20,23 @@
 //! its unread input is drained for a moment first so the peer receives the GOAWAY rather than a
 //! reset. Nothing else is affected.
 //!
+//! Floods: SETTINGS and WINDOW_UPDATE frames are rate-limited per connection (`floods`), the
+//! WINDOW_UPDATE allowance credited per DATA frame h2 sent; over it is a violation like the
+//! others. Every GOAWAY on the connection, the layer's and h2's own (read from h2's outbound
+//! frames, `sent`), is reported with its error code and reason (`FrontConfig::on_goaway`).
+//!
 //! Idle connections: with an idle timeout, a connection with no open stream (`streams::Streams`,
 //! from frame headers both ways) for that long gets GOAWAY(NO_ERROR) and is closed, like
 //! gRPC's MAX_CONNECTION_IDLE. A stream waiting on a slow upstream keeps it open.
 //!
 //! It never looks at what a request means.
 
+pub mod floods;
 pub mod frames;
 pub mod hpack;
 pub mod huffman;
 pub mod limits;
+pub mod sent;
 pub mod streams;
 
 use std::future::Future;
@@ -42,6 +49,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
+pub use floods::FloodLimits;
 pub use frames::FrameFilter;
 pub use limits::{FrontLimits, Violation};
 use streams::Outbound;
@@ -73,8 +81,22 @@ pub enum CloseReason {
     Idle,
 }
 
+impl CloseReason {
+    /// The GOAWAY's error code and its debug data (also its `reason` label).
+    pub fn goaway(self) -> (u32, &'static str) {
+        match self {
+            CloseReason::Violation(v) => (v.error_code(), v.reason()),
+            CloseReason::Idle => (limits::code::NO_ERROR, "idle"),
+        }
+    }
+}
+
 /// Called once per connection the layer closes (metrics).
 pub type CloseObserver = Arc<dyn Fn(CloseReason) + Send + Sync>;
+
+/// Called once per GOAWAY sent on a connection, the layer's or h2's: (error code, reason label;
+/// a closed set: a [`Violation`]'s reason, `idle`, or `sent::h2_reason`'s).
+pub type GoawayObserver = Arc<dyn Fn(u32, &'static str) + Send + Sync>;
 
 /// What one connection's layer enforces.
 #[derive(Clone, Default)]
@@ -83,6 +105,9 @@ pub struct FrontConfig {
     /// Close a connection with no open stream for this long; `None` = never.
     pub idle_timeout: Option<Duration>,
     pub on_close: Option<CloseObserver>,
+    /// SETTINGS and WINDOW_UPDATE rates (`floods`).
+    pub floods: FloodLimits,
+    pub on_goaway: Option<GoawayObserver>,
 }
 
 /// After its GOAWAY a closing connection's input is read and dropped for up to this long or
@@ -127,6 +152,8 @@ pub struct AuthorityFix<S> {
     outbound: Outbound,
     idle_timeout: Option<Duration>,
     on_close: Option<CloseObserver>,
+    floods: floods::FloodGuard,
+    on_goaway: Option<GoawayObserver>,
     idle: Option<IdleTimer>,
     /// The reading task, woken when a write changes what reading waits for (a frame boundary
     /// for a pending GOAWAY, the last stream closing).
@@ -149,6 +176,8 @@ impl<S> AuthorityFix<S> {
             outbound: Outbound::default(),
             idle_timeout: config.idle_timeout,
             on_close: config.on_close,
+            floods: floods::FloodGuard::new(config.floods),
+            on_goaway: config.on_goaway,
             idle: None,
             read_waker: None,
             closing: None,
@@ -165,16 +194,13 @@ impl<S> AuthorityFix<S> {
         if let Some(observe) = &self.on_close {
             observe(reason);
         }
-        let (code, debug) = match reason {
+        match reason {
             CloseReason::Violation(v) => {
-                tracing::debug!(reason = v.reason(), "closing an HTTP/2 connection: {v}");
-                (v.error_code(), v.reason())
+                tracing::debug!(reason = v.reason(), "closing an HTTP/2 connection: {v}")
             }
-            CloseReason::Idle => {
-                tracing::debug!("closing an idle HTTP/2 connection");
-                (limits::code::NO_ERROR, "idle")
-            }
-        };
+            CloseReason::Idle => tracing::debug!("closing an idle HTTP/2 connection"),
+        }
+        let (code, debug) = reason.goaway();
         let frame = frames::goaway_frame(self.filter.last_stream_id(), code, debug.as_bytes());
         self.closing = Some(Closing {
             reason,
@@ -215,10 +241,24 @@ impl<S> AuthorityFix<S> {
         }
     }
 
+    /// Processes the client's bytes read so far, then charges the flood limits with them.
+    fn process(&mut self) -> Result<(), Violation> {
+        self.filter.process()?;
+        let data_frames = self.outbound.sent().data_frames();
+        let now = tokio::time::Instant::now().into_std();
+        self.floods.check(self.filter.counts(), data_frames, now)
+    }
+
     /// Accounts for bytes of h2's that reached the connection.
     fn wrote(&mut self, bytes: &[u8]) {
         let was_idle = self.filter.streams().is_idle();
         self.outbound.advance(bytes, self.filter.streams_mut());
+        let goaways = self.outbound.sent().take_goaways();
+        if let Some(observe) = &self.on_goaway {
+            for (code, reason) in goaways {
+                observe(code, reason);
+            }
+        }
         let boundary_for_goaway = self.closing.is_some() && self.outbound.at_boundary();
         if boundary_for_goaway || (!was_idle && self.filter.streams().is_idle()) {
             if let Some(w) = self.read_waker.take() {
@@ -250,6 +290,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AuthorityFix<S> {
             outbound,
             closing,
             read_waker,
+            on_goaway,
             ..
         } = self;
         let Some(closing) = closing.as_mut() else {
@@ -274,6 +315,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AuthorityFix<S> {
                             *sent += n;
                             if *sent < frame.len() {
                                 continue;
+                            }
+                            if let Some(observe) = on_goaway {
+                                let (code, reason) = closing.reason.goaway();
+                                observe(code, reason);
                             }
                             Phase::Flush
                         }
@@ -370,7 +415,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for AuthorityFix<S> {
                 buf.put_slice(&raw.split_to(n));
                 return Poll::Ready(Ok(()));
             }
-            if let Err(violation) = this.filter.process() {
+            if let Err(violation) = this.process() {
                 this.begin_close(CloseReason::Violation(violation));
                 continue;
             }

@@ -62,8 +62,9 @@ pub fn extproc_settings(
     flow_policy: crate::flow::PolicyRx,
     flow_settings: crate::flow::FlowSettings,
     tracer: Option<crate::telemetry::RequestTracer>,
-) -> crate::extproc::ExtProcSettings {
-    crate::extproc::ExtProcSettings {
+) -> anyhow::Result<crate::extproc::ExtProcSettings> {
+    let streams = (args.ext_proc_streams).bounds(metrics.extproc.streams_open.clone())?;
+    Ok(crate::extproc::ExtProcSettings {
         max_body_bytes: args.max_body_bytes,
         fallbacks: args.fallbacks,
         conformance_test_mode: args.conformance_test_mode,
@@ -82,7 +83,8 @@ pub fn extproc_settings(
         } else {
             0
         },
-    }
+        streams,
+    })
 }
 
 /// The scraper's settings from flags (`None` with `--engine-metrics off`).
@@ -219,6 +221,10 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             decode_request_weight: args.pd_decode_request_weight,
         },
         outlier: outlier_config(args)?,
+        bookings: args.bookings.bounds(
+            (args.engine_metrics != crate::server::EngineMetricsMode::Off)
+                .then(|| Duration::from_millis(args.engine_metrics_interval_ms)),
+        )?,
         ..CoreConfig::default()
     })
 }
@@ -233,26 +239,26 @@ pub fn outlier_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::outlier::
     };
     let base = secs(
         "--outlier-base-ejection-secs",
-        args.outlier_base_ejection_secs,
+        args.outlier.outlier_base_ejection_secs,
     )?;
     let max = secs(
         "--outlier-max-ejection-secs",
-        args.outlier_max_ejection_secs,
+        args.outlier.outlier_max_ejection_secs,
     )?;
     if max < base {
         anyhow::bail!("--outlier-max-ejection-secs must be at least --outlier-base-ejection-secs");
     }
-    if args.outlier_max_ejected_percent > 100 {
+    if args.outlier.outlier_max_ejected_percent > 100 {
         anyhow::bail!(
             "--outlier-max-ejected-percent must be 0..=100, got {}",
-            args.outlier_max_ejected_percent
+            args.outlier.outlier_max_ejected_percent
         );
     }
     Ok(kvpick_core::outlier::OutlierConfig {
-        consecutive_failures: args.outlier_consecutive_5xx,
+        consecutive_failures: args.outlier.outlier_consecutive_5xx,
         base_ejection: base,
         max_ejection: max,
-        max_ejected_percent: args.outlier_max_ejected_percent,
+        max_ejected_percent: args.outlier.outlier_max_ejected_percent,
     })
 }
 
