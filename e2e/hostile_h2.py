@@ -961,7 +961,8 @@ class H2Client:
 def pump(clients: list[H2Client], until: float, stop=None,
          tick: Callable[[], None] | None = None, tick_every: float = 0.05) -> None:
     """Drives ``clients`` (reads, answers, writes) from this thread until the monotonic clock
-    passes ``until``, ``stop`` (a ``threading.Event``) is set, or every client is closed.
+    passes ``until``, ``stop`` (a ``threading.Event``) is set, or (without a ``tick``) every
+    client is closed.
     ``tick`` runs at least every ``tick_every`` seconds: the attack adds streams and data there
     (it may append new clients to ``clients``)."""
     sel = selectors.DefaultSelector()
@@ -985,8 +986,8 @@ def pump(clients: list[H2Client], until: float, stop=None,
                     sel.modify(c.sock, mask, c)
                 masks[c] = mask
             if not masks:
-                if all(c.closed for c in clients):
-                    return
+                if tick is None:
+                    return  # every client closed, and nothing can open another
                 time.sleep(tick_every)  # nothing to wait on but the tick
                 continue
             wait = max(0.0, min(tick_every, until - time.monotonic()))

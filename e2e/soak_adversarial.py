@@ -323,10 +323,11 @@ def flag_default(binary: Path, flag: str, fallback: int) -> int:
     the binary has no such flag (a build from before it)."""
     out = subprocess.run([str(binary), "serve", "--help"], capture_output=True, text=True,
                          timeout=30).stdout
-    m = re.search(re.escape(flag) + r"[ =<].*?\[default: (\d+)\]", out, re.S)
-    if m is None or "\n      --" in out[m.start() + len(flag):m.start(1)]:
-        return fallback
-    return int(m.group(1))
+    # The flag's own entry: its line, then its help up to the next option's line.
+    m = re.search(r"^ +(?:-\w, )?" + re.escape(flag) + r"\b[^\n]*\n((?:(?! +-)[^\n]*\n?)*)",
+                  out, re.M)
+    default = re.search(r"\[default: (\d+)\]", m.group(0)) if m else None
+    return int(default.group(1)) if default else fallback
 
 
 class Slots:
@@ -827,12 +828,11 @@ def attacker_summary(a: dict) -> str:
         return ""
     parts = [f"conns {a.get('connections', 0)}", f"streams {a.get('streams_opened', 0)}"]
     if a.get("goaways"):
-        parts.append("goaway " + ",".join(f"{k}x{v}" for k, v in a["goaways"].items()))
+        parts.append("goaway " + ",".join(f"{k}={v}" for k, v in a["goaways"].items()))
     if a.get("resets"):
-        parts.append("rst " + ",".join(f"{k:#x}x{v}" if isinstance(k, int) else f"{k}x{v}"
-                                       for k, v in a["resets"].items()))
+        parts.append("rst " + ",".join(f"{int(k):#x}={v}" for k, v in a["resets"].items()))
     if a.get("grpc_status"):
-        parts.append("grpc " + ",".join(f"{k}x{v}" for k, v in a["grpc_status"].items()))
+        parts.append("grpc-status " + ",".join(f"{k}={v}" for k, v in a["grpc_status"].items()))
     if a.get("closed_by_server"):
         parts.append(f"closed {a['closed_by_server']}")
     if a.get("connect_failed"):
