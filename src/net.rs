@@ -115,6 +115,8 @@ pub struct ConnLimits {
     pub front: FrontLimits,
     /// Connection lanes of the ext_proc port (`crate::lanes`); 0 = none.
     pub connection_threads: usize,
+    /// The memory account each connection charges (`h2_authority::ledger`); `None` = none.
+    pub memory: Option<crate::h2_authority::ledger::LedgerConfig>,
 }
 
 impl Default for ConnLimits {
@@ -128,6 +130,7 @@ impl Default for ConnLimits {
             http2_idle_timeout: Some(Duration::from_secs(300)),
             front: FrontLimits::default(),
             connection_threads: 0,
+            memory: None,
         }
     }
 }
@@ -179,6 +182,7 @@ impl ConnArgs {
             http2_idle_timeout: seconds("--http2-idle-timeout", self.http2_idle_timeout, true)?,
             front: FrontLimits::new(list),
             connection_threads: connection_threads(self.connection_threads)?,
+            memory: None,
         })
     }
 }
@@ -411,6 +415,7 @@ fn front_config(listening: &Listening) -> FrontConfig {
             CloseReason::Violation(v) => refused.with_label_values(&[name, v.reason()]).inc(),
             CloseReason::Idle => idle.with_label_values(&[name]).inc(),
         })),
+        memory: listening.limits.memory.clone(),
     }
 }
 

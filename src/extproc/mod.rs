@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use tonic::codegen::{http, Body, BoxFuture, Bytes, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status, Streaming};
 
+pub use crate::memory_account::{max_message_bytes, MESSAGE_HEADROOM_BYTES};
 use crate::selection::SelectionCore;
 use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
@@ -49,6 +50,9 @@ pub struct ExtProcSettings {
     /// `--emit-endpoint-scores`: most endpoints whose scores the `envoy.lb` metadata carries
     /// (`--endpoint-scores-limit`); 0 = off, no scores computed.
     pub endpoint_scores: usize,
+    /// Largest gRPC message accepted from Envoy (`--max-ext-proc-message-bytes`); a larger one
+    /// ends its stream with OUT_OF_RANGE before tonic reserves room for it.
+    pub max_message_bytes: usize,
 }
 
 impl Default for ExtProcSettings {
@@ -65,6 +69,7 @@ impl Default for ExtProcSettings {
             pd_protocol: PdProtocol::default(),
             tracer: None,
             endpoint_scores: 0,
+            max_message_bytes: max_message_bytes(32 << 20),
         }
     }
 }
@@ -143,8 +148,9 @@ impl ExtProcService {
 /// The stream of answers to one Envoy stream.
 pub type ResponseStream = Pin<Box<dyn Stream<Item = Result<Outbound, Status>> + Send>>;
 
-/// Largest gRPC message either way (a body chunk is at most [`stream::MAX_BODY_CHUNK`] bytes).
-const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Largest gRPC message kvpick sends: an echoed body chunk (at most [`stream::MAX_BODY_CHUNK`]
+/// bytes) or an immediate response, far below this.
+const MAX_SENT_MESSAGE_BYTES: usize = 4 << 20;
 
 /// The gRPC method Envoy calls.
 const PROCESS_PATH: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
@@ -192,9 +198,10 @@ where
             return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
         }
         let method = ProcessMethod(self.service.clone());
+        let received = self.service.settings.max_message_bytes;
         Box::pin(async move {
             let mut grpc = tonic::server::Grpc::new(ExtProcCodec)
-                .apply_max_message_size_config(Some(MAX_MESSAGE_BYTES), Some(MAX_MESSAGE_BYTES));
+                .apply_max_message_size_config(Some(received), Some(MAX_SENT_MESSAGE_BYTES));
             Ok(grpc.streaming(method, request).await)
         })
     }

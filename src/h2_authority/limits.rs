@@ -101,10 +101,12 @@ pub enum Violation {
     /// Framing the layer cannot pass on: an interrupted block, a CONTINUATION without its
     /// HEADERS, bad padding, a client PUSH_PROMISE.
     Protocol,
+    /// More streams reset by the memory account (`ledger`) than a connection may keep open.
+    MemoryResets,
 }
 
 impl Violation {
-    pub const ALL: [Violation; 7] = [
+    pub const ALL: [Violation; 8] = [
         Violation::FrameTooLarge,
         Violation::HeaderBlockTooLarge,
         Violation::TooManyContinuations,
@@ -112,6 +114,7 @@ impl Violation {
         Violation::TableSizeUpdate,
         Violation::Compression,
         Violation::Protocol,
+        Violation::MemoryResets,
     ];
 
     /// The `reason` label of `kvpick_connections_refused_total` (a closed set).
@@ -124,6 +127,7 @@ impl Violation {
             Violation::TableSizeUpdate => "table_size_update",
             Violation::Compression => "compression",
             Violation::Protocol => "protocol",
+            Violation::MemoryResets => "memory_resets",
         }
     }
 
@@ -136,7 +140,8 @@ impl Violation {
             Violation::FrameTooLarge => code::FRAME_SIZE_ERROR,
             Violation::HeaderBlockTooLarge
             | Violation::TooManyContinuations
-            | Violation::HeaderListTooLarge => code::ENHANCE_YOUR_CALM,
+            | Violation::HeaderListTooLarge
+            | Violation::MemoryResets => code::ENHANCE_YOUR_CALM,
             Violation::TableSizeUpdate | Violation::Compression => code::COMPRESSION_ERROR,
             Violation::Protocol => code::PROTOCOL_ERROR,
         }
@@ -153,6 +158,7 @@ impl fmt::Display for Violation {
             Violation::TableSizeUpdate => "misplaced or oversized HPACK table size update",
             Violation::Compression => "HPACK decoding error",
             Violation::Protocol => "HTTP/2 framing error",
+            Violation::MemoryResets => "too many streams reset by the memory account",
         };
         f.write_str(what)
     }

@@ -47,7 +47,7 @@ impl ConnMetrics {
                          connection_limit (--max-connections), or an HTTP/2 front-layer \
                          violation (frame_too_large, header_block_too_large, \
                          too_many_continuations, header_list_too_large, table_size_update, \
-                         compression, protocol)",
+                         compression, protocol, memory_resets)",
                     ),
                     &["listener", "reason"],
                 )
