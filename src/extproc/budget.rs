@@ -17,6 +17,12 @@ use crate::memory_account::{Kind, MemoryAccount};
 /// Default of `--max-buffered-body-bytes`: 1 GiB over all streams.
 pub const DEFAULT_BUDGET_BYTES: usize = 1 << 30;
 
+/// What tonic and h2 may still hold of an echoed body once it is handed on: tonic's encode
+/// buffer yields at 32 KiB, plus one more message of at most `MAX_BODY_CHUNK` bytes, and h2 takes
+/// one such frame even from a client whose window is 1 byte. A stream keeps this much of its
+/// lease until Envoy's next message shows the echo was read.
+pub const ECHO_IN_FLIGHT_BYTES: usize = 32 * 1024 + super::stream::MAX_BODY_CHUNK + 64;
+
 #[derive(Debug)]
 pub struct BodyBudget {
     limit: usize,
@@ -115,6 +121,14 @@ impl BodyLease {
         self.held
     }
 
+    /// Gives back all but `n` bytes.
+    pub fn keep_at_most(&mut self, n: usize) {
+        if self.held > n {
+            self.budget.give_back(self.held - n);
+            self.held = n;
+        }
+    }
+
     /// An empty lease on the same budget.
     pub fn fresh(&self) -> BodyLease {
         self.budget.lease()
@@ -149,6 +163,19 @@ mod tests {
         drop(b);
         assert_eq!(budget.in_use(), 0);
         assert!(!budget.lease().try_grow(usize::MAX), "no overflow");
+    }
+
+    #[test]
+    fn keeping_at_most_gives_back_the_rest() {
+        let budget = BodyBudget::unmetered(1000);
+        let mut lease = budget.lease();
+        assert!(lease.try_grow(300));
+        lease.keep_at_most(500);
+        assert_eq!(budget.in_use(), 300, "under the bound: all kept");
+        lease.keep_at_most(100);
+        assert_eq!((lease.held(), budget.in_use()), (100, 100));
+        drop(lease);
+        assert_eq!(budget.in_use(), 0);
     }
 
     #[test]

@@ -247,7 +247,9 @@ struct Driver {
     machine: StreamMachine,
     inbound: Streaming<Inbound>,
     outbox: std::vec::IntoIter<Outbound>,
-    /// The budget held by the echoed body in `outbox`, released once all of it is handed on.
+    /// The budget held by the echoed body in `outbox`: all of it until handed on to tonic, then
+    /// what tonic and h2 may still buffer of it (a client that never opens its window keeps it
+    /// there) until Envoy's next message.
     lease: Option<BodyLease>,
     /// How the stream ended, once it has; dropped before that = Envoy went away (or, once the
     /// exchange is complete, the normal end: `completed`).
@@ -263,11 +265,16 @@ impl Driver {
             if let Some(answer) = self.outbox.next() {
                 return Some(Ok(answer));
             }
-            self.lease = None;
+            if let Some(lease) = &mut self.lease {
+                lease.keep_at_most(budget::ECHO_IN_FLIGHT_BYTES);
+            }
             if self.end.is_some() {
                 return None;
             }
-            match self.inbound.message().await {
+            let read = self.inbound.message().await;
+            // Envoy's next message (or the stream's end) means it has read the echo.
+            self.lease = None;
+            match read {
                 Ok(Some(message)) => match self.machine.handle(message) {
                     Ok(step) => self.run(step).await,
                     Err(status) => {
