@@ -5,7 +5,9 @@
 #     static-catalog mode, certSecretName, h2c, pool.create=false, a pool in another namespace
 #     (pool.namespace), shared state on Redis (sharedState.*, hard anti-affinity), one replica and
 #     flow control without the CRD watch (flowControl.*), the monitoring objects (observability.*:
-#     dashboard ConfigMap, PrometheusRule, ServiceMonitor) and the KEDA example in manifests/observability/;
+#     dashboard ConfigMap, PrometheusRule, ServiceMonitor) and the KEDA example in manifests/observability/,
+#     client authentication (tls.clientAuth.*) and the NetworkPolicy (networkPolicy.*, and the
+#     opt-in manifests/networkpolicy.yaml, which must equal the chart's with the default ports);
 #     the chart's guards fail;
 #   - kubectl parses every rendered document (`kubectl label --local`: `kubectl apply|create
 #     --dry-run=client` need a reachable API server for discovery even with --validate=false);
@@ -151,6 +153,11 @@ render single --set replicas=1
 render noflow --set flowControl.watchCrds=false --set flowControl.clientPriority=false
 render pd --set-json \
   'disaggregation={"protocol":"dynamo","roleLabel":"example.com/role","thresholdTokens":1024,"transferBlockCost":0.1}'
+# Only the gateway holds capacity: client certificates (mTLS) and the NetworkPolicy.
+render mtls --set tls.clientAuth.caSecretName=gateway-ca \
+  --set-json 'tls.clientAuth.allowedSans=["spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy-default","gw.example"]'
+render netpol --set networkPolicy.enabled=true --set-json 'networkPolicy.gateway.podLabels={"gateway.envoyproxy.io/owning-gateway-name":"inference-gateway"}'
+render netpolplain --set networkPolicy.enabled=true --set fullnameOverride=kvpick
 must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
   local what=$1
   shift
@@ -159,6 +166,9 @@ must_fail() { # must_fail WHAT HELM-TEMPLATE-ARGS...
   fi
 }
 must_fail "certSecretName with secureServing=false" --set certSecretName=x --set secureServing=false
+must_fail "tls.clientAuth with secureServing=false" --set tls.clientAuth.caSecretName=x --set secureServing=false
+must_fail "tls.clientAuth.allowedSans without a CA" --set-json 'tls.clientAuth.allowedSans=["spiffe://a"]'
+must_fail "an allowed SAN with a comma" --set tls.clientAuth.caSecretName=x --set-json 'tls.clientAuth.allowedSans=["a,b"]'
 must_fail "logFormat=xml (values.schema.json not applied?)" --set logFormat=xml
 must_fail "mode=crd" --set mode=crd
 must_fail "disaggregation.protocol=sglang" --set disaggregation.protocol=sglang
@@ -274,7 +284,7 @@ if errors:
 PY
 
 # --- kubectl: every document decodes as a Kubernetes object -------------------------------------
-files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single,noflow,pd}.yaml)
+files=("$rendered"/kustomize.yaml "$rendered"/helm-{default,dp,selector,static,certs,h2c,nopool,poolns,shared,single,noflow,pd,mtls,netpol}.yaml)
 for f in "${files[@]}"; do
   run "$KUBECTL" label --local -f "$f" -o name kvpick.io/check=ok
   # Static mode has no Role / RoleBinding.
@@ -283,6 +293,7 @@ for f in "${files[@]}"; do
   [ "$(grep -c . "$log")" -ge $min ] || { cat "$log" >&2; fail "kubectl saw fewer than $min objects in $f"; }
 done
 run "$KUBECTL" label --local -f manifests/examples/ -o name kvpick.io/check=ok
+run "$KUBECTL" label --local -f manifests/networkpolicy.yaml -o name kvpick.io/check=ok
 
 # --- Python: semantic checks and kubernetes-validate; writes the core objects as JSON for the
 # --- client-node schema check
@@ -302,7 +313,8 @@ def check(cond, where, msg):
 POOL_KIND = ("inference.networking.k8s.io/v1", "InferencePool")
 KINDS = {("v1", "ServiceAccount"), ("rbac.authorization.k8s.io/v1", "Role"),
          ("rbac.authorization.k8s.io/v1", "RoleBinding"), ("v1", "ConfigMap"),
-         ("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"), POOL_KIND}
+         ("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"), POOL_KIND,
+         ("networking.k8s.io/v1", "NetworkPolicy")}
 CORE = ("ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service")
 READ = ["get", "list", "watch"]
 FLOW_READ = ["list", "watch"]
@@ -316,7 +328,7 @@ EXPECT = {"kustomize": ("pool", True), "default": ("pool", True), "dp": ("pool",
           "selector": ("selector", False), "static": ("static", False), "certs": ("pool", True),
           "h2c": ("pool", True), "nopool": ("pool", False), "poolns": ("pool", False),
           "shared": ("pool", True), "single": ("pool", True), "noflow": ("pool", True),
-          "pd": ("pool", True)}
+          "pd": ("pool", True), "mtls": ("pool", True), "netpol": ("pool", True)}
 RBAC = ("Role", "RoleBinding")
 
 def arg_value(args, flag):
@@ -392,6 +404,29 @@ def check_pool(where, pool, svc, pool_name):
     check(ref.get("port") == {"number": grpc_port}, where, f"endpointPickerRef.port must be {{number: {grpc_port}}}: {ref.get('port')}")
     check(ref.get("failureMode") in ("FailOpen", "FailClose"), where, f"failureMode {ref.get('failureMode')!r}")
     return {"selector": sel.get("matchLabels"), "ports": nums, "failureMode": ref.get("failureMode")}
+
+def ports_of(container):
+    return {p.get("name"): p.get("containerPort") for p in container.get("ports", [])}
+
+def check_netpol(where, np, pod_labels, cports):
+    """The gateway alone reaches the ext_proc port, the monitoring namespace the metrics port, and
+    the health port stays open (the kubelet's probes)."""
+    spec = np.get("spec", {})
+    sel = spec.get("podSelector", {}).get("matchLabels", {})
+    check(sel and sel.items() <= pod_labels.items(), where, f"NetworkPolicy podSelector {sel} does not select the pods")
+    check(spec.get("policyTypes") == ["Ingress"], where, "NetworkPolicy must restrict ingress")
+    by_port = {}
+    for rule in spec.get("ingress", []):
+        for p in rule.get("ports", []):
+            by_port.setdefault(p.get("port"), []).append(rule.get("from"))
+    grpc, health, metrics = cports.get("grpc"), cports.get("grpc-health"), cports.get("metrics")
+    check(set(by_port) == {grpc, health, metrics}, where, f"NetworkPolicy ports {sorted(by_port)} are not grpc, health, metrics")
+    for port, name in ((grpc, "ext_proc"), (metrics, "metrics")):
+        froms = by_port.get(port, [])
+        check(froms and all(f and all(peer.get("namespaceSelector", {}).get("matchLabels", {}).get("kubernetes.io/metadata.name")
+                                      for peer in f) for f in froms),
+              where, f"the {name} port must be admitted only from a named namespace: {froms}")
+    check(by_port.get(health) == [None], where, "the health port must stay open to the kubelet's probes")
 
 def check_set(where, docs, mode, want_pool):
     by_kind = {}
@@ -528,6 +563,17 @@ def check_rest(where, by_kind, name, mode):
         check(arg_value(args, "--secure-serving") in (None, "true"), where, "--cert-path without TLS")
     else:
         check("/etc/kvpick/certs" not in mounts, where, "certs mounted but no --cert-path")
+    client_ca = arg_value(args, "--client-ca-path")
+    if client_ca is not None:
+        check(client_ca == "/etc/kvpick/client-ca/ca.pem" and "secret" in vols.get(mounts.get("/etc/kvpick/client-ca", {}).get("name"), {}),
+              where, "--client-ca-path must point at the mounted Secret /etc/kvpick/client-ca")
+        check(arg_value(args, "--secure-serving") in (None, "true"), where, "--client-ca-path without TLS")
+    else:
+        check("/etc/kvpick/client-ca" not in mounts and arg_value(args, "--client-allowed-sans") is None,
+              where, "a client CA mounted or allowed SANs without --client-ca-path")
+    netpol = by_kind.get("NetworkPolicy")
+    if netpol is not None:
+        check_netpol(where, netpol, dep["spec"]["template"]["metadata"].get("labels", {}), ports_of(c))
     tmpl_labels = dep["spec"]["template"]["metadata"].get("labels", {})
     sel = dep["spec"]["selector"].get("matchLabels", {})
     check(sel and sel.items() <= tmpl_labels.items(), where, "Deployment selector does not match its pod labels")
@@ -575,7 +621,8 @@ def check_rest(where, by_kind, name, mode):
     return {"args": args, "catalog": catalog, "replicas": replicas, "anti_affinity": sorted(anti), "probes": (c.get("livenessProbe"), c.get("readinessProbe")),
             "ports": cports, "kinds": sorted(by_kind), "mounts": sorted(mounts), "cert_path": cert_path,
             "pool_name": pool_name, "pool": pool, "selector": selector, "target_ports": target_ports,
-            "security": (sc, pod.get("securityContext")), "resources": c.get("resources")}
+            "security": (sc, pod.get("securityContext")), "resources": c.get("resources"),
+            "pod_labels": tmpl_labels}
 
 objects, summary = [], {}
 for path in paths:
@@ -634,6 +681,30 @@ check(nf and arg_value(nf["args"], "--flow-watch-crds") == "false"
       "want --flow-watch-crds=false --client-priority=false")
 check(summary.get("default") and arg_value(summary["default"]["args"], "--flow-watch-crds") is None,
       "helm template (default)", "the default render sets no flow-control flags (kvpick's defaults)")
+mt = summary.get("mtls")
+check(mt and arg_value(mt["args"], "--client-ca-path") == "/etc/kvpick/client-ca/ca.pem"
+      and arg_value(mt["args"], "--client-allowed-sans") == "spiffe://cluster.local/ns/envoy-gateway-system/sa/envoy-default,gw.example",
+      "helm template (mtls)", "want --client-ca-path /etc/kvpick/client-ca/ca.pem and both allowed SANs")
+check(summary.get("netpol") and "NetworkPolicy" in summary["netpol"]["kinds"], "helm template (netpol)", "no NetworkPolicy")
+check(summary.get("default") and "NetworkPolicy" not in summary["default"]["kinds"], "helm template (default)",
+      "the NetworkPolicy is opt-in")
+# manifests/networkpolicy.yaml (opt-in, outside the kustomization) is the chart's NetworkPolicy
+# with the default ports and namespaces, minus Helm's own labels.
+with open("manifests/networkpolicy.yaml") as f:
+    plain_np = [d for d in yaml.safe_load_all(f) if d]
+with open(os.path.join(os.path.dirname(paths[0]), "helm-netpolplain.yaml")) as f:
+    chart_np = [d for d in yaml.safe_load_all(f) if d and d.get("kind") == "NetworkPolicy"]
+if check(len(plain_np) == 1 and len(chart_np) == 1, "manifests/networkpolicy.yaml", "want one NetworkPolicy in each"):
+    kubernetes_validate.validate(plain_np[0], K8S_VERSION, strict=True)
+    strip = lambda labels: {k: v for k, v in labels.items() if k in ("app.kubernetes.io/name", "app.kubernetes.io/component")}
+    chart_spec = json.loads(json.dumps(chart_np[0]["spec"]))
+    chart_spec["podSelector"]["matchLabels"] = strip(chart_spec["podSelector"]["matchLabels"])
+    check(plain_np[0]["spec"] == chart_spec, "manifests/networkpolicy.yaml",
+          f"differs from the chart's (networkPolicy.enabled=true): {plain_np[0]['spec']} != {chart_spec}")
+    if plain:
+        dep_labels = plain.get("pod_labels", {})
+        check(plain_np[0]["spec"]["podSelector"]["matchLabels"].items() <= dep_labels.items(),
+              "manifests/networkpolicy.yaml", "its podSelector does not select manifests/deployment.yaml's pods")
 h2c = summary.get("h2c")
 check(h2c and "--secure-serving=false" in h2c["args"], "helm template (h2c)", "no --secure-serving=false")
 

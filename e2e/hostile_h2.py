@@ -15,6 +15,8 @@ retries.
 
 from __future__ import annotations
 
+import os
+import select
 import selectors
 import socket
 import ssl
@@ -27,14 +29,19 @@ import h2.config
 import h2.connection
 import h2.events
 import hpack
-from hyperframe.frame import Frame, GoAwayFrame
+from hyperframe.frame import (ContinuationFrame, Frame, GoAwayFrame, HeadersFrame, PingFrame,
+                              SettingsFrame)
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 MAX_FRAME_SIZE = 16_384  # what kvpick advertises (SETTINGS_MAX_FRAME_SIZE)
 
 # Frame types and flags.
 DATA, HEADERS, SETTINGS, CONTINUATION = 0x0, 0x1, 0x4, 0x9
+RST_STREAM, PING, WINDOW_UPDATE = 0x3, 0x6, 0x8
 END_STREAM, END_HEADERS = 0x1, 0x4
+SETTINGS_INITIAL_WINDOW_SIZE = 0x4
+
+EXT_PROC_PATH = "/envoy.service.ext_proc.v3.ExternalProcessor/Process"
 
 # HTTP/2 error codes (RFC 9113 §7).
 NO_ERROR = 0x0
@@ -379,6 +386,200 @@ def slow_tls_handshake(host: str, port: int, *, connections: int = 10, hold: flo
         return s
 
     return _open_and_hold(connections, hold, open_one)
+
+
+@dataclass
+class FloodOutcome:
+    """What the server did with a frame flood, over all the connections it took."""
+
+    connections: int = 0
+    frames_sent: int = 0
+    """Flood frames written (the streams' HEADERS not included)."""
+    goaways: dict[int, int] = field(default_factory=dict)
+    """GOAWAY error code -> connections that got one."""
+    debug: set[bytes] = field(default_factory=set)
+    """Debug data of those GOAWAYs."""
+    elapsed: float = 0.0
+
+
+def open_streams(streams: int, path: str = EXT_PROC_PATH, first_id: int = 1) -> bytes:
+    """HEADERS opening ``streams`` gRPC streams that stay open (no END_STREAM, no message), with
+    one HPACK encoder (later blocks index the first's headers)."""
+    enc = hpack.Encoder()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", path),
+               (":authority", "kvpick"), ("content-type", "application/grpc"),
+               ("te", "trailers")]
+    return b"".join(frame(HEADERS, END_HEADERS, first_id + 2 * i, enc.encode(headers))
+                    for i in range(streams))
+
+
+def settings_frame(initial_window: int) -> bytes:
+    return frame(SETTINGS, 0, 0, struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, initial_window))
+
+
+def window_update(stream_id: int, increment: int = 1) -> bytes:
+    return frame(WINDOW_UPDATE, 0, stream_id, struct.pack(">I", increment))
+
+
+def _drain(sock: socket.socket, received: bytearray) -> bool:
+    """Reads what the server sent without waiting; False once it closed the connection."""
+    while (isinstance(sock, ssl.SSLSocket) and sock.pending()) or select.select([sock], [], [], 0)[0]:
+        try:
+            chunk = sock.recv(65536)
+        except OSError:
+            return False
+        if not chunk:
+            return False
+        received += chunk
+    return True
+
+
+def flood(host: str, port: int, *, setup: bytes, unit: bytes, frames_per_unit: int,
+          seconds: float = 10.0, reconnect: bool = True, tls: bool = False,
+          timeout: float = 5.0) -> FloodOutcome:
+    """For ``seconds``: connects, sends ``setup`` (e.g. ``open_streams``), then ``unit`` (a batch
+    of flood frames) again and again while reading whatever the server answers, until the
+    server closes the connection; then, with ``reconnect``, starts over on a new one. Bounded by
+    ``seconds`` plus ``timeout``."""
+    start = time.monotonic()
+    deadline = start + seconds
+    out = FloodOutcome()
+    while time.monotonic() < deadline:
+        sock = connect(host, port, tls=tls, timeout=timeout)
+        out.connections += 1
+        received = bytearray()
+        try:
+            sock.sendall(setup)
+            open_ = True
+            while open_ and time.monotonic() < deadline:
+                try:
+                    sock.sendall(unit)
+                    out.frames_sent += frames_per_unit
+                except OSError:
+                    open_ = False
+                open_ = _drain(sock, received) and open_
+            if not open_:
+                # Whatever is left of the server's answer before its close.
+                sock.settimeout(max(0.01, min(1.0, deadline - time.monotonic())))
+                try:
+                    while chunk := sock.recv(65536):
+                        received += chunk
+                except OSError:
+                    pass
+        finally:
+            sock.close()
+        for f in _server_frames(bytes(received)):
+            if isinstance(f, GoAwayFrame):
+                out.goaways[f.error_code] = out.goaways.get(f.error_code, 0) + 1
+                out.debug.add(bytes(f.additional_data))
+                break
+        if not reconnect:
+            break
+    out.elapsed = time.monotonic() - start
+    return out
+
+
+def settings_flood(host: str, port: int, *, streams: int = 1000, seconds: float = 10.0,
+                   reconnect: bool = True, tls: bool = False) -> FloodOutcome:
+    """Issue 45's SETTINGS flood: ``streams`` open ext_proc streams, then SETTINGS frames
+    toggling SETTINGS_INITIAL_WINDOW_SIZE (each change walks every open stream in h2). kvpick
+    answers GOAWAY(ENHANCE_YOUR_CALM, ``settings_flood``) past 32 frames (2 a second after)."""
+    unit = (settings_frame(65_536) + settings_frame(65_535)) * 50
+    return flood(host, port, setup=open_streams(streams), unit=unit, frames_per_unit=100,
+                 seconds=seconds, reconnect=reconnect, tls=tls)
+
+
+def window_update_flood(host: str, port: int, *, streams: int = 100, seconds: float = 10.0,
+                        reconnect: bool = True, tls: bool = False) -> FloodOutcome:
+    """WINDOW_UPDATE frames of 1 byte on the connection and on each of ``streams`` open ext_proc
+    streams, with no data received to acknowledge. kvpick answers GOAWAY(ENHANCE_YOUR_CALM,
+    ``window_update_flood``) past its burst of 256."""
+    unit = b"".join(window_update(0) + window_update(1 + 2 * (i % max(1, streams)))
+                    for i in range(100))
+    return flood(host, port, setup=open_streams(streams), unit=unit, frames_per_unit=200,
+                 seconds=seconds, reconnect=reconnect, tls=tls)
+
+
+class HeldStreams:
+    """``streams`` ext_proc streams opened on one new connection (HEADERS, no message, never
+    ended) and held while ``poll`` reads what the server answers: each stream's ``grpc-status``
+    (from a trailers-only answer or trailers; kvpick refuses a stream past
+    ``--max-ext-proc-streams`` with 8, RESOURCE_EXHAUSTED, and ends one silent for
+    ``--ext-proc-idle-timeout`` with 4, DEADLINE_EXCEEDED). The server's SETTINGS and PINGs are
+    acknowledged, so only the streams' silence is in question."""
+
+    def __init__(self, host: str, port: int, streams: int, *, tls: bool = False,
+                 timeout: float = 5.0) -> None:
+        self.sock = connect(host, port, tls=tls, timeout=timeout)
+        self.sock.sendall(open_streams(streams))
+        self.streams = streams
+        self.statuses: dict[int, str] = {}
+        self.closed = False
+        self._decoder = hpack.Decoder()
+        self._buf = b""
+
+    def _frame(self, f) -> None:
+        if isinstance(f, SettingsFrame) and "ACK" not in f.flags:
+            self.sock.sendall(frame(SETTINGS, 0x1, 0, b""))
+        elif isinstance(f, PingFrame) and "ACK" not in f.flags:
+            self.sock.sendall(frame(PING, 0x1, 0, bytes(f.opaque_data)))
+        elif isinstance(f, (HeadersFrame, ContinuationFrame)):
+            # kvpick's header blocks fit one frame: decode each as it comes.
+            for name, value in self._decoder.decode(bytes(f.data), raw=True):
+                if name == b"grpc-status":
+                    self.statuses[f.stream_id] = value.decode()
+
+    def poll(self, seconds: float) -> dict[int, str]:
+        """Reads for up to ``seconds``, or until every stream has a status or the server closed
+        the connection; returns the statuses so far (stream id -> grpc-status)."""
+        deadline = time.monotonic() + seconds
+        while (not self.closed and len(self.statuses) < self.streams
+               and time.monotonic() < deadline):
+            self.sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                chunk = self.sock.recv(65536)
+            except (socket.timeout, TimeoutError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self.closed = True
+                break
+            self._buf += chunk
+            while len(self._buf) >= 9:
+                length = int.from_bytes(self._buf[:3], "big")
+                if len(self._buf) < 9 + length:
+                    break
+                f, _ = Frame.parse_frame_header(memoryview(self._buf[:9]))
+                f.parse_body(memoryview(self._buf[9:9 + length]))
+                self._buf = self._buf[9 + length:]
+                self._frame(f)
+        return dict(self.statuses)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def rapid_reset(host: str, port: int, *, streams: int = 1000, timeout: float = 10.0) -> Outcome:
+    """CVE-2023-44487's shape: ``streams`` ext_proc streams each opened and at once reset
+    (RST_STREAM CANCEL), in one write. h2 answers GOAWAY(ENHANCE_YOUR_CALM, ``too_many_resets``)
+    itself. Bounded by ``timeout`` seconds."""
+    enc = hpack.Encoder()
+    headers = [(":method", "POST"), (":scheme", "http"), (":path", EXT_PROC_PATH),
+               (":authority", "kvpick"), ("content-type", "application/grpc"),
+               ("te", "trailers")]
+    attack = b"".join(frame(HEADERS, END_HEADERS, 1 + 2 * i, enc.encode(headers))
+                      + frame(RST_STREAM, 0, 1 + 2 * i, struct.pack(">I", 0x8))
+                      for i in range(streams))
+    return run_attack(host, port, attack, timeout=timeout)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) so far, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
 
 
 def process_memory(pid: int) -> dict[str, int]:

@@ -8,6 +8,8 @@ e2e/soak.py. Beside it, for the whole run:
 
 - header-block bombs and CONTINUATION floods on kvpick's gRPC port (e2e/hostile_h2.py), each on
   its own connection, which kvpick must close;
+- SETTINGS floods on connections with 1,000 open ext_proc streams, WINDOW_UPDATE floods, and
+  streams opened and left silent (kvpick ends them at --ext-proc-idle-timeout);
 - slow TLS handshakes (sockets that dribble a ClientHello) and idle connections;
 - clients that reset mid-body, 32 MiB bodies, and requests with random or garbage priorities
   through Envoy;
@@ -154,6 +156,23 @@ def verdict(outcome) -> str:
     return "closed" if outcome.closed else "left_open"
 
 
+def flood_verdict(outcome: hostile_h2.FloodOutcome) -> str:
+    """A flood's end, as a count key: the GOAWAY code, or `left_open`."""
+    codes = sorted(outcome.goaways)
+    return f"goaway_{codes[0]:#x}" if codes else "left_open"
+
+
+def idle_streams(port: int, tls: bool, streams: int = 100) -> str:
+    """Opens `streams` ext_proc streams and never sends them a message; kvpick ends each at
+    --ext-proc-idle-timeout (60 s) with DEADLINE_EXCEEDED (4)."""
+    held = hostile_h2.HeldStreams("127.0.0.1", port, streams, tls=tls)
+    try:
+        statuses = set(held.poll(75.0).values())
+    finally:
+        held.close()
+    return "status_" + "_".join(sorted(statuses)) if statuses else "left_open"
+
+
 def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
     attacks = Attacks()
     url = stack.url()
@@ -169,6 +188,12 @@ def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
         "127.0.0.1", grpc_port, tls=stack.secure)), 1.0)
     for i in range(4):
         attacks.run(f"slow_tls_{i}", lambda: slow_tls_handshake(grpc_port, seconds), 0.5)
+    attacks.run("settings_flood", lambda: flood_verdict(hostile_h2.settings_flood(
+        "127.0.0.1", grpc_port, streams=1000, seconds=5.0, reconnect=False,
+        tls=stack.secure)), 1.0)
+    attacks.run("window_update_flood", lambda: flood_verdict(hostile_h2.window_update_flood(
+        "127.0.0.1", grpc_port, seconds=5.0, reconnect=False, tls=stack.secure)), 1.0)
+    attacks.run("idle_streams", lambda: idle_streams(grpc_port, stack.secure), 1.0)
     attacks.run("reset_mid_body", lambda: reset_mid_body(url), 0.2)
     attacks.run("body_32mib", lambda: big_body(client, url, blob), 3.0)
     attacks.run("random_priority", lambda: random_priority(client, url, rng), 0.2)

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub use crate::epp_metrics::BoundedLabel;
+pub use bookings::BookingBoundMetrics;
 pub use cache_view::CacheViewMetrics;
 pub use conn::ConnMetrics;
 use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
@@ -16,6 +17,7 @@ use prometheus::{
 };
 pub use ranks::RankMetrics;
 
+mod bookings;
 pub mod cache_view;
 mod conn;
 mod memory;
@@ -40,6 +42,8 @@ pub struct Metrics {
     pub ranks: RankMetrics,
     /// Cache-view accuracy: predicted against engine-reported cached tokens.
     pub cache_view: CacheViewMetrics,
+    /// Held bookings decayed or reconciled.
+    pub bookings: BookingBoundMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
     pub epp: crate::epp_metrics::EppMetrics,
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
@@ -236,6 +240,8 @@ pub struct ExtProcMetrics {
     pub body_bytes_buffered: IntGauge,
     /// Requests answered 503 because the global body budget could not hold their body.
     pub body_budget_rejected: IntCounter,
+    /// ext_proc streams open now (`--max-ext-proc-streams` in use).
+    pub streams_open: IntGauge,
 }
 
 impl ExtProcMetrics {
@@ -309,7 +315,16 @@ impl ExtProcMetrics {
             )
             .unwrap(),
         );
+        let streams_open = register(
+            registry,
+            IntGauge::new(
+                "kvpick_extproc_streams_open",
+                "ext_proc streams open now (--max-ext-proc-streams in use)",
+            )
+            .unwrap(),
+        );
         ExtProcMetrics {
+            streams_open,
             requests,
             pick_latency,
             streams,
@@ -828,6 +843,8 @@ impl Metrics {
                     .with_label_values(&["expired"])
                     .inc_by(*n),
                 Fact::SessionsLive(delta) => self.selection.sessions_live.add(*delta),
+                Fact::BookingsDecayed(n) => self.bookings.decayed.inc_by(*n),
+                Fact::BookingsReconciled(n) => self.bookings.reconciled.inc_by(*n),
                 Fact::IndexSize {
                     partition,
                     blocks,
@@ -951,6 +968,7 @@ impl Metrics {
             memory: MemoryMetrics::register(&registry),
             ranks: RankMetrics::register(&registry),
             cache_view: CacheViewMetrics::register(&registry),
+            bookings: BookingBoundMetrics::register(&registry),
             scrape_facts: Default::default(),
             registry,
         }

@@ -26,11 +26,12 @@ use tokio_openssl::SslStream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
+use crate::h2_authority::floods::{DEFAULT_SETTINGS_PER_SECOND, DEFAULT_WINDOW_UPDATES_PER_SECOND};
 use crate::h2_authority::limits::{
     DEFAULT_MAX_HEADER_LIST_BYTES, MAX_FRAME_SIZE, MAX_MAX_HEADER_LIST_BYTES,
     MIN_MAX_HEADER_LIST_BYTES,
 };
-use crate::h2_authority::{AuthorityFix, CloseReason, FrontConfig, FrontLimits};
+use crate::h2_authority::{AuthorityFix, CloseReason, FloodLimits, FrontConfig, FrontLimits};
 use crate::metrics::ConnMetrics;
 use crate::tls::TlsServer;
 
@@ -78,6 +79,23 @@ pub struct ConnArgs {
     #[arg(long, default_value_t = DEFAULT_MAX_HEADER_LIST_BYTES, value_name = "BYTES")]
     pub max_header_list_bytes: usize,
 
+    /// SETTINGS frames a client may send per second on one connection, after a burst of 32; a
+    /// client over it gets GOAWAY (ENHANCE_YOUR_CALM) and its connection is closed
+    /// (`kvpick_connections_refused_total{reason="settings_flood"}`). h2 applies each SETTINGS
+    /// to every open stream, so a flood toggling INITIAL_WINDOW_SIZE on a connection with many
+    /// streams costs CPU-seconds; real clients send one at connect (gRPC's BDP probing a few
+    /// more over a connection's life, as its window grows). 0 = unlimited.
+    #[arg(long = "http2-max-settings-per-second", default_value_t = DEFAULT_SETTINGS_PER_SECOND, value_name = "N")]
+    pub http2_max_settings_per_second: u32,
+
+    /// WINDOW_UPDATE frames a client may send per second on one connection, after a burst of
+    /// 256, plus 2 for every DATA frame kvpick sent on it (a peer acknowledges received data
+    /// per stream and per connection; at most 8,192 of that credit banked): busy connections
+    /// never reach it. Over it: GOAWAY (ENHANCE_YOUR_CALM), connection closed
+    /// (`kvpick_connections_refused_total{reason="window_update_flood"}`). 0 = unlimited.
+    #[arg(long = "http2-max-window-updates-per-second", default_value_t = DEFAULT_WINDOW_UPDATES_PER_SECOND, value_name = "N")]
+    pub http2_max_window_updates_per_second: u32,
+
     /// Threads serving the ext_proc port's connections, each with its own single-threaded
     /// runtime: a connection, its TLS and every stream on it stay on one thread (no cross-thread
     /// wake-ups per request), and new connections go to the thread holding the fewest. Default:
@@ -113,6 +131,8 @@ pub struct ConnLimits {
     pub http2_keepalive_timeout: Duration,
     pub http2_idle_timeout: Option<Duration>,
     pub front: FrontLimits,
+    /// SETTINGS and WINDOW_UPDATE rates per connection.
+    pub floods: FloodLimits,
     /// Connection lanes of the ext_proc port (`crate::lanes`); 0 = none.
     pub connection_threads: usize,
     /// The memory account each connection charges (`h2_authority::ledger`); `None` = none.
@@ -129,6 +149,7 @@ impl Default for ConnLimits {
             http2_keepalive_timeout: Duration::from_secs(20),
             http2_idle_timeout: Some(Duration::from_secs(300)),
             front: FrontLimits::default(),
+            floods: FloodLimits::default(),
             connection_threads: 0,
             memory: None,
         }
@@ -181,6 +202,10 @@ impl ConnArgs {
             http2_keepalive_timeout: keepalive.unwrap_or_default(),
             http2_idle_timeout: seconds("--http2-idle-timeout", self.http2_idle_timeout, true)?,
             front: FrontLimits::new(list),
+            floods: FloodLimits {
+                settings_per_second: self.http2_max_settings_per_second,
+                window_updates_per_second: self.http2_max_window_updates_per_second,
+            },
             connection_threads: connection_threads(self.connection_threads)?,
             memory: None,
         })
@@ -399,7 +424,12 @@ impl AsyncWrite for Transport {
 /// One TLS handshake on an accepted TCP connection.
 async fn tls_handshake(tls: &TlsServer, stream: TcpStream) -> anyhow::Result<SslStream<Socket>> {
     let mut stream = SslStream::new(tls.ssl()?, socket(stream))?;
-    Pin::new(&mut stream).accept().await?;
+    if let Err(err) = Pin::new(&mut stream).accept().await {
+        return Err(match tls.refusal(stream.ssl()) {
+            Some(refusal) => anyhow::Error::new(refusal).context(err.to_string()),
+            None => err.into(),
+        });
+    }
     Ok(stream)
 }
 
@@ -408,6 +438,7 @@ fn front_config(listening: &Listening) -> FrontConfig {
     let name = listening.name;
     let refused = listening.metrics.refused.clone();
     let idle = listening.metrics.idle_closed.clone();
+    let goaways = listening.metrics.goaways.clone();
     FrontConfig {
         limits: listening.limits.front,
         idle_timeout: listening.limits.http2_idle_timeout,
@@ -416,6 +447,11 @@ fn front_config(listening: &Listening) -> FrontConfig {
             CloseReason::Idle => idle.with_label_values(&[name]).inc(),
         })),
         memory: listening.limits.memory.clone(),
+        floods: listening.limits.floods,
+        on_goaway: Some(Arc::new(move |code, reason| {
+            let code = crate::h2_authority::limits::code::name(code);
+            goaways.with_label_values(&[name, code, reason]).inc()
+        })),
     }
 }
 
@@ -444,6 +480,13 @@ async fn handshake_and_send(
         Ok(Ok(tls)) => Ok(tls),
         Ok(Err(err)) => {
             tracing::debug!(?peer, err = format!("{err:#}"), "TLS handshake failed");
+            if let Some(refusal) = err.downcast_ref::<crate::tls::Refusal>() {
+                let reason = [refusal.as_str()];
+                metrics
+                    .tls_client_auth_refused
+                    .with_label_values(&reason)
+                    .inc();
+            }
             Err("failed")
         }
         Err(_) => {
@@ -646,3 +689,7 @@ pub async fn accept_loop(
 #[cfg(test)]
 #[path = "net_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "net_flood_tests.rs"]
+mod flood_tests;

@@ -17,11 +17,14 @@ use crate::extproc::ExtProcService;
 use crate::metrics::Metrics;
 use crate::selection::{AffinityMode, SelectionCore};
 
+mod bookings;
 mod config;
 mod memory;
+mod outlier_args;
 mod ports;
 pub mod settings;
 mod tasks;
+mod tls_args;
 
 pub use config::{
     catalog_source, core_config, flow_config, flow_kube_config, flow_settings, outlier_config,
@@ -190,13 +193,9 @@ pub struct ServeArgs {
     #[arg(long, default_value = "kvpick,epp", value_name = "LIST")]
     pub metrics_families: crate::epp_metrics::Families,
 
-    /// Serve the ext_proc port over TLS (self-signed unless --cert-path). `--secure-serving=false` serves h2c.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
-    pub secure_serving: bool,
-
-    /// Directory holding `tls.crt` and `tls.key` for the ext_proc port; reloaded when they change.
-    #[arg(long, value_name = "DIR")]
-    pub cert_path: Option<PathBuf>,
+    /// TLS on the ext_proc port, and who may connect to it.
+    #[command(flatten)]
+    pub tls: tls_args::TlsArgs,
 
     /// Largest request body accepted; larger requests get 413.
     #[arg(long, default_value_t = 32 << 20, value_name = "BYTES")]
@@ -207,10 +206,13 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = crate::extproc::DEFAULT_BUDGET_BYTES, value_name = "BYTES")]
     pub max_buffered_body_bytes: usize,
 
-    /// Most concurrent HTTP/2 streams per connection on the ext_proc port (SETTINGS_MAX_CONCURRENT_STREAMS);
-    /// Envoy opens more connections past it.
-    #[arg(long, default_value_t = 1024, value_name = "N")]
-    pub max_concurrent_streams: u32,
+    /// Streams per connection and in the whole process, and the idle timeout before routing.
+    #[command(flatten)]
+    pub ext_proc_streams: crate::extproc::bounds::StreamArgs,
+
+    /// How long a booking's load is believed without the engine's evidence.
+    #[command(flatten)]
+    pub bookings: bookings::BookingArgs,
 
     /// Bounds on connections and on what a client may make the HTTP/2 layer decode.
     #[command(flatten)]
@@ -483,45 +485,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub worker_api: bool,
 
-    /// Outlier detection: this many consecutive 5xx responses (or connect failures / timeouts,
-    /// which Envoy answers 503/504) eject a rank from picks; 0 = off. kvpick's picks bypass
-    /// Envoy's own outlier detection, so it does Envoy's job for them.
-    #[arg(
-        long,
-        default_value_t = 5,
-        value_name = "N",
-        help_heading = "Outlier detection"
-    )]
-    pub outlier_consecutive_5xx: u32,
-
-    /// The first ejection's length; the n-th lasts n times as long (shorter again after as long
-    /// healthy). After it, one request probes the rank: success returns it, failure ejects again.
-    #[arg(
-        long,
-        default_value_t = 30.0,
-        value_name = "SECONDS",
-        help_heading = "Outlier detection"
-    )]
-    pub outlier_base_ejection_secs: f64,
-
-    /// Longest ejection.
-    #[arg(
-        long,
-        default_value_t = 300.0,
-        value_name = "SECONDS",
-        help_heading = "Outlier detection"
-    )]
-    pub outlier_max_ejection_secs: f64,
-
-    /// Most ranks of one model ejected at once, in percent (rounded down): past it failing ranks
-    /// keep serving (a failing rank may answer; no rank never does).
-    #[arg(
-        long,
-        default_value_t = 50,
-        value_name = "PERCENT",
-        help_heading = "Outlier detection"
-    )]
-    pub outlier_max_ejected_percent: u32,
+    /// Outlier detection's flags.
+    #[command(flatten)]
+    pub outlier: outlier_args::OutlierArgs,
 
     /// Accept `SelectAndReserve`, `Free` and `PrefillComplete` on the gRPC selection API (callers
     /// that route themselves and book load). Off by default: a booking is load, so whoever can
@@ -873,8 +839,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
 
     let listeners = ports::Listeners::bind(&args).await?;
     let ports = listeners.ports()?;
-    let tls = if args.secure_serving {
-        Some(crate::tls::server(args.cert_path.clone())?)
+    let client_auth = args.tls.client_auth()?;
+    let tls = if args.tls.secure_serving {
+        Some(crate::tls::server_with(
+            args.tls.cert_path.clone(),
+            client_auth,
+        )?)
     } else {
         None
     };
@@ -890,7 +860,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             flow_settings,
             telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
             &memory,
-        ),
+        )?,
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
     let live_streams = extproc.live_streams();
@@ -905,7 +875,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let grpc_server = ports::serve_grpc(
         conn_limits
             .http2_settings(tonic::transport::Server::builder())
-            .max_concurrent_streams(Some(args.max_concurrent_streams))
+            .max_concurrent_streams(Some(args.ext_proc_streams.max_concurrent_streams))
             .add_service(health_service.clone())
             .add_service(extproc.into_server())
             .add_service(
@@ -937,7 +907,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         grpc = ports.0,
         health = ports.1,
         metrics = ports.2,
-        tls = args.secure_serving,
+        tls = args.tls.secure_serving,
         connection_threads = conn_limits.connection_threads,
         "kvpick serving"
     );

@@ -1,7 +1,9 @@
-"""Hostile HTTP/2 and TLS clients against a real kvpick (issue 24, items 1 and 2): each attack of
-e2e/hostile_h2.py gets its GOAWAY (right error code) and a closed connection, kvpick's memory
-stays flat, and a well-behaved client on another connection is served throughout; connection
-caps, handshake timeouts and the idle timeout close what they should."""
+"""Hostile HTTP/2 and TLS clients against a real kvpick (issue 24, items 1 and 2; issue 45, the
+transport bounds): each attack of e2e/hostile_h2.py gets its GOAWAY (right error code) and a
+closed connection, kvpick's memory stays flat, and a well-behaved client on another connection
+is served throughout; connection caps, handshake timeouts and the idle timeout close what they
+should; SETTINGS and WINDOW_UPDATE floods are sent away at little CPU; streams past the process
+cap are refused and streams silent before routing are ended."""
 
 from __future__ import annotations
 
@@ -171,5 +173,105 @@ def test_a_peer_that_never_answers_pings_is_closed_by_keepalive(kvpick_bin):
         assert min(held.close_times) >= 0.6
         # hyper says GOAWAY(NO_ERROR) too; the idle timeout (off) closed none of them.
         assert not kv.metric("kvpick_connections_idle_closed_total", listener="grpc")
+    finally:
+        kv.stop()
+
+
+# Issue 45: SETTINGS and WINDOW_UPDATE floods, the stream cap, idle streams.
+
+def goaways_sent(kv: harness.Kvpick, code: str, reason: str) -> float:
+    return kv.metric("kvpick_http2_goaways_sent_total", listener="grpc", code=code,
+                     reason=reason) or 0.0
+
+
+def test_settings_flood_with_open_streams_gets_goaway_and_costs_little_cpu(h2c):
+    pid = h2c.process.pid
+    before = goaways_sent(h2c, "ENHANCE_YOUR_CALM", "settings_flood")
+    # At the burst (the preface's SETTINGS and 31 more): nothing happens.
+    fine = hostile.run_attack(HOST, h2c.grpc_port, hostile.settings_frame(65_535) * 31,
+                              timeout=1.0)
+    assert fine.goaway_code is None and not fine.closed, fine
+    with GoodClient(h2c.grpc_port, tls=False) as good:
+        cpu = hostile.cpu_seconds(pid)
+        out = hostile.settings_flood(HOST, h2c.grpc_port, streams=1000, seconds=10.0,
+                                     reconnect=False)
+        cpu = hostile.cpu_seconds(pid) - cpu
+        harness.wait_until(lambda: good.ok >= 3, 10, desc="good calls after the flood")
+    print(f"SETTINGS flood: {out.frames_sent} frames sent, GOAWAY {out.goaways} after "
+          f"{out.elapsed:.2f}s, kvpick CPU {cpu:.2f}s")
+    assert out.goaways == {hostile.ENHANCE_YOUR_CALM: 1}, out
+    assert out.debug == {b"settings_flood"}
+    # Before the limit this connection cost 17-28 CPU-seconds in 31 s (release build).
+    assert cpu < 5.0, f"kvpick spent {cpu:.1f} CPU-s"
+    assert good.failed == 0
+    assert refused(h2c, "settings_flood") >= 1
+    assert goaways_sent(h2c, "ENHANCE_YOUR_CALM", "settings_flood") == before + 1
+
+
+def test_settings_flood_over_tls_gets_the_same_answer(tls):
+    out = hostile.settings_flood(HOST, tls.grpc_port, streams=1000, seconds=10.0,
+                                 reconnect=False, tls=True)
+    assert out.goaways == {hostile.ENHANCE_YOUR_CALM: 1} and out.debug == {b"settings_flood"}, out
+    assert hostile.health_check(HOST, tls.grpc_port, tls=True)
+
+
+def test_window_update_flood_gets_goaway(h2c):
+    fine = hostile.run_attack(HOST, h2c.grpc_port, hostile.window_update(0) * 256, timeout=1.0)
+    assert fine.goaway_code is None and not fine.closed, fine
+    out = hostile.window_update_flood(HOST, h2c.grpc_port, streams=100, seconds=10.0,
+                                      reconnect=False)
+    assert out.goaways == {hostile.ENHANCE_YOUR_CALM: 1}, out
+    assert out.debug == {b"window_update_flood"}
+    assert refused(h2c, "window_update_flood") >= 1
+    assert hostile.health_check(HOST, h2c.grpc_port)
+
+
+def test_goaways_h2_sends_itself_are_counted_with_their_reason(h2c):
+    before = goaways_sent(h2c, "ENHANCE_YOUR_CALM", "h2_too_many_resets")
+    out = hostile.rapid_reset(HOST, h2c.grpc_port, streams=1000)
+    assert out.goaway_code == hostile.ENHANCE_YOUR_CALM and out.closed, out
+    assert out.debug == b"too_many_resets"
+    assert goaways_sent(h2c, "ENHANCE_YOUR_CALM", "h2_too_many_resets") == before + 1
+    assert hostile.health_check(HOST, h2c.grpc_port)
+
+
+def open_streams(kv: harness.Kvpick) -> float:
+    return kv.metric("kvpick_extproc_streams_open") or 0.0
+
+
+def stream_ends(kv: harness.Kvpick, end: str) -> float:
+    return kv.metric("kvpick_extproc_streams_total", end=end) or 0.0
+
+
+def test_streams_past_the_process_cap_are_refused_at_once(kvpick_bin):
+    kv = start(False, "--max-ext-proc-streams", "8")
+    try:
+        held = hostile.HeldStreams(HOST, kv.grpc_port, 8)
+        harness.wait_until(lambda: open_streams(kv) == 8, 10, desc="8 streams open")
+        over = hostile.HeldStreams(HOST, kv.grpc_port, 1)
+        assert over.poll(10.0) == {1: "8"}, "RESOURCE_EXHAUSTED"
+        over.close()
+        assert held.poll(0.5) == {}, "the streams at the cap are still served"
+        assert stream_ends(kv, "over_stream_cap") == 1
+        held.close()
+        harness.wait_until(lambda: open_streams(kv) == 0, 10, desc="held streams closed")
+        # The cap is free again: a new stream is served (waits for its message, no status).
+        again = hostile.HeldStreams(HOST, kv.grpc_port, 1)
+        assert again.poll(0.5) == {}
+        again.close()
+        assert hostile.health_check(HOST, kv.grpc_port)
+    finally:
+        kv.stop()
+
+
+def test_streams_silent_before_routing_are_ended_at_the_idle_timeout(kvpick_bin):
+    kv = start(False, "--ext-proc-idle-timeout", "0.5")
+    try:
+        held = hostile.HeldStreams(HOST, kv.grpc_port, 20)
+        statuses = held.poll(10.0)
+        held.close()
+        assert statuses == {1 + 2 * i: "4" for i in range(20)}, "DEADLINE_EXCEEDED each"
+        harness.wait_until(lambda: open_streams(kv) == 0, 10, desc="idle streams released")
+        assert stream_ends(kv, "idle_timeout") == 20
     finally:
         kv.stop()

@@ -505,7 +505,7 @@ impl Scraper {
                 if let Some(reading) = reading {
                     let pool = &self.core.metrics().pool;
                     pool.engine_reading(*key, worker, &reading);
-                    any |= self.core.inner().record_engine_metrics(*key, reading);
+                    any |= self.core.record_engine_metrics(*key, reading);
                 }
             }
             if any {

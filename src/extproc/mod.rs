@@ -3,6 +3,7 @@
 //! [`StreamMachine`] per Envoy stream and forwards its answers. It translates protocol only;
 //! every decision is the selection core's.
 
+pub mod bounds;
 pub mod budget;
 pub mod codec;
 pub mod pd_headers;
@@ -53,6 +54,9 @@ pub struct ExtProcSettings {
     /// Largest gRPC message accepted from Envoy (`--max-ext-proc-message-bytes`); a larger one
     /// ends its stream with OUT_OF_RANGE before tonic reserves room for it.
     pub max_message_bytes: usize,
+    /// Open streams and the idle timeout before routing (`--max-ext-proc-streams`,
+    /// `--ext-proc-idle-timeout`).
+    pub streams: bounds::StreamBounds,
 }
 
 impl Default for ExtProcSettings {
@@ -70,6 +74,7 @@ impl Default for ExtProcSettings {
             tracer: None,
             endpoint_scores: 0,
             max_message_bytes: max_message_bytes(32 << 20),
+            streams: bounds::StreamBounds::default(),
         }
     }
 }
@@ -218,6 +223,15 @@ impl ExtProcService {
         if self.draining.as_ref().is_some_and(|d| *d.borrow()) {
             return Err(Status::unavailable("kvpick: shutting down"));
         }
+        let Some(slot) = self.settings.streams.cap.try_open() else {
+            let metrics = self.core.metrics();
+            metrics
+                .extproc
+                .streams
+                .with_label_values(&["over_stream_cap"])
+                .inc();
+            return Err(bounds::over_cap());
+        };
         let live = self.live.enter();
         let mut machine = StreamMachine::new(Arc::clone(&self.core), Arc::clone(&self.settings));
         if self.settings.tracer.is_some() {
@@ -230,6 +244,7 @@ impl ExtProcService {
             lease: None,
             end: None,
             _live: live,
+            _slot: slot,
         };
         let answers = futures::stream::unfold(driver, |mut driver| async move {
             let answer = driver.next_answer().await?;
@@ -255,6 +270,8 @@ struct Driver {
     /// exchange is complete, the normal end: `completed`).
     end: Option<&'static str>,
     _live: LiveStream,
+    /// Its place under `--max-ext-proc-streams`.
+    _slot: bounds::StreamSlot,
 }
 
 impl Driver {
@@ -271,7 +288,15 @@ impl Driver {
             if self.end.is_some() {
                 return None;
             }
-            let read = self.inbound.message().await;
+            let idle = (self.machine.awaits_request())
+                .then_some(self.machine.settings().streams.idle_timeout)
+                .flatten();
+            let Some(read) = bounds::read(&mut self.inbound, idle).await else {
+                let status = bounds::idle_status(idle.unwrap_or_default());
+                tracing::debug!(%status, "ext_proc stream idle before routing");
+                self.end = Some("idle_timeout");
+                return Some(Err(status));
+            };
             // Envoy's next message (or the stream's end) means it has read the echo.
             self.lease = None;
             match read {

@@ -10,6 +10,7 @@
 
 use bytes::{Buf, BufMut, BytesMut};
 
+use super::floods::FrameCounts;
 use super::hpack::{decode_block, HeaderList};
 use super::ledger::{Ledger, Verdict};
 use super::limits::{FrontLimits, Violation};
@@ -58,6 +59,8 @@ pub struct FrameFilter {
     ledger: Ledger,
     /// Payload bytes of a dropped frame still to discard.
     drop_left: usize,
+    /// SETTINGS and WINDOW_UPDATE frames so far (rate-limited by the layer, `floods`).
+    counts: FrameCounts,
 }
 
 impl FrameFilter {
@@ -81,6 +84,7 @@ impl FrameFilter {
             streams: Streams::default(),
             ledger: Ledger::default(),
             drop_left: 0,
+            counts: FrameCounts::default(),
         }
     }
 
@@ -136,6 +140,10 @@ impl FrameFilter {
 
     pub fn streams_mut(&mut self) -> &mut Streams {
         &mut self.streams
+    }
+
+    pub fn counts(&self) -> FrameCounts {
+        self.counts
     }
 
     /// Moves what can be processed from `input` to `output`.
@@ -205,6 +213,7 @@ impl FrameFilter {
                     continue;
                 }
                 self.streams.client_frame(kind, flags, stream_id);
+                self.counts.client_frame(kind, flags);
                 self.out
                     .extend_from_slice(&self.raw.split_to(FRAME_HEADER_LEN));
                 self.passthrough_left = len;

@@ -80,6 +80,27 @@ pub mod code {
     pub const FRAME_SIZE_ERROR: u32 = 0x6;
     pub const COMPRESSION_ERROR: u32 = 0x9;
     pub const ENHANCE_YOUR_CALM: u32 = 0xb;
+
+    /// The `code` label of `kvpick_http2_goaways_sent_total` (a closed set).
+    pub fn name(code: u32) -> &'static str {
+        const NAMES: [&str; 14] = [
+            "NO_ERROR",
+            "PROTOCOL_ERROR",
+            "INTERNAL_ERROR",
+            "FLOW_CONTROL_ERROR",
+            "SETTINGS_TIMEOUT",
+            "STREAM_CLOSED",
+            "FRAME_SIZE_ERROR",
+            "REFUSED_STREAM",
+            "CANCEL",
+            "COMPRESSION_ERROR",
+            "CONNECT_ERROR",
+            "ENHANCE_YOUR_CALM",
+            "INADEQUATE_SECURITY",
+            "HTTP_1_1_REQUIRED",
+        ];
+        NAMES.get(code as usize).copied().unwrap_or("UNKNOWN")
+    }
 }
 
 /// How a connection broke a limit or the protocol; the connection gets GOAWAY and is closed.
@@ -103,10 +124,14 @@ pub enum Violation {
     Protocol,
     /// More streams reset by the memory account (`ledger`) than a connection may keep open.
     MemoryResets,
+    /// SETTINGS frames over `--http2-max-settings-per-second` (`floods`).
+    SettingsFlood,
+    /// WINDOW_UPDATE frames over their allowance (`floods`).
+    WindowUpdateFlood,
 }
 
 impl Violation {
-    pub const ALL: [Violation; 8] = [
+    pub const ALL: [Violation; 10] = [
         Violation::FrameTooLarge,
         Violation::HeaderBlockTooLarge,
         Violation::TooManyContinuations,
@@ -115,6 +140,8 @@ impl Violation {
         Violation::Compression,
         Violation::Protocol,
         Violation::MemoryResets,
+        Violation::SettingsFlood,
+        Violation::WindowUpdateFlood,
     ];
 
     /// The `reason` label of `kvpick_connections_refused_total` (a closed set).
@@ -128,6 +155,8 @@ impl Violation {
             Violation::Compression => "compression",
             Violation::Protocol => "protocol",
             Violation::MemoryResets => "memory_resets",
+            Violation::SettingsFlood => "settings_flood",
+            Violation::WindowUpdateFlood => "window_update_flood",
         }
     }
 
@@ -141,7 +170,9 @@ impl Violation {
             Violation::HeaderBlockTooLarge
             | Violation::TooManyContinuations
             | Violation::HeaderListTooLarge
-            | Violation::MemoryResets => code::ENHANCE_YOUR_CALM,
+            | Violation::MemoryResets
+            | Violation::SettingsFlood
+            | Violation::WindowUpdateFlood => code::ENHANCE_YOUR_CALM,
             Violation::TableSizeUpdate | Violation::Compression => code::COMPRESSION_ERROR,
             Violation::Protocol => code::PROTOCOL_ERROR,
         }
@@ -159,6 +190,8 @@ impl fmt::Display for Violation {
             Violation::Compression => "HPACK decoding error",
             Violation::Protocol => "HTTP/2 framing error",
             Violation::MemoryResets => "too many streams reset by the memory account",
+            Violation::SettingsFlood => "SETTINGS frames over the rate limit",
+            Violation::WindowUpdateFlood => "WINDOW_UPDATE frames over the allowance",
         };
         f.write_str(what)
     }

@@ -20,6 +20,11 @@
 //! its unread input is drained for a moment first so the peer receives the GOAWAY rather than a
 //! reset. Nothing else is affected.
 //!
+//! Floods: SETTINGS and WINDOW_UPDATE frames are rate-limited per connection (`floods`), the
+//! WINDOW_UPDATE allowance credited per DATA frame h2 sent; over it is a violation like the
+//! others. Every GOAWAY on the connection, the layer's and h2's own (read from h2's outbound
+//! frames, `sent`), is reported with its error code and reason (`FrontConfig::on_goaway`).
+//!
 //! Idle connections: with an idle timeout, a connection with no open stream (`streams::Streams`,
 //! from frame headers both ways) for that long gets GOAWAY(NO_ERROR) and is closed, like
 //! gRPC's MAX_CONNECTION_IDLE. A stream waiting on a slow upstream keeps it open.
@@ -30,11 +35,13 @@
 //!
 //! It never looks at what a request means.
 
+pub mod floods;
 pub mod frames;
 pub mod hpack;
 pub mod huffman;
 pub mod ledger;
 pub mod limits;
+pub mod sent;
 pub mod streams;
 
 use std::future::Future;
@@ -47,6 +54,7 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
+pub use floods::FloodLimits;
 pub use frames::FrameFilter;
 pub use limits::{FrontLimits, Violation};
 use streams::Outbound;
@@ -78,8 +86,22 @@ pub enum CloseReason {
     Idle,
 }
 
+impl CloseReason {
+    /// The GOAWAY's error code and its debug data (also its `reason` label).
+    pub fn goaway(self) -> (u32, &'static str) {
+        match self {
+            CloseReason::Violation(v) => (v.error_code(), v.reason()),
+            CloseReason::Idle => (limits::code::NO_ERROR, "idle"),
+        }
+    }
+}
+
 /// Called once per connection the layer closes (metrics).
 pub type CloseObserver = Arc<dyn Fn(CloseReason) + Send + Sync>;
+
+/// Called once per GOAWAY sent on a connection, the layer's or h2's: (error code, reason label;
+/// a closed set: a [`Violation`]'s reason, `idle`, or `sent::h2_reason`'s).
+pub type GoawayObserver = Arc<dyn Fn(u32, &'static str) + Send + Sync>;
 
 /// What one connection's layer enforces.
 #[derive(Clone, Default)]
@@ -90,6 +112,9 @@ pub struct FrontConfig {
     pub on_close: Option<CloseObserver>,
     /// The memory account this connection charges; `None` = none.
     pub memory: Option<ledger::LedgerConfig>,
+    /// SETTINGS and WINDOW_UPDATE rates (`floods`).
+    pub floods: FloodLimits,
+    pub on_goaway: Option<GoawayObserver>,
 }
 
 /// After its GOAWAY a closing connection's input is read and dropped for up to this long or
@@ -134,6 +159,8 @@ pub struct AuthorityFix<S> {
     outbound: Outbound,
     idle_timeout: Option<Duration>,
     on_close: Option<CloseObserver>,
+    floods: floods::FloodGuard,
+    on_goaway: Option<GoawayObserver>,
     idle: Option<IdleTimer>,
     /// The reading task, woken when a write changes what reading waits for (a frame boundary
     /// for a pending GOAWAY, the last stream closing).
@@ -165,6 +192,8 @@ impl<S> AuthorityFix<S> {
             outbound: Outbound::default(),
             idle_timeout: config.idle_timeout,
             on_close: config.on_close,
+            floods: floods::FloodGuard::new(config.floods),
+            on_goaway: config.on_goaway,
             idle: None,
             read_waker: None,
             closing: None,
@@ -184,16 +213,13 @@ impl<S> AuthorityFix<S> {
         if let Some(observe) = &self.on_close {
             observe(reason);
         }
-        let (code, debug) = match reason {
+        match reason {
             CloseReason::Violation(v) => {
-                tracing::debug!(reason = v.reason(), "closing an HTTP/2 connection: {v}");
-                (v.error_code(), v.reason())
+                tracing::debug!(reason = v.reason(), "closing an HTTP/2 connection: {v}")
             }
-            CloseReason::Idle => {
-                tracing::debug!("closing an idle HTTP/2 connection");
-                (limits::code::NO_ERROR, "idle")
-            }
-        };
+            CloseReason::Idle => tracing::debug!("closing an idle HTTP/2 connection"),
+        }
+        let (code, debug) = reason.goaway();
         let frame = frames::goaway_frame(self.filter.last_stream_id(), code, debug.as_bytes());
         self.closing = Some(Closing {
             reason,
@@ -234,11 +260,25 @@ impl<S> AuthorityFix<S> {
         }
     }
 
+    /// Processes the client's bytes read so far, then charges the flood limits with them.
+    fn process(&mut self) -> Result<(), Violation> {
+        self.filter.process()?;
+        let data_frames = self.outbound.sent().data_frames();
+        let now = tokio::time::Instant::now().into_std();
+        self.floods.check(self.filter.counts(), data_frames, now)
+    }
+
     /// Accounts for bytes of h2's that reached the connection.
     fn wrote(&mut self, bytes: &[u8]) {
         let was_idle = self.filter.streams().is_idle();
         self.outbound.advance(bytes, self.filter.streams_mut());
         self.filter.ledger_mut().server_bytes(bytes);
+        let goaways = self.outbound.sent().take_goaways();
+        if let Some(observe) = &self.on_goaway {
+            for (code, reason) in goaways {
+                observe(code, reason);
+            }
+        }
         let at_boundary = self.outbound.at_boundary();
         let boundary_for_goaway = self.closing.is_some() && at_boundary;
         let boundary_for_ledger = at_boundary && self.filter.ledger_mut().has_frames_for_client();
@@ -314,6 +354,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AuthorityFix<S> {
             outbound,
             closing,
             read_waker,
+            on_goaway,
             ..
         } = self;
         let Some(closing) = closing.as_mut() else {
@@ -338,6 +379,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AuthorityFix<S> {
                             *sent += n;
                             if *sent < frame.len() {
                                 continue;
+                            }
+                            if let Some(observe) = on_goaway {
+                                let (code, reason) = closing.reason.goaway();
+                                observe(code, reason);
                             }
                             Phase::Flush
                         }
@@ -441,7 +486,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for AuthorityFix<S> {
                 buf.put_slice(&raw.split_to(n));
                 return Poll::Ready(Ok(()));
             }
-            if let Err(violation) = this.filter.process() {
+            if let Err(violation) = this.process() {
                 this.begin_close(CloseReason::Violation(violation));
                 continue;
             }

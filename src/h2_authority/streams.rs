@@ -97,6 +97,7 @@ pub struct Outbound {
     head_len: usize,
     payload_left: usize,
     written: u64,
+    sent: super::sent::SentFrames,
 }
 
 impl Outbound {
@@ -119,6 +120,11 @@ impl Outbound {
         }
     }
 
+    /// h2's DATA and GOAWAY frames so far.
+    pub fn sent(&mut self) -> &mut super::sent::SentFrames {
+        &mut self.sent
+    }
+
     /// Accounts for `bytes` that reached the connection, noting each complete frame header.
     pub fn advance(&mut self, mut bytes: &[u8], streams: &mut Streams) {
         self.written += bytes.len() as u64;
@@ -126,6 +132,7 @@ impl Outbound {
             if self.payload_left > 0 {
                 let n = self.payload_left.min(bytes.len());
                 self.payload_left -= n;
+                self.sent.payload(&bytes[..n]);
                 bytes = &bytes[n..];
                 continue;
             }
@@ -139,6 +146,7 @@ impl Outbound {
                 self.payload_left = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
                 let stream_id = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
                 streams.server_frame(h[3], h[4], stream_id);
+                self.sent.header(h[3], self.payload_left);
             }
         }
     }

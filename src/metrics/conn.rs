@@ -16,9 +16,13 @@ pub struct ConnMetrics {
     pub open: IntGaugeVec,
     pub refused: IntCounterVec,
     pub idle_closed: IntCounterVec,
+    /// Every GOAWAY sent, the front layer's and h2's own, by error code and reason.
+    pub goaways: IntCounterVec,
     pub tls_handshakes: IntCounterVec,
     pub tls_handshakes_waiting: IntGauge,
     pub tls_handshakes_in_progress: IntGauge,
+    /// Handshakes refused by client authentication, by reason (`crate::tls::Refusal`).
+    pub tls_client_auth_refused: IntCounterVec,
     /// Open connections per connection thread of the ext_proc port (`crate::lanes`); the lanes'
     /// own load counts, read to choose a lane.
     pub thread_open: IntGaugeVec,
@@ -47,7 +51,7 @@ impl ConnMetrics {
                          connection_limit (--max-connections), or an HTTP/2 front-layer \
                          violation (frame_too_large, header_block_too_large, \
                          too_many_continuations, header_list_too_large, table_size_update, \
-                         compression, protocol, memory_resets)",
+                         compression, protocol, settings_flood, window_update_flood, memory_resets)",
                     ),
                     &["listener", "reason"],
                 )
@@ -61,6 +65,22 @@ impl ConnMetrics {
                         "Connections closed after --http2-idle-timeout without an open stream",
                     ),
                     &["listener"],
+                )
+                .unwrap(),
+            ),
+            goaways: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_http2_goaways_sent_total",
+                        "GOAWAY frames sent, by error code name and reason: a front-layer \
+                         violation (as kvpick_connections_refused_total), idle \
+                         (--http2-idle-timeout), or h2's own: h2_too_many_resets (rapid reset), \
+                         h2_too_many_data_frames (empty DATA frames), \
+                         h2_too_many_internal_resets, h2_header_list_way_too_large, \
+                         h2_too_many_continuations, or h2 (protocol errors, graceful shutdown)",
+                    ),
+                    &["listener", "code", "reason"],
                 )
                 .unwrap(),
             ),
@@ -81,6 +101,18 @@ impl ConnMetrics {
                 IntGauge::new(
                     "kvpick_tls_handshakes_waiting",
                     "Accepted connections waiting for one of --max-concurrent-tls-handshakes",
+                )
+                .unwrap(),
+            ),
+            tls_client_auth_refused: register(
+                registry,
+                IntCounterVec::new(
+                    Opts::new(
+                        "kvpick_tls_client_auth_refused_total",
+                        "TLS handshakes refused by client authentication (--client-ca-path), by \
+                         reason: no_certificate, untrusted, san_not_allowed",
+                    ),
+                    &["reason"],
                 )
                 .unwrap(),
             ),

@@ -205,6 +205,13 @@ impl SelectionCore {
         self.record(facts);
     }
 
+    /// Decays booked prefills past their expected time (`--booking-prefill-margin`), releasing
+    /// what that frees to waiting requests.
+    pub fn decay_bookings(&self) {
+        let facts = self.core.decay_bookings(now());
+        self.record(facts);
+    }
+
     /// Requests waiting in this process's queues.
     pub fn waiting_requests(&self) -> usize {
         self.core.waiting_requests()

@@ -321,6 +321,18 @@ impl SelectionCore {
 
     /// Marks a rank's engine reachable or not (the KV-event subscription's probe, the engine
     /// scraper); an unreachable rank takes no picks. Metrics and logs once per change.
+    /// One engine-metrics reading of a rank: stored, and the rank's bookings reconciled with
+    /// it (what that frees is released to waiting requests). False when the rank is gone.
+    pub fn record_engine_metrics(
+        &self,
+        rank: RankKey,
+        reading: kvpick_core::EngineMetrics,
+    ) -> bool {
+        let (known, facts) = self.core.record_engine_metrics(rank, reading);
+        self.record(facts);
+        known
+    }
+
     pub fn set_rank_reachable(&self, rank: RankKey, reachable: bool) {
         let facts = self.core.set_rank_reachable(rank, reachable, now());
         self.record(facts);

@@ -65,8 +65,9 @@ pub fn extproc_settings(
     flow_settings: crate::flow::FlowSettings,
     tracer: Option<crate::telemetry::RequestTracer>,
     memory: &crate::h2_authority::ledger::LedgerConfig,
-) -> crate::extproc::ExtProcSettings {
-    crate::extproc::ExtProcSettings {
+) -> anyhow::Result<crate::extproc::ExtProcSettings> {
+    let streams = (args.ext_proc_streams).bounds(metrics.extproc.streams_open.clone())?;
+    Ok(crate::extproc::ExtProcSettings {
         max_body_bytes: args.max_body_bytes,
         fallbacks: args.fallbacks,
         conformance_test_mode: args.conformance_test_mode,
@@ -87,7 +88,8 @@ pub fn extproc_settings(
             0
         },
         max_message_bytes: memory.max_message_bytes,
-    }
+        streams,
+    })
 }
 
 /// The memory account and what each connection charges against it (`--memory-account-bytes`,
@@ -238,6 +240,10 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             decode_request_weight: args.pd_decode_request_weight,
         },
         outlier: outlier_config(args)?,
+        bookings: args.bookings.bounds(
+            (args.engine_metrics != crate::server::EngineMetricsMode::Off)
+                .then(|| Duration::from_millis(args.engine_metrics_interval_ms)),
+        )?,
         ..CoreConfig::default()
     })
 }
@@ -252,26 +258,26 @@ pub fn outlier_config(args: &ServeArgs) -> anyhow::Result<kvpick_core::outlier::
     };
     let base = secs(
         "--outlier-base-ejection-secs",
-        args.outlier_base_ejection_secs,
+        args.outlier.outlier_base_ejection_secs,
     )?;
     let max = secs(
         "--outlier-max-ejection-secs",
-        args.outlier_max_ejection_secs,
+        args.outlier.outlier_max_ejection_secs,
     )?;
     if max < base {
         anyhow::bail!("--outlier-max-ejection-secs must be at least --outlier-base-ejection-secs");
     }
-    if args.outlier_max_ejected_percent > 100 {
+    if args.outlier.outlier_max_ejected_percent > 100 {
         anyhow::bail!(
             "--outlier-max-ejected-percent must be 0..=100, got {}",
-            args.outlier_max_ejected_percent
+            args.outlier.outlier_max_ejected_percent
         );
     }
     Ok(kvpick_core::outlier::OutlierConfig {
-        consecutive_failures: args.outlier_consecutive_5xx,
+        consecutive_failures: args.outlier.outlier_consecutive_5xx,
         base_ejection: base,
         max_ejection: max,
-        max_ejected_percent: args.outlier_max_ejected_percent,
+        max_ejected_percent: args.outlier.outlier_max_ejected_percent,
     })
 }
 

@@ -180,22 +180,23 @@ pub(super) async fn drain(
     }
 }
 
-/// The core's ticks: flow control's release pass while requests wait, for what frees capacity
-/// without an operation of its own (an engine reading going stale; bookings ending release at
-/// once), and the booking reaper.
+/// The core's ticks: held prefills decayed, and flow control's release pass while requests
+/// wait, for what frees capacity without an operation of its own (an engine reading going
+/// stale; bookings ending release at once), and the booking reaper.
 pub(super) fn spawn_maintenance(core: &Arc<SelectionCore>) {
-    if core.config().flow.enabled {
-        let core = Arc::clone(core);
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(250));
-            loop {
-                tick.tick().await;
-                if core.waiting_requests() > 0 {
-                    core.pump_queues();
-                }
+    let pumps = core.config().flow.enabled;
+    let ticker = Arc::clone(core);
+    tokio::spawn(async move {
+        // A decayed prefill is released within a tick of its deadline even when no pick comes.
+        let mut tick = tokio::time::interval(Duration::from_millis(250));
+        loop {
+            tick.tick().await;
+            ticker.decay_bookings();
+            if pumps && ticker.waiting_requests() > 0 {
+                ticker.pump_queues();
             }
-        });
-    }
+        }
+    });
     let sweeper = Arc::clone(core);
     tokio::spawn(async move {
         // A cleared rank's id is reusable after one sweep step per index shard: 16 steps of

@@ -35,6 +35,51 @@ impl Default for BusyThresholds {
     }
 }
 
+/// How long a booking's load is believed without evidence that the engine is working on it
+/// (ARCHITECTURE.md §3, "Bookings the engine is not working on"). A stream that routes a request
+/// and never sends its response phase would otherwise hold its rank's capacity for as long as
+/// it stays open.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BookingBounds {
+    /// A booking's prefill stops counting toward its rank's load once this many times its
+    /// predicted TTFT has passed since its pick without a first byte (at least 1).
+    pub prefill_margin: f64,
+    /// ... and never sooner than this after its pick, however short the prediction.
+    pub prefill_floor: Duration,
+    /// A rank whose fresh engine readings show fewer requests (running + waiting) than it has
+    /// booked for this long has its booked load brought down to what the engine shows, oldest
+    /// bookings first (only bookings at least this old); `None`: never.
+    pub reconcile_after: Option<Duration>,
+}
+
+impl Default for BookingBounds {
+    fn default() -> Self {
+        BookingBounds {
+            prefill_margin: 3.0,
+            prefill_floor: Duration::from_secs(2),
+            reconcile_after: Some(Duration::from_secs(15)),
+        }
+    }
+}
+
+/// The longest a prefill's expected time may be: a prediction beyond it (a line learnt from
+/// nonsense) is cut here rather than overflowing an `Instant`.
+const MAX_EXPECTED_PREFILL: Duration = Duration::from_secs(3600);
+
+impl BookingBounds {
+    /// How long after its pick a booking's prefill may run before it stops counting:
+    /// `max(predicted × margin, floor)`, at most an hour.
+    pub fn expected_prefill(&self, predicted_ttft_seconds: f64) -> Duration {
+        let scaled = predicted_ttft_seconds * self.prefill_margin;
+        let scaled = if scaled.is_finite() && scaled > 0.0 {
+            Duration::try_from_secs_f64(scaled).unwrap_or(MAX_EXPECTED_PREFILL)
+        } else {
+            Duration::ZERO
+        };
+        scaled.max(self.prefill_floor).min(MAX_EXPECTED_PREFILL)
+    }
+}
+
 /// Core settings that are not per request.
 #[derive(Debug, Clone)]
 pub struct CoreConfig {
@@ -78,6 +123,8 @@ pub struct CoreConfig {
     pub pd: PdConfig,
     /// Per-rank outlier detection ([`crate::outlier`]).
     pub outlier: crate::outlier::OutlierConfig,
+    /// How long a booking's load is believed without evidence from the engine.
+    pub bookings: BookingBounds,
 }
 
 impl Default for CoreConfig {
@@ -102,6 +149,7 @@ impl Default for CoreConfig {
             flow: FlowConfig::default(),
             pd: PdConfig::default(),
             outlier: crate::outlier::OutlierConfig::default(),
+            bookings: BookingBounds::default(),
         }
     }
 }

@@ -76,6 +76,12 @@ pub enum Fact {
     SessionsExpired(u64),
     /// Live bindings changed by this much.
     SessionsLive(i64),
+    /// This many bookings' prefill stopped counting: no first byte within their expected
+    /// prefill time ([`crate::BookingBounds`]); each keeps its request slot.
+    BookingsDecayed(u64),
+    /// This many bookings' load was taken off their rank: its engine did not show them for
+    /// [`crate::BookingBounds::reconcile_after`]; each stays booked until its stream frees it.
+    BookingsReconciled(u64),
     /// A partition's index now holds `blocks` blocks (and, when measured, `bytes` heap bytes).
     IndexSize {
         partition: Arc<PartitionKey>,

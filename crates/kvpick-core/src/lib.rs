@@ -51,7 +51,9 @@ pub mod types;
 use std::net::SocketAddr;
 
 pub use crate::catalog::{ApplyReport, SourceName, WorkerRecord, WorkerSpec};
-pub use crate::config::{BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE, DEFAULT_PREDICTED_TTL};
+pub use crate::config::{
+    BookingBounds, BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE, DEFAULT_PREDICTED_TTL,
+};
 pub use crate::core::Core;
 pub use crate::decide::{
     cost, decide, engine_metrics_cost, overlap_score, Candidate, CostParams, Decision,

@@ -18,9 +18,16 @@ use crate::usage::{Usage, UsageTracker};
 
 use super::super::codec::{BodySide, Outbound};
 use super::wire::{header_value, one, set_header};
-use super::{Step, StreamMachine, CONFORMANCE_SERVED_HEADER};
+use super::{Phase, Step, StreamMachine, CONFORMANCE_SERVED_HEADER};
 
 impl StreamMachine {
+    /// True until the request is routed (or answered by kvpick or Envoy): the stream waits for
+    /// its client's request messages, the only wait `--ext-proc-idle-timeout` bounds. Read
+    /// here, not changed.
+    pub fn awaits_request(&self) -> bool {
+        matches!(self.phase, Phase::RequestHeaders | Phase::RequestBody)
+    }
+
     pub(super) fn on_response_headers(&mut self, headers: HttpHeaders) -> Result<Step, Status> {
         // The rank's answer: a 5xx (Envoy's own 503/504 for connect failures and timeouts too)
         // counts against it, and only a 2xx makes its first byte a first token.

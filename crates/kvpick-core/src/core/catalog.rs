@@ -405,10 +405,29 @@ impl Core {
     }
 
     /// Stores one engine-metrics reading of a rank (the host's scraper calls this after each
-    /// scrape). False when the rank is not in the catalog (it left while the scrape ran).
-    pub fn record_engine_metrics(&self, rank: RankKey, metrics: crate::EngineMetrics) -> bool {
-        self.partition_of_worker(rank.worker_id)
-            .is_some_and(|p| p.record_engine_metrics(rank, metrics))
+    /// scrape) and reconciles the rank's bookings with it (`BookingBounds::reconcile_after`); a
+    /// reconciliation runs a release pass. False when the rank is not in the catalog (it left
+    /// while the scrape ran).
+    pub fn record_engine_metrics(
+        &self,
+        rank: RankKey,
+        metrics: crate::EngineMetrics,
+    ) -> (bool, Facts) {
+        let mut facts = Facts::default();
+        let Some(partition) = self.partition_of_worker(rank.worker_id) else {
+            return (false, facts);
+        };
+        let now = metrics.at;
+        let config = self.config();
+        match partition.record_engine_metrics(rank, metrics, &config, &mut facts) {
+            None => (false, facts),
+            Some(reconciled) => {
+                if reconciled > 0 {
+                    self.pump_partition(&partition, now, &mut facts);
+                }
+                (true, facts)
+            }
+        }
     }
 
     pub(super) fn partition_of_worker(&self, worker_id: u64) -> Option<Arc<Partition>> {

@@ -89,6 +89,21 @@ impl Core {
         facts
     }
 
+    /// Decays every booked prefill past its expected time at `now` ([`crate::BookingBounds`]),
+    /// and runs a release pass over each partition where one did. Picks and release passes
+    /// decay what is due first anyway; hosts call this on a timer so that the load gauges and
+    /// the cost of a rank follow when nothing else happens.
+    pub fn decay_bookings(&self, now: Instant) -> Facts {
+        let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
+        let mut facts = Facts::default();
+        for p in &partitions {
+            if p.decay_bookings(now, &mut facts) > 0 {
+                self.pump_partition(p, now, &mut facts);
+            }
+        }
+        facts
+    }
+
     /// The waiting request's client went away: it leaves the queue. False when it is no longer
     /// waiting (its outcome is, or is about to be, a [`Fact::Dequeued`]).
     pub fn cancel_waiting(&self, ticket: u64, now: Instant) -> (bool, Facts) {

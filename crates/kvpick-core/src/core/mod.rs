@@ -276,3 +276,6 @@ mod session_tree_tests;
 
 #[cfg(test)]
 mod scores_tests;
+
+#[cfg(test)]
+mod decay_tests;

@@ -357,6 +357,7 @@ impl Partition {
         now: Instant,
         facts: &mut Facts,
     ) -> Result<Admitted, SelectError> {
+        Self::decay_due(state, now, facts);
         // Held (no rank to serve it yet), or tried just now against an empty queue and found
         // saturated: a release pass would only try it again.
         let holding = holds(state, config);
@@ -530,6 +531,7 @@ impl Partition {
         facts: &mut Facts,
         own: Option<u64>,
     ) -> Option<Result<SelectOutcome, SelectError>> {
+        Self::decay_due(state, now, facts);
         let mut outcomes = Outcomes { own, mine: None };
         for ticket in state.queue.expired(now) {
             if let Some(w) = state.queue.take(ticket, false) {

@@ -73,6 +73,7 @@ impl Booking {
             answered: false,
             probe: false,
             predicted: Default::default(),
+            reconciled: false,
         }
     }
 }
@@ -148,6 +149,7 @@ impl Partition {
         // Only a stream reports its answer: an API booking never takes a half-open rank's probe.
         booking.probe = health::may_probe(request.holder) && slot.health.on_booked(now);
         booking.predicted[0] = health::predicted_on(pick.rank, &chain, pick.overlap.gpu, precise);
+        Self::schedule_decay(state, pick.booking_id, &booking, config);
         state.bookings.insert(pick.booking_id.to_string(), booking);
         if !chain.is_empty() {
             // Written once the state lock is released ([`super::deferred`]).
@@ -255,12 +257,15 @@ impl Partition {
     /// Takes a booking's load off its rank (the booking itself lives on elsewhere or not).
     pub(super) fn unload(state: &mut State, booking: &Booking, facts: &mut Facts) {
         if let Some(slot) = state.ranks.get_mut(&booking.rank) {
-            slot.remove_load(booking.queued_prefill(), booking.decode_blocks);
             if booking.holder == Holder::Api {
                 slot.api_bookings = slot.api_bookings.saturating_sub(1);
             }
-            facts.push(load_fact(slot, booking.rank));
-            facts.push(Fact::Inflight(-1));
+            // A reconciled booking's load already left the rank (and the in-flight count).
+            if booking.loaded() {
+                slot.remove_load(booking.queued_prefill(), booking.decode_blocks);
+                facts.push(load_fact(slot, booking.rank));
+                facts.push(Fact::Inflight(-1));
+            }
         }
     }
 
@@ -435,12 +440,14 @@ impl Partition {
         let Some(slot) = state.ranks.get_mut(&target) else {
             return false;
         };
-        slot.add_load(booking.queued_prefill(), booking.decode_blocks);
+        if booking.loaded() {
+            slot.add_load(booking.queued_prefill(), booking.decode_blocks);
+            facts.push(load_fact(slot, target));
+            facts.push(Fact::Inflight(1));
+        }
         if booking.holder == Holder::Api {
             slot.api_bookings = slot.api_bookings.saturating_add(1);
         }
-        facts.push(load_fact(slot, target));
-        facts.push(Fact::Inflight(1));
         state.bookings.insert(
             booking_id.clone(),
             Booking {

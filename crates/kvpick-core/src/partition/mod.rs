@@ -16,6 +16,7 @@
 
 mod admission;
 mod booking;
+mod decay;
 mod deferred;
 mod events;
 mod health;
@@ -101,6 +102,9 @@ struct Booking {
     /// leg's): taken back from the index if the request fails, ended (the unconfirmed entries of
     /// a precise rank go) when the request or its prefill leg ends ([`health`]).
     predicted: health::Predicted,
+    /// Its load was taken off its rank: the rank's engine did not show it ([`decay`]); its
+    /// release then takes nothing off the rank.
+    reconciled: bool,
 }
 
 struct State {
@@ -120,6 +124,8 @@ struct State {
     clears: Arc<AtomicU64>,
     rank_epoch: Arc<AtomicU64>,
     bookings: HashMap<String, Booking>,
+    /// When booked prefills stop counting ([`decay`]).
+    prefill_deadlines: decay::PrefillDeadlines,
     sessions: SessionTable,
     estimator: TtftEstimator,
     /// Decode speed against batch size (TPOT SLOs).
@@ -307,6 +313,7 @@ impl Partition {
                 clears,
                 rank_epoch,
                 bookings: HashMap::new(),
+                prefill_deadlines: Default::default(),
                 sessions: SessionTable::default(),
                 estimator: TtftEstimator::new(config.estimator),
                 tpot: crate::estimate::TpotEstimator::new(config.estimator),

@@ -37,6 +37,9 @@ pub(crate) struct Slot {
     pub remote_load: RankLoad,
     /// The last engine-metrics reading (the decision uses it only while fresh).
     pub engine: Option<EngineMetrics>,
+    /// Since when every engine reading has shown fewer requests than are booked here
+    /// (reconciliation, [`super::decay`]).
+    pub engine_short_since: Option<std::time::Instant>,
     /// Live bookings the gRPC API holds on this rank (bounded per rank,
     /// [`crate::CoreConfig::max_api_bookings_per_rank`]).
     pub api_bookings: u32,
@@ -72,6 +75,7 @@ impl Slot {
             load: RankLoad::default(),
             remote_load: RankLoad::default(),
             engine: None,
+            engine_short_since: None,
             api_bookings: 0,
             health: Default::default(),
             tie: 0,

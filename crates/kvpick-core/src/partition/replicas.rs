@@ -67,15 +67,31 @@ impl Partition {
         }
     }
 
-    /// Stores a rank's engine-metrics reading; false when the rank is not in the partition.
-    pub fn record_engine_metrics(&self, key: RankKey, metrics: crate::EngineMetrics) -> bool {
-        match self.lock_state().ranks.get_mut(&key) {
-            Some(slot) => {
-                slot.engine = Some(metrics);
-                true
-            }
-            None => false,
+    /// Stores a rank's engine-metrics reading and reconciles the rank's bookings with it
+    /// ([`super::decay`]); `None` when the rank is not in the partition, else how many bookings
+    /// were reconciled.
+    pub fn record_engine_metrics(
+        &self,
+        key: RankKey,
+        metrics: crate::EngineMetrics,
+        config: &CoreConfig,
+        facts: &mut Facts,
+    ) -> Option<u64> {
+        let mut guard = self.lock_state();
+        let state = &mut *guard;
+        let slot = state.ranks.get_mut(&key)?;
+        // Readings further apart than a reading stays fresh saw nothing in between: the
+        // reconciliation window restarts rather than spanning the gap.
+        let gap = slot.engine.as_ref().is_none_or(|e| {
+            metrics.at.saturating_duration_since(e.at) > config.engine_metrics_max_age
+        });
+        if gap {
+            slot.engine_short_since = None;
         }
+        slot.engine = Some(metrics.clone());
+        let reconciled = Self::reconcile(state, key, &metrics, config, facts);
+        guard.unlock(facts);
+        Some(reconciled)
     }
 
     /// A rank's load and standing, for listing.

@@ -137,6 +137,7 @@ impl Partition {
             matches: early.as_ref(),
         };
         let mut guard = self.lock_state();
+        Self::decay_due(&mut guard, now, facts);
         let outcome = self.select_in(&mut guard, &ask, facts);
         guard.unlock(facts);
         outcome.map_err(Refusal::into_error)

@@ -1,0 +1,242 @@
+//! The stream bounds over a real gRPC connection: `--max-ext-proc-streams` streams are served
+//! and the one past them is refused RESOURCE_EXHAUSTED at once (a freed place is reused); a
+//! stream silent for `--ext-proc-idle-timeout` before routing ends DEADLINE_EXCEEDED and gives its
+//! body back, one whose next message comes a millisecond before it carries on, and a routed
+//! stream is not bound by it (paused time: the timeouts fire only when the test moves the clock).
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    external_processor_client::ExternalProcessorClient, processing_request, HttpBody, HttpHeaders,
+    ProcessingRequest, ProcessingResponse,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::Code;
+
+use std::sync::Arc;
+
+use super::{StreamBounds, StreamCap};
+use crate::extproc::{BodyBudget, ExtProcService, ExtProcSettings, DEFAULT_BUDGET_BYTES};
+use crate::selection::{CoreConfig, SelectionCore};
+
+const IDLE: Duration = Duration::from_secs(60);
+const BODY: &[u8] = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
+
+struct Fixture {
+    service: ExtProcService,
+    core: Arc<SelectionCore>,
+    cap: Arc<StreamCap>,
+    budget: Arc<BodyBudget>,
+}
+
+fn fixture(cap: usize) -> Fixture {
+    let core = crate::selection::one_rank_core(CoreConfig::default());
+    let cap = StreamCap::unmetered(cap);
+    let budget = BodyBudget::unmetered(DEFAULT_BUDGET_BYTES);
+    let settings = ExtProcSettings {
+        streams: StreamBounds {
+            cap: Arc::clone(&cap),
+            idle_timeout: Some(IDLE),
+        },
+        body_budget: Arc::clone(&budget),
+        ..ExtProcSettings::default()
+    };
+    Fixture {
+        service: ExtProcService::new(Arc::clone(&core), settings),
+        core,
+        cap,
+        budget,
+    }
+}
+
+async fn connect(service: ExtProcService) -> ExternalProcessorClient<tonic::transport::Channel> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(service.into_server())
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    ExternalProcessorClient::connect(url).await.unwrap()
+}
+
+fn message(r: processing_request::Request) -> ProcessingRequest {
+    ProcessingRequest {
+        request: Some(r),
+        ..Default::default()
+    }
+}
+
+fn headers() -> ProcessingRequest {
+    let header = |k: &str, v: &str| HeaderValue {
+        key: k.into(),
+        value: String::new(),
+        raw_value: v.as_bytes().to_vec(),
+    };
+    message(processing_request::Request::RequestHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![
+                header(":method", "POST"),
+                header(":path", "/v1/completions"),
+                header("content-type", "application/json"),
+            ],
+        }),
+        ..Default::default()
+    }))
+}
+
+fn body(chunk: &[u8], end: bool) -> ProcessingRequest {
+    message(processing_request::Request::RequestBody(HttpBody {
+        body: chunk.to_vec(),
+        end_of_stream: end,
+        ..Default::default()
+    }))
+}
+
+struct Stream {
+    tx: mpsc::Sender<ProcessingRequest>,
+    answers: Result<tonic::Streaming<ProcessingResponse>, tonic::Status>,
+}
+
+impl Stream {
+    async fn open(
+        client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+        first: Vec<ProcessingRequest>,
+    ) -> Stream {
+        let (tx, rx) = mpsc::channel(8);
+        for m in first {
+            tx.send(m).await.unwrap();
+        }
+        let answers = client
+            .process(ReceiverStream::new(rx))
+            .await
+            .map(|r| r.into_inner());
+        Stream { tx, answers }
+    }
+
+    /// The next answer, or the status the stream ended with.
+    async fn next(&mut self) -> Result<Option<ProcessingResponse>, tonic::Status> {
+        match &mut self.answers {
+            Ok(answers) => answers.message().await,
+            Err(status) => Err(status.clone()),
+        }
+    }
+}
+
+fn ends(core: &SelectionCore, end: &str) -> u64 {
+    core.metrics()
+        .extproc
+        .streams
+        .with_label_values(&[end])
+        .get()
+}
+
+/// Waits (yielding, never sleeping) until `done` holds.
+async fn until(done: impl Fn() -> bool) {
+    while !done() {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn streams_up_to_the_cap_are_served_and_the_one_past_it_is_refused_at_once() {
+    let Fixture {
+        service, core, cap, ..
+    } = fixture(2);
+    let live = service.live_streams();
+    let mut client = connect(service).await;
+    // Two streams at the cap, waiting for their bodies.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        held.push(Stream::open(&mut client, vec![headers()]).await);
+    }
+    until(|| cap.open() == 2).await;
+    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    let status = over.next().await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(ends(&core, "over_stream_cap"), 1);
+    assert_eq!(live.count(), 2, "the refused stream was never served");
+
+    // One held stream completes its request: its place serves the next stream.
+    let mut first = held.remove(0);
+    first.tx.send(body(BODY, true)).await.unwrap();
+    assert!(first.next().await.unwrap().unwrap().response.is_some());
+    drop(first);
+    until(|| cap.open() == 1).await;
+    let mut again = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    assert!(again.next().await.unwrap().is_some(), "served again");
+    assert_eq!(ends(&core, "over_stream_cap"), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_silent_before_routing_is_ended_at_the_idle_timeout_and_gives_its_body_back() {
+    let Fixture {
+        service,
+        core,
+        cap,
+        budget,
+    } = fixture(16);
+    let live = service.live_streams();
+    let mut client = connect(service).await;
+    let (head, tail) = BODY.split_at(10);
+
+    // A message a millisecond before the timeout keeps the stream going, twice over.
+    let mut patient = Stream::open(&mut client, vec![headers()]).await;
+    until(|| cap.open() == 1).await;
+    tokio::time::advance(IDLE - Duration::from_millis(1)).await;
+    patient.tx.send(body(head, false)).await.unwrap();
+    until(|| budget.in_use() == 10).await;
+    tokio::time::advance(IDLE - Duration::from_millis(1)).await;
+    patient.tx.send(body(tail, true)).await.unwrap();
+    let routed = patient.next().await.unwrap().unwrap();
+    assert!(routed.response.is_some(), "routed");
+    assert_eq!(core.live_bookings(), 1);
+
+    // A stream that stops after part of its body: ended at the timeout, its body given back.
+    let mut silent = Stream::open(&mut client, vec![headers(), body(head, false)]).await;
+    // The routed stream's echo stays charged until its next message (what tonic and h2 may still
+    // buffer of it), beside the silent stream's 10 bytes.
+    until(|| budget.in_use() == BODY.len() + 10 && cap.open() == 2).await;
+    tokio::time::advance(IDLE).await;
+    let status = silent.next().await.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert!(status.message().contains("--ext-proc-idle-timeout"));
+    until(|| cap.open() == 1).await;
+    assert_eq!(ends(&core, "idle_timeout"), 1);
+    assert_eq!(
+        budget.in_use(),
+        BODY.len(),
+        "the silent stream's body was given back"
+    );
+
+    // The routed stream is not bound by the idle timeout: silent far past it, it still answers.
+    let echo = patient.next().await.unwrap().unwrap();
+    assert!(echo.response.is_some(), "the body's echo");
+    tokio::time::advance(IDLE * 10).await;
+    patient.tx.send(response_headers()).await.unwrap();
+    assert!(patient.next().await.unwrap().is_some(), "still served");
+    assert_eq!(budget.in_use(), 0, "its next message released the echo");
+    assert_eq!(live.count(), 1);
+    assert_eq!(core.live_bookings(), 1);
+    drop(patient);
+    live.idle().await;
+    assert_eq!(core.live_bookings(), 0);
+    assert_eq!(ends(&core, "idle_timeout"), 1);
+}
+
+fn response_headers() -> ProcessingRequest {
+    message(processing_request::Request::ResponseHeaders(HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: ":status".into(),
+                value: String::new(),
+                raw_value: b"200".to_vec(),
+            }],
+        }),
+        ..Default::default()
+    }))
+}
