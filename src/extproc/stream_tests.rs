@@ -1,11 +1,13 @@
 use super::*;
 use crate::catalog::{RankLayout, WorkerSpec};
 use crate::metrics::Metrics;
-use crate::selection::CoreConfig;
-use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use crate::request::Prompt;
+use crate::selection::{CoreConfig, PromptInput, SelectionRequest};
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    body_mutation, HeaderMutation, HttpTrailers, ProcessingRequest, ProtocolConfiguration,
+    body_mutation, HeaderMutation, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest,
+    ProtocolConfiguration,
 };
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use processing_response::Response as R;
