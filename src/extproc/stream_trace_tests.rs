@@ -208,7 +208,7 @@ fn a_header_only_request_is_traced_too() {
 
 #[tokio::test(start_paused = true)]
 async fn a_queued_request_has_its_wait_under_the_pick() {
-    let core = super::queue::one_at_a_time(std::time::Duration::from_secs(30));
+    let core = super::one_at_a_time(std::time::Duration::from_secs(30));
     let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
     running.handle(post_with(&[])).unwrap();
     running.handle(body(CHAT, true)).unwrap();
@@ -242,7 +242,7 @@ async fn a_queued_request_has_its_wait_under_the_pick() {
 
 #[tokio::test(start_paused = true)]
 async fn a_client_gone_while_queued_ends_its_spans_as_abandoned() {
-    let core = super::queue::one_at_a_time(std::time::Duration::from_secs(30));
+    let core = super::one_at_a_time(std::time::Duration::from_secs(30));
     let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
     running.handle(post_with(&[])).unwrap();
     running.handle(body(CHAT, true)).unwrap();

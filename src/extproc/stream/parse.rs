@@ -189,3 +189,7 @@ impl StreamMachine {
         None
     }
 }
+
+#[cfg(test)]
+#[path = "parse_tests.rs"]
+mod tests;

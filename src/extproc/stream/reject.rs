@@ -56,3 +56,7 @@ impl StreamMachine {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "reject_tests.rs"]
+mod tests;

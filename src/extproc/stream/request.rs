@@ -226,3 +226,7 @@ impl StreamMachine {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "request_tests.rs"]
+mod tests;

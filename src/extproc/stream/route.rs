@@ -251,3 +251,7 @@ impl StreamMachine {
         }
     }
 }
+
+#[cfg(test)]
+#[path = "route_tests.rs"]
+mod tests;

@@ -88,3 +88,7 @@ impl StreamMachine {
         (destination, set, remove)
     }
 }
+
+#[cfg(test)]
+#[path = "route_headers_tests.rs"]
+mod tests;
