@@ -374,11 +374,3 @@ impl Drop for StreamMachine {
 #[cfg(test)]
 #[path = "stream_tests.rs"]
 mod tests;
-
-#[cfg(test)]
-#[path = "stream_cache_view_tests.rs"]
-mod cache_view_tests;
-
-#[cfg(test)]
-#[path = "stream_scores_tests.rs"]
-mod scores_tests;

@@ -6,8 +6,7 @@
 use super::*;
 use crate::catalog::{RankLayout, WorkerSpec};
 use crate::metrics::Metrics;
-use crate::request::Prompt;
-use crate::selection::{CoreConfig, PromptInput, SelectionRequest};
+use crate::selection::CoreConfig;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -447,19 +446,6 @@ pub(super) fn response_status(status: &str) -> ProcessingRequest {
     }
     h
 }
-
-/// The response's answer and a stream's reset, per booking ([`super::super::StreamMachine`]).
-#[path = "stream_reset_tests.rs"]
-mod reset;
-
-#[path = "stream_trace_tests.rs"]
-mod trace;
-
-#[path = "stream_scan_tests.rs"]
-mod scan;
-
-#[path = "stream_session_tests.rs"]
-mod sessions;
 
 /// Flow control: a core whose one rank takes one request at a time.
 pub(super) fn one_at_a_time(timeout: std::time::Duration) -> Arc<SelectionCore> {

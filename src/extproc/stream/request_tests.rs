@@ -428,3 +428,9 @@ fn garbage_subset_hints_are_503_and_book_nothing() {
     }
     assert_eq!(core.live_bookings(), 0);
 }
+
+#[path = "request_scan_tests.rs"]
+mod scan;
+
+#[path = "request_session_tests.rs"]
+mod sessions;

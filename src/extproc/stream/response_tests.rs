@@ -190,3 +190,9 @@ fn response_status_feeds_outlier_detection_not_the_estimator() {
     }
     assert_eq!(core.metrics().outlier.ejected_ranks.get(), 0);
 }
+
+#[path = "response_reset_tests.rs"]
+mod reset;
+
+#[path = "response_cache_view_tests.rs"]
+mod cache_view;

@@ -311,3 +311,6 @@ mod queue {
         assert_eq!(status(&step), Some(400));
     }
 }
+
+#[path = "route_scores_tests.rs"]
+mod scores;
