@@ -597,3 +597,405 @@ def reset_peak_memory(pid: int) -> None:
     """Resets the process's VmHWM to its current RSS (Linux: ``5`` into /proc/PID/clear_refs)."""
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")
+
+
+# ---------------------------------------------------------------------------------------------
+# ext_proc streams on raw frames (issue 45): one client that opens many ext_proc streams on one
+# connection, keeps HTTP/2 flow control, looks alive to the server (SETTINGS acknowledged, PINGs
+# answered) and counts what the server did to it; ``pump`` drives many of them from one thread.
+
+GOAWAY = 0x7
+ACK, PADDED, PRIORITY = 0x1, 0x8, 0x20
+SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
+MAX_WINDOW = 2**31 - 1
+DEFAULT_WINDOW = 65_535
+
+FULL_DUPLEX_STREAMED = 4  # envoy...ext_proc.v3.ProcessingMode.BodySendMode
+UNKNOWN_FIELD = 1000  # a ProcessingRequest field number no version defines: prost skips it
+
+
+def pb_varint(n: int) -> bytes:
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def pb_bytes(number: int, value: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return pb_varint(number << 3 | 2) + pb_varint(len(value)) + value
+
+
+def pb_uint(number: int, value: int) -> bytes:
+    """A varint field (wire type 0)."""
+    return pb_varint(number << 3) + pb_varint(value)
+
+
+def ext_proc_request_headers(headers, end_of_stream: bool = False) -> bytes:
+    """A ``ProcessingRequest`` with ``request_headers`` as Envoy sends them (``raw_value``) and
+    ``protocol_config`` FULL_DUPLEX_STREAMED both ways."""
+    header_map = b"".join(pb_bytes(1, pb_bytes(1, k.encode()) + pb_bytes(3, v.encode()))
+                          for k, v in headers)
+    http = pb_bytes(1, header_map) + (pb_uint(3, 1) if end_of_stream else b"")
+    config = pb_uint(1, FULL_DUPLEX_STREAMED) + pb_uint(2, FULL_DUPLEX_STREAMED)
+    return pb_bytes(2, http) + pb_bytes(11, config)
+
+
+def chat_request_headers(path: str = "/v1/chat/completions", extra=()) -> list[tuple[str, str]]:
+    """The HTTP request headers Envoy forwards for a client's chat request."""
+    return [(":method", "POST"), (":scheme", "http"), (":authority", "gateway"),
+            (":path", path), ("content-type", "application/json"), *extra]
+
+
+def ext_proc_request_body(chunk: bytes, end_of_stream: bool = False, padding: int = 0) -> bytes:
+    """A ``ProcessingRequest`` with a ``request_body`` chunk and, when ``padding``, that many
+    bytes of an unknown field after it (which a decoder must skip)."""
+    body = pb_bytes(1, chunk) + (pb_uint(2, 1) if end_of_stream else b"")
+    message = pb_bytes(4, body)
+    if padding:
+        message += pb_bytes(UNKNOWN_FIELD, bytes(padding))
+    return message
+
+
+def grpc_prefix(length: int) -> bytes:
+    """gRPC's 5-byte message prefix (uncompressed) announcing ``length`` bytes."""
+    return b"\0" + struct.pack(">I", length)
+
+
+def grpc_message(message: bytes) -> bytes:
+    return grpc_prefix(len(message)) + message
+
+
+@dataclass
+class ClientCounts:
+    """What the server did to one or more ``H2Client`` connections (``add`` sums them)."""
+
+    connections: int = 0
+    connect_failed: int = 0
+    streams_opened: int = 0
+    streams_ended: int = 0
+    """Streams the server ended (END_STREAM or RST_STREAM)."""
+    goaways: dict[str, int] = field(default_factory=dict)
+    """``CODE`` or ``CODE:debug`` -> connections that got one."""
+    resets: dict[int, int] = field(default_factory=dict)
+    """RST_STREAM error code -> streams."""
+    grpc_status: dict[str, int] = field(default_factory=dict)
+    """grpc-status of the streams the server answered with trailers."""
+    closed_by_server: int = 0
+    bytes_sent: int = 0
+    frames_sent: int = 0
+    frames_received: int = 0
+
+    def add(self, other: "ClientCounts") -> None:
+        for name in ("connections", "connect_failed", "streams_opened", "streams_ended",
+                     "closed_by_server", "bytes_sent", "frames_sent", "frames_received"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for name in ("goaways", "resets", "grpc_status"):
+            mine = getattr(self, name)
+            for k, v in getattr(other, name).items():
+                mine[k] = mine.get(k, 0) + v
+
+
+def frame_header(length: int, kind: int, flags: int, stream_id: int) -> bytes:
+    return struct.pack(">I", length)[1:] + bytes([kind, flags]) + struct.pack(">I", stream_id)
+
+
+class H2Client:
+    """One HTTP/2 connection on raw frames, non-blocking (``pump`` drives it). It keeps flow
+    control for the DATA it is given (``send``), acknowledges SETTINGS, answers PINGs, decodes
+    the server's header blocks (for grpc-status) and counts GOAWAYs, resets and ends in
+    ``counts``. ``big_windows`` opens its own receive windows to the maximum so the server never
+    waits on it. Opening the connection blocks (bounded by ``timeout``)."""
+
+    OUT_HIGH = 1 << 20  # bytes queued for the socket before DATA waits
+
+    def __init__(self, host: str, port: int, *, tls: bool = False, timeout: float = 5.0,
+                 big_windows: bool = True, on_end: Callable[["H2Client", int], None] | None = None):
+        self.counts = ClientCounts(connections=1)
+        self.sock = open_socket(host, port, tls=tls, timeout=timeout)
+        self.sock.setblocking(False)
+        self.tls = tls
+        settings = struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, MAX_WINDOW) if big_windows else b""
+        self.out = bytearray(PREFACE + frame(SETTINGS, 0, 0, settings))
+        if big_windows:
+            self.out += frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", MAX_WINDOW - DEFAULT_WINDOW))
+        self._retry = 0  # a TLS write that must be repeated with the same length
+        self.inbuf = bytearray()
+        self.encoder = hpack.Encoder()
+        self._encodes: dict[str, int] = {}
+        self._blocks: dict[str, bytes] = {}
+        self.decoder = hpack.Decoder()
+        self.decoder.max_header_list_size = 1 << 20
+        self._block: tuple[int, int, bytearray] | None = None  # (stream, flags, fragments)
+        self.send_window = DEFAULT_WINDOW
+        self.peer_initial = DEFAULT_WINDOW
+        self.windows: dict[int, int] = {}  # open stream -> its send window
+        self.pending: dict[int, list] = {}  # stream -> [[memoryview, offset, end_stream], ...]
+        self.next_stream = 1
+        self.peer_max_streams: int | None = None
+        self.goaway: int | None = None
+        self.closed = False
+        self.on_end = on_end
+
+    # -- what the attack does --------------------------------------------------------------
+
+    def open_stream(self, path: str = EXT_PROC_PATH, end_stream: bool = False) -> int:
+        """Sends a gRPC request's HEADERS on a new stream; returns its id."""
+        sid = self.next_stream
+        self.next_stream += 2
+        block = self._blocks.get(path)
+        if block is None:
+            block = self.encoder.encode([
+                (":method", "POST"), (":scheme", "https" if self.tls else "http"),
+                (":path", path), (":authority", "kvpick"), ("content-type", "application/grpc"),
+                ("te", "trailers")])
+            # The second encoding refers to the table entries the first made and leaves the
+            # table as it is: every later request's block is those same bytes.
+            self._encodes[path] = self._encodes.get(path, 0) + 1
+            if self._encodes[path] == 2:
+                self._blocks[path] = block
+        flags = END_HEADERS | (END_STREAM if end_stream else 0)
+        self.out += frame(HEADERS, flags, sid, block)
+        self.counts.frames_sent += 1
+        self.counts.streams_opened += 1
+        if not end_stream:
+            self.windows[sid] = self.peer_initial
+        return sid
+
+    def send(self, sid: int, data: bytes, end_stream: bool = False) -> None:
+        """Queues ``data`` on stream ``sid``: written as DATA frames as its windows allow
+        (``data`` is not copied; share one object between streams)."""
+        if sid in self.windows and data:
+            self.pending.setdefault(sid, []).append([memoryview(data), 0, end_stream])
+
+    def queued(self, sid: int) -> int:
+        """Bytes of ``sid`` still waiting for flow-control window."""
+        return sum(len(d) - off for d, off, _ in self.pending.get(sid, ()))
+
+    def raw(self, data: bytes, frames: int = 1) -> None:
+        """Queues raw bytes (frames the attack built itself)."""
+        self.out += data
+        self.counts.frames_sent += frames
+
+    @property
+    def open_streams(self) -> int:
+        return len(self.windows)
+
+    @property
+    def alive(self) -> bool:
+        return not self.closed and self.goaway is None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.sock.close()
+
+    # -- the event loop's side -----------------------------------------------------------------
+
+    def wants_write(self) -> bool:
+        if self.closed:
+            return False
+        if self.out:
+            return True
+        return self.send_window > 0 and any(self.windows.get(s, 0) > 0 for s in self.pending)
+
+    def on_writable(self) -> None:
+        self._fill()
+        while self.out and not self.closed:
+            n = self._retry or min(len(self.out), 256 * 1024)
+            try:
+                sent = self.sock.send(bytes(self.out[:n]))
+            except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError):
+                self._retry = n if self.tls else 0
+                return
+            except OSError:
+                self._server_closed()
+                return
+            self._retry = 0
+            del self.out[:sent]
+            self.counts.bytes_sent += sent
+            if sent < n:
+                return
+            self._fill()
+
+    def on_readable(self) -> None:
+        while not self.closed:
+            try:
+                chunk = self.sock.recv(256 * 1024)
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError):
+                break
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._parse()
+                self._server_closed()
+                return
+            self.inbuf += chunk
+        self._parse()
+
+    def _server_closed(self) -> None:
+        if not self.closed:
+            self.counts.closed_by_server += 1
+            self.close()
+
+    def _fill(self) -> None:
+        """Moves queued DATA into the output as the connection's and streams' windows allow,
+        a frame per stream in turn."""
+        progressed = True
+        while self.pending and progressed and len(self.out) < self.OUT_HIGH:
+            progressed = False
+            for sid in list(self.pending):
+                window = self.windows.get(sid)
+                if window is None:
+                    del self.pending[sid]
+                    continue
+                n = min(MAX_FRAME_SIZE, window, self.send_window)
+                if n <= 0:
+                    continue
+                queue = self.pending[sid]
+                item = queue[0]
+                data, off, end_stream = item
+                take = min(n, len(data) - off)
+                last = off + take == len(data)
+                flags = END_STREAM if last and end_stream else 0
+                self.out += frame_header(take, DATA, flags, sid)
+                self.out += data[off:off + take]
+                self.counts.frames_sent += 1
+                self.windows[sid] = window - take
+                self.send_window -= take
+                progressed = True
+                if last:
+                    queue.pop(0)
+                    if not queue:
+                        del self.pending[sid]
+                else:
+                    item[1] = off + take
+                if self.send_window <= 0 or len(self.out) >= self.OUT_HIGH:
+                    return
+
+    def _parse(self) -> None:
+        buf, pos = self.inbuf, 0
+        while len(buf) - pos >= 9:
+            length = int.from_bytes(buf[pos:pos + 3], "big")
+            if len(buf) - pos < 9 + length:
+                break
+            kind, flags = buf[pos + 3], buf[pos + 4]
+            sid = int.from_bytes(buf[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+            payload = bytes(buf[pos + 9:pos + 9 + length])
+            pos += 9 + length
+            self.counts.frames_received += 1
+            self._on_frame(kind, flags, sid, payload)
+        del buf[:pos]
+
+    def _on_frame(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if kind == DATA:
+            if flags & END_STREAM:
+                self._ended(sid)
+        elif kind in (HEADERS, CONTINUATION):
+            self._on_header_fragment(kind, flags, sid, payload)
+        elif kind == RST_STREAM:
+            code = struct.unpack(">I", payload[:4])[0]
+            self.counts.resets[code] = self.counts.resets.get(code, 0) + 1
+            self._ended(sid)
+        elif kind == SETTINGS and not flags & ACK:
+            for i in range(0, len(payload) - 5, 6):
+                key, value = struct.unpack(">HI", payload[i:i + 6])
+                if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                    delta = value - self.peer_initial
+                    self.peer_initial = value
+                    for s in self.windows:
+                        self.windows[s] += delta
+                elif key == SETTINGS_MAX_CONCURRENT_STREAMS:
+                    self.peer_max_streams = value
+            self.raw(frame(SETTINGS, ACK, 0, b""))
+        elif kind == PING and not flags & ACK:
+            self.raw(frame(PING, ACK, 0, payload))
+        elif kind == GOAWAY:
+            code = struct.unpack(">I", payload[4:8])[0]
+            debug = payload[8:].decode("utf-8", "replace")
+            key = f"{code:#x}" + (f":{debug}" if debug else "")
+            if self.goaway is None:
+                self.goaway = code
+                self.counts.goaways[key] = self.counts.goaways.get(key, 0) + 1
+        elif kind == WINDOW_UPDATE:
+            increment = struct.unpack(">I", payload[:4])[0] & 0x7FFFFFFF
+            if sid == 0:
+                self.send_window += increment
+            elif sid in self.windows:
+                self.windows[sid] += increment
+
+    def _on_header_fragment(self, kind: int, flags: int, sid: int, payload: bytes) -> None:
+        if kind == HEADERS:
+            if flags & PADDED:
+                payload = payload[1:len(payload) - payload[0]]
+            if flags & PRIORITY:
+                payload = payload[5:]
+            self._block = (sid, flags, bytearray(payload))
+        elif self._block is not None:
+            self._block[2].extend(payload)
+        if not flags & END_HEADERS or self._block is None:
+            return
+        stream, first_flags, block = self._block
+        self._block = None
+        try:
+            headers = self.decoder.decode(bytes(block))
+        except Exception:  # a table out of step: counts stay right for everything else
+            headers = []
+        for name, value in headers:
+            if name in (b"grpc-status", "grpc-status"):
+                v = value.decode() if isinstance(value, bytes) else value
+                self.counts.grpc_status[v] = self.counts.grpc_status.get(v, 0) + 1
+        if first_flags & END_STREAM:
+            self._ended(stream)
+
+    def _ended(self, sid: int) -> None:
+        if self.windows.pop(sid, None) is not None:
+            self.pending.pop(sid, None)
+            self.counts.streams_ended += 1
+            if self.on_end is not None:
+                self.on_end(self, sid)
+
+
+def pump(clients: list[H2Client], until: float, stop=None,
+         tick: Callable[[], None] | None = None, tick_every: float = 0.05) -> None:
+    """Drives ``clients`` (reads, answers, writes) from this thread until the monotonic clock
+    passes ``until``, ``stop`` (a ``threading.Event``) is set, or (without a ``tick``) every
+    client is closed.
+    ``tick`` runs at least every ``tick_every`` seconds: the attack adds streams and data there
+    (it may append new clients to ``clients``)."""
+    sel = selectors.DefaultSelector()
+    masks: dict[H2Client, int] = {}
+    try:
+        while time.monotonic() < until and not (stop is not None and stop.is_set()):
+            if tick is not None:
+                tick()
+            # Closed ones first: a new connection may have been given a closed one's fd.
+            for c in [c for c in masks if c.closed]:
+                sel.unregister(c.sock)
+                del masks[c]
+            for c in clients:
+                if c.closed:
+                    continue
+                mask = selectors.EVENT_READ | (selectors.EVENT_WRITE if c.wants_write() else 0)
+                old = masks.get(c)
+                if old is None:
+                    sel.register(c.sock, mask, c)
+                elif mask != old:
+                    sel.modify(c.sock, mask, c)
+                masks[c] = mask
+            if not masks:
+                if tick is None:
+                    return  # every client closed, and nothing can open another
+                time.sleep(tick_every)  # nothing to wait on but the tick
+                continue
+            wait = max(0.0, min(tick_every, until - time.monotonic()))
+            for key, events in sel.select(timeout=wait):
+                c = key.data
+                if events & selectors.EVENT_READ:
+                    c.on_readable()
+                if events & selectors.EVENT_WRITE and not c.closed:
+                    c.on_writable()
+    finally:
+        sel.close()

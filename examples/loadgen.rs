@@ -302,6 +302,11 @@ async fn client(shared: Arc<Shared>) -> Tally {
         if let Some(interval) = shared.interval {
             // Open-loop pacing across all clients.
             let due = shared.start + interval.mul_f64((n - shared.base) as f64);
+            // A request due after the deadline is not sent: with more clients than requests
+            // per second, a client would otherwise wait past the end for a far-off slot.
+            if shared.deadline.is_some_and(|d| due >= d) {
+                break;
+            }
             tokio::time::sleep_until(due.into()).await;
         }
         if sender.as_ref().is_none_or(|s| s.is_closed()) {

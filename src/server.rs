@@ -220,6 +220,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub conn: crate::net::ConnArgs,
 
+    #[command(flatten)]
+    pub memory: crate::memory_account::MemoryArgs,
+
     /// OpenTelemetry tracing of the request path (off by default).
     #[command(flatten)]
     pub tracing: crate::telemetry::TraceArgs,

@@ -51,7 +51,9 @@ async fn start(
     let huge_pages_off = memory::apply_huge_pages(args.huge_pages);
     tracing::debug!(huge_pages_off, "transparent huge pages");
     let metrics = Metrics::with_families(args.metrics_families);
-    let conn_limits = args.conn.limits()?;
+    let mut conn_limits = args.conn.limits()?;
+    let memory = config::memory_ledger(&args, &metrics)?;
+    conn_limits.memory = Some(memory.clone());
     let telemetry = tasks::start_telemetry(&args)?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     super::settings::start(&args, &core)?;
@@ -114,6 +116,7 @@ async fn start(
             flow_policy.clone(),
             flow_settings,
             telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
+            &memory,
         )?,
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());

@@ -144,7 +144,7 @@ pub enum Fact {
     /// ticket's holder, who must free it) or refused. The host hands it to the waiter.
     Dequeued {
         ticket: u64,
-        result: Result<Box<crate::Selection>, crate::SelectError>,
+        result: Result<Box<crate::outcome::Selection>, crate::error::SelectError>,
     },
 }
 

@@ -14,6 +14,7 @@
 //! - [`picks`]: an open-loop ext_proc client doing what Envoy does per request.
 //! - [`process`]: the `kvpick serve` child process (ports, readiness, `/metrics`, RSS, CPU).
 //! - [`prom`]: the Prometheus text format, as much as reading kvpick's own page needs.
+//! - [`args`]: the scale benchmark's parameters, shared by the scenario and its report.
 //! - [`scale`], [`report`]: the scale benchmark (`cargo bench --bench scale`) and its report.
 //!
 //! It must not depend on the `kvpick` crate itself: it talks to the binary over its ports.
@@ -24,6 +25,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod apiserver;
+pub mod args;
 pub mod churn;
 pub mod engine;
 pub mod picks;

@@ -8,10 +8,10 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 
+use crate::args::ScaleArgs;
 use crate::churn::ChurnTally;
 use crate::picks::PickTally;
 use crate::prom::{self, Sample};
-use crate::scale::ScaleArgs;
 
 /// The targets.
 pub const READY_WITHIN_S: f64 = 5.0;

@@ -289,7 +289,7 @@ impl Core {
             .into_iter()
             .map(|record| {
                 let partition = self.partitions.read().get(&record.partition_key()).cloned();
-                let (loads, status): (Vec<RankLoad>, Vec<crate::RankStatus>) = record
+                let (loads, status): (Vec<RankLoad>, Vec<crate::outcome::RankStatus>) = record
                     .ranks
                     .iter()
                     .map(|r| {
@@ -411,7 +411,7 @@ impl Core {
     pub fn record_engine_metrics(
         &self,
         rank: RankKey,
-        metrics: crate::EngineMetrics,
+        metrics: crate::engine::EngineMetrics,
     ) -> (bool, Facts) {
         let mut facts = Facts::default();
         let Some(partition) = self.partition_of_worker(rank.worker_id) else {

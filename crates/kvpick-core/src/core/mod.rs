@@ -32,10 +32,10 @@ use crate::event::KvEvent;
 use crate::facts::{Fact, Facts};
 use crate::index::{Tier, TierDepths};
 use crate::live::{LiveConfig, LiveConfigError};
+use crate::outcome::{PickedRank, Selection, WorkerView};
 use crate::partition::{Admitted, Claims, EventStats, Partition, SelectOutcome};
 use crate::request::{clip, Claim, DuplicateId, Holder, SelectionRequest};
 use crate::types::{PartitionKey, RankKey, RankLoad};
-use crate::{PickedRank, Selection, WorkerView};
 
 /// The selection core shared by every host.
 pub struct Core {

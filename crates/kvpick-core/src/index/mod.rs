@@ -1360,132 +1360,177 @@ mod tests {
         }
     }
 
+    /// A (block, rank, tier)'s state in [`PlainModel`]: counted references, or held until.
+    #[derive(Clone, Copy, PartialEq, Debug)]
+    enum Held {
+        Refs(u32),
+        Until(Instant),
+    }
+
+    const TIERS: [Tier; 3] = [Tier::Gpu, Tier::Host, Tier::Disk];
+
+    /// The index's contract as a plain map of (block, rank, tier) -> state.
+    #[derive(Default)]
+    struct PlainModel(HashMap<(u64, RankKey, Tier), Held>);
+
+    impl PlainModel {
+        fn insert(&mut self, rank: RankKey, hashes: &[u64], tier: Tier, expires: Option<Instant>) {
+            use std::collections::hash_map::Entry;
+            for h in hashes {
+                match self.0.entry((*h, rank, tier)) {
+                    Entry::Vacant(v) => {
+                        v.insert(expires.map_or(Held::Refs(1), Held::Until));
+                    }
+                    Entry::Occupied(mut o) => {
+                        let next = match (*o.get(), expires) {
+                            (Held::Refs(n), None) => Held::Refs(n + 1),
+                            (Held::Refs(n), Some(_)) => Held::Refs(n),
+                            (Held::Until(_), None) => Held::Refs(1),
+                            (Held::Until(a), Some(b)) => Held::Until(a.max(b)),
+                        };
+                        o.insert(next);
+                    }
+                }
+            }
+        }
+
+        /// Drops one reference; whether the rank still holds the block in some tier.
+        fn release(&mut self, rank: RankKey, h: u64, tier: Tier) -> bool {
+            match self.0.get(&(h, rank, tier)).copied() {
+                Some(Held::Refs(n)) if n > 1 => {
+                    self.0.insert((h, rank, tier), Held::Refs(n - 1));
+                }
+                Some(_) => {
+                    self.0.remove(&(h, rank, tier));
+                }
+                None => {}
+            }
+            TIERS
+                .iter()
+                .any(|t| matches!(self.0.get(&(h, rank, *t)), Some(Held::Refs(_))))
+        }
+
+        fn live(&self, h: u64, rank: RankKey, tier: usize, now: Instant) -> bool {
+            TIERS[..=tier]
+                .iter()
+                .any(|t| match self.0.get(&(h, rank, *t)) {
+                    Some(Held::Refs(_)) => true,
+                    Some(Held::Until(e)) => *e > now,
+                    None => false,
+                })
+        }
+
+        /// Every rank's matched depths of `chain` (ranks matching nothing left out).
+        fn expected(&self, chain: &[u64], now: Instant) -> HashMap<RankKey, TierDepths> {
+            let ranks: std::collections::BTreeSet<RankKey> =
+                self.0.keys().map(|(_, r, _)| *r).collect();
+            let mut expected = HashMap::new();
+            for r in ranks {
+                let depth = |t| {
+                    chain
+                        .iter()
+                        .take_while(|h| self.live(**h, r, t, now))
+                        .count() as u32
+                };
+                let d = TierDepths {
+                    gpu: depth(0),
+                    host: depth(1),
+                    disk: depth(2),
+                };
+                if d.disk > 0 {
+                    expected.insert(r, d);
+                }
+            }
+            expected
+        }
+    }
+
+    /// One random operation on both the index and the model; `now` may move.
+    fn random_step(
+        rng: &mut rand::rngs::StdRng,
+        idx: &mut PrefixIndex,
+        model: &mut PlainModel,
+        chain: &[u64],
+        now: &mut Instant,
+    ) {
+        use rand::Rng;
+        let rank = RankKey {
+            worker_id: rng.random_range(0..4),
+            dp_rank: rng.random_range(0..2),
+        };
+        let tier = TIERS[rng.random_range(0..3)];
+        let start = rng.random_range(0..chain.len());
+        let end = rng.random_range(start..=chain.len());
+        let h = chain[start.min(chain.len() - 1)];
+        match rng.random_range(0..10) {
+            0..=3 => {
+                let expires = (rng.random_bool(0.5))
+                    .then(|| *now + Duration::from_millis(rng.random_range(1..3000)));
+                idx.insert(rank, &chain[start..end], tier, expires);
+                model.insert(rank, &chain[start..end], tier, expires);
+            }
+            4..=5 => {
+                let still = idx.release(rank, h, tier);
+                let expected = model.release(rank, h, tier);
+                assert_eq!(still, expected, "release reports what is still held");
+            }
+            6 => {
+                idx.remove(rank, h, tier);
+                model.0.remove(&(h, rank, tier));
+            }
+            7 => {
+                idx.clear_rank(rank);
+                model.0.retain(|(_, r, _), _| *r != rank);
+            }
+            8 => {
+                *now += Duration::from_millis(rng.random_range(0..1500));
+                idx.purge_expired(*now);
+                let now = *now;
+                model.0.retain(|_, m| match m {
+                    Held::Refs(_) => true,
+                    Held::Until(e) => *e > now,
+                });
+            }
+            _ => *now += Duration::from_millis(rng.random_range(0..1500)),
+        }
+    }
+
+    /// Every lookup of the index agrees with the model.
+    fn agrees(idx: &PrefixIndex, model: &PlainModel, chain: &[u64], now: Instant) {
+        let expected = model.expected(chain, now);
+        assert_eq!(matches(idx, chain, now), expected);
+        // One rank's depths, and the shared prefix once plus the deeper ranks, say the same
+        // for every interned rank.
+        let over = idx.find_matches_over(chain, now);
+        for r in idx.rank_ids.keys() {
+            let d = expected.get(r).copied().unwrap_or_default();
+            assert_eq!(idx.rank_depths(r, chain, now), d, "{r:?}");
+            let listed = over.ranks.iter().find(|(k, _)| k == r).map(|(_, d)| *d);
+            let shared = TierDepths {
+                gpu: over.base,
+                host: over.base,
+                disk: over.base,
+            };
+            assert_eq!(listed.unwrap_or(shared), d, "{r:?} base {}", over.base);
+        }
+        let blocks: std::collections::HashSet<u64> = model.0.keys().map(|(h, _, _)| *h).collect();
+        assert!(idx.len() >= blocks.len());
+    }
+
     /// Random operation sequences against a plain map of (block, rank, tier) -> state.
     #[test]
     fn operations_match_a_plain_model() {
         use rand::{Rng, SeedableRng};
-        #[derive(Clone, Copy, PartialEq, Debug)]
-        enum Model {
-            Refs(u32),
-            Until(Instant),
-        }
-        let tiers = [Tier::Gpu, Tier::Host, Tier::Disk];
         let mut rng = rand::rngs::StdRng::seed_from_u64(11);
         let base = Instant::now();
         for round in 0..200 {
             let mut idx = PrefixIndex::new(100_000, Instant::now());
-            let mut model: HashMap<(u64, RankKey, Tier), Model> = HashMap::new();
+            let mut model = PlainModel::default();
             let chain: Vec<u64> = (0..12).map(|i| 1000 * round + i).collect();
             let mut now = base;
             for _ in 0..rng.random_range(1..80) {
-                let rank = RankKey {
-                    worker_id: rng.random_range(0..4),
-                    dp_rank: rng.random_range(0..2),
-                };
-                let tier = tiers[rng.random_range(0..3)];
-                let start = rng.random_range(0..chain.len());
-                let end = rng.random_range(start..=chain.len());
-                match rng.random_range(0..10) {
-                    0..=3 => {
-                        let expires = (rng.random_bool(0.5))
-                            .then(|| now + Duration::from_millis(rng.random_range(1..3000)));
-                        idx.insert(rank, &chain[start..end], tier, expires);
-                        for h in &chain[start..end] {
-                            let slot = model.entry((*h, rank, tier));
-                            match (slot, expires) {
-                                (std::collections::hash_map::Entry::Vacant(v), e) => {
-                                    v.insert(e.map_or(Model::Refs(1), Model::Until));
-                                }
-                                (std::collections::hash_map::Entry::Occupied(mut o), e) => {
-                                    let next = match (*o.get(), e) {
-                                        (Model::Refs(n), None) => Model::Refs(n + 1),
-                                        (Model::Refs(n), Some(_)) => Model::Refs(n),
-                                        (Model::Until(_), None) => Model::Refs(1),
-                                        (Model::Until(a), Some(b)) => Model::Until(a.max(b)),
-                                    };
-                                    o.insert(next);
-                                }
-                            }
-                        }
-                    }
-                    4..=5 => {
-                        let h = chain[start.min(chain.len() - 1)];
-                        let still = idx.release(rank, h, tier);
-                        match model.get(&(h, rank, tier)).copied() {
-                            Some(Model::Refs(n)) if n > 1 => {
-                                model.insert((h, rank, tier), Model::Refs(n - 1));
-                            }
-                            Some(_) => {
-                                model.remove(&(h, rank, tier));
-                            }
-                            None => {}
-                        }
-                        let expected = tiers
-                            .iter()
-                            .any(|t| matches!(model.get(&(h, rank, *t)), Some(Model::Refs(_))));
-                        assert_eq!(still, expected, "release reports what is still held");
-                    }
-                    6 => {
-                        let h = chain[start.min(chain.len() - 1)];
-                        idx.remove(rank, h, tier);
-                        model.remove(&(h, rank, tier));
-                    }
-                    7 => {
-                        idx.clear_rank(rank);
-                        model.retain(|(_, r, _), _| *r != rank);
-                    }
-                    8 => {
-                        now += Duration::from_millis(rng.random_range(0..1500));
-                        idx.purge_expired(now);
-                        model.retain(|_, m| match m {
-                            Model::Refs(_) => true,
-                            Model::Until(e) => *e > now,
-                        });
-                    }
-                    _ => now += Duration::from_millis(rng.random_range(0..1500)),
-                }
-                // Lookups agree with the model at every step.
-                let live = |h: u64, rank: RankKey, tier: usize| {
-                    tiers[..=tier]
-                        .iter()
-                        .any(|t| match model.get(&(h, rank, *t)) {
-                            Some(Model::Refs(_)) => true,
-                            Some(Model::Until(e)) => *e > now,
-                            None => false,
-                        })
-                };
-                let ranks: std::collections::BTreeSet<RankKey> =
-                    model.keys().map(|(_, r, _)| *r).collect();
-                let mut expected = HashMap::new();
-                for r in ranks {
-                    let depth = |t| chain.iter().take_while(|h| live(**h, r, t)).count() as u32;
-                    let d = TierDepths {
-                        gpu: depth(0),
-                        host: depth(1),
-                        disk: depth(2),
-                    };
-                    if d.disk > 0 {
-                        expected.insert(r, d);
-                    }
-                }
-                assert_eq!(matches(&idx, &chain, now), expected);
-                // One rank's depths, and the shared prefix once plus the deeper ranks, say the
-                // same for every interned rank.
-                let over = idx.find_matches_over(&chain, now);
-                for r in idx.rank_ids.keys() {
-                    let d = expected.get(r).copied().unwrap_or_default();
-                    assert_eq!(idx.rank_depths(r, &chain, now), d, "{r:?}");
-                    let listed = over.ranks.iter().find(|(k, _)| k == r).map(|(_, d)| *d);
-                    let shared = TierDepths {
-                        gpu: over.base,
-                        host: over.base,
-                        disk: over.base,
-                    };
-                    assert_eq!(listed.unwrap_or(shared), d, "{r:?} base {}", over.base);
-                }
-                let blocks: std::collections::HashSet<u64> =
-                    model.keys().map(|(h, _, _)| *h).collect();
-                assert!(idx.len() >= blocks.len());
+                random_step(&mut rng, &mut idx, &mut model, &chain, &mut now);
+                agrees(&idx, &model, &chain, now);
             }
         }
     }

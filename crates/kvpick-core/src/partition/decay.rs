@@ -122,7 +122,7 @@ impl Partition {
     pub(super) fn reconcile(
         state: &mut State,
         key: RankKey,
-        reading: &crate::EngineMetrics,
+        reading: &crate::engine::EngineMetrics,
         config: &CoreConfig,
         facts: &mut Facts,
     ) -> u64 {

@@ -57,11 +57,11 @@ use crate::estimate::TtftEstimator;
 use crate::facts::{Fact, Facts};
 use crate::hash;
 use crate::index::{PrefixIndex, Tier, TierDepths};
+use crate::outcome::{PickedRank, Selection};
 use crate::request::{Holder, SelectionRequest};
 use crate::session::{Bound, Invalidation, SessionOutcome, SessionTable};
 use crate::spin::{SpinMutex, SpinRwLock};
 use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad};
-use crate::{PickedRank, Selection};
 
 #[derive(Debug)]
 struct Booking {

@@ -26,10 +26,10 @@ use crate::error::SelectError;
 use crate::estimate::TtftEstimator;
 use crate::hash;
 use crate::index::TierDepths;
+use crate::outcome::{EndpointScore, PickedRank};
 use crate::request::{clip, EndpointFilter, Pin, PromptInput};
 use crate::session::{AffinityMode, Invalidation, SessionConfig};
 use crate::types::{RankKey, RankLoad};
-use crate::{EndpointScore, PickedRank};
 use std::time::{Duration, Instant};
 
 use super::ranks::Slot;

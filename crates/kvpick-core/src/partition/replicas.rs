@@ -73,7 +73,7 @@ impl Partition {
     pub fn record_engine_metrics(
         &self,
         key: RankKey,
-        metrics: crate::EngineMetrics,
+        metrics: crate::engine::EngineMetrics,
         config: &CoreConfig,
         facts: &mut Facts,
     ) -> Option<u64> {
@@ -95,10 +95,10 @@ impl Partition {
     }
 
     /// A rank's load and standing, for listing.
-    pub fn rank_view(&self, key: RankKey) -> Option<(RankLoad, crate::RankStatus)> {
+    pub fn rank_view(&self, key: RankKey) -> Option<(RankLoad, crate::outcome::RankStatus)> {
         let state = self.lock_state();
         let slot = state.ranks.get(&key)?;
-        let status = crate::RankStatus {
+        let status = crate::outcome::RankStatus {
             reachable: slot.reachable,
             mismatched_block_size: state.kv_read().size_mismatch.get(&key).copied(),
         };

@@ -170,7 +170,7 @@ impl Partition {
             String::new()
         };
         // The gateway's scores (opt-in): the decision's own costs, before the pick is booked.
-        let destinations: Vec<&crate::PickedRank> = if ask.request.scores > 0 {
+        let destinations: Vec<&crate::outcome::PickedRank> = if ask.request.scores > 0 {
             std::iter::once(&picked.primary)
                 .chain(&picked.fallbacks)
                 .collect()

@@ -48,6 +48,24 @@ struct Bounds<'a> {
     min_scale: f64,
 }
 
+impl<'a> Bounds<'a> {
+    /// The bounds of a prompt of `prompt_tokens` whose every rank matches `base`, with no
+    /// fixed blocks and unit scale (the caller sets both).
+    fn new(params: &'a CostParams, prompt_tokens: u64, block_size: u32, base: TierDepths) -> Self {
+        let block = f64::from(block_size.max(1));
+        let cached = params.overlap_score_credit * overlap_score(base, params);
+        Bounds {
+            params,
+            prompt_tokens,
+            block,
+            cached,
+            own: (prompt_tokens as f64 / block - cached).max(0.0),
+            fixed: 0.0,
+            min_scale: 1.0,
+        }
+    }
+}
+
 impl Bounds<'_> {
     fn waited(&self, prefill: u64) -> f64 {
         (prefill.saturating_add(self.prompt_tokens) as f64 / self.block - self.cached).max(0.0)
@@ -62,6 +80,21 @@ impl Bounds<'_> {
         let stall = self.params.stall_weight * requests as f64 * self.own;
         self.min_scale * (ttft + stall)
     }
+}
+
+/// Whether the search can prove its answer equal to the full path's: not with an SLO (it
+/// narrows the candidates before the ranking; flow control's gate alone reads only the
+/// ranking's top, kept equal), split roles, a pin, a sampling temperature or decision traces.
+fn provable(state: &State, ask: &Ask) -> bool {
+    let (config, request) = (ask.config, ask.request);
+    let temperature = request
+        .temperature
+        .unwrap_or(config.cost.router_temperature);
+    let pinned = request.pin.is_some() && config.allow_pins;
+    let slo = ask
+        .admission
+        .is_some_and(|c| c.slo_ttft.is_some() || c.slo_tpot.is_some());
+    !(slo || state.ranks.split_roles || pinned || temperature != 0.0 || config.trace_decisions > 0)
 }
 
 /// Every weight the bounds leave out must only add cost, and tiers must count a faster one at
@@ -150,6 +183,85 @@ impl PartialOrd for TotalF64 {
 impl Ord for TotalF64 {
     fn cmp(&self, other: &Self) -> Ordering {
         self.0.total_cmp(&other.0)
+    }
+}
+
+impl<'a> Found<'a> {
+    /// Nothing found yet: the search's view of the locked state and the request.
+    fn new(
+        state: &'a State,
+        ask: &Ask<'a>,
+        allowed: &'a Allowed<'a>,
+        bounds: &'a Bounds<'a>,
+        base: TierDepths,
+        block_size: u32,
+    ) -> Self {
+        let (config, request) = (ask.config, ask.request);
+        Found {
+            table: &state.ranks,
+            estimator: &state.estimator,
+            view: EngineView {
+                now: ask.now,
+                max_age: config.engine_metrics_max_age,
+                adapter: allowed.adapter,
+            },
+            bounds,
+            eligibility: Eligibility {
+                allowed,
+                busy: &config.busy,
+                fraction: if request.priority < 0 {
+                    config.busy.sheddable_fraction
+                } else {
+                    1.0
+                },
+                may_probe: health::may_probe(request.holder),
+                api_cap: (request.holder == Holder::Api)
+                    .then_some(config.max_api_bookings_per_rank),
+                now: ask.now,
+            },
+            base,
+            block_size,
+            eligible: Vec::new(),
+            candidates: Vec::new(),
+            terms: Vec::new(),
+            seen: HashSet::new(),
+            // The ranks the answer must rank exactly: the fallbacks' margin, or as many as the
+            // request wants scored (`SelectionRequest::scores`: the best N are then costed).
+            top: request
+                .fallbacks
+                .saturating_mul(8)
+                .saturating_add(1)
+                .max(request.scores),
+            best: BinaryHeap::new(),
+        }
+    }
+
+    /// The search proper: the deeper matches, the bound and parent ranks, then the base ranks
+    /// by load until none left can enter the ranking. `None` when it found no eligible rank.
+    fn search(
+        mut self,
+        order: &LoadOrder,
+        matches: &crate::index::Matches,
+        bound: Option<RankKey>,
+        parent: Option<RankKey>,
+    ) -> Option<SparseField> {
+        for (key, depths) in &matches.ranks {
+            self.visit(*key, *depths);
+        }
+        // The bound rank and a child session's parent rank are costed outright: affinity
+        // compares them with the best, wherever the search would have stopped.
+        for b in bound.into_iter().chain(parent) {
+            self.visit(b, matches.depths_of(&b));
+        }
+        self.settle_best_ttft(order);
+        let ttft_bound = TtftBound::of(&self.terms, self.bounds.params);
+        self.fill_top(order, &ttft_bound);
+        if self.candidates.is_empty() {
+            return None;
+        }
+        #[cfg(test)]
+        SEARCHES.with(|c| c.set((c.get().0, c.get().1.saturating_add(1))));
+        Some(self.into_field(bound))
     }
 }
 
@@ -287,26 +399,12 @@ impl Partition {
         parent: Option<RankKey>,
         lazy: &mut super::select::LazyMatches,
     ) -> Result<Option<SparseField>, SelectError> {
-        let (config, request) = (ask.config, ask.request);
-        let temperature = request
-            .temperature
-            .unwrap_or(config.cost.router_temperature);
-        let pinned = request.pin.is_some() && config.allow_pins;
         #[cfg(test)]
         SEARCHES.with(|c| c.set((c.get().0.saturating_add(1), c.get().1)));
-        // Flow control's gate reads only the ranking's top (kept equal) unless an SLO narrows
-        // the candidates first.
-        let slo = ask
-            .admission
-            .is_some_and(|c| c.slo_ttft.is_some() || c.slo_tpot.is_some());
-        if slo
-            || state.ranks.split_roles
-            || pinned
-            || temperature != 0.0
-            || config.trace_decisions > 0
-        {
+        if !provable(state, ask) {
             return Ok(None);
         }
+        let (config, request) = (ask.config, ask.request);
         let block_size = self.block_size();
         let fixed = pipeline::fixed_blocks(&state.estimator, block_size);
         let min_scale = state.estimator.min_scale();
@@ -327,81 +425,21 @@ impl Partition {
             host: matches.base,
             disk: matches.base,
         };
-        let block = f64::from(block_size.max(1));
-        let cached = config.cost.overlap_score_credit * overlap_score(base, &config.cost);
         let bounds = Bounds {
-            params: &config.cost,
-            prompt_tokens: ask.prompt.tokens,
-            block,
-            cached,
-            own: (ask.prompt.tokens as f64 / block - cached).max(0.0),
             fixed,
             min_scale,
+            ..Bounds::new(&config.cost, ask.prompt.tokens, block_size, base)
         };
+        let mut found = Found::new(state, ask, allowed, &bounds, base, block_size);
         let sheddable = request.priority < 0;
-        let mut found = Found {
-            table: &state.ranks,
-            estimator: &state.estimator,
-            view: EngineView {
-                now: ask.now,
-                max_age: config.engine_metrics_max_age,
-                adapter: allowed.adapter,
-            },
-            bounds: &bounds,
-            eligibility: Eligibility {
-                allowed,
-                busy: &config.busy,
-                fraction: if sheddable {
-                    config.busy.sheddable_fraction
-                } else {
-                    1.0
-                },
-                may_probe: health::may_probe(request.holder),
-                api_cap: (request.holder == Holder::Api)
-                    .then_some(config.max_api_bookings_per_rank),
-                now: ask.now,
-            },
-            base,
-            block_size,
-            eligible: Vec::new(),
-            candidates: Vec::new(),
-            terms: Vec::new(),
-            seen: HashSet::new(),
-            // The ranks the answer must rank exactly: the fallbacks' margin, or as many as the
-            // request wants scored (`SelectionRequest::scores`: the best N are then costed).
-            top: request
-                .fallbacks
-                .saturating_mul(8)
-                .saturating_add(1)
-                .max(request.scores),
-            best: BinaryHeap::new(),
-        };
         let bound = Self::sparse_bound(&found, bound, config, sheddable)?;
         if let Some(depths) = bound_depths {
-            if let Some(b) = bound.filter(|b| found.visit(*b, depths).is_some()) {
-                return Ok(Some(found.into_field(Some(b))));
-            }
             // Ejected or not eligible after all: the full path, with the prompt's matches.
-            return Ok(None);
+            return Ok(bound
+                .filter(|b| found.visit(*b, depths).is_some())
+                .map(|b| found.into_field(Some(b))));
         }
-        for (key, depths) in &matches.ranks {
-            found.visit(*key, *depths);
-        }
-        // The bound rank and a child session's parent rank are costed outright: affinity
-        // compares them with the best, wherever the search would have stopped.
-        for b in bound.into_iter().chain(parent) {
-            found.visit(b, matches.depths_of(&b));
-        }
-        let order = state.ranks.order();
-        found.settle_best_ttft(order);
-        let ttft_bound = TtftBound::of(&found.terms, &config.cost);
-        found.fill_top(order, &ttft_bound);
-        if found.candidates.is_empty() {
-            return Ok(None);
-        }
-        #[cfg(test)]
-        SEARCHES.with(|c| c.set((c.get().0, c.get().1.saturating_add(1))));
-        Ok(Some(found.into_field(bound)))
+        Ok(found.search(state.ranks.order(), matches, bound, parent))
     }
 
     /// The session's bound rank as the eligibility stages leave it: dropped when ejected (a
