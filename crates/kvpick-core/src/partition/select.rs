@@ -554,15 +554,7 @@ impl Partition {
                 .as_ref()
                 .map(|(p, overlap)| (p.key, *overlap)),
         };
-        self.book(
-            state,
-            ask.request,
-            &pick,
-            affinity,
-            ask.config,
-            ask.now,
-            facts,
-        )
+        self.book(state, ask, &pick, affinity, facts)
     }
 
     /// The answer: the picked ranks, the prompt's overlap and the session's outcome.
