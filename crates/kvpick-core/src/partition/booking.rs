@@ -114,9 +114,7 @@ impl Partition {
         let (outcome, leased_session) = Self::bind_session(state, ask, pick, affinity, facts);
         // One copy of the prompt's hashes, shared by the deferred inserts and the booking.
         let chain: Arc<[u64]> = Arc::from(pick.prompt.seq_hashes.as_slice());
-        let leg = pick.prefill.and_then(|(rank, overlap)| {
-            pair::book_leg(state, rank, overlap, pick, &chain, config, now, facts)
-        });
+        let leg = pair::book_leg(state, ask, pick, &chain, facts);
         let (leg, leg_predicted) = leg.map_or((None, None), |(l, p)| (Some(l), p));
         let mut booking = Booking::for_pick(request, pick, leg, leased_session, now);
         booking.predicted[1] = leg_predicted;

@@ -56,7 +56,7 @@ impl LazyMatches {
 
 /// What eligibility and the SLO gate left: candidate `i` is rank `eligible[i]` of the table.
 pub(super) struct Field {
-    block_size: u32,
+    pub(super) block_size: u32,
     pub eligible: Vec<usize>,
     pub candidates: Vec<Candidate>,
     /// The session's bound rank, while it may still serve the request.
@@ -70,7 +70,7 @@ pub(super) struct Field {
 /// decode, and whether session affinity kept the bound rank.
 pub(super) struct Decided {
     pub decision: Decision,
-    roles: Option<Vec<Role>>,
+    pub(super) roles: Option<Vec<Role>>,
     pub affinity: Affinity,
     /// A child session's parent rank, when it had one: taken or declined.
     parent: Option<crate::session::ParentPick>,
@@ -463,19 +463,7 @@ impl Partition {
                 &config.cost,
             )?;
         }
-        match decided.roles.as_deref() {
-            Some(roles) => pair::prefill_for(
-                &field.candidates,
-                roles,
-                &decided.decision,
-                ask.prompt,
-                field.block_size,
-                config,
-                &mut state.rng,
-                saturation.as_ref(),
-            ),
-            None => Ok(None),
-        }
+        pair::prefill_for(ask, field, decided, &mut state.rng, saturation.as_ref())
     }
 
     /// Stage 6: the picked ranks (primary, fallbacks, prefill) and what the booking needs of
