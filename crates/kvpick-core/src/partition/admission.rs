@@ -12,14 +12,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::CoreConfig;
-use crate::decide::{ttft_blocks, Candidate, CostParams};
+use crate::decide::{ttft_blocks, Candidate};
 use crate::error::SelectError;
-use crate::estimate::{TpotEstimator, TtftEstimator};
 use crate::facts::{Fact, Facts, QueueEvent, QueueExit};
 use crate::flow::Waiting;
 use crate::request::SelectionRequest;
 
 use super::pipeline::PromptBlocks;
+use super::select::Field;
 use super::{Ask, Partition, SelectOutcome, State};
 
 /// A waiting request: what the pipeline needs to try it again. Its prompt is kept only as block
@@ -104,21 +104,18 @@ impl Check {
     /// what is left of the TTFT SLO, and a time per output token (at the rank's batch with this
     /// request in it) within the TPOT SLO. None can now: [`Refusal::Saturated`] (wait) while an
     /// idle rank still could, [`Refusal::SloUnmeetable`] once even that cannot.
-    #[allow(clippy::too_many_arguments)]
-    pub fn meet_slo(
+    pub(super) fn meet_slo(
         &self,
-        eligible: Vec<usize>,
-        candidates: Vec<Candidate>,
-        estimator: &TtftEstimator,
-        tpot: &TpotEstimator,
-        prompt_tokens: u64,
-        block_size: u32,
-        params: &CostParams,
-        now: Instant,
-    ) -> Result<(Vec<usize>, Vec<Candidate>), Refusal> {
+        state: &State,
+        ask: &Ask,
+        field: &mut Field,
+    ) -> Result<(), Refusal> {
         if self.slo_ttft.is_none() && self.slo_tpot.is_none() {
-            return Ok((eligible, candidates));
+            return Ok(());
         }
+        let (estimator, tpot) = (&state.estimator, &state.tpot);
+        let (prompt_tokens, block_size) = (ask.prompt.tokens, field.block_size);
+        let (params, now) = (&ask.config.cost, ask.now);
         let remaining = self
             .slo_ttft
             .map(|slo| slo - now.saturating_duration_since(self.enqueued).as_secs_f64());
@@ -139,17 +136,21 @@ impl Check {
                     .slo_tpot
                     .is_none_or(|slo| tpot.predict(c.active_requests as f64 + 1.0) <= slo)
         };
-        let (kept_eligible, kept): (Vec<usize>, Vec<Candidate>) = eligible
+        let (kept_eligible, kept): (Vec<usize>, Vec<Candidate>) = field
+            .eligible
             .iter()
             .copied()
-            .zip(candidates.iter().copied())
+            .zip(field.candidates.iter().copied())
             .filter(|(_, c)| meets(c))
             .unzip();
         if !kept.is_empty() {
-            return Ok((kept_eligible, kept));
+            field.eligible = kept_eligible;
+            field.candidates = kept;
+            return Ok(());
         }
         if let (Some(slo), Some(remaining)) = (self.slo_ttft, remaining) {
-            let fastest_idle = candidates
+            let fastest_idle = field
+                .candidates
                 .iter()
                 .map(|c| ttft(c, 0))
                 .fold(f64::INFINITY, f64::min);

@@ -253,26 +253,17 @@ impl Partition {
             block_size,
             &engine_view,
         );
-        let (eligible, candidates) = match ask.admission {
-            Some(check) => check.meet_slo(
-                eligible,
-                candidates,
-                &state.estimator,
-                &state.tpot,
-                ask.prompt.tokens,
-                block_size,
-                &config.cost,
-                now,
-            )?,
-            None => (eligible, candidates),
-        };
-        Ok(Field {
+        let mut field = Field {
             block_size,
             eligible,
             candidates,
             bound,
             parent,
-        })
+        };
+        if let Some(check) = ask.admission {
+            check.meet_slo(state, ask, &mut field)?;
+        }
+        Ok(field)
     }
 
     /// A child session with no binding of its own (its first request, or its binding was
@@ -451,17 +442,7 @@ impl Partition {
             max_age: config.engine_metrics_max_age,
         });
         if let Some(view) = &saturation {
-            let hard_kept = decided.affinity == Affinity::Kept
-                && config.sessions.mode == crate::session::AffinityMode::Hard;
-            pipeline::dispatch_or_wait(
-                &mut decided.decision,
-                &field.candidates,
-                view,
-                hard_kept,
-                ask.prompt.tokens,
-                field.block_size,
-                &config.cost,
-            )?;
+            pipeline::dispatch_or_wait(ask, field, decided, view)?;
         }
         pair::prefill_for(ask, field, decided, &mut state.rng, saturation.as_ref())
     }
