@@ -318,7 +318,6 @@ impl Partition {
     /// Admits an arriving request: with an empty queue it is placed at once unless every
     /// eligible rank is saturated; otherwise it joins the queue and a release pass runs, so it
     /// may still be booked now if it is first in line and a rank has room.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn admit(
         self: &Arc<Self>,
         request: &SelectionRequest,
@@ -330,59 +329,67 @@ impl Partition {
     ) -> Result<Admitted, SelectError> {
         let prompt = self.prompt_of(request, config);
         let early = self.early_matches(request, &prompt, config, now);
-        let mut guard = self.lock_state();
-        let admitted = self.admit_in(
-            &mut guard,
+        let check = Check::new(request, now);
+        let ask = Ask {
+            prompt: &prompt,
             request,
-            ticket,
-            (prompt, early.as_ref()),
-            claims,
+            booking: None,
             config,
             now,
-            facts,
-        );
+            admission: Some(&check),
+            exhaustive: false,
+            matches: early.as_ref(),
+        };
+        let mut guard = self.lock_state();
+        let admitted = match self.admit_in(&mut guard, &ask, claims, facts) {
+            Ok(answer) => answer,
+            Err(pump) => {
+                // The queue keeps the prompt's blocks: the ask that borrowed them is done.
+                let waiting = self.waiting(request, ticket, prompt, &config.flow, now);
+                self.enqueue_in(&mut guard, waiting, pump, claims, config, facts)
+            }
+        };
         guard.unlock(facts);
         admitted
     }
 
-    /// [`Partition::admit`] on locked state, with the prompt and its matches read before.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Partition::admit`] on locked state up to the queue: the answer when the request was
+    /// tried at once against an empty queue and placed or refused, else whether the release
+    /// pass should run once it is queued (`Err(pump)`).
     fn admit_in(
         self: &Arc<Self>,
         state: &mut State,
-        request: &SelectionRequest,
-        ticket: u64,
-        (prompt, early): (PromptBlocks, Option<&crate::index::Matches>),
+        ask: &Ask,
         claims: &dyn Claims,
-        config: &CoreConfig,
-        now: Instant,
         facts: &mut Facts,
-    ) -> Result<Admitted, SelectError> {
-        Self::decay_due(state, now, facts);
+    ) -> Result<Result<Admitted, SelectError>, bool> {
+        Self::decay_due(state, ask.now, facts);
         // Held (no rank to serve it yet), or tried just now against an empty queue and found
         // saturated: a release pass would only try it again.
-        let holding = holds(state, config);
+        let holding = holds(state, ask.config);
         let tried = state.queue.is_empty() && !holding;
         if tried {
-            let check = Check::new(request, now);
-            let ask = Ask {
-                prompt: &prompt,
-                request,
-                booking: None,
-                config,
-                now,
-                admission: Some(&check),
-                exhaustive: false,
-                matches: early,
-            };
-            if let Some(answer) = self.try_at_once(state, &ask, claims, facts) {
-                return answer;
+            if let Some(answer) = self.try_at_once(state, ask, claims, facts) {
+                return Ok(answer);
             }
         }
-        let waiting = self.waiting(request, ticket, prompt, &config.flow, now);
-        let deadline = waiting.deadline;
+        Err(!(tried || holding))
+    }
+
+    /// Queues an admitted request and, with `pump`, runs a release pass: it may still be
+    /// booked now if it is first in line and a rank has room.
+    fn enqueue_in(
+        self: &Arc<Self>,
+        state: &mut State,
+        waiting: Waiting<Arc<Queued>>,
+        pump: bool,
+        claims: &dyn Claims,
+        config: &CoreConfig,
+        facts: &mut Facts,
+    ) -> Result<Admitted, SelectError> {
+        let (ticket, deadline, now) = (waiting.ticket, waiting.deadline, waiting.enqueued);
         Self::enqueue(state, waiting, claims, &config.flow, facts)?;
-        if tried || holding {
+        if !pump {
             self.queued.store(state.queue.len(), Ordering::Release);
             return Ok(Admitted::Queued { deadline });
         }
