@@ -56,15 +56,12 @@ pub(crate) fn decide_pair(
             *bound = None;
         }
     }
-    let ranking = disagg::rank_decode(
+    let field = disagg::RoledCandidates {
         candidates,
-        &roles,
-        block_size,
-        &config.cost,
-        &config.pd,
-        rng,
-    )
-    .ok_or_else(|| SelectError::Unavailable("no eligible decode rank".into()))?;
+        roles: &roles,
+    };
+    let ranking = disagg::rank_decode(field, block_size, &config.cost, &config.pd, rng)
+        .ok_or_else(|| SelectError::Unavailable("no eligible decode rank".into()))?;
     Ok((
         Decision {
             ranking: ranking.ranking,
@@ -95,9 +92,12 @@ pub(crate) fn prefill_for(
     };
     let config = ask.config;
     let mut choose = |roles: &[Role]| {
-        disagg::choose_prefill(
-            &field.candidates,
+        let roled = disagg::RoledCandidates {
+            candidates: &field.candidates,
             roles,
+        };
+        disagg::choose_prefill(
+            roled,
             decode,
             ask.prompt.tokens,
             field.block_size,
