@@ -50,6 +50,14 @@ impl Default for PdConfig {
     }
 }
 
+/// The eligible candidates and each one's role, position for position: what both halves of the
+/// pair decision read.
+#[derive(Debug, Clone, Copy)]
+pub struct RoledCandidates<'a> {
+    pub candidates: &'a [Candidate],
+    pub roles: &'a [Role],
+}
+
 /// What the pair decision chose: the decode ranking (candidate positions, best first; only
 /// decode-capable ranks) and its costs (`f64::INFINITY` for ranks that cannot decode).
 #[derive(Debug, Clone, PartialEq)]
@@ -83,13 +91,13 @@ pub fn decode_cost(c: &Candidate, block_size: u32, params: &CostParams, pd: &PdC
 /// Ranks the decode-capable candidates by [`decode_cost`], lowest first, ties uniformly at
 /// random. `None` when no candidate can decode.
 pub fn rank_decode<R: Rng + ?Sized>(
-    candidates: &[Candidate],
-    roles: &[Role],
+    field: RoledCandidates<'_>,
     block_size: u32,
     params: &CostParams,
     pd: &PdConfig,
     rng: &mut R,
 ) -> Option<DecodeRanking> {
+    let RoledCandidates { candidates, roles } = field;
     let costs: Vec<f64> = candidates
         .iter()
         .zip(roles)
@@ -119,10 +127,8 @@ pub fn rank_decode<R: Rng + ?Sized>(
 
 /// Whether to prefill elsewhere for the decode rank at `decode`, and where. `None` = prefill on
 /// the decode rank (short uncached part, no prefill-capable rank, or a local prefill costs less).
-#[allow(clippy::too_many_arguments)]
 pub fn choose_prefill<R: Rng + ?Sized>(
-    candidates: &[Candidate],
-    roles: &[Role],
+    field: RoledCandidates<'_>,
     decode: usize,
     prompt_tokens: u64,
     block_size: u32,
@@ -130,6 +136,7 @@ pub fn choose_prefill<R: Rng + ?Sized>(
     pd: &PdConfig,
     rng: &mut R,
 ) -> Option<PrefillChoice> {
+    let RoledCandidates { candidates, roles } = field;
     let local = candidates.get(decode)?;
     let block = f64::from(block_size.max(1));
     let cached_blocks = params.overlap_score_credit * overlap_score(local.overlap, params);
@@ -182,6 +189,10 @@ mod tests {
     use rand::rngs::StdRng;
     use rand::SeedableRng;
 
+    fn roled<'a>(candidates: &'a [Candidate], roles: &'a [Role]) -> RoledCandidates<'a> {
+        RoledCandidates { candidates, roles }
+    }
+
     fn cand(w: u64, load: RankLoad, overlap: u32) -> Candidate {
         Candidate::new(
             RankKey {
@@ -213,9 +224,9 @@ mod tests {
         let cs = [cand(1, load(0, 0, 0), 0), cand(2, load(0, 900, 9), 0)];
         let mut rng = StdRng::seed_from_u64(1);
         let p = CostParams::default();
-        let r = rank_decode(&cs, &[P, D], 16, &p, &PdConfig::default(), &mut rng);
+        let r = rank_decode(roled(&cs, &[P, D]), 16, &p, &PdConfig::default(), &mut rng);
         assert_eq!(r.map(|r| r.ranking), Some(vec![1]));
-        let none = rank_decode(&cs, &[P, P], 16, &p, &PdConfig::default(), &mut rng);
+        let none = rank_decode(roled(&cs, &[P, P]), 16, &p, &PdConfig::default(), &mut rng);
         assert!(none.is_none(), "no decode-capable rank, no destination");
     }
 
@@ -228,7 +239,13 @@ mod tests {
         ];
         let mut rng = StdRng::seed_from_u64(1);
         let p = CostParams::default();
-        let r = rank_decode(&cs, &[D, D, D], 16, &p, &PdConfig::default(), &mut rng);
+        let r = rank_decode(
+            roled(&cs, &[D, D, D]),
+            16,
+            &p,
+            &PdConfig::default(),
+            &mut rng,
+        );
         // 20 decodes on 4000 blocks (40 + 20) weigh less than 500 blocks of queued prefill.
         assert_eq!(r.map(|r| r.ranking), Some(vec![1, 0, 2]));
     }
@@ -239,7 +256,7 @@ mod tests {
         let p = CostParams::default();
         for seed in 0..8 {
             let mut rng = StdRng::seed_from_u64(seed);
-            let r = rank_decode(&cs, &[D, D], 16, &p, &PdConfig::default(), &mut rng);
+            let r = rank_decode(roled(&cs, &[D, D]), 16, &p, &PdConfig::default(), &mut rng);
             assert_eq!(r.and_then(|r| r.ranking.first().copied()), Some(1));
         }
     }
@@ -251,13 +268,13 @@ mod tests {
         let cs = [decode_rank, prefill_rank];
         let mut rng = StdRng::seed_from_u64(1);
         let (p, pd) = (CostParams::default(), PdConfig::default());
-        let short = choose_prefill(&cs, &[D, P], 0, 256, 16, &p, &pd, &mut rng);
+        let short = choose_prefill(roled(&cs, &[D, P]), 0, 256, 16, &p, &pd, &mut rng);
         assert!(short.is_none(), "256 tokens < 512 threshold");
-        let long = choose_prefill(&cs, &[D, P], 0, 8192, 16, &p, &pd, &mut rng);
+        let long = choose_prefill(roled(&cs, &[D, P]), 0, 8192, 16, &p, &pd, &mut rng);
         assert_eq!(long.map(|c| c.position), Some(1));
         // The same long prompt mostly cached on the decode rank: its uncached part is short.
         let cached = [cand(1, load(0, 500, 10), 500), prefill_rank];
-        let hit = choose_prefill(&cached, &[D, P], 0, 8192, 16, &p, &pd, &mut rng);
+        let hit = choose_prefill(roled(&cached, &[D, P]), 0, 8192, 16, &p, &pd, &mut rng);
         assert!(hit.is_none(), "8192 - 500 * 16 = 192 uncached tokens");
     }
 
@@ -267,10 +284,10 @@ mod tests {
         let cs = [cand(1, load(0, 0, 0), 0), cand(2, load(64_000, 0, 1), 0)];
         let mut rng = StdRng::seed_from_u64(1);
         let (p, pd) = (CostParams::default(), PdConfig::default());
-        assert!(choose_prefill(&cs, &[D, P], 0, 8192, 16, &p, &pd, &mut rng).is_none());
+        assert!(choose_prefill(roled(&cs, &[D, P]), 0, 8192, 16, &p, &pd, &mut rng).is_none());
         // The same prefill queue next to a decode rank with 40 decodes to stall.
         let busy = [cand(1, load(0, 2000, 40), 0), cs[1]];
-        let choice = choose_prefill(&busy, &[D, P], 0, 8192, 16, &p, &pd, &mut rng);
+        let choice = choose_prefill(roled(&busy, &[D, P]), 0, 8192, 16, &p, &pd, &mut rng);
         let choice = choice.expect("40 stalled decodes outweigh the queue");
         assert!(choice.remote_cost < choice.local_cost);
     }
@@ -286,10 +303,10 @@ mod tests {
         let roles = [D, P, P, P];
         let mut rng = StdRng::seed_from_u64(1);
         let (p, pd) = (CostParams::default(), PdConfig::default());
-        let choice = choose_prefill(&cs, &roles, 0, 8192, 16, &p, &pd, &mut rng);
+        let choice = choose_prefill(roled(&cs, &roles), 0, 8192, 16, &p, &pd, &mut rng);
         assert_eq!(choice.map(|c| c.position), Some(2), "cached and idle wins");
         // A decode-only rank never prefills for another one, and the decode rank not for itself.
         let roles = [D, D, D, D];
-        assert!(choose_prefill(&cs, &roles, 0, 8192, 16, &p, &pd, &mut rng).is_none());
+        assert!(choose_prefill(roled(&cs, &roles), 0, 8192, 16, &p, &pd, &mut rng).is_none());
     }
 }

@@ -12,14 +12,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::CoreConfig;
-use crate::decide::{ttft_blocks, Candidate, CostParams};
+use crate::decide::{ttft_blocks, Candidate};
 use crate::error::SelectError;
-use crate::estimate::{TpotEstimator, TtftEstimator};
 use crate::facts::{Fact, Facts, QueueEvent, QueueExit};
 use crate::flow::Waiting;
 use crate::request::SelectionRequest;
 
 use super::pipeline::PromptBlocks;
+use super::select::Field;
 use super::{Ask, Partition, SelectOutcome, State};
 
 /// A waiting request: what the pipeline needs to try it again. Its prompt is kept only as block
@@ -104,21 +104,18 @@ impl Check {
     /// what is left of the TTFT SLO, and a time per output token (at the rank's batch with this
     /// request in it) within the TPOT SLO. None can now: [`Refusal::Saturated`] (wait) while an
     /// idle rank still could, [`Refusal::SloUnmeetable`] once even that cannot.
-    #[allow(clippy::too_many_arguments)]
-    pub fn meet_slo(
+    pub(super) fn meet_slo(
         &self,
-        eligible: Vec<usize>,
-        candidates: Vec<Candidate>,
-        estimator: &TtftEstimator,
-        tpot: &TpotEstimator,
-        prompt_tokens: u64,
-        block_size: u32,
-        params: &CostParams,
-        now: Instant,
-    ) -> Result<(Vec<usize>, Vec<Candidate>), Refusal> {
+        state: &State,
+        ask: &Ask,
+        field: &mut Field,
+    ) -> Result<(), Refusal> {
         if self.slo_ttft.is_none() && self.slo_tpot.is_none() {
-            return Ok((eligible, candidates));
+            return Ok(());
         }
+        let (estimator, tpot) = (&state.estimator, &state.tpot);
+        let (prompt_tokens, block_size) = (ask.prompt.tokens, field.block_size);
+        let (params, now) = (&ask.config.cost, ask.now);
         let remaining = self
             .slo_ttft
             .map(|slo| slo - now.saturating_duration_since(self.enqueued).as_secs_f64());
@@ -139,17 +136,21 @@ impl Check {
                     .slo_tpot
                     .is_none_or(|slo| tpot.predict(c.active_requests as f64 + 1.0) <= slo)
         };
-        let (kept_eligible, kept): (Vec<usize>, Vec<Candidate>) = eligible
+        let (kept_eligible, kept): (Vec<usize>, Vec<Candidate>) = field
+            .eligible
             .iter()
             .copied()
-            .zip(candidates.iter().copied())
+            .zip(field.candidates.iter().copied())
             .filter(|(_, c)| meets(c))
             .unzip();
         if !kept.is_empty() {
-            return Ok((kept_eligible, kept));
+            field.eligible = kept_eligible;
+            field.candidates = kept;
+            return Ok(());
         }
         if let (Some(slo), Some(remaining)) = (self.slo_ttft, remaining) {
-            let fastest_idle = candidates
+            let fastest_idle = field
+                .candidates
                 .iter()
                 .map(|c| ttft(c, 0))
                 .fold(f64::INFINITY, f64::min);
@@ -317,7 +318,6 @@ impl Partition {
     /// Admits an arriving request: with an empty queue it is placed at once unless every
     /// eligible rank is saturated; otherwise it joins the queue and a release pass runs, so it
     /// may still be booked now if it is first in line and a rank has room.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn admit(
         self: &Arc<Self>,
         request: &SelectionRequest,
@@ -329,59 +329,67 @@ impl Partition {
     ) -> Result<Admitted, SelectError> {
         let prompt = self.prompt_of(request, config);
         let early = self.early_matches(request, &prompt, config, now);
-        let mut guard = self.lock_state();
-        let admitted = self.admit_in(
-            &mut guard,
+        let check = Check::new(request, now);
+        let ask = Ask {
+            prompt: &prompt,
             request,
-            ticket,
-            (prompt, early.as_ref()),
-            claims,
+            booking: None,
             config,
             now,
-            facts,
-        );
+            admission: Some(&check),
+            exhaustive: false,
+            matches: early.as_ref(),
+        };
+        let mut guard = self.lock_state();
+        let admitted = match self.admit_in(&mut guard, &ask, claims, facts) {
+            Ok(answer) => answer,
+            Err(pump) => {
+                // The queue keeps the prompt's blocks: the ask that borrowed them is done.
+                let waiting = self.waiting(request, ticket, prompt, &config.flow, now);
+                self.enqueue_in(&mut guard, waiting, pump, claims, config, facts)
+            }
+        };
         guard.unlock(facts);
         admitted
     }
 
-    /// [`Partition::admit`] on locked state, with the prompt and its matches read before.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Partition::admit`] on locked state up to the queue: the answer when the request was
+    /// tried at once against an empty queue and placed or refused, else whether the release
+    /// pass should run once it is queued (`Err(pump)`).
     fn admit_in(
         self: &Arc<Self>,
         state: &mut State,
-        request: &SelectionRequest,
-        ticket: u64,
-        (prompt, early): (PromptBlocks, Option<&crate::index::Matches>),
+        ask: &Ask,
         claims: &dyn Claims,
-        config: &CoreConfig,
-        now: Instant,
         facts: &mut Facts,
-    ) -> Result<Admitted, SelectError> {
-        Self::decay_due(state, now, facts);
+    ) -> Result<Result<Admitted, SelectError>, bool> {
+        Self::decay_due(state, ask.now, facts);
         // Held (no rank to serve it yet), or tried just now against an empty queue and found
         // saturated: a release pass would only try it again.
-        let holding = holds(state, config);
+        let holding = holds(state, ask.config);
         let tried = state.queue.is_empty() && !holding;
         if tried {
-            let check = Check::new(request, now);
-            let ask = Ask {
-                prompt: &prompt,
-                request,
-                booking: None,
-                config,
-                now,
-                admission: Some(&check),
-                exhaustive: false,
-                matches: early,
-            };
-            if let Some(answer) = self.try_at_once(state, &ask, claims, facts) {
-                return answer;
+            if let Some(answer) = self.try_at_once(state, ask, claims, facts) {
+                return Ok(answer);
             }
         }
-        let waiting = self.waiting(request, ticket, prompt, &config.flow, now);
-        let deadline = waiting.deadline;
+        Err(!(tried || holding))
+    }
+
+    /// Queues an admitted request and, with `pump`, runs a release pass: it may still be
+    /// booked now if it is first in line and a rank has room.
+    fn enqueue_in(
+        self: &Arc<Self>,
+        state: &mut State,
+        waiting: Waiting<Arc<Queued>>,
+        pump: bool,
+        claims: &dyn Claims,
+        config: &CoreConfig,
+        facts: &mut Facts,
+    ) -> Result<Admitted, SelectError> {
+        let (ticket, deadline, now) = (waiting.ticket, waiting.deadline, waiting.enqueued);
         Self::enqueue(state, waiting, claims, &config.flow, facts)?;
-        if tried || holding {
+        if !pump {
             self.queued.store(state.queue.len(), Ordering::Release);
             return Ok(Admitted::Queued { deadline });
         }

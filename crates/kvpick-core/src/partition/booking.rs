@@ -102,32 +102,19 @@ impl Partition {
     /// The last stage: binds or reuses the session, installs the booking and its load, and
     /// predicts the prompt's blocks (predicted or approximate entries) for the picked rank,
     /// written to the index once the state lock is released ([`super::deferred`]).
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn book(
         &self,
         state: &mut State,
-        request: &SelectionRequest,
+        ask: &Ask,
         pick: &Pick,
         affinity: Affinity,
-        config: &CoreConfig,
-        now: Instant,
         facts: &mut Facts,
     ) -> Option<SessionOutcome> {
-        let (outcome, leased_session) = Self::bind_session(
-            state,
-            request,
-            pick.prompt.present,
-            pick.rank,
-            affinity,
-            config,
-            now,
-            facts,
-        );
+        let (request, config, now) = (ask.request, ask.config, ask.now);
+        let (outcome, leased_session) = Self::bind_session(state, ask, pick, affinity, facts);
         // One copy of the prompt's hashes, shared by the deferred inserts and the booking.
         let chain: Arc<[u64]> = Arc::from(pick.prompt.seq_hashes.as_slice());
-        let leg = pick.prefill.and_then(|(rank, overlap)| {
-            pair::book_leg(state, rank, overlap, pick, &chain, config, now, facts)
-        });
+        let leg = pair::book_leg(state, ask, pick, &chain, facts);
         let (leg, leg_predicted) = leg.map_or((None, None), |(l, p)| (Some(l), p));
         let mut booking = Booking::for_pick(request, pick, leg, leased_session, now);
         booking.predicted[1] = leg_predicted;
@@ -164,20 +151,17 @@ impl Partition {
     /// The session part of booking: reuse, bind (evicting the longest-idle binding when full) or
     /// route unpinned when the table is full of leased sessions; returns the outcome and the
     /// session whose lease the booking holds.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn bind_session(
         state: &mut State,
-        request: &SelectionRequest,
-        has_prompt: bool,
-        rank: RankKey,
+        ask: &Ask,
+        pick: &Pick,
         affinity: Affinity,
-        config: &CoreConfig,
-        now: Instant,
         facts: &mut Facts,
     ) -> (Option<SessionOutcome>, Option<String>) {
+        let (request, rank) = (ask.request, pick.rank);
         // A request without a prompt (`GET /v1/models`, header-only) holds no KV cache: it may
         // follow a binding but never creates one, so it cannot fill the table.
-        let may_bind = affinity == Affinity::Kept || has_prompt;
+        let may_bind = affinity == Affinity::Kept || pick.prompt.present;
         if let Some(sid) = request
             .session_id
             .as_deref()
@@ -201,7 +185,7 @@ impl Partition {
         } else {
             match state
                 .sessions
-                .bind(sid, rank, now, config.sessions.max_entries)
+                .bind(sid, rank, ask.now, ask.config.sessions.max_entries)
             {
                 Bound::Yes { created, evicted } => {
                     binding_facts(created, evicted, facts);

@@ -15,11 +15,11 @@ use crate::decide::{Candidate, Decision};
 use crate::disagg::{self, PrefillChoice};
 use crate::error::SelectError;
 use crate::facts::Facts;
-use crate::index::TierDepths;
 use crate::types::{RankKey, Role};
 
-use super::pipeline::{PromptBlocks, SaturationView};
+use super::pipeline::SaturationView;
 use super::ranks::Slot;
+use super::select::{Ask, Decided, Field};
 use super::Refusal;
 use super::{health, load_fact, Pick, State};
 
@@ -56,15 +56,12 @@ pub(crate) fn decide_pair(
             *bound = None;
         }
     }
-    let ranking = disagg::rank_decode(
+    let field = disagg::RoledCandidates {
         candidates,
-        &roles,
-        block_size,
-        &config.cost,
-        &config.pd,
-        rng,
-    )
-    .ok_or_else(|| SelectError::Unavailable("no eligible decode rank".into()))?;
+        roles: &roles,
+    };
+    let ranking = disagg::rank_decode(field, block_size, &config.cost, &config.pd, rng)
+        .ok_or_else(|| SelectError::Unavailable("no eligible decode rank".into()))?;
     Ok((
         Decision {
             ranking: ranking.ranking,
@@ -74,32 +71,36 @@ pub(crate) fn decide_pair(
     ))
 }
 
-/// The prefill side for the decode rank the pipeline settled on (`decision.ranking[0]`).
-/// With flow control (`saturation`) a saturated prefill rank is not chosen: when the cost's
-/// choice is saturated, the best unsaturated prefill rank takes it if it still beats a local
-/// prefill; otherwise the request waits ([`Refusal::Saturated`]), since the cost says a split —
-/// even behind the saturated rank's queue — beats prefilling on the decode rank.
-#[allow(clippy::too_many_arguments)]
+/// The prefill side for the decode rank the pipeline settled on (`decision.ranking[0]`), when
+/// the decision was split by roles. With flow control (`saturation`) a saturated prefill rank is
+/// not chosen: when the cost's choice is saturated, the best unsaturated prefill rank takes it
+/// if it still beats a local prefill; otherwise the request waits ([`Refusal::Saturated`]),
+/// since the cost says a split — even behind the saturated rank's queue — beats prefilling on
+/// the decode rank.
 pub(crate) fn prefill_for(
-    candidates: &[Candidate],
-    roles: &[Role],
-    decision: &Decision,
-    prompt: &PromptBlocks,
-    block_size: u32,
-    config: &CoreConfig,
+    ask: &Ask,
+    field: &Field,
+    decided: &Decided,
     rng: &mut StdRng,
     saturation: Option<&SaturationView>,
 ) -> Result<Option<PrefillChoice>, Refusal> {
-    let Some(&decode) = decision.ranking.first() else {
+    let Some(roles) = decided.roles.as_deref() else {
         return Ok(None);
     };
+    let Some(&decode) = decided.decision.ranking.first() else {
+        return Ok(None);
+    };
+    let config = ask.config;
     let mut choose = |roles: &[Role]| {
-        disagg::choose_prefill(
-            candidates,
+        let roled = disagg::RoledCandidates {
+            candidates: &field.candidates,
             roles,
+        };
+        disagg::choose_prefill(
+            roled,
             decode,
-            prompt.tokens,
-            block_size,
+            ask.prompt.tokens,
+            field.block_size,
             &config.cost,
             &config.pd,
             rng,
@@ -129,18 +130,15 @@ pub(crate) fn prefill_for(
 /// Books the prefill rank's part of a split pick: the prompt's uncached tokens there, the KV it
 /// holds until the transfer, one request; the prompt's blocks (`chain`) become predicted entries
 /// of the prefill rank (it caches what it prefills), and what it predicted there comes back with
-/// the leg. `None` when the rank is gone.
-#[allow(clippy::too_many_arguments)]
+/// the leg. `None` when the pick is not split or its prefill rank is gone.
 pub(crate) fn book_leg(
     state: &mut State,
-    rank: RankKey,
-    overlap: TierDepths,
+    ask: &Ask,
     pick: &Pick,
     chain: &std::sync::Arc<[u64]>,
-    config: &CoreConfig,
-    now: std::time::Instant,
     facts: &mut Facts,
 ) -> Option<(PrefillLeg, Option<health::PredictedChain>)> {
+    let (rank, overlap) = pick.prefill?;
     let block_size = u64::from(pick.block_size.max(1));
     let tokens = pick.prompt.tokens;
     let cached = u64::from(overlap.gpu)
@@ -156,7 +154,7 @@ pub(crate) fn book_leg(
     // The leg is one request on its rank: in the in-flight gauge until it is unbooked (or its
     // rank leaves, which takes every request on the rank off the gauge).
     facts.push(crate::facts::Fact::Inflight(1));
-    let (precise, expires) = super::booking::prediction_life(slot, config, now);
+    let (precise, expires) = super::booking::prediction_life(slot, ask.config, ask.now);
     facts.push(load_fact(slot, rank));
     if !chain.is_empty() {
         state.predict(rank, chain, expires);

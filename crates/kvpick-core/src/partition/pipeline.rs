@@ -405,16 +405,17 @@ impl SaturationView<'_> {
 /// ([`Refusal::Saturated`]) for the pick — typically the rank caching its prefix — rather than
 /// being pushed onto an uncached rank just because that one is free. A hard-bound session's
 /// rank is never replaced: the request waits for it.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn dispatch_or_wait(
-    decision: &mut Decision,
-    candidates: &[Candidate],
+    ask: &super::Ask,
+    field: &super::select::Field,
+    decided: &mut super::select::Decided,
     view: &SaturationView,
-    hard_bound_kept: bool,
-    prompt_tokens: u64,
-    block_size: u32,
-    params: &crate::decide::CostParams,
 ) -> Result<(), super::Refusal> {
+    let hard_bound_kept =
+        decided.affinity == Affinity::Kept && ask.config.sessions.mode == AffinityMode::Hard;
+    let (candidates, decision) = (&field.candidates, &mut decided.decision);
+    let (prompt_tokens, block_size, params) =
+        (ask.prompt.tokens, field.block_size, &ask.config.cost);
     let Some(&first) = decision.ranking.first() else {
         return Err(super::Refusal::Saturated);
     };

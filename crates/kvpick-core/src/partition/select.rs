@@ -56,7 +56,7 @@ impl LazyMatches {
 
 /// What eligibility and the SLO gate left: candidate `i` is rank `eligible[i]` of the table.
 pub(super) struct Field {
-    block_size: u32,
+    pub(super) block_size: u32,
     pub eligible: Vec<usize>,
     pub candidates: Vec<Candidate>,
     /// The session's bound rank, while it may still serve the request.
@@ -70,7 +70,7 @@ pub(super) struct Field {
 /// decode, and whether session affinity kept the bound rank.
 pub(super) struct Decided {
     pub decision: Decision,
-    roles: Option<Vec<Role>>,
+    pub(super) roles: Option<Vec<Role>>,
     pub affinity: Affinity,
     /// A child session's parent rank, when it had one: taken or declined.
     parent: Option<crate::session::ParentPick>,
@@ -253,26 +253,17 @@ impl Partition {
             block_size,
             &engine_view,
         );
-        let (eligible, candidates) = match ask.admission {
-            Some(check) => check.meet_slo(
-                eligible,
-                candidates,
-                &state.estimator,
-                &state.tpot,
-                ask.prompt.tokens,
-                block_size,
-                &config.cost,
-                now,
-            )?,
-            None => (eligible, candidates),
-        };
-        Ok(Field {
+        let mut field = Field {
             block_size,
             eligible,
             candidates,
             bound,
             parent,
-        })
+        };
+        if let Some(check) = ask.admission {
+            check.meet_slo(state, ask, &mut field)?;
+        }
+        Ok(field)
     }
 
     /// A child session with no binding of its own (its first request, or its binding was
@@ -451,31 +442,9 @@ impl Partition {
             max_age: config.engine_metrics_max_age,
         });
         if let Some(view) = &saturation {
-            let hard_kept = decided.affinity == Affinity::Kept
-                && config.sessions.mode == crate::session::AffinityMode::Hard;
-            pipeline::dispatch_or_wait(
-                &mut decided.decision,
-                &field.candidates,
-                view,
-                hard_kept,
-                ask.prompt.tokens,
-                field.block_size,
-                &config.cost,
-            )?;
+            pipeline::dispatch_or_wait(ask, field, decided, view)?;
         }
-        match decided.roles.as_deref() {
-            Some(roles) => pair::prefill_for(
-                &field.candidates,
-                roles,
-                &decided.decision,
-                ask.prompt,
-                field.block_size,
-                config,
-                &mut state.rng,
-                saturation.as_ref(),
-            ),
-            None => Ok(None),
-        }
+        pair::prefill_for(ask, field, decided, &mut state.rng, saturation.as_ref())
     }
 
     /// Stage 6: the picked ranks (primary, fallbacks, prefill) and what the booking needs of
@@ -554,15 +523,7 @@ impl Partition {
                 .as_ref()
                 .map(|(p, overlap)| (p.key, *overlap)),
         };
-        self.book(
-            state,
-            ask.request,
-            &pick,
-            affinity,
-            ask.config,
-            ask.now,
-            facts,
-        )
+        self.book(state, ask, &pick, affinity, facts)
     }
 
     /// The answer: the picked ranks, the prompt's overlap and the session's outcome.
