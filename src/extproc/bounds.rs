@@ -26,6 +26,9 @@ use super::codec::Inbound;
 pub const DEFAULT_MAX_CONCURRENT_STREAMS: u32 = 1024;
 /// Default `--max-ext-proc-streams`.
 pub const DEFAULT_MAX_STREAMS: usize = 16_384;
+/// Largest `--max-ext-proc-streams`: the product of the per-connection and connection caps'
+/// defaults. The cap's places are allocated at start (24 bytes each: 24 MiB at this).
+pub const MAX_STREAMS: usize = 1 << 20;
 /// Default `--ext-proc-idle-timeout`, in seconds.
 pub const DEFAULT_IDLE_TIMEOUT_SECS: f64 = 60.0;
 /// Default `--ext-proc-evict-idle-after`, in seconds.
@@ -47,7 +50,8 @@ pub struct StreamArgs {
     /// new stream past it takes the place of an idle unrouted one
     /// (--ext-proc-evict-idle-after), or, with none, is answered RESOURCE_EXHAUSTED at once,
     /// before kvpick reads or keeps anything of it; Envoy fails that request (or fails open,
-    /// with `failure_mode_allow`). Open streams: `kvpick_extproc_streams_open`.
+    /// with `failure_mode_allow`). Open streams: `kvpick_extproc_streams_open`. At most
+    /// 1048576 (its places are allocated at start, 24 bytes each).
     #[arg(long, default_value_t = DEFAULT_MAX_STREAMS, value_name = "N")]
     pub max_ext_proc_streams: usize,
 
@@ -82,8 +86,8 @@ impl StreamArgs {
         if self.max_concurrent_streams == 0 {
             anyhow::bail!("--max-concurrent-streams must be at least 1");
         }
-        if self.max_ext_proc_streams == 0 {
-            anyhow::bail!("--max-ext-proc-streams must be at least 1");
+        if !(1..=MAX_STREAMS).contains(&self.max_ext_proc_streams) {
+            anyhow::bail!("--max-ext-proc-streams must be 1..={MAX_STREAMS}");
         }
         let t = self.ext_proc_idle_timeout;
         if !t.is_finite() || !(0.0..=86_400.0).contains(&t) {
@@ -205,6 +209,8 @@ mod tests {
         };
         let gauge = || IntGauge::new("g", "g").unwrap();
         assert!(args(0, 60.0).bounds(gauge()).is_err());
+        assert!(args(MAX_STREAMS, 60.0).bounds(gauge()).is_ok());
+        assert!(args(MAX_STREAMS + 1, 60.0).bounds(gauge()).is_err());
         assert!(args(1, -1.0).bounds(gauge()).is_err());
         assert!(args(1, f64::NAN).bounds(gauge()).is_err());
         assert_eq!(args(1, 0.0).bounds(gauge()).unwrap().idle_timeout, None);
