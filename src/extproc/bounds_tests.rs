@@ -3,8 +3,8 @@
 //! stream silent for `--ext-proc-idle-timeout` before routing ends DEADLINE_EXCEEDED and gives its
 //! body back, one whose next message comes a millisecond before it carries on, and a routed
 //! stream is not bound by it; at the cap a new stream takes the place of the stream idle longest
-//! before routing, once past `--ext-proc-evict-idle-after`, and never of one within it or
-//! routed (paused time: the timeouts fire only when the test moves the clock).
+//! before routing, once past `--ext-proc-evict-idle-after`, and never of one within it, routed
+//! or waiting in the queue (paused time: the timeouts fire only when the test moves the clock).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -38,7 +38,10 @@ struct Fixture {
 }
 
 fn fixture(cap: usize) -> Fixture {
-    let core = crate::selection::one_rank_core(CoreConfig::default());
+    fixture_on(crate::selection::one_rank_core(CoreConfig::default()), cap)
+}
+
+fn fixture_on(core: Arc<SelectionCore>, cap: usize) -> Fixture {
     let cap = StreamCap::unmetered(cap, Some(GRACE));
     let budget = BodyBudget::unmetered(DEFAULT_BUDGET_BYTES);
     let settings = ExtProcSettings {
@@ -355,4 +358,39 @@ async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
         "the routed stream is still served"
     );
     assert_eq!(core.live_bookings(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_waiting_in_the_queue_past_the_grace_is_not_evicted() {
+    // One rank taking one request at a time: the second waits in the queue.
+    let core = crate::selection::one_rank_core(CoreConfig {
+        seed: Some(1),
+        flow: kvpick_core::FlowConfig {
+            queue_timeout: Duration::from_secs(300),
+            saturation: crate::selection::ONE_SLOT,
+            ..kvpick_core::FlowConfig::default()
+        },
+        ..Default::default()
+    });
+    let Fixture {
+        service, core, cap, ..
+    } = fixture_on(core, 2);
+    let mut client = connect(service).await;
+    let mut routed = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    assert!(routed.next().await.unwrap().unwrap().response.is_some());
+    let mut queued = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    until(|| core.waiting_requests() == 1).await;
+    tokio::time::advance(GRACE * 10).await;
+    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    assert_eq!(
+        over.next().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+    assert_eq!(ends(&core, "over_stream_cap"), 1);
+    assert_eq!(ends(&core, "evicted"), 0);
+    // The routed stream ends: the queued one is routed in its turn.
+    drop(routed);
+    assert!(queued.next().await.unwrap().unwrap().response.is_some());
+    assert_eq!(core.waiting_requests(), 0);
+    assert_eq!(cap.open(), 1);
 }
