@@ -15,6 +15,7 @@
 //! - [`shared`]: sessions and load shared by replicas on Redis (`--shared-state`).
 //! - [`telemetry`]: OpenTelemetry spans of the request path, exported over OTLP/gRPC.
 //! - Process: [`server`] (flags, ports, wiring, shutdown), [`tls`], [`health`], [`net`],
+//!   [`memory_account`] (the bytes clients make kvpick hold, against one limit),
 //!   [`metrics`] (one registry, per-area metric sets), [`epp_metrics`] (the llm-d EPP metric
 //!   contract and the pool / queue gauges for autoscaling).
 
@@ -31,6 +32,7 @@ pub mod flow;
 pub mod h2_authority;
 pub mod health;
 pub mod lanes;
+pub mod memory_account;
 pub mod metrics;
 pub mod net;
 pub mod request;

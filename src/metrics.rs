@@ -10,6 +10,7 @@ pub use bookings::BookingBoundMetrics;
 pub use cache_view::CacheViewMetrics;
 pub use conn::ConnMetrics;
 use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
+pub use memory::MemoryMetrics;
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
@@ -19,6 +20,7 @@ pub use ranks::RankMetrics;
 mod bookings;
 pub mod cache_view;
 mod conn;
+mod memory;
 mod ranks;
 
 /// Every metric kvpick exports, registered per area on one registry. Cheap to clone (all
@@ -34,6 +36,8 @@ pub struct Metrics {
     pub flow: FlowMetrics,
     pub outlier: OutlierMetrics,
     pub conn: ConnMetrics,
+    /// The memory account (`crate::memory_account`).
+    pub memory: MemoryMetrics,
     /// The engines' standing per rank (reachability, block-size mismatch).
     pub ranks: RankMetrics,
     /// Cache-view accuracy: predicted against engine-reported cached tokens.
@@ -961,6 +965,7 @@ impl Metrics {
             flow: FlowMetrics::register(&registry),
             outlier: OutlierMetrics::register(&registry),
             conn: ConnMetrics::register(&registry),
+            memory: MemoryMetrics::register(&registry),
             ranks: RankMetrics::register(&registry),
             cache_view: CacheViewMetrics::register(&registry),
             bookings: BookingBoundMetrics::register(&registry),

@@ -135,6 +135,8 @@ pub struct ConnLimits {
     pub floods: FloodLimits,
     /// Connection lanes of the ext_proc port (`crate::lanes`); 0 = none.
     pub connection_threads: usize,
+    /// The memory account each connection charges (`h2_authority::ledger`); `None` = none.
+    pub memory: Option<crate::h2_authority::ledger::LedgerConfig>,
 }
 
 impl Default for ConnLimits {
@@ -149,6 +151,7 @@ impl Default for ConnLimits {
             front: FrontLimits::default(),
             floods: FloodLimits::default(),
             connection_threads: 0,
+            memory: None,
         }
     }
 }
@@ -204,6 +207,7 @@ impl ConnArgs {
                 window_updates_per_second: self.http2_max_window_updates_per_second,
             },
             connection_threads: connection_threads(self.connection_threads)?,
+            memory: None,
         })
     }
 }
@@ -442,6 +446,7 @@ fn front_config(listening: &Listening) -> FrontConfig {
             CloseReason::Violation(v) => refused.with_label_values(&[name, v.reason()]).inc(),
             CloseReason::Idle => idle.with_label_values(&[name]).inc(),
         })),
+        memory: listening.limits.memory.clone(),
         floods: listening.limits.floods,
         on_goaway: Some(Arc::new(move |code, reason| {
             let code = crate::h2_authority::limits::code::name(code);

@@ -218,6 +218,9 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub conn: crate::net::ConnArgs,
 
+    #[command(flatten)]
+    pub memory: crate::memory_account::MemoryArgs,
+
     /// OpenTelemetry tracing of the request path (off by default).
     #[command(flatten)]
     pub tracing: crate::telemetry::TraceArgs,
@@ -793,7 +796,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let huge_pages_off = memory::apply_huge_pages(args.huge_pages);
     tracing::debug!(huge_pages_off, "transparent huge pages");
     let metrics = Metrics::with_families(args.metrics_families);
-    let conn_limits = args.conn.limits()?;
+    let mut conn_limits = args.conn.limits()?;
+    let memory = config::memory_ledger(&args, &metrics)?;
+    conn_limits.memory = Some(memory.clone());
     let telemetry = tasks::start_telemetry(&args)?;
     let core = SelectionCore::new(core_config(&args)?, metrics.clone());
     crate::server::settings::start(&args, &core)?;
@@ -854,6 +859,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             flow_policy.clone(),
             flow_settings,
             telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
+            &memory,
         )?,
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());

@@ -120,6 +120,10 @@ async fn body_budget_503_and_bytes_come_back_when_the_client_disconnects() {
         echoed.response,
         Some(processing_response::Response::RequestBody(_))
     ));
+    // The echo stays charged (what tonic and h2 may still buffer of it) until Envoy's next
+    // message shows it was read, or the stream ends.
+    assert_eq!(metric(serve.metrics, "kvpick_body_bytes_buffered"), 600.0);
+    drop((tx, inbound));
     wait_metric(serve.metrics, "kvpick_body_bytes_buffered", 0.0).await;
 }
 

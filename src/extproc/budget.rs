@@ -3,14 +3,25 @@
 //! grows memory with the number of streams times `max_body_bytes`. A stream takes a
 //! [`BodyLease`] from the budget as its body grows; the lease gives its bytes back when dropped,
 //! so every way a stream can end (routed, rejected, Envoy or the client gone) returns them.
+//! Every byte it holds is also charged to the process's memory account
+//! (`crate::memory_account`, kind `body`), so bodies and what the HTTP/2 layer holds share one
+//! limit; a body is refused when either is full.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use prometheus::IntGauge;
 
+use crate::memory_account::{Kind, MemoryAccount};
+
 /// Default of `--max-buffered-body-bytes`: 1 GiB over all streams.
 pub const DEFAULT_BUDGET_BYTES: usize = 1 << 30;
+
+/// What tonic and h2 may still hold of an echoed body once it is handed on: tonic's encode
+/// buffer yields at 32 KiB, plus one more message of at most `MAX_BODY_CHUNK` bytes, and h2 takes
+/// one such frame even from a client whose window is 1 byte. A stream keeps this much of its
+/// lease until Envoy's next message shows the echo was read.
+pub const ECHO_IN_FLIGHT_BYTES: usize = 32 * 1024 + super::stream::MAX_BODY_CHUNK + 64;
 
 #[derive(Debug)]
 pub struct BodyBudget {
@@ -18,15 +29,17 @@ pub struct BodyBudget {
     used: AtomicUsize,
     /// Mirrors `used` for Prometheus (`kvpick_body_bytes_buffered`).
     gauge: IntGauge,
+    account: Arc<MemoryAccount>,
 }
 
 impl BodyBudget {
-    /// A budget of `limit` bytes whose use is reported on `gauge`.
-    pub fn new(limit: usize, gauge: IntGauge) -> Arc<Self> {
+    /// A budget of `limit` bytes whose use is reported on `gauge` and charged to `account`.
+    pub fn new(limit: usize, gauge: IntGauge, account: Arc<MemoryAccount>) -> Arc<Self> {
         Arc::new(BodyBudget {
             limit,
             used: AtomicUsize::new(0),
             gauge,
+            account,
         })
     }
 
@@ -37,6 +50,7 @@ impl BodyBudget {
         Self::new(
             limit,
             IntGauge::new("kvpick_body_bytes_buffered", "unexported").expect("valid name"),
+            MemoryAccount::unmetered(limit),
         )
     }
 
@@ -64,14 +78,20 @@ impl BodyBudget {
                 used.checked_add(n).filter(|&total| total <= self.limit)
             })
             .is_ok();
-        if taken {
-            self.gauge.add(n as i64);
+        if !taken {
+            return false;
         }
-        taken
+        if !self.account.try_charge(Kind::Body, n) {
+            self.used.fetch_sub(n, Ordering::AcqRel);
+            return false;
+        }
+        self.gauge.add(n as i64);
+        true
     }
 
     fn give_back(&self, n: usize) {
         self.used.fetch_sub(n, Ordering::AcqRel);
+        self.account.release(Kind::Body, n);
         self.gauge.sub(n as i64);
     }
 }
@@ -99,6 +119,14 @@ impl BodyLease {
 
     pub fn held(&self) -> usize {
         self.held
+    }
+
+    /// Gives back all but `n` bytes.
+    pub fn keep_at_most(&mut self, n: usize) {
+        if self.held > n {
+            self.budget.give_back(self.held - n);
+            self.held = n;
+        }
     }
 
     /// An empty lease on the same budget.
@@ -135,5 +163,32 @@ mod tests {
         drop(b);
         assert_eq!(budget.in_use(), 0);
         assert!(!budget.lease().try_grow(usize::MAX), "no overflow");
+    }
+
+    #[test]
+    fn keeping_at_most_gives_back_the_rest() {
+        let budget = BodyBudget::unmetered(1000);
+        let mut lease = budget.lease();
+        assert!(lease.try_grow(300));
+        lease.keep_at_most(500);
+        assert_eq!(budget.in_use(), 300, "under the bound: all kept");
+        lease.keep_at_most(100);
+        assert_eq!((lease.held(), budget.in_use()), (100, 100));
+        drop(lease);
+        assert_eq!(budget.in_use(), 0);
+    }
+
+    #[test]
+    fn a_body_is_refused_when_the_memory_account_is_full_though_the_budget_is_not() {
+        let account = MemoryAccount::unmetered(100);
+        let gauge = IntGauge::new("g", "g").unwrap();
+        let budget = BodyBudget::new(1000, gauge, Arc::clone(&account));
+        assert!(account.try_charge(Kind::PartialMessage, 50));
+        let mut lease = budget.lease();
+        assert!(lease.try_grow(50), "at the account's limit");
+        assert!(!lease.try_grow(1), "one past it");
+        assert_eq!((budget.in_use(), account.used_by(Kind::Body)), (50, 50));
+        drop(lease);
+        assert_eq!((budget.in_use(), account.used()), (0, 50));
     }
 }

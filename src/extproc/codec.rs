@@ -1,7 +1,9 @@
 //! The ext_proc stream's gRPC codec: `ProcessingRequest` / `ProcessingResponse` on the wire,
 //! with body chunks as [`Bytes`] instead of the `Vec<u8>` of `envoy-types`' generated messages.
-//! A received body chunk is a slice of the buffer tonic decoded the message from (no copy); an
-//! echoed chunk is written once, into the frame sent back. Every other field goes through prost
+//! A received body chunk is a slice of the buffer tonic decoded the message from (no copy) when
+//! it is nearly the whole message, as Envoy sends it; a chunk much smaller than its message (a
+//! client padding it with unknown fields) is copied out, so keeping the chunk never keeps the
+//! message around it. An echoed chunk is written once, into the frame sent back. Every other field goes through prost
 //! as before, so the bytes on the wire are the same as `tonic_prost::ProstCodec`'s both ways
 //! (`codec_tests.rs` compares them).
 //!
@@ -284,6 +286,21 @@ fn next_field(b: &[u8], pos: &mut usize) -> Option<(u64, u64, std::ops::Range<us
     (*pos <= b.len()).then_some((field, wire_type, start..*pos))
 }
 
+/// A chunk stays a slice of its message when the rest of the message is at most this many bytes
+/// or an eighth of it (Envoy's framing and metadata: tens of bytes); otherwise it is copied.
+const SLICE_SLACK_BYTES: usize = 256;
+
+/// The chunk at `range` of `message`: a slice when it is nearly all of it, else its own copy, so
+/// what a kept chunk holds is about its own size.
+fn chunk_of(message: &Bytes, range: std::ops::Range<usize>) -> Bytes {
+    let rest = message.len() - range.len();
+    if rest <= SLICE_SLACK_BYTES.max(message.len() / 8) {
+        message.slice(range)
+    } else {
+        Bytes::copy_from_slice(&message[range])
+    }
+}
+
 /// A `ProcessingRequest` whose one `request` is a body (field 4 or 5) read with its chunk as a
 /// slice of `message`; every other field decoded by prost from a copy of its own bytes. `None`
 /// for any other message, and whatever this reader is unsure of (prost decodes those whole).
@@ -311,7 +328,7 @@ fn split_body(message: &Bytes) -> Option<Inbound> {
         match next_field(http, &mut pos)? {
             // `bytes` is a scalar: the last occurrence wins, as in prost.
             (1, 2, range) => {
-                chunk = message.slice(value.start + range.start..value.start + range.end)
+                chunk = chunk_of(message, value.start + range.start..value.start + range.end)
             }
             _ => http_others.extend_from_slice(&http[start..pos]),
         }

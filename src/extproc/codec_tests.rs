@@ -261,3 +261,58 @@ fn any_bytes_read_as_prost_reads_them() {
         same(&wire);
     }
 }
+
+/// A small chunk padded with unknown fields (a client inflating what a kept chunk holds) is
+/// copied out: what it keeps is its own bytes, not the megabyte around them. A chunk that is
+/// nearly its whole message stays a slice of it.
+#[test]
+fn a_padded_chunk_is_copied_out_and_a_nearly_whole_one_stays_a_slice() {
+    let body = |chunk: &[u8]| ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: chunk.to_vec(),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    let mut padded = prost_bytes(&body(&[7; 1024]));
+    // Unknown field 999 (wire type 2) of 1 MB: prost skips it, so does the reader.
+    let pad = vec![0u8; 1 << 20];
+    prost::encoding::encode_key(999, prost::encoding::WireType::LengthDelimited, &mut padded);
+    prost::encoding::encode_varint(pad.len() as u64, &mut padded);
+    padded.extend_from_slice(&pad);
+    let wire = Bytes::from(padded);
+    let inbound = decode_inbound(wire.clone()).unwrap();
+    assert_eq!(inbound.body.len(), 1024);
+    assert!(
+        !wire.as_ptr_range().contains(&inbound.body.as_ptr()),
+        "the chunk holds its own 1 KiB, not the 1 MB message"
+    );
+    drop(wire);
+    let kept = inbound.body;
+    assert!(
+        kept.try_into_mut().is_ok(),
+        "nothing else shares its buffer"
+    );
+
+    // The rest of the message at the slack (256 bytes, or an eighth of a large message): still a
+    // slice; one byte over: copied.
+    for (chunk, extra, rest, sliced) in [
+        (1024, 246, 256, true),
+        (1024, 247, 257, false),
+        (70_000, 8000, 8012, true),
+        (70_000, 11_000, 11_012, false),
+    ] {
+        let mut wire = prost_bytes(&body(&vec![1; chunk]));
+        prost::encoding::encode_key(999, prost::encoding::WireType::LengthDelimited, &mut wire);
+        prost::encoding::encode_varint(extra as u64, &mut wire);
+        wire.extend(vec![0u8; extra]);
+        let wire = Bytes::from(wire);
+        assert_eq!(wire.len() - chunk, rest);
+        let inbound = decode_inbound(wire.clone()).unwrap();
+        assert_eq!(
+            wire.as_ptr_range().contains(&inbound.body.as_ptr()),
+            sliced,
+            "chunk {chunk}, {extra} bytes of padding"
+        );
+    }
+}

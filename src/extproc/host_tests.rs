@@ -213,3 +213,83 @@ async fn a_stream_that_ends_after_its_response_completed_is_counted_completed() 
     assert_eq!(ends(&core, "closed"), 0);
     assert_eq!(core.live_bookings(), 0);
 }
+
+/// The request headers message of `request(id)` padded with an `x-pad` header to exactly `len`
+/// bytes on the wire (without gRPC's prefix), then its body.
+fn request_of_size(id: &str, len: usize) -> [ProcessingRequest; 2] {
+    use prost::Message;
+    let [mut headers, body] = request(id);
+    let Some(processing_request::Request::RequestHeaders(h)) = headers.request.as_mut() else {
+        unreachable!()
+    };
+    let map = h.headers.as_mut().unwrap();
+    map.headers.push(HeaderValue {
+        key: "x-pad".into(),
+        value: String::new(),
+        raw_value: Vec::new(),
+    });
+    let base = headers.encoded_len();
+    let mut pad = len - base;
+    loop {
+        let Some(processing_request::Request::RequestHeaders(h)) = headers.request.as_mut() else {
+            unreachable!()
+        };
+        h.headers
+            .as_mut()
+            .unwrap()
+            .headers
+            .last_mut()
+            .unwrap()
+            .raw_value = vec![b'p'; pad];
+        match headers.encoded_len().cmp(&len) {
+            std::cmp::Ordering::Equal => return [headers, body],
+            std::cmp::Ordering::Greater => pad -= 1,
+            std::cmp::Ordering::Less => pad += 1,
+        }
+    }
+}
+
+/// `--max-ext-proc-message-bytes`: a message of exactly the limit is served, one byte over it
+/// ends the stream with OUT_OF_RANGE (tonic's check on the 5-byte prefix, before it reserves).
+#[tokio::test]
+async fn a_message_over_the_limit_ends_its_stream_with_out_of_range() {
+    const LIMIT: usize = 64 * 1024;
+    let core = crate::selection::one_rank_core(CoreConfig {
+        seed: Some(1),
+        ..Default::default()
+    });
+    let settings = ExtProcSettings {
+        max_message_bytes: LIMIT,
+        ..Default::default()
+    };
+    let service = ExtProcService::new(Arc::clone(&core), settings);
+    let client = ExternalProcessorClient::connect(serve(service).await)
+        .await
+        .unwrap();
+    let send = |messages: [ProcessingRequest; 2]| {
+        let mut client = client.clone();
+        async move {
+            let (tx, rx) = mpsc::channel(4);
+            for m in messages {
+                tx.send(m).await.unwrap();
+            }
+            let mut answers = client.process(ReceiverStream::new(rx)).await?.into_inner();
+            let first = answers.message().await;
+            drop(tx);
+            first
+        }
+    };
+    let at = send(request_of_size("at", LIMIT)).await.unwrap();
+    assert!(
+        at.is_some_and(|a| a.response.is_some()),
+        "at the limit: served"
+    );
+    let over = send(request_of_size("over", LIMIT + 1)).await.unwrap_err();
+    assert_eq!(over.code(), tonic::Code::OutOfRange, "{over}");
+    assert!(over.message().contains("the limit is: 65536"), "{over}");
+    assert_eq!(
+        crate::extproc::max_message_bytes(32 << 20),
+        (32 << 20) + crate::extproc::MESSAGE_HEADROOM_BYTES,
+        "the default: --max-body-bytes plus the headroom"
+    );
+}

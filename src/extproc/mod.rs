@@ -19,6 +19,7 @@ use tokio::sync::watch;
 use tonic::codegen::{http, Body, BoxFuture, Bytes, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status, Streaming};
 
+pub use crate::memory_account::{max_message_bytes, MESSAGE_HEADROOM_BYTES};
 use crate::selection::SelectionCore;
 use crate::tokenize::prompt::Endpoint;
 use crate::tokenize::{TokenizeOutcome, Tokenizers};
@@ -51,6 +52,9 @@ pub struct ExtProcSettings {
     /// `--emit-endpoint-scores`: most endpoints whose scores the `envoy.lb` metadata carries
     /// (`--endpoint-scores-limit`); 0 = off, no scores computed.
     pub endpoint_scores: usize,
+    /// Largest gRPC message accepted from Envoy (`--max-ext-proc-message-bytes`); a larger one
+    /// ends its stream with OUT_OF_RANGE before tonic reserves room for it.
+    pub max_message_bytes: usize,
     /// Open streams and the idle timeout before routing (`--max-ext-proc-streams`,
     /// `--ext-proc-idle-timeout`).
     pub streams: bounds::StreamBounds,
@@ -70,6 +74,7 @@ impl Default for ExtProcSettings {
             pd_protocol: PdProtocol::default(),
             tracer: None,
             endpoint_scores: 0,
+            max_message_bytes: max_message_bytes(32 << 20),
             streams: bounds::StreamBounds::default(),
         }
     }
@@ -149,8 +154,9 @@ impl ExtProcService {
 /// The stream of answers to one Envoy stream.
 pub type ResponseStream = Pin<Box<dyn Stream<Item = Result<Outbound, Status>> + Send>>;
 
-/// Largest gRPC message either way (a body chunk is at most [`stream::MAX_BODY_CHUNK`] bytes).
-const MAX_MESSAGE_BYTES: usize = 64 << 20;
+/// Largest gRPC message kvpick sends: an echoed body chunk (at most [`stream::MAX_BODY_CHUNK`]
+/// bytes) or an immediate response, far below this.
+const MAX_SENT_MESSAGE_BYTES: usize = 4 << 20;
 
 /// The gRPC method Envoy calls.
 const PROCESS_PATH: &str = "/envoy.service.ext_proc.v3.ExternalProcessor/Process";
@@ -198,9 +204,10 @@ where
             return Box::pin(async { Ok(Status::unimplemented("").into_http()) });
         }
         let method = ProcessMethod(self.service.clone());
+        let received = self.service.settings.max_message_bytes;
         Box::pin(async move {
             let mut grpc = tonic::server::Grpc::new(ExtProcCodec)
-                .apply_max_message_size_config(Some(MAX_MESSAGE_BYTES), Some(MAX_MESSAGE_BYTES));
+                .apply_max_message_size_config(Some(received), Some(MAX_SENT_MESSAGE_BYTES));
             Ok(grpc.streaming(method, request).await)
         })
     }
@@ -256,7 +263,9 @@ struct Driver {
     machine: StreamMachine,
     inbound: Streaming<Inbound>,
     outbox: std::vec::IntoIter<Outbound>,
-    /// The budget held by the echoed body in `outbox`, released once all of it is handed on.
+    /// The budget held by the echoed body in `outbox`: all of it until handed on to tonic, then
+    /// what tonic and h2 may still buffer of it (a client that never opens its window keeps it
+    /// there) until Envoy's next message.
     lease: Option<BodyLease>,
     /// How the stream ended, once it has; dropped before that = Envoy went away (or, once the
     /// exchange is complete, the normal end: `completed`).
@@ -274,7 +283,9 @@ impl Driver {
             if let Some(answer) = self.outbox.next() {
                 return Some(Ok(answer));
             }
-            self.lease = None;
+            if let Some(lease) = &mut self.lease {
+                lease.keep_at_most(budget::ECHO_IN_FLIGHT_BYTES);
+            }
             if self.end.is_some() {
                 return None;
             }
@@ -284,6 +295,8 @@ impl Driver {
                 Ok(read) => read,
                 Err(ended) => return Some(self.ended(ended)),
             };
+            // Envoy's next message (or the stream's end) means it has read the echo.
+            self.lease = None;
             match read {
                 Ok(Some(message)) => match self.machine.handle(message) {
                     Ok(step) => {

@@ -3,15 +3,18 @@
 //! frame header is checked against the advertised frame size; header blocks are collected
 //! (bounded in bytes and CONTINUATION frames), decoded with the client's HPACK table under the
 //! header-list bound (`hpack`), get an acceptable `:authority` and are re-encoded with h2's table.
-//! Every other frame passes through byte for byte. No I/O, no clock: the fuzz target
+//! Every other frame passes through byte for byte, seen by the connection's memory ledger
+//! (`ledger`: DATA charged, frames of a stream it reset dropped, h2 told of the reset at a frame
+//! boundary). No I/O, no clock: the fuzz target
 //! (`fuzz/fuzz_targets/h2_front.rs`) drives it directly.
 
 use bytes::{Buf, BufMut, BytesMut};
 
 use super::floods::FrameCounts;
 use super::hpack::{decode_block, HeaderList};
+use super::ledger::{Ledger, Verdict};
 use super::limits::{FrontLimits, Violation};
-use super::streams::{Streams, FRAME_HEADER_LEN, TYPE_HEADERS};
+use super::streams::{Streams, FRAME_HEADER_LEN, TYPE_HEADERS, TYPE_RST_STREAM};
 
 /// The client connection preface (RFC 9113 §3.4) that precedes the first frame.
 pub const PREFACE_LEN: usize = 24;
@@ -53,6 +56,9 @@ pub struct FrameFilter {
     /// Highest stream id whose HEADERS went to h2 (a GOAWAY's last-stream-id).
     last_stream_id: u32,
     streams: Streams,
+    ledger: Ledger,
+    /// Payload bytes of a dropped frame still to discard.
+    drop_left: usize,
     /// SETTINGS and WINDOW_UPDATE frames so far (rate-limited by the layer, `floods`).
     counts: FrameCounts,
 }
@@ -76,8 +82,19 @@ impl FrameFilter {
             rewrites: 0,
             last_stream_id: 0,
             streams: Streams::default(),
+            ledger: Ledger::default(),
+            drop_left: 0,
             counts: FrameCounts::default(),
         }
+    }
+
+    /// Charges this connection's frames to the memory account (`ledger`).
+    pub fn set_ledger(&mut self, ledger: Ledger) {
+        self.ledger = ledger;
+    }
+
+    pub fn ledger_mut(&mut self) -> &mut Ledger {
+        &mut self.ledger
     }
 
     /// Where bytes read from the connection go.
@@ -100,9 +117,12 @@ impl FrameFilter {
         }
     }
 
-    /// `n` bytes were read straight into h2's buffer (at most `direct_read_room`).
-    pub fn consumed_direct(&mut self, n: usize) {
-        self.passthrough_left -= n.min(self.passthrough_left);
+    /// `bytes` were read straight into h2's buffer (at most `direct_read_room`).
+    pub fn consumed_direct(&mut self, bytes: &[u8]) -> Result<(), Violation> {
+        self.passthrough_left -= bytes.len().min(self.passthrough_left);
+        self.ledger
+            .client_payload(bytes)
+            .map_err(|_| Violation::MemoryResets)
     }
 
     /// Authority values rewritten or dropped so far.
@@ -139,11 +159,28 @@ impl FrameFilter {
         loop {
             if self.passthrough_left > 0 {
                 let n = self.passthrough_left.min(self.raw.len());
-                self.out.extend_from_slice(&self.raw.split_to(n));
+                let bytes = self.raw.split_to(n);
+                self.ledger
+                    .client_payload(&bytes)
+                    .map_err(|_| Violation::MemoryResets)?;
+                self.out.extend_from_slice(&bytes);
                 self.passthrough_left -= n;
                 if self.passthrough_left > 0 {
                     return Ok(());
                 }
+            }
+            if self.drop_left > 0 {
+                let n = self.drop_left.min(self.raw.len());
+                self.raw.advance(n);
+                self.drop_left -= n;
+                if self.drop_left > 0 {
+                    return Ok(());
+                }
+            }
+            // Between two frames towards h2: the streams the ledger reset end here for h2.
+            for (stream_id, reset) in self.ledger.take_inbound_resets() {
+                self.streams.client_frame(TYPE_RST_STREAM, 0, stream_id);
+                self.out.extend_from_slice(&reset);
             }
             if self.raw.len() < FRAME_HEADER_LEN {
                 return Ok(());
@@ -165,6 +202,15 @@ impl FrameFilter {
                 if self.pending.is_some() {
                     // RFC 9113 §6.10: nothing may interrupt a header block.
                     return Err(Violation::Protocol);
+                }
+                let verdict = self
+                    .ledger
+                    .client_frame(kind, flags, stream_id, len)
+                    .map_err(|_| Violation::MemoryResets)?;
+                if verdict == Verdict::Drop {
+                    self.raw.advance(FRAME_HEADER_LEN);
+                    self.drop_left = len;
+                    continue;
                 }
                 self.streams.client_frame(kind, flags, stream_id);
                 self.counts.client_frame(kind, flags);
@@ -247,6 +293,11 @@ impl FrameFilter {
         };
         let decoded = decode_block(&mut self.decoder, &block.fragments, &self.limits)?;
         let headers = self.fix_authority(decoded);
+        if self.ledger.client_headers(block.stream_id, block.flags) == Verdict::Drop {
+            // A stream the ledger reset: h2 has forgotten it (the block still went through the
+            // HPACK table, which the client's next blocks rely on).
+            return Ok(());
+        }
         let encoded = self
             .encoder
             .encode(headers.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));

@@ -122,6 +122,8 @@ pub enum Violation {
     /// Framing the layer cannot pass on: an interrupted block, a CONTINUATION without its
     /// HEADERS, bad padding, a client PUSH_PROMISE.
     Protocol,
+    /// More streams reset by the memory account (`ledger`) than a connection may keep open.
+    MemoryResets,
     /// SETTINGS frames over `--http2-max-settings-per-second` (`floods`).
     SettingsFlood,
     /// WINDOW_UPDATE frames over their allowance (`floods`).
@@ -129,7 +131,7 @@ pub enum Violation {
 }
 
 impl Violation {
-    pub const ALL: [Violation; 9] = [
+    pub const ALL: [Violation; 10] = [
         Violation::FrameTooLarge,
         Violation::HeaderBlockTooLarge,
         Violation::TooManyContinuations,
@@ -137,6 +139,7 @@ impl Violation {
         Violation::TableSizeUpdate,
         Violation::Compression,
         Violation::Protocol,
+        Violation::MemoryResets,
         Violation::SettingsFlood,
         Violation::WindowUpdateFlood,
     ];
@@ -151,6 +154,7 @@ impl Violation {
             Violation::TableSizeUpdate => "table_size_update",
             Violation::Compression => "compression",
             Violation::Protocol => "protocol",
+            Violation::MemoryResets => "memory_resets",
             Violation::SettingsFlood => "settings_flood",
             Violation::WindowUpdateFlood => "window_update_flood",
         }
@@ -166,6 +170,7 @@ impl Violation {
             Violation::HeaderBlockTooLarge
             | Violation::TooManyContinuations
             | Violation::HeaderListTooLarge
+            | Violation::MemoryResets
             | Violation::SettingsFlood
             | Violation::WindowUpdateFlood => code::ENHANCE_YOUR_CALM,
             Violation::TableSizeUpdate | Violation::Compression => code::COMPRESSION_ERROR,
@@ -184,6 +189,7 @@ impl fmt::Display for Violation {
             Violation::TableSizeUpdate => "misplaced or oversized HPACK table size update",
             Violation::Compression => "HPACK decoding error",
             Violation::Protocol => "HTTP/2 framing error",
+            Violation::MemoryResets => "too many streams reset by the memory account",
             Violation::SettingsFlood => "SETTINGS frames over the rate limit",
             Violation::WindowUpdateFlood => "WINDOW_UPDATE frames over the allowance",
         };

@@ -29,12 +29,17 @@
 //! from frame headers both ways) for that long gets GOAWAY(NO_ERROR) and is closed, like
 //! gRPC's MAX_CONNECTION_IDLE. A stream waiting on a slow upstream keeps it open.
 //!
+//! Memory: the connection's ledger (`ledger`) charges unfinished gRPC messages and the DATA
+//! bytes h2 holds to the process's memory account; a stream it cannot charge is reset (a
+//! RST_STREAM to h2 between two inbound frames, one to the client between two of h2's).
+//!
 //! It never looks at what a request means.
 
 pub mod floods;
 pub mod frames;
 pub mod hpack;
 pub mod huffman;
+pub mod ledger;
 pub mod limits;
 pub mod sent;
 pub mod streams;
@@ -105,6 +110,8 @@ pub struct FrontConfig {
     /// Close a connection with no open stream for this long; `None` = never.
     pub idle_timeout: Option<Duration>,
     pub on_close: Option<CloseObserver>,
+    /// The memory account this connection charges; `None` = none.
+    pub memory: Option<ledger::LedgerConfig>,
     /// SETTINGS and WINDOW_UPDATE rates (`floods`).
     pub floods: FloodLimits,
     pub on_goaway: Option<GoawayObserver>,
@@ -161,6 +168,11 @@ pub struct AuthorityFix<S> {
     closing: Option<Closing>,
     eof: bool,
     rewrites_logged: bool,
+    /// The ledger's frames for the client being written (between two of h2's frames), and how
+    /// much of them is out.
+    inject: Vec<u8>,
+    inject_sent: usize,
+    inject_unflushed: bool,
 }
 
 impl<S> AuthorityFix<S> {
@@ -170,9 +182,13 @@ impl<S> AuthorityFix<S> {
     }
 
     pub fn with_config(inner: S, config: FrontConfig) -> Self {
+        let mut filter = FrameFilter::new(config.limits);
+        if let Some(memory) = config.memory {
+            filter.set_ledger(ledger::Ledger::new(memory));
+        }
         AuthorityFix {
             inner,
-            filter: FrameFilter::new(config.limits),
+            filter,
             outbound: Outbound::default(),
             idle_timeout: config.idle_timeout,
             on_close: config.on_close,
@@ -183,6 +199,9 @@ impl<S> AuthorityFix<S> {
             closing: None,
             eof: false,
             rewrites_logged: false,
+            inject: Vec::new(),
+            inject_sent: 0,
+            inject_unflushed: false,
         }
     }
 
@@ -253,14 +272,20 @@ impl<S> AuthorityFix<S> {
     fn wrote(&mut self, bytes: &[u8]) {
         let was_idle = self.filter.streams().is_idle();
         self.outbound.advance(bytes, self.filter.streams_mut());
+        self.filter.ledger_mut().server_bytes(bytes);
         let goaways = self.outbound.sent().take_goaways();
         if let Some(observe) = &self.on_goaway {
             for (code, reason) in goaways {
                 observe(code, reason);
             }
         }
-        let boundary_for_goaway = self.closing.is_some() && self.outbound.at_boundary();
-        if boundary_for_goaway || (!was_idle && self.filter.streams().is_idle()) {
+        let at_boundary = self.outbound.at_boundary();
+        let boundary_for_goaway = self.closing.is_some() && at_boundary;
+        let boundary_for_ledger = at_boundary && self.filter.ledger_mut().has_frames_for_client();
+        if boundary_for_goaway
+            || boundary_for_ledger
+            || (!was_idle && self.filter.streams().is_idle())
+        {
             if let Some(w) = self.read_waker.take() {
                 w.wake();
             }
@@ -282,6 +307,45 @@ impl<S> AuthorityFix<S> {
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> AuthorityFix<S> {
+    /// Writes the ledger's frames for the client: the rest of those begun, then (when h2 is
+    /// between frames) any new ones. Ready once none is half written.
+    fn poll_inject(&mut self, cx: &mut Context<'_>, start_new: bool) -> Poll<io::Result<()>> {
+        if self.inject_sent == self.inject.len() {
+            self.inject.clear();
+            self.inject_sent = 0;
+            let pending = self.filter.ledger_mut().to_client();
+            if !start_new || pending.is_empty() || !self.outbound.at_boundary() {
+                return Poll::Ready(Ok(()));
+            }
+            std::mem::swap(&mut self.inject, pending);
+        }
+        while self.inject_sent < self.inject.len() {
+            let n = std::task::ready!(
+                Pin::new(&mut self.inner).poll_write(cx, &self.inject[self.inject_sent..])
+            )?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.inject_sent += n;
+            self.inject_unflushed = true;
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    /// From the reading side: frames for the client go out even while h2 writes nothing.
+    fn push_injected(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        if let Poll::Ready(r) = self.poll_inject(cx, true) {
+            r?;
+        }
+        if self.inject_unflushed && self.inject_sent == self.inject.len() {
+            if let Poll::Ready(r) = Pin::new(&mut self.inner).poll_flush(cx) {
+                r?;
+                self.inject_unflushed = false;
+            }
+        }
+        Ok(())
+    }
+
     /// Drives closing: GOAWAY at a frame boundary, flush, shutdown, linger; then EOF (idle) or
     /// an error (a violation) for h2.
     fn poll_close(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -379,9 +443,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for AuthorityFix<S> {
         }
         loop {
             if this.closing.is_some() {
+                // A frame of the layer's own half written is finished before the GOAWAY.
+                std::task::ready!(this.poll_inject(cx, false))?;
                 // Nothing more reaches h2; closing ends in EOF or an error for it.
                 return this.poll_close(cx);
             }
+            this.push_injected(cx)?;
             let out = this.filter.output();
             if !out.is_empty() {
                 let n = out.len().min(buf.remaining());
@@ -402,8 +469,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for AuthorityFix<S> {
                     Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
                     Poll::Ready(Ok(())) => {
                         let n = direct.filled().len();
+                        let charged = this.filter.consumed_direct(direct.filled());
                         buf.advance(n);
-                        this.filter.consumed_direct(n);
+                        if let Err(violation) = charged {
+                            // These bytes reach h2; the GOAWAY follows them.
+                            this.begin_close(CloseReason::Violation(violation));
+                        }
                         return Poll::Ready(Ok(()));
                     }
                 }
@@ -452,6 +523,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
             // Closing: the peer gets no more of h2's frames after the GOAWAY.
             return Poll::Ready(Ok(buf.len()));
         };
+        std::task::ready!(this.poll_inject(cx, this.closing.is_none()))?;
         let n = std::task::ready!(Pin::new(&mut this.inner).poll_write(cx, &buf[..room]))?;
         this.wrote(&buf[..n]);
         Poll::Ready(Ok(n))
@@ -462,7 +534,10 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
         if this.write_room(1).is_none() {
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut this.inner).poll_flush(cx)
+        std::task::ready!(this.poll_inject(cx, this.closing.is_none()))?;
+        std::task::ready!(Pin::new(&mut this.inner).poll_flush(cx))?;
+        this.inject_unflushed = false;
+        Poll::Ready(Ok(()))
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -484,6 +559,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
             let first = bufs.iter().find(|b| !b.is_empty()).map_or(&[][..], |b| b);
             return Pin::new(this).poll_write(cx, first);
         }
+        std::task::ready!(this.poll_inject(cx, true))?;
         let mut n = std::task::ready!(Pin::new(&mut this.inner).poll_write_vectored(cx, bufs))?;
         let written = n;
         for b in bufs {
@@ -505,3 +581,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
 #[cfg(test)]
 #[path = "tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "memory_tests.rs"]
+mod memory_tests;

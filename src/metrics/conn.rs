@@ -51,7 +51,7 @@ impl ConnMetrics {
                          connection_limit (--max-connections), or an HTTP/2 front-layer \
                          violation (frame_too_large, header_block_too_large, \
                          too_many_continuations, header_list_too_large, table_size_update, \
-                         compression, protocol, settings_flood, window_update_flood)",
+                         compression, protocol, settings_flood, window_update_flood, memory_resets)",
                     ),
                     &["listener", "reason"],
                 )

@@ -54,6 +54,8 @@ pub fn session_headers(args: &ServeArgs) -> anyhow::Result<crate::extproc::Sessi
 }
 
 /// The ext_proc host's settings from flags, with what start-up made (tokenizers, flow policy).
+// Each argument is a piece start-up resolved on its own (flags, metrics, files, sources).
+#[allow(clippy::too_many_arguments)]
 pub fn extproc_settings(
     args: &ServeArgs,
     metrics: &crate::metrics::Metrics,
@@ -62,6 +64,7 @@ pub fn extproc_settings(
     flow_policy: crate::flow::PolicyRx,
     flow_settings: crate::flow::FlowSettings,
     tracer: Option<crate::telemetry::RequestTracer>,
+    memory: &crate::h2_authority::ledger::LedgerConfig,
 ) -> anyhow::Result<crate::extproc::ExtProcSettings> {
     let streams = (args.ext_proc_streams).bounds(metrics.extproc.streams_open.clone())?;
     Ok(crate::extproc::ExtProcSettings {
@@ -73,6 +76,7 @@ pub fn extproc_settings(
         body_budget: crate::extproc::BodyBudget::new(
             args.max_buffered_body_bytes,
             metrics.extproc.body_bytes_buffered.clone(),
+            Arc::clone(&memory.account),
         ),
         flow_policy: Some(flow_policy),
         flow_settings,
@@ -83,7 +87,22 @@ pub fn extproc_settings(
         } else {
             0
         },
+        max_message_bytes: memory.max_message_bytes,
         streams,
+    })
+}
+
+/// The memory account and what each connection charges against it (`--memory-account-bytes`,
+/// `--connection-memory-bytes`, `--max-ext-proc-message-bytes`).
+pub fn memory_ledger(
+    args: &ServeArgs,
+    metrics: &crate::metrics::Metrics,
+) -> anyhow::Result<crate::h2_authority::ledger::LedgerConfig> {
+    let limits = args.memory.limits(args.max_body_bytes)?;
+    Ok(crate::h2_authority::ledger::LedgerConfig {
+        account: crate::memory_account::MemoryAccount::new(limits.account_bytes, &metrics.memory),
+        connection_bytes: limits.connection_bytes,
+        max_message_bytes: limits.max_message_bytes,
     })
 }
 

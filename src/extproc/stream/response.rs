@@ -182,3 +182,7 @@ impl StreamMachine {
             && !served_elsewhere
     }
 }
+
+#[cfg(test)]
+#[path = "response_tests.rs"]
+mod tests;

@@ -88,3 +88,7 @@ pub(super) fn trace_tokenize(trace: &mut RequestTrace, outcome: &TokenizeOutcome
         }
     }
 }
+
+#[cfg(test)]
+#[path = "trace_tests.rs"]
+mod tests;

@@ -1,6 +1,8 @@
 //! A stream that ends before its first response byte takes back what its pick predicted.
 
 use super::*;
+use crate::request::Prompt;
+use crate::selection::{PromptInput, SelectionRequest};
 
 /// A chat request whose prompt spans several blocks (64 bytes of text per 16-token block).
 const LONG_CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"Summarise the attached design document in three short paragraphs, then list every open question it leaves for the reviewers, one per line, most important first."}]}"#;

@@ -10,7 +10,7 @@ use crate::metrics::cache_view::CacheViewMetrics;
 use crate::metrics::Metrics;
 use crate::selection::{CoreConfig, RankKey};
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
 use kvpick_core::event::{KvEvent, Medium};
 
 const BS: u32 = 16;

@@ -1,10 +1,11 @@
 //! Tracing on the stream machine: which context the stream span continues, the spans' shape,
 //! the upstream's `traceparent`, and that with tracing off nothing is added.
 
-use super::*;
+use super::super::tests::*;
+use super::super::*;
 use crate::telemetry::testing::{in_memory, Finished};
 use crate::telemetry::Telemetry;
-use envoy_types::pb::envoy::service::ext_proc::v3::HeaderMutation;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HeaderMutation, ProcessingRequest};
 use opentelemetry::trace::{SpanId, Status as SpanStatus, TraceId};
 use opentelemetry_sdk::trace::Sampler;
 
@@ -208,7 +209,7 @@ fn a_header_only_request_is_traced_too() {
 
 #[tokio::test(start_paused = true)]
 async fn a_queued_request_has_its_wait_under_the_pick() {
-    let core = super::queue::one_at_a_time(std::time::Duration::from_secs(30));
+    let core = one_at_a_time(std::time::Duration::from_secs(30));
     let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
     running.handle(post_with(&[])).unwrap();
     running.handle(body(CHAT, true)).unwrap();
@@ -242,7 +243,7 @@ async fn a_queued_request_has_its_wait_under_the_pick() {
 
 #[tokio::test(start_paused = true)]
 async fn a_client_gone_while_queued_ends_its_spans_as_abandoned() {
-    let core = super::queue::one_at_a_time(std::time::Duration::from_secs(30));
+    let core = one_at_a_time(std::time::Duration::from_secs(30));
     let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
     running.handle(post_with(&[])).unwrap();
     running.handle(body(CHAT, true)).unwrap();

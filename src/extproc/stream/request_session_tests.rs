@@ -2,6 +2,7 @@
 //! session, parent and final, in the documented precedence.
 
 use super::*;
+use crate::catalog::WorkerSpec;
 
 fn pool() -> Vec<WorkerSpec> {
     vec![

@@ -7,7 +7,7 @@ use crate::catalog::{RankLayout, WorkerSpec};
 use crate::metrics::Metrics;
 use crate::selection::CoreConfig;
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
 use envoy_types::pb::google::protobuf::{value::Kind, Struct};
 
 /// `ranks` single-rank workers on ports 8001.., and a machine with `endpoint_scores`.
