@@ -504,7 +504,8 @@ class HeldStreams:
     """``streams`` ext_proc streams opened on one new connection (HEADERS, no message, never
     ended) and held while ``poll`` reads what the server answers: each stream's ``grpc-status``
     (from a trailers-only answer or trailers; kvpick refuses a stream past
-    ``--max-ext-proc-streams`` with 8, RESOURCE_EXHAUSTED, and ends one silent for
+    ``--max-ext-proc-streams`` with 8, RESOURCE_EXHAUSTED, or ends with 8 a stream silent for
+    ``--ext-proc-evict-idle-after`` to give its place to a new one, and ends one silent for
     ``--ext-proc-idle-timeout`` with 4, DEADLINE_EXCEEDED). The server's SETTINGS and PINGs are
     acknowledged, so only the streams' silence is in question."""
 

@@ -244,7 +244,8 @@ def stream_ends(kv: harness.Kvpick, end: str) -> float:
 
 
 def test_streams_past_the_process_cap_are_refused_at_once(kvpick_bin):
-    kv = start(False, "--max-ext-proc-streams", "8")
+    # No held stream waits an hour for its message: none gives way, the one over is refused.
+    kv = start(False, "--max-ext-proc-streams", "8", "--ext-proc-evict-idle-after", "3600")
     try:
         held = hostile.HeldStreams(HOST, kv.grpc_port, 8)
         harness.wait_until(lambda: open_streams(kv) == 8, 10, desc="8 streams open")
@@ -259,6 +260,28 @@ def test_streams_past_the_process_cap_are_refused_at_once(kvpick_bin):
         again = hostile.HeldStreams(HOST, kv.grpc_port, 1)
         assert again.poll(0.5) == {}
         again.close()
+        assert hostile.health_check(HOST, kv.grpc_port)
+    finally:
+        kv.stop()
+
+
+def test_at_the_cap_a_stream_idle_before_routing_gives_way_to_a_new_one(kvpick_bin):
+    # A grace under the clock's millisecond: every held stream (headers, no message) qualifies
+    # at once, so which of them gives way does not depend on timing.
+    kv = start(False, "--max-ext-proc-streams", "8", "--ext-proc-evict-idle-after", "0.0005")
+    try:
+        held = hostile.HeldStreams(HOST, kv.grpc_port, 8)
+        harness.wait_until(lambda: open_streams(kv) == 8, 10, desc="8 streams open")
+        new = hostile.HeldStreams(HOST, kv.grpc_port, 1)
+        harness.wait_until(lambda: held.poll(0.1) != {}, 10, desc="a held stream evicted")
+        statuses = held.poll(0.5)
+        assert list(statuses.values()) == ["8"], f"one RESOURCE_EXHAUSTED: {statuses}"
+        assert new.poll(0.5) == {}, "the new stream is served (waits for its message)"
+        harness.wait_until(lambda: stream_ends(kv, "evicted") == 1, 10, desc="counted")
+        assert stream_ends(kv, "over_stream_cap") == 0
+        assert open_streams(kv) == 8
+        new.close()
+        held.close()
         assert hostile.health_check(HOST, kv.grpc_port)
     finally:
         kv.stop()

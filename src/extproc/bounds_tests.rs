@@ -2,7 +2,9 @@
 //! and the one past them is refused RESOURCE_EXHAUSTED at once (a freed place is reused); a
 //! stream silent for `--ext-proc-idle-timeout` before routing ends DEADLINE_EXCEEDED and gives its
 //! body back, one whose next message comes a millisecond before it carries on, and a routed
-//! stream is not bound by it (paused time: the timeouts fire only when the test moves the clock).
+//! stream is not bound by it; at the cap a new stream takes the place of the stream idle longest
+//! before routing, once past `--ext-proc-evict-idle-after`, and never of one within it, routed
+//! or waiting in the queue (paused time: the timeouts fire only when the test moves the clock).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -24,6 +26,8 @@ use crate::extproc::{BodyBudget, ExtProcService, ExtProcSettings, DEFAULT_BUDGET
 use crate::selection::{CoreConfig, SelectionCore};
 
 const IDLE: Duration = Duration::from_secs(60);
+/// `--ext-proc-evict-idle-after`.
+const GRACE: Duration = Duration::from_secs(1);
 const BODY: &[u8] = br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}"#;
 
 struct Fixture {
@@ -34,8 +38,11 @@ struct Fixture {
 }
 
 fn fixture(cap: usize) -> Fixture {
-    let core = crate::selection::one_rank_core(CoreConfig::default());
-    let cap = StreamCap::unmetered(cap);
+    fixture_on(crate::selection::one_rank_core(CoreConfig::default()), cap)
+}
+
+fn fixture_on(core: Arc<SelectionCore>, cap: usize) -> Fixture {
+    let cap = StreamCap::unmetered(cap, Some(GRACE));
     let budget = BodyBudget::unmetered(DEFAULT_BUDGET_BYTES);
     let settings = ExtProcSettings {
         streams: StreamBounds {
@@ -239,4 +246,155 @@ fn response_headers() -> ProcessingRequest {
         }),
         ..Default::default()
     }))
+}
+
+#[tokio::test(start_paused = true)]
+async fn at_the_cap_a_new_stream_takes_the_place_of_the_stream_idle_longest_before_routing() {
+    let Fixture {
+        service,
+        core,
+        cap,
+        budget,
+    } = fixture(4);
+    let live = service.live_streams();
+    let mut client = connect(service).await;
+    let (head, _) = BODY.split_at(10);
+    // The oldest holds part of a body; three more wait for theirs, opened 10 ms later.
+    let mut oldest = Stream::open(&mut client, vec![headers(), body(head, false)]).await;
+    until(|| budget.in_use() == 10).await;
+    tokio::time::advance(Duration::from_millis(10)).await;
+    let mut idle = Vec::new();
+    for _ in 0..3 {
+        idle.push(Stream::open(&mut client, vec![headers()]).await);
+    }
+    until(|| cap.open() == 4).await;
+    tokio::time::advance(GRACE).await;
+
+    // All four are past the grace: the new stream is served in the oldest's place.
+    let mut new = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    let routed = new.next().await.unwrap().unwrap();
+    assert!(routed.response.is_some(), "the new stream is served");
+    let status = oldest.next().await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(status.message(), "kvpick: stream evicted at the stream cap");
+    until(|| live.count() == 4).await;
+    assert_eq!(ends(&core, "evicted"), 1);
+    assert_eq!(ends(&core, "over_stream_cap"), 0);
+    assert_eq!(
+        cap.open(),
+        4,
+        "the new stream holds the evicted one's place"
+    );
+    // The evicted stream's part body was given back; the new stream's echo stays charged until
+    // its next message.
+    assert!(new.next().await.unwrap().unwrap().response.is_some());
+    until(|| budget.in_use() == BODY.len()).await;
+
+    // The next new stream takes the next idle one (not the routed new stream).
+    let mut second = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    assert!(second.next().await.unwrap().unwrap().response.is_some());
+    let nexts = idle.iter_mut().map(|s| Box::pin(s.next()));
+    let (first, ..) = futures::future::select_all(nexts).await;
+    let status = first.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    until(|| ends(&core, "evicted") == 2 && live.count() == 4).await;
+    assert_eq!(core.live_bookings(), 2);
+    assert_eq!(cap.open(), 4);
+}
+
+#[tokio::test(start_paused = true)]
+async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
+    let Fixture {
+        service,
+        core,
+        cap,
+        budget,
+    } = fixture(2);
+    let mut client = connect(service).await;
+    let (head, tail) = BODY.split_at(10);
+    let mut waiting = Stream::open(&mut client, vec![headers()]).await;
+    let mut routed = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    assert!(routed.next().await.unwrap().unwrap().response.is_some());
+    assert!(
+        routed.next().await.unwrap().unwrap().response.is_some(),
+        "echo"
+    );
+    until(|| cap.open() == 2).await;
+
+    // A millisecond short of the grace: the one just over the cap is refused.
+    tokio::time::advance(GRACE - Duration::from_millis(1)).await;
+    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    assert_eq!(
+        over.next().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+    assert_eq!(ends(&core, "over_stream_cap"), 1);
+    // A message starts the grace again; the routed stream, long past it, never qualifies.
+    waiting.tx.send(body(head, false)).await.unwrap();
+    // (The routed stream's echo stays charged until its next message.)
+    until(|| budget.in_use() == BODY.len() + 10).await;
+    tokio::time::advance(GRACE - Duration::from_millis(1)).await;
+    waiting.tx.send(body(tail, false)).await.unwrap();
+    until(|| budget.in_use() == 2 * BODY.len()).await;
+    tokio::time::advance(GRACE - Duration::from_millis(1)).await;
+    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    assert_eq!(
+        over.next().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+    assert_eq!(ends(&core, "over_stream_cap"), 2);
+    assert_eq!(ends(&core, "evicted"), 0);
+
+    // Past the grace the waiting stream gives way; the routed one carries on.
+    tokio::time::advance(Duration::from_millis(1)).await;
+    let mut new = Stream::open(&mut client, vec![headers()]).await;
+    let status = waiting.next().await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert_eq!(ends(&core, "evicted"), 1);
+    new.tx.send(body(BODY, true)).await.unwrap();
+    assert!(
+        new.next().await.unwrap().unwrap().response.is_some(),
+        "served"
+    );
+    routed.tx.send(response_headers()).await.unwrap();
+    assert!(
+        routed.next().await.unwrap().is_some(),
+        "the routed stream is still served"
+    );
+    assert_eq!(core.live_bookings(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stream_waiting_in_the_queue_past_the_grace_is_not_evicted() {
+    // One rank taking one request at a time: the second waits in the queue.
+    let core = crate::selection::one_rank_core(CoreConfig {
+        seed: Some(1),
+        flow: kvpick_core::FlowConfig {
+            queue_timeout: Duration::from_secs(300),
+            saturation: crate::selection::ONE_SLOT,
+            ..kvpick_core::FlowConfig::default()
+        },
+        ..Default::default()
+    });
+    let Fixture {
+        service, core, cap, ..
+    } = fixture_on(core, 2);
+    let mut client = connect(service).await;
+    let mut routed = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    assert!(routed.next().await.unwrap().unwrap().response.is_some());
+    let mut queued = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    until(|| core.waiting_requests() == 1).await;
+    tokio::time::advance(GRACE * 10).await;
+    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    assert_eq!(
+        over.next().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+    assert_eq!(ends(&core, "over_stream_cap"), 1);
+    assert_eq!(ends(&core, "evicted"), 0);
+    // The routed stream ends: the queued one is routed in its turn.
+    drop(routed);
+    assert!(queued.next().await.unwrap().unwrap().response.is_some());
+    assert_eq!(core.waiting_requests(), 0);
+    assert_eq!(cap.open(), 1);
 }

@@ -5,6 +5,7 @@
 
 pub mod bounds;
 pub mod budget;
+pub mod cap;
 pub mod codec;
 pub mod pd_headers;
 pub mod session_ids;
@@ -244,7 +245,7 @@ impl ExtProcService {
             lease: None,
             end: None,
             _live: live,
-            _slot: slot,
+            slot,
         };
         let answers = futures::stream::unfold(driver, |mut driver| async move {
             let answer = driver.next_answer().await?;
@@ -270,8 +271,8 @@ struct Driver {
     /// exchange is complete, the normal end: `completed`).
     end: Option<&'static str>,
     _live: LiveStream,
-    /// Its place under `--max-ext-proc-streams`.
-    _slot: bounds::StreamSlot,
+    /// Its place under `--max-ext-proc-streams`, evictable while it waits before routing.
+    slot: bounds::StreamSlot,
 }
 
 impl Driver {
@@ -288,20 +289,27 @@ impl Driver {
             if self.end.is_some() {
                 return None;
             }
-            let idle = (self.machine.awaits_request())
-                .then_some(self.machine.settings().streams.idle_timeout)
-                .flatten();
-            let Some(read) = bounds::read(&mut self.inbound, idle).await else {
-                let status = bounds::idle_status(idle.unwrap_or_default());
-                tracing::debug!(%status, "ext_proc stream idle before routing");
-                self.end = Some("idle_timeout");
-                return Some(Err(status));
+            let waits = self.machine.awaits_request();
+            let idle = self.machine.settings().streams.idle_timeout;
+            let read = match bounds::read(&mut self.inbound, &mut self.slot, waits, idle).await {
+                Ok(read) => read,
+                Err(ended) => return Some(self.ended(ended)),
             };
             // Envoy's next message (or the stream's end) means it has read the echo.
             self.lease = None;
             match read {
                 Ok(Some(message)) => match self.machine.handle(message) {
-                    Ok(step) => self.run(step).await,
+                    Ok(step) => {
+                        let busy = step.tokenize.is_some()
+                            || step.session_lookup.is_some()
+                            || step.queue.is_some();
+                        if busy || !self.machine.awaits_request() {
+                            if let Err(ended) = bounds::hold(&mut self.slot) {
+                                return Some(self.ended(ended));
+                            }
+                        }
+                        self.run(step).await
+                    }
                     Err(status) => {
                         tracing::warn!(code = ?status.code(), message = status.message(), "ext_proc stream rejected");
                         self.end = Some("protocol_error");
@@ -319,6 +327,13 @@ impl Driver {
                 }
             }
         }
+    }
+
+    /// Ends the stream without a message (idle before routing, or evicted at the stream cap).
+    fn ended(&mut self, ended: bounds::Ended) -> Result<Outbound, Status> {
+        tracing::debug!(status = %ended.status, end = ended.end, "ext_proc stream ended waiting");
+        self.end = Some(ended.end);
+        Err(ended.status)
     }
 
     /// Finishes what one message started (tokenizing, a shared-state session lookup, a wait
