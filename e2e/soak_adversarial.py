@@ -327,7 +327,13 @@ def flag_default(binary: Path, flag: str, fallback: int) -> int:
     m = re.search(r"^ +(?:-\w, )?" + re.escape(flag) + r"\b[^\n]*\n((?:(?! +-)[^\n]*\n?)*)",
                   out, re.M)
     default = re.search(r"\[default: (\d+)\]", m.group(0)) if m else None
-    return int(default.group(1)) if default else fallback
+    if default:
+        return int(default.group(1))
+    # A default computed from another flag (the message limit: --max-body-bytes + 1 MiB).
+    derived = re.search(r"Default: (--[\w-]+) \+ 1 MiB", m.group(0)) if m else None
+    if derived:
+        return flag_default(binary, derived.group(1), fallback) + (1 << 20)
+    return fallback
 
 
 class Slots:
