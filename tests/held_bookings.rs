@@ -7,8 +7,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
 use std::collections::BTreeSet;
-use std::io::{Read, Write};
-use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request, processing_response, HttpBody, ProcessingRequest, ProcessingResponse,
@@ -17,7 +15,9 @@ use tonic_health::pb::health_check_response::ServingStatus;
 
 mod common;
 
-use common::{open_stream as open, start_static, wait_readiness, ExtProcClient as Client};
+use common::{
+    metric, open_stream as open, start_static, wait_metric, wait_readiness, ExtProcClient as Client,
+};
 
 const CATALOG: &str =
     "workers:\n  - {name: a, model: m, address: 127.0.0.1, ports: [8000, 8001, 8002, 8003]}\n";
@@ -79,26 +79,6 @@ fn destination(answer: &ProcessingResponse) -> String {
         .find(|h| h.key == "x-gateway-destination-endpoint")
         .map(|h| String::from_utf8(h.raw_value.clone()).unwrap())
         .expect("a destination header")
-}
-
-fn metric(port: u16, name: &str) -> f64 {
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
-        .unwrap_or_else(|| panic!("metric {name} not exported"))
-}
-
-/// Polls kvpick's metric until it equals `want` (bounded: 10 s).
-async fn wait_metric(port: u16, name: &str, want: f64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(port, name) != want {
-        assert!(Instant::now() < deadline, "{name} never became {want}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 type Stream = (

@@ -206,3 +206,25 @@ pub fn http_headers(
         ..Default::default()
     }
 }
+
+/// One unlabelled sample of kvpick's metrics port (`name value`), read over plain HTTP/1.0.
+pub fn metric(port: u16, name: &str) -> f64 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("metric {name} not exported"))
+}
+
+/// Polls kvpick's metric until it equals `want` (bounded: 10 s).
+pub async fn wait_metric(port: u16, name: &str, want: f64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(port, name) != want {
+        assert!(Instant::now() < deadline, "{name} never became {want}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
