@@ -207,8 +207,15 @@ fn a_header_only_request_is_traced_too() {
         .contains(&pick.span_context.span_id().to_string()));
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_queued_request_has_its_wait_under_the_pick() {
+/// A traced request queued behind an untraced one holding the only slot: (its telemetry, kept
+/// alive for the test, the running request, the waiting one, its finished spans, its queue place).
+fn queued_behind_a_running_request() -> (
+    Telemetry,
+    StreamMachine,
+    StreamMachine,
+    Finished,
+    Option<Waiter>,
+) {
     let core = one_at_a_time(std::time::Duration::from_secs(30));
     let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
     running.handle(post_with(&[])).unwrap();
@@ -220,11 +227,14 @@ async fn a_queued_request_has_its_wait_under_the_pick() {
     };
     let mut waiting = StreamMachine::new(Arc::clone(&core), Arc::new(settings));
     waiting.handle(post_with(&[])).unwrap();
-    let waiter = waiting
-        .handle(body(CHAT, true))
-        .unwrap()
-        .queue
-        .expect("queued");
+    let waiter = waiting.handle(body(CHAT, true)).unwrap().queue;
+    (telemetry, running, waiting, finished, waiter)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_queued_request_has_its_wait_under_the_pick() {
+    let (_telemetry, running, mut waiting, finished, waiter) = queued_behind_a_running_request();
+    let waiter = waiter.expect("queued");
     drop(running); // frees the only slot: the waiting request is released
     let step = waiting.resume_after_queue(waiter.wait().await);
     let m = header_mutation(&step.responses[0]).clone();
@@ -243,18 +253,7 @@ async fn a_queued_request_has_its_wait_under_the_pick() {
 
 #[tokio::test(start_paused = true)]
 async fn a_client_gone_while_queued_ends_its_spans_as_abandoned() {
-    let core = one_at_a_time(std::time::Duration::from_secs(30));
-    let mut running = StreamMachine::new(Arc::clone(&core), Arc::new(ExtProcSettings::default()));
-    running.handle(post_with(&[])).unwrap();
-    running.handle(body(CHAT, true)).unwrap();
-    let (telemetry, finished) = in_memory(parent_based());
-    let settings = ExtProcSettings {
-        tracer: Some(telemetry.tracer()),
-        ..Default::default()
-    };
-    let mut waiting = StreamMachine::new(Arc::clone(&core), Arc::new(settings));
-    waiting.handle(post_with(&[])).unwrap();
-    let waiter = waiting.handle(body(CHAT, true)).unwrap().queue;
+    let (_telemetry, _running, mut waiting, finished, waiter) = queued_behind_a_running_request();
     assert!(waiter.is_some(), "queued");
     drop(waiter);
     waiting.end_trace("gone_while_queued");
