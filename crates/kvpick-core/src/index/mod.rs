@@ -1106,15 +1106,25 @@ mod tests {
                 .iter()
                 .any(|(r, x)| *r == rank && x.tier() <= tier && x.live(now))
         };
-        let mut out = HashMap::new();
         let ranks: std::collections::BTreeSet<RankKey> = idx
             .blocks
             .keys()
             .flat_map(|h| holders(idx, h.get()).into_iter().map(|(r, _)| r))
             .collect();
+        depths_by_definition(ranks, hashes, present)
+    }
+
+    /// Each rank's depth per tier: how many of `chain`'s blocks, from the first, `present`
+    /// says it holds at that tier or a faster one (ranks matching nothing left out).
+    fn depths_by_definition(
+        ranks: impl IntoIterator<Item = RankKey>,
+        chain: &[u64],
+        present: impl Fn(u64, RankKey, usize) -> bool,
+    ) -> HashMap<RankKey, TierDepths> {
+        let mut out = HashMap::new();
         for rank in ranks {
             let depth = |tier| {
-                hashes
+                chain
                     .iter()
                     .take_while(|h| present(**h, rank, tier))
                     .count() as u32
@@ -1424,24 +1434,7 @@ mod tests {
         fn expected(&self, chain: &[u64], now: Instant) -> HashMap<RankKey, TierDepths> {
             let ranks: std::collections::BTreeSet<RankKey> =
                 self.0.keys().map(|(_, r, _)| *r).collect();
-            let mut expected = HashMap::new();
-            for r in ranks {
-                let depth = |t| {
-                    chain
-                        .iter()
-                        .take_while(|h| self.live(**h, r, t, now))
-                        .count() as u32
-                };
-                let d = TierDepths {
-                    gpu: depth(0),
-                    host: depth(1),
-                    disk: depth(2),
-                };
-                if d.disk > 0 {
-                    expected.insert(r, d);
-                }
-            }
-            expected
+            depths_by_definition(ranks, chain, |h, r, t| self.live(h, r, t, now))
         }
     }
 
