@@ -18,7 +18,7 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a benchmark: a panic is a failure report
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -240,7 +240,7 @@ async fn applied(indexer: &Kvpick) -> f64 {
     )
 }
 
-async fn start_indexer(binary: &PathBuf, catalog: &std::path::Path) -> Kvpick {
+async fn start_indexer(binary: &Path, catalog: &Path) -> Kvpick {
     let args: Vec<String> = vec![
         "--secure-serving=false".into(),
         "--config".into(),
@@ -268,7 +268,7 @@ fn replica_bin() -> PathBuf {
 /// A whole pick (`Select` with token ids) on a replica reading the indexer
 /// (`--kv-index-remote`) against one reading its own index (`local`, subscribed like the
 /// indexer), the same binary (`REPLICA_BIN`, default this build's `kvpick`), alternated.
-async fn replica_picks(local: &Kvpick, catalog: &std::path::Path, indexer: &Kvpick, sizes: &Sizes) {
+async fn replica_picks(local: &Kvpick, catalog: &Path, indexer: &Kvpick, sizes: &Sizes) {
     let args: Vec<String> = vec![
         "--secure-serving=false".into(),
         "--config".into(),

@@ -237,3 +237,44 @@ async fn a_replica_routes_on_the_indexers_events_without_subscribing_and_survive
     assert_eq!(metric(&replica, "kvpick_kv_subscriptions", &[]), 0.0);
     let _ = std::fs::remove_dir_all(catalog_dir);
 }
+
+/// Subscriptions per engine with three replicas: three when each subscribes itself, one (the
+/// indexer's) when they read it with `--kv-index-remote`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_one_indexer_cost_each_engine_one_subscription() {
+    let catalog_of = |e: &FakeEngine| {
+        format!(
+            "workers:\n  - {{name: a, model: m, address: 127.0.0.1, ports: [{}], block_size: {BS}, kv_events: \"{}\"}}\n",
+            e.ports.http,
+            e.ports.events_endpoint(),
+        )
+    };
+    // Each replica subscribing itself.
+    let a = FakeEngine::start(0).await.unwrap();
+    let plain: Vec<common::Serve> = (0..3)
+        .map(|_| common::start_static(&catalog_of(&a), &[]))
+        .collect();
+    a.subscribed(3).await;
+    assert_eq!(a.subscribers(), 3);
+    drop(plain);
+
+    // One indexer, three replicas reading it (another engine: a fresh count).
+    let b = FakeEngine::start(0).await.unwrap();
+    let catalog = catalog_of(&b);
+    let index = common::start_static(&catalog, &[]);
+    b.subscribed(1).await;
+    let remote = format!("http://127.0.0.1:{}", index.grpc);
+    let replicas: Vec<common::Serve> = (0..3)
+        .map(|_| common::start_static(&catalog, &["--kv-index-remote", &remote]))
+        .collect();
+    for r in &replicas {
+        // Up: it has started (its engine feeds, none, before its ports) and reached the indexer.
+        until("a replica reaches the indexer", || {
+            metric(r, "kvpick_kv_index_remote_up", &[]) == 1.0
+        })
+        .await;
+        assert_eq!(metric(r, "kvpick_kv_subscriptions", &[]), 0.0);
+    }
+    assert_eq!(b.subscribers(), 1, "the indexer's alone");
+    assert_eq!(metric(&index, "kvpick_kv_subscriptions", &[]), 1.0);
+}
