@@ -154,8 +154,8 @@ impl KvRemote {
         };
         self.set_up(true);
         if response.prompt_blocks as usize != blocks {
-            // The indexer hashes the partition with another block size: its depths are in
-            // blocks this replica does not count in (declare the block size in the catalog).
+            // The indexer bounds prompts at fewer blocks (`--max-prompt-blocks`): its depths
+            // would not be over the same prompt.
             return self.fallback("mismatch");
         }
         self.metrics.answered.inc();
@@ -172,6 +172,11 @@ impl KvRemote {
             return self.fallback("unavailable");
         }
         tracing::debug!(code = ?status.code(), message = status.message(), "remote KV index refused a query");
+        // This replica built the query: hashes the indexer finds malformed are hashes of
+        // another block size than its own (see `mismatch` below).
+        if status.code() == tonic::Code::InvalidArgument {
+            return self.fallback("mismatch");
+        }
         self.fallback("rejected")
     }
 }

@@ -98,3 +98,113 @@ async fn a_refused_connection_is_unavailable() {
     assert_eq!(fallbacks(&metrics, "unavailable"), 1);
     assert_eq!(metrics.answered.get(), 0);
 }
+
+/// The indexer: kvpick's own selection API over a core with workers `a` and `b` of block size
+/// `block_size`, on a loopback port.
+async fn indexer(block_size: u32) -> (Arc<SelectionCore>, String) {
+    use crate::catalog::WorkerSpec;
+    use kvpick_core::catalog::RankLayout;
+    let core = SelectionCore::new(
+        kvpick_core::CoreConfig::default(),
+        crate::metrics::Metrics::new(),
+    );
+    core.apply_snapshot(
+        ["a", "b"]
+            .iter()
+            .zip([1u16, 2])
+            .map(|(name, port)| WorkerSpec {
+                block_size: Some(block_size),
+                ..WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![port]))
+            })
+            .collect(),
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(crate::api::SelectionApi::new(Arc::clone(&core)).into_server())
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    (core, url)
+}
+
+/// The replica's query for a prompt of `tokens` tokens, as its own core (block size 16) hashes it.
+fn replica_query(model: &str, tokens: u32) -> RemoteQuery {
+    use crate::catalog::WorkerSpec;
+    use kvpick_core::catalog::RankLayout;
+    let replica = kvpick_core::Core::new(kvpick_core::CoreConfig::default());
+    let spec = WorkerSpec {
+        block_size: Some(16),
+        ..WorkerSpec::for_test("a", model, RankLayout::PerPort(vec![1]))
+    };
+    replica
+        .apply_source_snapshot("catalog", vec![spec], std::time::Instant::now())
+        .unwrap();
+    replica
+        .remote_query(&crate::selection::SelectionRequest {
+            model: Some(model.into()),
+            prompt: crate::selection::PromptInput::Tokens((0..tokens).collect()),
+            ..Default::default()
+        })
+        .unwrap()
+}
+
+/// The real API answers: the holder's depth comes back, counted as an answer.
+#[tokio::test]
+async fn the_indexers_scores_come_back_as_the_picks_overlap() {
+    let (core, url) = indexer(16).await;
+    let query = replica_query("m", 4 * 16 + 1);
+    let b = RankKey {
+        worker_id: core
+            .list_workers(None)
+            .into_iter()
+            .find(|w| w.record.spec.name == "b")
+            .unwrap()
+            .record
+            .id,
+        dp_rank: 0,
+    };
+    let key = kvpick_core::PartitionKey {
+        model: "m".into(),
+        routing_group: String::new(),
+    };
+    core.insert_blocks(
+        &key,
+        b,
+        &query.seq_hashes,
+        kvpick_core::index::Tier::Gpu,
+        None,
+    );
+    let (remote, metrics) = client(&url, 1_000);
+    let overlap = remote.overlap(query).await.expect("answered");
+    let depth = overlap.ranks().iter().find(|r| r.0 == b).map(|r| r.1.gpu);
+    assert_eq!(depth, Some(4));
+    assert_eq!(metrics.answered.get(), 1);
+    assert_eq!(metrics.up.get(), 1);
+}
+
+/// The indexer answers with an error: it is up (no `down`), and the pick is approximate.
+#[tokio::test]
+async fn a_refusal_is_counted_by_what_it_says_and_does_not_take_the_indexer_down() {
+    let (_core, url) = indexer(16).await;
+    let (remote, metrics) = client(&url, 1_000);
+    // A model the indexer does not serve: UNAVAILABLE from its core, not from the transport.
+    assert!(remote.overlap(replica_query("other", 33)).await.is_none());
+    assert_eq!(fallbacks(&metrics, "rejected"), 1);
+    // Still asked: a refusal is not an outage.
+    assert!(remote.overlap(replica_query("other", 33)).await.is_none());
+    assert_eq!(fallbacks(&metrics, "rejected"), 2);
+    assert_eq!(fallbacks(&metrics, "down"), 0);
+
+    // An indexer whose workers declare blocks of 64 tokens: the replica's 16-token hashes do
+    // not describe the prompt there.
+    let (_core, url) = indexer(64).await;
+    let (remote, metrics) = client(&url, 1_000);
+    assert!(remote
+        .overlap(replica_query("m", 4 * 16 + 1))
+        .await
+        .is_none());
+    assert_eq!(fallbacks(&metrics, "mismatch"), 1);
+    assert_eq!(metrics.answered.get(), 0);
+}
