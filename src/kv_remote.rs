@@ -1,5 +1,6 @@
 //! `--kv-index-remote`: this replica takes its KV view from another kvpick (the indexer, a plain
-//! `serve` that subscribes to the engines' KV events) instead of subscribing itself. Per pick it
+//! `serve` that subscribes to the engines' KV events) instead of subscribing itself (over h2c, or
+//! TLS through [`tls`]). Per pick it
 //! asks the indexer's `OverlapScores` (the public RPC, unchanged) for the prompt's block hashes,
 //! within `--kv-index-remote-timeout-ms`; a slow, down or refusing indexer leaves the pick to
 //! approximate mode (this replica's own predictions), counted by reason. After a failure no
@@ -24,6 +25,8 @@ use crate::proto::selection_client::SelectionClient;
 use crate::proto::SelectRequest;
 use crate::selection::{RankKey, RemoteIndex, RemoteOverlap, RemoteQuery, SelectionCore};
 use kvpick_core::types::TierDepths;
+
+mod tls;
 
 /// Bound on opening the connection to the indexer (a pick never waits for it: its own
 /// deadline is far shorter; the connection keeps being opened behind it).
@@ -57,19 +60,39 @@ pub fn check_timeout_ms(ms: u64) -> anyhow::Result<Duration> {
 }
 
 impl KvRemote {
-    /// A client of the indexer at `url` (`http://host:port`, the indexer's gRPC port served
-    /// with `--secure-serving=false`); connects lazily.
-    pub fn new(url: &str, deadline: Duration, metrics: KvRemoteMetrics) -> anyhow::Result<Self> {
-        if !url.starts_with("http://") {
+    /// A client of the indexer at `url`: `http://host:port` (its gRPC port served with
+    /// `--secure-serving=false`) or `https://host:port` (verified against `ca_file`, else the
+    /// system's roots; `#insecure` at the end: not verified); connects lazily.
+    pub fn new(
+        url: &str,
+        ca_file: Option<&std::path::Path>,
+        deadline: Duration,
+        metrics: KvRemoteMetrics,
+    ) -> anyhow::Result<Self> {
+        let (address, insecure) = match url.strip_suffix("#insecure") {
+            Some(address) => (address, true),
+            None => (url, false),
+        };
+        let tls = address.starts_with("https://");
+        if !tls && !address.starts_with("http://") {
             anyhow::bail!(
-                "--kv-index-remote {url:?}: expected http://host:port (the indexer's gRPC port, served with --secure-serving=false)"
+                "--kv-index-remote {url:?}: expected http://host:port (the indexer's gRPC port served with --secure-serving=false) or https://host:port[#insecure]"
             );
         }
-        let channel = Endpoint::from_shared(url.to_string())
+        if !tls && (insecure || ca_file.is_some()) {
+            anyhow::bail!(
+                "--kv-index-remote {url:?}: #insecure and --kv-index-remote-ca-file need https://"
+            );
+        }
+        let endpoint = Endpoint::from_shared(address.to_string())
             .with_context(|| format!("invalid --kv-index-remote {url:?}"))?
             .connect_timeout(CONNECT_TIMEOUT)
-            .tcp_nodelay(true)
-            .connect_lazy();
+            .tcp_nodelay(true);
+        let channel = if tls {
+            endpoint.connect_with_connector_lazy(tls::TlsConnect::new(ca_file, insecure)?)
+        } else {
+            endpoint.connect_lazy()
+        };
         Ok(KvRemote {
             url: url.to_string(),
             selection: SelectionClient::new(channel.clone()),

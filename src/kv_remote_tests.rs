@@ -10,7 +10,13 @@ use super::*;
 
 fn client(url: &str, deadline_ms: u64) -> (Arc<KvRemote>, KvRemoteMetrics) {
     let metrics = KvRemoteMetrics::register(&Registry::new());
-    let remote = KvRemote::new(url, Duration::from_millis(deadline_ms), metrics.clone()).unwrap();
+    let remote = KvRemote::new(
+        url,
+        None,
+        Duration::from_millis(deadline_ms),
+        metrics.clone(),
+    )
+    .unwrap();
     (Arc::new(remote), metrics)
 }
 
@@ -44,15 +50,28 @@ fn the_deadline_flag_is_bounded_both_ways() {
     assert!(err.contains("--kv-index-remote-timeout-ms"), "{err}");
 }
 
-#[test]
-fn only_a_plain_grpc_url_is_accepted() {
+#[tokio::test]
+async fn only_http_and_https_urls_are_accepted() {
     let metrics = KvRemoteMetrics::register(&Registry::new());
-    for url in ["https://indexer:9002", "indexer:9002", "tcp://indexer:9002"] {
-        let err = KvRemote::new(url, Duration::from_millis(50), metrics.clone())
+    for url in ["indexer:9002", "tcp://indexer:9002", "grpc://indexer:9002"] {
+        let err = KvRemote::new(url, None, Duration::from_millis(50), metrics.clone())
             .err()
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(err.contains("http://host:port"), "{url}: {err}");
+    }
+    let err = KvRemote::new(
+        "http://indexer:9002#insecure",
+        None,
+        Duration::from_millis(50),
+        metrics.clone(),
+    )
+    .err()
+    .map(|e| e.to_string())
+    .unwrap_or_default();
+    assert!(err.contains("need https://"), "{err}");
+    for url in ["https://indexer:9002", "https://indexer:9002#insecure"] {
+        assert!(KvRemote::new(url, None, Duration::from_millis(50), metrics.clone()).is_ok());
     }
 }
 

@@ -675,13 +675,20 @@ pub struct ServeArgs {
     pub shared_state_interval_ms: u64,
 
     /// Take the KV view from another kvpick (the indexer: a `serve` that subscribes to the
-    /// engines' KV events) at this URL (`http://host:port`, its gRPC port served with
-    /// `--secure-serving=false`) instead of subscribing to every engine: this replica opens no
-    /// KV-event subscription, and each pick asks the indexer's `OverlapScores` for the prompt's
-    /// block hashes. A slow or unreachable indexer leaves picks approximate (counted in
-    /// `kvpick_kv_index_remote_fallbacks_total`); the indexer itself runs without this flag.
+    /// engines' KV events) at this URL instead of subscribing to every engine: this replica
+    /// opens no KV-event subscription, and each pick asks the indexer's `OverlapScores` for the
+    /// prompt's block hashes. `https://host:port` (its gRPC port as served by default; add
+    /// `#insecure` to skip the certificate check, e.g. for its generated self-signed one) or
+    /// `http://host:port` (served with `--secure-serving=false`). A slow or unreachable indexer
+    /// leaves picks approximate (counted in `kvpick_kv_index_remote_fallbacks_total`); the
+    /// indexer itself runs without this flag.
     #[arg(long, value_name = "URL", help_heading = "Replicas")]
     pub kv_index_remote: Option<String>,
+
+    /// PEM file of the CA(s) that sign the indexer's certificate (`--kv-index-remote
+    /// https://...`); default: the system's roots.
+    #[arg(long, value_name = "FILE", help_heading = "Replicas")]
+    pub kv_index_remote_ca_file: Option<PathBuf>,
 
     /// Deadline of one `--kv-index-remote` query, in milliseconds (1..=10000): a pick whose
     /// answer has not come by then routes approximately, and no pick asks again until the

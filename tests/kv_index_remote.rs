@@ -278,3 +278,70 @@ async fn three_replicas_on_one_indexer_cost_each_engine_one_subscription() {
     assert_eq!(b.subscribers(), 1, "the indexer's alone");
     assert_eq!(metric(&index, "kvpick_kv_subscriptions", &[]), 1.0);
 }
+
+/// An indexer serving its gRPC port over TLS (kvpick's default): a replica verifying its
+/// certificate against `--kv-index-remote-ca-file`, one skipping the check (`#insecure`), and one
+/// that cannot verify it (the system's roots), which routes approximately and says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_indexer_over_tls_is_verified_against_the_given_ca() {
+    let mut b = FakeEngine::start(0).await.unwrap();
+    let catalog = format!(
+        "workers:\n  - {{name: a, model: m, address: 127.0.0.1, ports: [1], block_size: {BS}}}\n  - {{name: b, model: m, address: 127.0.0.1, ports: [{}], block_size: {BS}, kv_events: \"{}\"}}\n",
+        b.ports.http,
+        b.ports.events_endpoint(),
+    );
+    let certs = common::temp_dir("kvpick-indexer-certs");
+    let cert = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    std::fs::write(certs.join("tls.key"), cert.signing_key.serialize_pem()).unwrap();
+    std::fs::write(certs.join("tls.crt"), cert.cert.pem()).unwrap();
+    let dir = common::temp_dir("kvpick-indexer");
+    std::fs::write(dir.join("catalog.yaml"), &catalog).unwrap();
+    let config = dir.join("catalog.yaml");
+    let index = common::start_with(dir, |c| {
+        c.args(["--catalog-poll-ms", "50", "--cert-path"])
+            .arg(&certs)
+            .arg("--config")
+            .arg(config);
+    });
+    b.subscribed(1).await;
+    b.publish(&[store(3, 2)], true);
+    until("the indexer applied b's store", || {
+        metric(&index, "kvpick_kv_events_total", &[("result", "applied")]) >= 1.0
+    })
+    .await;
+    let b_address = format!("127.0.0.1:{}", b.ports.http);
+    let ca = certs.join("tls.crt");
+    let verified = format!("https://localhost:{}", index.grpc);
+    let insecure = format!("https://127.0.0.1:{}#insecure", index.grpc);
+    for flags in [
+        vec![
+            "--kv-index-remote",
+            &verified,
+            "--kv-index-remote-ca-file",
+            ca.to_str().unwrap(),
+        ],
+        vec!["--kv-index-remote", &insecure],
+    ] {
+        let replica = common::start_static(&catalog, &flags);
+        until("the replica's probe sees the indexer", || {
+            metric(&replica, "kvpick_kv_index_remote_up", &[]) == 1.0
+        })
+        .await;
+        let mut api = common::api(replica.grpc).await;
+        assert_eq!(pick(&mut api, 3, 2).await, b_address, "{flags:?}");
+        assert_eq!(
+            metric(&replica, "kvpick_kv_index_remote_answers_total", &[]),
+            1.0
+        );
+    }
+    // The certificate is nobody the system trusts: no answer, the pick approximate.
+    let replica = common::start_static(&catalog, &["--kv-index-remote", &verified]);
+    let mut api = common::api(replica.grpc).await;
+    pick(&mut api, 3, 2).await;
+    assert!(metric(&replica, "kvpick_kv_index_remote_fallbacks_total", &[]) >= 1.0);
+    assert_eq!(
+        metric(&replica, "kvpick_kv_index_remote_answers_total", &[]),
+        0.0
+    );
+    let _ = std::fs::remove_dir_all(certs);
+}

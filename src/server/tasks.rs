@@ -92,10 +92,14 @@ pub(super) fn start_kv_remote(
 ) -> anyhow::Result<()> {
     let deadline = crate::kv_remote::check_timeout_ms(args.kv_index_remote_timeout_ms)?;
     let Some(url) = &args.kv_index_remote else {
+        if args.kv_index_remote_ca_file.is_some() {
+            anyhow::bail!("--kv-index-remote-ca-file needs --kv-index-remote URL");
+        }
         return Ok(());
     };
     let metrics = crate::metrics::kv_remote::KvRemoteMetrics::register(&metrics.registry);
-    let remote = Arc::new(crate::kv_remote::KvRemote::new(url, deadline, metrics)?);
+    let ca = args.kv_index_remote_ca_file.as_deref();
+    let remote = Arc::new(crate::kv_remote::KvRemote::new(url, ca, deadline, metrics)?);
     remote.start(core);
     tracing::info!(%url, deadline_ms = args.kv_index_remote_timeout_ms, "KV view from a remote index: no KV-event subscriptions");
     Ok(())
