@@ -5,7 +5,7 @@
 //! table of contents in `docs/README.md`; every relative link and `#anchor` in `docs/` and
 //! `README.md` resolves; `docs/headers.md`'s table names every header of the code; and the module tables of `docs/ARCHITECTURE.md` name exactly the modules
 //! of `src/` and `crates/*/src`, whose top-level modules of `src/` import each other without a
-//! circle; and nothing in the repository reads beside its checkout: the traces it needs are in
+//! circle, as do the modules of every crate and the scripts of `e2e/` (`circles.rs`); and nothing in the repository reads beside its checkout: the traces it needs are in
 //! `data/`, with their licence. Reads only files in the repository (and runs `kvpick serve
 //! --help`), so a plain `cargo test` from a fresh clone runs it.
 //!
@@ -15,6 +15,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is a failure report
 
 mod architecture;
+mod circles;
 mod flags;
 mod generated;
 mod headers;
