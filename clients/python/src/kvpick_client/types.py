@@ -59,7 +59,8 @@ class Selection:
 
 @dataclass(frozen=True)
 class OverlapScore:
-    """How many leading blocks of a prompt one rank holds, per tier."""
+    """How many leading blocks of a prompt one rank holds, per tier. Each tier counts blocks held
+    there *or in a faster tier* (``gpu_blocks <= host_blocks <= disk_blocks``)."""
 
     rank: Endpoint
     gpu_blocks: int
@@ -118,7 +119,8 @@ class Worker:
     namespace: str
     model: str
     routing_group: str
-    #: ``ready``, ``draining``, ...; ``reason`` says why when it is not ready.
+    #: ``Schedulable``, ``Draining``, ``Unschedulable`` or ``Incomplete``; ``reason`` says why
+    #: when it takes no picks.
     lifecycle: str
     reason: str
     ranks: tuple[RankLoad, ...]
