@@ -4,7 +4,7 @@ The client is pip-installed from the checkout into a temporary directory (no bui
 no network: the venv's setuptools builds it), which checks that the package installs and that
 these tests exercise the checkout's code, not a copy installed earlier. Every call is made against
 a `kvpick serve` with a static catalog of two fake ranks (nothing listens on them: the selection
-API never contacts a rank), h2c, `--selection-api --worker-api`. Each test starts its own kvpick,
+API never contacts a rank), h2c, `--selection-api --worker-api --allow-pins`. Each test starts its own kvpick,
 so no booking or cached prefix leaks between tests. Readiness is the gRPC readiness service.
 """
 
@@ -67,7 +67,7 @@ def start_kvpick(*flags: str) -> harness.Kvpick:
 
 @pytest.fixture
 def kv():
-    k = start_kvpick("--selection-api", "--worker-api")
+    k = start_kvpick("--selection-api", "--worker-api", "--allow-pins")
     yield k
     k.stop()
 
@@ -190,8 +190,9 @@ def test_a_session_binds_to_its_rank_and_is_honoured(client):
     # Cache another prompt on the *other* rank (a pinned booking), so a free choice goes there.
     tokens = prompt(5)
     [w] = client.loads(MODEL)
-    client.select_and_reserve("pin", MODEL, tokens, pin_worker_id=w.worker_id,
-                              pin_dp_rank=other(bound.dp_rank))
+    pinned = client.select_and_reserve("pin", MODEL, tokens, pin_worker_id=w.worker_id,
+                                       pin_dp_rank=other(bound.dp_rank))
+    assert pinned.primary.dp_rank == other(bound.dp_rank)
     assert client.free("pin")
     free_choice = client.select(MODEL, tokens)
     assert free_choice.primary.dp_rank == other(bound.dp_rank)
@@ -233,6 +234,13 @@ def test_bad_input_maps_to_the_right_exception(kc, client):
         client.select(MODEL, tokens, block_hashes=[1, 2], prompt_tokens=32)
     with pytest.raises(kc.InvalidRequest, match="pin_dp_rank needs pin_worker_id"):
         client.select(MODEL, tokens, pin_dp_rank=0)
+    [w] = client.loads(MODEL)
+    with pytest.raises(kc.InvalidRequest, match="dp rank 2 is out of range"):
+        client.select(MODEL, tokens, pin_worker_id=w.worker_id, pin_dp_rank=2)
+    pinned = client.select(MODEL, tokens, pin_worker_id=w.worker_id, pin_dp_rank=1)
+    assert pinned.primary.dp_rank == 1
+    with pytest.raises(kc.Unavailable, match="pinned worker 7 is not available"):
+        client.select(MODEL, tokens, pin_worker_id=7)
     # Caught before the wire: protobuf refuses a token id outside uint32.
     with pytest.raises(kc.InvalidRequest, match="out of range"):
         client.select(MODEL, [-1])
@@ -295,8 +303,8 @@ def test_the_asyncio_client_does_the_same(kc, kv):
     async def run() -> None:
         async with kc.AsyncKvpickClient(f"127.0.0.1:{kv.grpc_port}") as c:
             tokens = prompt(9)
-            assert (await c.overlap_scores(MODEL, tokens)).by_address() \
-                .values().__iter__().__next__() == 0
+            cold = await c.overlap_scores(MODEL, tokens)
+            assert [s.gpu_blocks for s in cold.scores] == [0, 0]
             booked = await c.select_and_reserve("a1", MODEL, tokens)
             rank = booked.primary.dp_rank
             [w] = await c.loads(MODEL)

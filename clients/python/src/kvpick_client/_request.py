@@ -32,7 +32,8 @@ class SelectOptions(TypedDict, total=False):
     subset: Iterable[str]
     #: How many next-best ranks to return beside the pick.
     fallbacks: int
-    #: Pin the pick to this worker (and, with ``pin_dp_rank``, this rank of it).
+    #: Pin the pick to this worker (and, with ``pin_dp_rank``, this rank of it). Honoured only
+    #: when kvpick runs with ``--allow-pins``; otherwise ignored (the pick is kvpick's own).
     pin_worker_id: int
     pin_dp_rank: int
     #: Negative = sheddable (refused first when the pool is saturated).
