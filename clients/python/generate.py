@@ -5,8 +5,9 @@
 The stubs are committed so that ``pip install clients/python`` needs no code generator; this script
 is how they stay true. It copies the proto into the package (``_proto/selection.proto``, shipped
 with it) and runs ``grpc_tools.protoc`` on that copy, so the generated modules import each other as
-``kvpick_client._proto`` and the descriptor pool names the file ``kvpick_client/_proto/selection.proto``
-(the protobuf package, ``kvpick.v1``, and so every gRPC method path, is unchanged).
+``kvpick_client._proto`` and the descriptor pool names the file
+``kvpick_client/_proto/selection.proto`` (the protobuf package, ``kvpick.v1``, and so every gRPC
+method path, is unchanged).
 
     python clients/python/generate.py          # rewrite the stubs after editing proto/
     python clients/python/generate.py --check  # exit 1 if a committed stub differs

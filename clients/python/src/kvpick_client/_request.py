@@ -5,7 +5,7 @@ server's own validation)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import grpc
 
@@ -54,15 +54,16 @@ def select_request(request_id: str, model: str, token_ids: Sequence[int] | None,
                    options: SelectOptions) -> pb.SelectRequest:
     """The ``SelectRequest`` for these inputs; `InvalidRequest` for a value protobuf refuses
     (a negative or 2^32+ token id, a string where a number goes) or an unknown option."""
-    fields = {k: v for k, v in options.items() if k != "timeout" and v is not None}
+    fields: dict[str, Any] = {k: v for k, v in options.items()
+                              if k != "timeout" and v is not None}
     unknown = set(fields) - _FIELDS
     if unknown:
         raise TypeError(f"unknown selection option(s): {', '.join(sorted(unknown))}")
     if "subset" in fields:
-        fields["subset"] = list(fields["subset"])  # type: ignore[arg-type]
+        fields["subset"] = list(fields["subset"])
     try:
         return pb.SelectRequest(request_id=request_id, model=model,
-                                token_ids=list(token_ids or ()), **fields)  # type: ignore[arg-type]
+                                token_ids=list(token_ids or ()), **fields)
     except (ValueError, TypeError) as e:
         raise InvalidRequest(grpc.StatusCode.INVALID_ARGUMENT, f"bad selection input: {e}") from e
 

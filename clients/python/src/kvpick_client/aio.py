@@ -4,9 +4,9 @@ orchestrators that run an event loop. The same calls, options, results and excep
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import grpc.aio
@@ -20,8 +20,6 @@ from .types import OverlapScores, Selection, Worker
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-T = TypeVar("T")
 
 
 class AsyncKvpickClient:
@@ -39,11 +37,12 @@ class AsyncKvpickClient:
                        if credentials is not None
                        else grpc.aio.insecure_channel(target, options=options))
         self._channel = channel
-        self._stub = pb_grpc.SelectionStub(channel)
+        # The generated stub is untyped; each call site names its response type.
+        self._stub: Any = pb_grpc.SelectionStub(channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._channel.close(None)
 
     async def __aenter__(self) -> AsyncKvpickClient:
         return self
@@ -51,8 +50,7 @@ class AsyncKvpickClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _call(self, method: Callable[..., Awaitable[T]], request: Any,
-                    timeout: float | None) -> T:
+    async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
             return await method(request, timeout=timeout)
         except grpc.RpcError as e:  # grpc.aio.AioRpcError
@@ -89,14 +87,15 @@ class AsyncKvpickClient:
 
     async def prefill_complete(self, request_id: str, *, timeout: float | None = None) -> bool:
         """See `KvpickClient.prefill_complete`."""
-        ack = await self._call(self._stub.PrefillComplete, pb.BookingRef(request_id=request_id),
-                               self._timeout(timeout))
+        ack: pb.BookingAck = await self._call(
+            self._stub.PrefillComplete, pb.BookingRef(request_id=request_id),
+            self._timeout(timeout))
         return ack.found
 
     async def free(self, request_id: str, *, timeout: float | None = None) -> bool:
         """See `KvpickClient.free`."""
-        ack = await self._call(self._stub.Free, pb.BookingRef(request_id=request_id),
-                               self._timeout(timeout))
+        ack: pb.BookingAck = await self._call(
+            self._stub.Free, pb.BookingRef(request_id=request_id), self._timeout(timeout))
         return ack.found
 
     async def overlap_scores(self, model: str, token_ids: Sequence[int] | None = None,
@@ -113,16 +112,16 @@ class AsyncKvpickClient:
     async def list_workers(self, model: str = "", *,
                            timeout: float | None = None) -> list[Worker]:
         """See `KvpickClient.list_workers`."""
-        resp = await self._call(self._stub.ListWorkers, pb.ListWorkersRequest(model=model),
-                                self._timeout(timeout))
+        resp: pb.ListWorkersResponse = await self._call(
+            self._stub.ListWorkers, pb.ListWorkersRequest(model=model), self._timeout(timeout))
         return [Worker.from_pb(w) for w in resp.workers]
 
     async def loads(self, model: str, routing_group: str = "", *,
                     timeout: float | None = None) -> list[Worker]:
         """See `KvpickClient.loads`."""
-        resp = await self._call(self._stub.Loads,
-                                pb.LoadsRequest(model=model, routing_group=routing_group),
-                                self._timeout(timeout))
+        resp: pb.LoadsResponse = await self._call(
+            self._stub.Loads, pb.LoadsRequest(model=model, routing_group=routing_group),
+            self._timeout(timeout))
         return [Worker.from_pb(w) for w in resp.workers]
 
     async def upsert_worker(self, name: str, model: str, address: str, *,
@@ -136,13 +135,13 @@ class AsyncKvpickClient:
                            data_parallel_size=data_parallel_size, routing_group=routing_group,
                            block_size=block_size, kv_events=kv_events,
                            lora_adapters=lora_adapters, roles=roles)
-        ack = await self._call(self._stub.UpsertWorker, spec, self._timeout(timeout))
+        ack: pb.CatalogAck = await self._call(self._stub.UpsertWorker, spec, self._timeout(timeout))
         return ack.worker_id
 
     async def delete_worker(self, name: str, *, timeout: float | None = None) -> bool:
         """See `KvpickClient.delete_worker`."""
-        ack = await self._call(self._stub.DeleteWorker, pb.DeleteWorkerRequest(name=name),
-                               self._timeout(timeout))
+        ack: pb.CatalogAck = await self._call(
+            self._stub.DeleteWorker, pb.DeleteWorkerRequest(name=name), self._timeout(timeout))
         return ack.found
 
 
@@ -153,19 +152,22 @@ class AsyncSession:
         self.client = client
         self.session_id = session_id
 
+    def _options(self, options: SelectOptions) -> SelectOptions:
+        return {**options, "session_id": self.session_id}
+
     async def select(self, model: str, token_ids: Sequence[int] | None = None,
                      **options: Unpack[SelectOptions]) -> Selection:
         return await self.client.select(model, token_ids,
-                                        **{**options, "session_id": self.session_id})
+                                        **self._options(options))
 
     async def select_and_reserve(self, request_id: str, model: str,
                                  token_ids: Sequence[int] | None = None,
                                  **options: Unpack[SelectOptions]) -> Selection:
         return await self.client.select_and_reserve(
-            request_id, model, token_ids, **{**options, "session_id": self.session_id})
+            request_id, model, token_ids, **self._options(options))
 
     def reservation(self, request_id: str, model: str, token_ids: Sequence[int] | None = None,
                     **options: Unpack[SelectOptions]
                     ) -> AbstractAsyncContextManager[Selection]:
         return self.client.reservation(request_id, model, token_ids,
-                                       **{**options, "session_id": self.session_id})
+                                       **self._options(options))

@@ -8,9 +8,9 @@ until `free` (or ``--booking-ttl``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -22,8 +22,6 @@ from .types import OverlapScores, Selection, Worker
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
-
-T = TypeVar("T")
 
 #: Seconds a call waits for its answer unless the client or the call says otherwise.
 DEFAULT_TIMEOUT = 10.0
@@ -49,7 +47,8 @@ class KvpickClient:
                        if credentials is not None
                        else grpc.insecure_channel(target, options=options))
         self._channel = channel
-        self._stub = pb_grpc.SelectionStub(channel)
+        # The generated stub is untyped; each call site names its response type.
+        self._stub: Any = pb_grpc.SelectionStub(channel)  # type: ignore[no-untyped-call]
         self.timeout = timeout
 
     def close(self) -> None:
@@ -62,7 +61,10 @@ class KvpickClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: Callable[..., T], request: Any, timeout: float | None) -> T:
+    def _timeout(self, timeout: float | None) -> float | None:
+        return timeout if timeout is not None else self.timeout
+
+    def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as e:
@@ -111,15 +113,16 @@ class KvpickClient:
     def prefill_complete(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Marks the booking's prefill done (call it on the first response token): its prompt
         tokens leave the rank's prefill load. False when no API booking has this id."""
-        ack = self._call(self._stub.PrefillComplete, pb.BookingRef(request_id=request_id),
-                         timeout if timeout is not None else self.timeout)
+        ack: pb.BookingAck = self._call(
+            self._stub.PrefillComplete, pb.BookingRef(request_id=request_id),
+            self._timeout(timeout))
         return ack.found
 
     def free(self, request_id: str, *, timeout: float | None = None) -> bool:
         """Ends the booking: the rank's load drops it. False when there was none (already freed,
         expired, never made): freeing twice is harmless."""
-        ack = self._call(self._stub.Free, pb.BookingRef(request_id=request_id),
-                         timeout if timeout is not None else self.timeout)
+        ack: pb.BookingAck = self._call(
+            self._stub.Free, pb.BookingRef(request_id=request_id), self._timeout(timeout))
         return ack.found
 
     def overlap_scores(self, model: str, token_ids: Sequence[int] | None = None,
@@ -142,17 +145,18 @@ class KvpickClient:
     # -- catalog and load ------------------------------------------------------------------
 
     def list_workers(self, model: str = "", *, timeout: float | None = None) -> list[Worker]:
-        """The catalog as the core sees it (every model, or only ``model``), with each rank's load."""
-        resp = self._call(self._stub.ListWorkers, pb.ListWorkersRequest(model=model),
-                          timeout if timeout is not None else self.timeout)
+        """The catalog as the core sees it (every model, or only ``model``), with each rank's
+        load."""
+        resp: pb.ListWorkersResponse = self._call(
+            self._stub.ListWorkers, pb.ListWorkersRequest(model=model), self._timeout(timeout))
         return [Worker.from_pb(w) for w in resp.workers]
 
     def loads(self, model: str, routing_group: str = "", *,
               timeout: float | None = None) -> list[Worker]:
         """The workers of one model's partition (and routing group) with per-rank load."""
-        resp = self._call(self._stub.Loads,
-                          pb.LoadsRequest(model=model, routing_group=routing_group),
-                          timeout if timeout is not None else self.timeout)
+        resp: pb.LoadsResponse = self._call(
+            self._stub.Loads, pb.LoadsRequest(model=model, routing_group=routing_group),
+            self._timeout(timeout))
         return [Worker.from_pb(w) for w in resp.workers]
 
     def upsert_worker(self, name: str, model: str, address: str, *,
@@ -167,14 +171,13 @@ class KvpickClient:
                            data_parallel_size=data_parallel_size, routing_group=routing_group,
                            block_size=block_size, kv_events=kv_events,
                            lora_adapters=lora_adapters, roles=roles)
-        ack = self._call(self._stub.UpsertWorker, spec,
-                         timeout if timeout is not None else self.timeout)
+        ack: pb.CatalogAck = self._call(self._stub.UpsertWorker, spec, self._timeout(timeout))
         return ack.worker_id
 
     def delete_worker(self, name: str, *, timeout: float | None = None) -> bool:
         """Removes a worker added with `upsert_worker`; False when there was none."""
-        ack = self._call(self._stub.DeleteWorker, pb.DeleteWorkerRequest(name=name),
-                         timeout if timeout is not None else self.timeout)
+        ack: pb.CatalogAck = self._call(
+            self._stub.DeleteWorker, pb.DeleteWorkerRequest(name=name), self._timeout(timeout))
         return ack.found
 
 
@@ -185,20 +188,23 @@ class Session:
         self.client = client
         self.session_id = session_id
 
+    def _options(self, options: SelectOptions) -> SelectOptions:
+        return {**options, "session_id": self.session_id}
+
     def select(self, model: str, token_ids: Sequence[int] | None = None,
                **options: Unpack[SelectOptions]) -> Selection:
         """`KvpickClient.select` in this session: the rank the session is bound to, if any."""
-        return self.client.select(model, token_ids, **{**options, "session_id": self.session_id})
+        return self.client.select(model, token_ids, **self._options(options))
 
     def select_and_reserve(self, request_id: str, model: str,
                            token_ids: Sequence[int] | None = None,
                            **options: Unpack[SelectOptions]) -> Selection:
         """`KvpickClient.select_and_reserve` in this session (the first one binds it)."""
         return self.client.select_and_reserve(request_id, model, token_ids,
-                                              **{**options, "session_id": self.session_id})
+                                              **self._options(options))
 
     def reservation(self, request_id: str, model: str, token_ids: Sequence[int] | None = None,
                     **options: Unpack[SelectOptions]) -> AbstractContextManager[Selection]:
         """`KvpickClient.reservation` in this session."""
         return self.client.reservation(request_id, model, token_ids,
-                                       **{**options, "session_id": self.session_id})
+                                       **self._options(options))

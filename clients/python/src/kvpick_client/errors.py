@@ -2,19 +2,15 @@
 
 kvpick's selection API uses the gRPC codes of its HTTP table (``proto/kvpick/v1/selection.proto``):
 
-==========================  ===============  ==========================================================
-gRPC status                 exception        when kvpick answers it
-==========================  ===============  ==========================================================
-``INVALID_ARGUMENT`` (400)  `InvalidRequest`   missing ``model`` or ``request_id``, ``token_ids`` *and*
-                                             ``block_hashes``, an over-long ``session_id``, a bad worker
-``ALREADY_EXISTS`` (409)    `Conflict`         a live booking already has this ``request_id``
-``RESOURCE_EXHAUSTED`` (429) `Overloaded`      every eligible rank is saturated (flow control refused it)
-``UNAVAILABLE`` (503)       `Unavailable`      no schedulable rank for the model (unknown model, none
-                                             ready), or the server cannot be reached
-``PERMISSION_DENIED``       `PermissionDenied` bookings without ``--selection-api``, catalog writes
-                                             without ``--worker-api``
-``DEADLINE_EXCEEDED``       `DeadlineExceeded` the call's ``timeout`` passed
-==========================  ===============  ==========================================================
+- ``INVALID_ARGUMENT`` (400) -> `InvalidRequest`: missing ``model`` or ``request_id``, both
+  ``token_ids`` and ``block_hashes``, an over-long ``session_id``, a bad pin or worker spec;
+- ``ALREADY_EXISTS`` (409) -> `Conflict`: a live booking already has this ``request_id``;
+- ``RESOURCE_EXHAUSTED`` (429) -> `Overloaded`: every eligible rank is saturated;
+- ``UNAVAILABLE`` (503) -> `Unavailable`: no schedulable rank for the model (unknown model, none
+  ready), or kvpick cannot be reached;
+- ``PERMISSION_DENIED`` -> `PermissionDenied`: bookings without ``--selection-api``, catalog
+  writes without ``--worker-api``;
+- ``DEADLINE_EXCEEDED`` -> `DeadlineExceeded`: the call's ``timeout`` passed.
 
 Any other status raises the base class, `KvpickError`. Every exception keeps the gRPC status
 (``code``) and kvpick's message (``details``); catching `KvpickError` catches them all.
