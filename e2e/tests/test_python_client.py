@@ -209,6 +209,56 @@ def test_a_session_binds_to_its_rank_and_is_honoured(client):
         == other(bound.dp_rank)
 
 
+def warm(client, name: str, tokens: list[int], rank: int) -> None:
+    """Caches ``tokens`` on ``rank`` (a pinned booking, freed at once)."""
+    [w] = client.loads(MODEL)
+    pick = client.select_and_reserve(name, MODEL, tokens, pin_worker_id=w.worker_id,
+                                     pin_dp_rank=rank)
+    assert pick.primary.dp_rank == rank
+    assert client.free(name)
+
+
+def test_a_final_request_releases_its_sessions_binding(kv, client):
+    session = client.session("short-lived")
+    bound = session.select_and_reserve("f1", MODEL, prompt(12)).primary
+    assert client.free("f1")
+    tokens = prompt(13)
+    warm(client, "f-warm", tokens, other(bound.dp_rank))
+    # A query marked final only reads the binding.
+    assert session.select(MODEL, tokens, session_final=True).primary == bound
+    assert kv.metric("kvpick_session_bindings") == 1
+    # The final booking is routed on the binding, which is released with it.
+    with session.reservation("f2", MODEL, tokens, session_final=True) as last:
+        assert last.primary == bound
+    assert kv.metric("kvpick_session_invalidated_total", reason="final") == 1
+    assert kv.metric("kvpick_session_bindings") == 0
+    # The session id is free again: its next pick follows the cache, not the old rank.
+    assert session.select(MODEL, tokens).primary.dp_rank == other(bound.dp_rank)
+
+
+def test_a_child_session_starts_on_its_parents_rank(kc, kv, client):
+    parent = client.session("agent")
+    bound = parent.select_and_reserve("p1", MODEL, prompt(14)).primary
+    assert client.free("p1")
+    # The child's prompt is cached (3 blocks) on the other rank: within the soft margin
+    # (--session-soft-margin, 64 blocks), the child still starts where its parent is.
+    tokens = prompt(15)
+    warm(client, "c-warm", tokens, other(bound.dp_rank))
+    assert client.session("unrelated").select(MODEL, tokens).primary.dp_rank \
+        == other(bound.dp_rank)
+    child = parent.child("agent/sub-1")
+    assert child.parent_session_id == "agent"
+    with child.reservation("c1", MODEL, tokens) as pick:
+        assert pick.primary == bound
+    assert kv.metric("kvpick_session_events_total", event="parent_followed") == 1
+    # The same through the plain option, and the id bounds (256 bytes passes, 257 does not).
+    assert client.select(MODEL, tokens, session_id="agent/sub-2",
+                         parent_session_id="agent").primary == bound
+    assert client.select(MODEL, tokens, session_id="c", parent_session_id="p" * 256)
+    with pytest.raises(kc.InvalidRequest, match="parent_session_id"):
+        client.select(MODEL, tokens, session_id="c", parent_session_id="p" * 257)
+
+
 def test_catalog_calls(kc, client):
     worker_id = client.upsert_worker("x", MODEL, "127.0.0.1", port=free_port(),
                                      data_parallel_size=2)

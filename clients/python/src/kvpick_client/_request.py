@@ -25,8 +25,15 @@ class SelectOptions(TypedDict, total=False):
     block_hashes: Sequence[int]
     #: The prompt's length in tokens, with ``block_hashes``.
     prompt_tokens: int
-    #: Requests of one session stick to the rank that holds its KV cache (``--affinity-mode``).
+    #: Requests of one session stick to the rank that holds its KV cache
+    #: (``--session-affinity-mode``); at most 256 bytes.
     session_id: str
+    #: The parent of a child session (a subagent): the child's first pick prefers the parent's
+    #: bound rank within ``--session-soft-margin`` blocks; at most 256 bytes.
+    parent_session_id: str
+    #: The session's last request: routed on its binding, which ``select_and_reserve`` then
+    #: releases (``select`` only reads it).
+    session_final: bool
     routing_group: str
     #: Restrict the pick to these endpoints (``"ip:port"`` or a bare ``"ip"``).
     subset: Iterable[str]

@@ -105,9 +105,9 @@ class AsyncKvpickClient:
         return OverlapScores.from_pb(await self._call(self._stub.OverlapScores, req,
                                                       timeout_of(options, self.timeout)))
 
-    def session(self, session_id: str) -> AsyncSession:
+    def session(self, session_id: str, *, parent_session_id: str = "") -> AsyncSession:
         """See `KvpickClient.session`."""
-        return AsyncSession(self, session_id)
+        return AsyncSession(self, session_id, parent_session_id)
 
     async def list_workers(self, model: str = "", *,
                            timeout: float | None = None) -> list[Worker]:
@@ -148,12 +148,21 @@ class AsyncKvpickClient:
 class AsyncSession:
     """The calls of `AsyncKvpickClient` with one ``session_id`` filled in."""
 
-    def __init__(self, client: AsyncKvpickClient, session_id: str) -> None:
+    def __init__(self, client: AsyncKvpickClient, session_id: str,
+                 parent_session_id: str = "") -> None:
         self.client = client
         self.session_id = session_id
+        self.parent_session_id = parent_session_id
 
     def _options(self, options: SelectOptions) -> SelectOptions:
-        return {**options, "session_id": self.session_id}
+        merged: SelectOptions = {**options, "session_id": self.session_id}
+        if self.parent_session_id:
+            merged["parent_session_id"] = self.parent_session_id
+        return merged
+
+    def child(self, session_id: str) -> AsyncSession:
+        """A child session (a subagent) of this one: its first pick prefers this session's rank."""
+        return AsyncSession(self.client, session_id, self.session_id)
 
     async def select(self, model: str, token_ids: Sequence[int] | None = None,
                      **options: Unpack[SelectOptions]) -> Selection:

@@ -135,12 +135,13 @@ class KvpickClient:
 
     # -- sessions --------------------------------------------------------------------------
 
-    def session(self, session_id: str) -> Session:
-        """A handle whose calls all carry ``session_id``: its first reserved request binds the
-        session to a rank, and later ones go to that rank (``--affinity-mode hard``) or prefer
-        it (``soft``) while it is schedulable. The binding outlives the session's last booking by
-        ``--session-ttl``."""
-        return Session(self, session_id)
+    def session(self, session_id: str, *, parent_session_id: str = "") -> Session:
+        """A handle whose calls all carry ``session_id`` (and ``parent_session_id``, for a child
+        session): its first reserved request binds the session to a rank, and later ones go to
+        that rank (``--session-affinity-mode hard``) or prefer it (``soft``) while it is
+        schedulable. The binding idles out ``--session-ttl`` seconds after the session's last
+        booking ends, or as soon as a booking made with ``session_final=True`` is freed."""
+        return Session(self, session_id, parent_session_id)
 
     # -- catalog and load ------------------------------------------------------------------
 
@@ -184,12 +185,20 @@ class KvpickClient:
 class Session:
     """The calls of `KvpickClient` with one ``session_id`` filled in (`KvpickClient.session`)."""
 
-    def __init__(self, client: KvpickClient, session_id: str) -> None:
+    def __init__(self, client: KvpickClient, session_id: str, parent_session_id: str = "") -> None:
         self.client = client
         self.session_id = session_id
+        self.parent_session_id = parent_session_id
 
     def _options(self, options: SelectOptions) -> SelectOptions:
-        return {**options, "session_id": self.session_id}
+        merged: SelectOptions = {**options, "session_id": self.session_id}
+        if self.parent_session_id:
+            merged["parent_session_id"] = self.parent_session_id
+        return merged
+
+    def child(self, session_id: str) -> Session:
+        """A child session (a subagent) of this one: its first pick prefers this session's rank."""
+        return Session(self.client, session_id, self.session_id)
 
     def select(self, model: str, token_ids: Sequence[int] | None = None,
                **options: Unpack[SelectOptions]) -> Selection:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvpick_client/_proto/selection.proto\x12\tkvpick.v1\"\xe8\x02\n\rSelectRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06subset\x18\x04 \x03(\t\x12\x11\n\tfallbacks\x18\x05 \x01(\r\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x15\n\rrouting_group\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x04\x12\x15\n\rprompt_tokens\x18\t \x01(\x04\x12\x1a\n\rpin_worker_id\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x0bpin_dp_rank\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x18\n\x0btemperature\x18\r \x01(\x01H\x02\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0e \x01(\tB\x10\n\x0e_pin_worker_idB\x0e\n\x0c_pin_dp_rankB\x0e\n\x0c_temperature\"n\n\x08\x45ndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10multiplexed_rank\x18\x04 \x01(\x08\x12\x13\n\x0bworker_name\x18\x05 \x01(\t\"\xe6\x01\n\x0eSelectResponse\x12$\n\x07primary\x18\x01 \x01(\x0b\x32\x13.kvpick.v1.Endpoint\x12&\n\tfallbacks\x18\x02 \x03(\x0b\x32\x13.kvpick.v1.Endpoint\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x04 \x01(\x04\x12\x0c\n\x04\x63ost\x18\x05 \x01(\x01\x12\x15\n\rprompt_blocks\x18\x06 \x01(\r\x12)\n\x07prefill\x18\x07 \x01(\x0b\x32\x13.kvpick.v1.EndpointH\x00\x88\x01\x01\x42\n\n\x08_prefill\" \n\nBookingRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nBookingAck\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xb5\x01\n\x08RankLoad\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x04\x12\x1d\n\x15\x61\x63tive_prefill_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x61\x63tive_decode_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bunreachable\x18\x06 \x01(\x08\x12\x1c\n\x14kv_events_block_size\x18\x07 \x01(\r\"\xe7\x01\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rrouting_group\x18\x04 \x01(\t\x12\x11\n\tlifecycle\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\"\n\x05ranks\x18\x07 \x03(\x0b\x32\x13.kvpick.v1.RankLoad\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rlora_adapters\x18\t \x03(\t\x12\x11\n\tkv_events\x18\n \x01(\t\x12\x11\n\tnamespace\x18\x0b \x01(\t\"9\n\x13ListWorkersResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.kvpick.v1.Worker\"\xd7\x01\n\nWorkerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rrouting_group\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05ports\x18\x05 \x03(\r\x12\x0c\n\x04port\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x11\n\tkv_events\x18\t \x01(\t\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\r\n\x05roles\x18\x0b \x03(\t\"#\n\x13\x44\x65leteWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\".\n\nCatalogAck\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"4\n\x0cLoadsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rrouting_group\x18\x02 \x01(\t\"3\n\rLoadsResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.kvpick.v1.Worker\"o\n\x0cOverlapScore\x12!\n\x04rank\x18\x01 \x01(\x0b\x32\x13.kvpick.v1.Endpoint\x12\x12\n\ngpu_blocks\x18\x02 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x04 \x01(\r\"W\n\x15OverlapScoresResponse\x12\'\n\x06scores\x18\x01 \x03(\x0b\x32\x17.kvpick.v1.OverlapScore\x12\x15\n\rprompt_blocks\x18\x02 \x01(\r2\xe6\x04\n\tSelection\x12=\n\x06Select\x12\x18.kvpick.v1.SelectRequest\x1a\x19.kvpick.v1.SelectResponse\x12G\n\x10SelectAndReserve\x12\x18.kvpick.v1.SelectRequest\x1a\x19.kvpick.v1.SelectResponse\x12?\n\x0fPrefillComplete\x12\x15.kvpick.v1.BookingRef\x1a\x15.kvpick.v1.BookingAck\x12\x34\n\x04\x46ree\x12\x15.kvpick.v1.BookingRef\x1a\x15.kvpick.v1.BookingAck\x12L\n\x0bListWorkers\x12\x1d.kvpick.v1.ListWorkersRequest\x1a\x1e.kvpick.v1.ListWorkersResponse\x12<\n\x0cUpsertWorker\x12\x15.kvpick.v1.WorkerSpec\x1a\x15.kvpick.v1.CatalogAck\x12\x45\n\x0c\x44\x65leteWorker\x12\x1e.kvpick.v1.DeleteWorkerRequest\x1a\x15.kvpick.v1.CatalogAck\x12:\n\x05Loads\x12\x17.kvpick.v1.LoadsRequest\x1a\x18.kvpick.v1.LoadsResponse\x12K\n\rOverlapScores\x12\x18.kvpick.v1.SelectRequest\x1a .kvpick.v1.OverlapScoresResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$kvpick_client/_proto/selection.proto\x12\tkvpick.v1\"\x9a\x03\n\rSelectRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0e\n\x06subset\x18\x04 \x03(\t\x12\x11\n\tfallbacks\x18\x05 \x01(\r\x12\x12\n\nsession_id\x18\x06 \x01(\t\x12\x15\n\rrouting_group\x18\x07 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x08 \x03(\x04\x12\x15\n\rprompt_tokens\x18\t \x01(\x04\x12\x1a\n\rpin_worker_id\x18\n \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x0bpin_dp_rank\x18\x0b \x01(\rH\x01\x88\x01\x01\x12\x10\n\x08priority\x18\x0c \x01(\x05\x12\x18\n\x0btemperature\x18\r \x01(\x01H\x02\x88\x01\x01\x12\x12\n\ncache_salt\x18\x0e \x01(\t\x12\x19\n\x11parent_session_id\x18\x0f \x01(\t\x12\x15\n\rsession_final\x18\x10 \x01(\x08\x42\x10\n\x0e_pin_worker_idB\x0e\n\x0c_pin_dp_rankB\x0e\n\x0c_temperature\"n\n\x08\x45ndpoint\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x18\n\x10multiplexed_rank\x18\x04 \x01(\x08\x12\x13\n\x0bworker_name\x18\x05 \x01(\t\"\xe6\x01\n\x0eSelectResponse\x12$\n\x07primary\x18\x01 \x01(\x0b\x32\x13.kvpick.v1.Endpoint\x12&\n\tfallbacks\x18\x02 \x03(\x0b\x32\x13.kvpick.v1.Endpoint\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x16\n\x0eoverlap_blocks\x18\x04 \x01(\x04\x12\x0c\n\x04\x63ost\x18\x05 \x01(\x01\x12\x15\n\rprompt_blocks\x18\x06 \x01(\r\x12)\n\x07prefill\x18\x07 \x01(\x0b\x32\x13.kvpick.v1.EndpointH\x00\x88\x01\x01\x42\n\n\x08_prefill\" \n\nBookingRef\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1b\n\nBookingAck\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xb5\x01\n\x08RankLoad\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x17\n\x0f\x61\x63tive_requests\x18\x03 \x01(\x04\x12\x1d\n\x15\x61\x63tive_prefill_tokens\x18\x04 \x01(\x04\x12\x1c\n\x14\x61\x63tive_decode_blocks\x18\x05 \x01(\x04\x12\x13\n\x0bunreachable\x18\x06 \x01(\x08\x12\x1c\n\x14kv_events_block_size\x18\x07 \x01(\r\"\xe7\x01\n\x06Worker\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\x15\n\rrouting_group\x18\x04 \x01(\t\x12\x11\n\tlifecycle\x18\x05 \x01(\t\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\"\n\x05ranks\x18\x07 \x03(\x0b\x32\x13.kvpick.v1.RankLoad\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x15\n\rlora_adapters\x18\t \x03(\t\x12\x11\n\tkv_events\x18\n \x01(\t\x12\x11\n\tnamespace\x18\x0b \x01(\t\"9\n\x13ListWorkersResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.kvpick.v1.Worker\"\xd7\x01\n\nWorkerSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rrouting_group\x18\x03 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\x12\r\n\x05ports\x18\x05 \x03(\r\x12\x0c\n\x04port\x18\x06 \x01(\r\x12\x1a\n\x12\x64\x61ta_parallel_size\x18\x07 \x01(\r\x12\x12\n\nblock_size\x18\x08 \x01(\r\x12\x11\n\tkv_events\x18\t \x01(\t\x12\x15\n\rlora_adapters\x18\n \x03(\t\x12\r\n\x05roles\x18\x0b \x03(\t\"#\n\x13\x44\x65leteWorkerRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\".\n\nCatalogAck\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\"4\n\x0cLoadsRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rrouting_group\x18\x02 \x01(\t\"3\n\rLoadsResponse\x12\"\n\x07workers\x18\x01 \x03(\x0b\x32\x11.kvpick.v1.Worker\"o\n\x0cOverlapScore\x12!\n\x04rank\x18\x01 \x01(\x0b\x32\x13.kvpick.v1.Endpoint\x12\x12\n\ngpu_blocks\x18\x02 \x01(\r\x12\x13\n\x0bhost_blocks\x18\x03 \x01(\r\x12\x13\n\x0b\x64isk_blocks\x18\x04 \x01(\r\"W\n\x15OverlapScoresResponse\x12\'\n\x06scores\x18\x01 \x03(\x0b\x32\x17.kvpick.v1.OverlapScore\x12\x15\n\rprompt_blocks\x18\x02 \x01(\r2\xe6\x04\n\tSelection\x12=\n\x06Select\x12\x18.kvpick.v1.SelectRequest\x1a\x19.kvpick.v1.SelectResponse\x12G\n\x10SelectAndReserve\x12\x18.kvpick.v1.SelectRequest\x1a\x19.kvpick.v1.SelectResponse\x12?\n\x0fPrefillComplete\x12\x15.kvpick.v1.BookingRef\x1a\x15.kvpick.v1.BookingAck\x12\x34\n\x04\x46ree\x12\x15.kvpick.v1.BookingRef\x1a\x15.kvpick.v1.BookingAck\x12L\n\x0bListWorkers\x12\x1d.kvpick.v1.ListWorkersRequest\x1a\x1e.kvpick.v1.ListWorkersResponse\x12<\n\x0cUpsertWorker\x12\x15.kvpick.v1.WorkerSpec\x1a\x15.kvpick.v1.CatalogAck\x12\x45\n\x0c\x44\x65leteWorker\x12\x1e.kvpick.v1.DeleteWorkerRequest\x1a\x15.kvpick.v1.CatalogAck\x12:\n\x05Loads\x12\x17.kvpick.v1.LoadsRequest\x1a\x18.kvpick.v1.LoadsResponse\x12K\n\rOverlapScores\x12\x18.kvpick.v1.SelectRequest\x1a .kvpick.v1.OverlapScoresResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,37 +32,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvpick_client._proto.select
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SELECTREQUEST']._serialized_start=52
-  _globals['_SELECTREQUEST']._serialized_end=412
-  _globals['_ENDPOINT']._serialized_start=414
-  _globals['_ENDPOINT']._serialized_end=524
-  _globals['_SELECTRESPONSE']._serialized_start=527
-  _globals['_SELECTRESPONSE']._serialized_end=757
-  _globals['_BOOKINGREF']._serialized_start=759
-  _globals['_BOOKINGREF']._serialized_end=791
-  _globals['_BOOKINGACK']._serialized_start=793
-  _globals['_BOOKINGACK']._serialized_end=820
-  _globals['_LISTWORKERSREQUEST']._serialized_start=822
-  _globals['_LISTWORKERSREQUEST']._serialized_end=857
-  _globals['_RANKLOAD']._serialized_start=860
-  _globals['_RANKLOAD']._serialized_end=1041
-  _globals['_WORKER']._serialized_start=1044
-  _globals['_WORKER']._serialized_end=1275
-  _globals['_LISTWORKERSRESPONSE']._serialized_start=1277
-  _globals['_LISTWORKERSRESPONSE']._serialized_end=1334
-  _globals['_WORKERSPEC']._serialized_start=1337
-  _globals['_WORKERSPEC']._serialized_end=1552
-  _globals['_DELETEWORKERREQUEST']._serialized_start=1554
-  _globals['_DELETEWORKERREQUEST']._serialized_end=1589
-  _globals['_CATALOGACK']._serialized_start=1591
-  _globals['_CATALOGACK']._serialized_end=1637
-  _globals['_LOADSREQUEST']._serialized_start=1639
-  _globals['_LOADSREQUEST']._serialized_end=1691
-  _globals['_LOADSRESPONSE']._serialized_start=1693
-  _globals['_LOADSRESPONSE']._serialized_end=1744
-  _globals['_OVERLAPSCORE']._serialized_start=1746
-  _globals['_OVERLAPSCORE']._serialized_end=1857
-  _globals['_OVERLAPSCORESRESPONSE']._serialized_start=1859
-  _globals['_OVERLAPSCORESRESPONSE']._serialized_end=1946
-  _globals['_SELECTION']._serialized_start=1949
-  _globals['_SELECTION']._serialized_end=2563
+  _globals['_SELECTREQUEST']._serialized_end=462
+  _globals['_ENDPOINT']._serialized_start=464
+  _globals['_ENDPOINT']._serialized_end=574
+  _globals['_SELECTRESPONSE']._serialized_start=577
+  _globals['_SELECTRESPONSE']._serialized_end=807
+  _globals['_BOOKINGREF']._serialized_start=809
+  _globals['_BOOKINGREF']._serialized_end=841
+  _globals['_BOOKINGACK']._serialized_start=843
+  _globals['_BOOKINGACK']._serialized_end=870
+  _globals['_LISTWORKERSREQUEST']._serialized_start=872
+  _globals['_LISTWORKERSREQUEST']._serialized_end=907
+  _globals['_RANKLOAD']._serialized_start=910
+  _globals['_RANKLOAD']._serialized_end=1091
+  _globals['_WORKER']._serialized_start=1094
+  _globals['_WORKER']._serialized_end=1325
+  _globals['_LISTWORKERSRESPONSE']._serialized_start=1327
+  _globals['_LISTWORKERSRESPONSE']._serialized_end=1384
+  _globals['_WORKERSPEC']._serialized_start=1387
+  _globals['_WORKERSPEC']._serialized_end=1602
+  _globals['_DELETEWORKERREQUEST']._serialized_start=1604
+  _globals['_DELETEWORKERREQUEST']._serialized_end=1639
+  _globals['_CATALOGACK']._serialized_start=1641
+  _globals['_CATALOGACK']._serialized_end=1687
+  _globals['_LOADSREQUEST']._serialized_start=1689
+  _globals['_LOADSREQUEST']._serialized_end=1741
+  _globals['_LOADSRESPONSE']._serialized_start=1743
+  _globals['_LOADSRESPONSE']._serialized_end=1794
+  _globals['_OVERLAPSCORE']._serialized_start=1796
+  _globals['_OVERLAPSCORE']._serialized_end=1907
+  _globals['_OVERLAPSCORESRESPONSE']._serialized_start=1909
+  _globals['_OVERLAPSCORESRESPONSE']._serialized_end=1996
+  _globals['_SELECTION']._serialized_start=1999
+  _globals['_SELECTION']._serialized_end=2613
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SelectRequest(_message.Message):
-    __slots__ = ("request_id", "model", "token_ids", "subset", "fallbacks", "session_id", "routing_group", "block_hashes", "prompt_tokens", "pin_worker_id", "pin_dp_rank", "priority", "temperature", "cache_salt")
+    __slots__ = ("request_id", "model", "token_ids", "subset", "fallbacks", "session_id", "routing_group", "block_hashes", "prompt_tokens", "pin_worker_id", "pin_dp_rank", "priority", "temperature", "cache_salt", "parent_session_id", "session_final")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -22,6 +22,8 @@ class SelectRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FINAL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -36,7 +38,9 @@ class SelectRequest(_message.Message):
     priority: int
     temperature: float
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., subset: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[int] = ..., session_id: _Optional[str] = ..., routing_group: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., pin_worker_id: _Optional[int] = ..., pin_dp_rank: _Optional[int] = ..., priority: _Optional[int] = ..., temperature: _Optional[float] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    parent_session_id: str
+    session_final: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., subset: _Optional[_Iterable[str]] = ..., fallbacks: _Optional[int] = ..., session_id: _Optional[str] = ..., routing_group: _Optional[str] = ..., block_hashes: _Optional[_Iterable[int]] = ..., prompt_tokens: _Optional[int] = ..., pin_worker_id: _Optional[int] = ..., pin_dp_rank: _Optional[int] = ..., priority: _Optional[int] = ..., temperature: _Optional[float] = ..., cache_salt: _Optional[str] = ..., parent_session_id: _Optional[str] = ..., session_final: _Optional[bool] = ...) -> None: ...
 
 class Endpoint(_message.Message):
     __slots__ = ("worker_id", "dp_rank", "address", "multiplexed_rank", "worker_name")
