@@ -319,6 +319,28 @@ def test_bad_input_maps_to_the_right_exception(kc, client):
     assert isinstance(e.value, kc.KvpickError)
 
 
+def test_a_saturated_pool_is_overloaded_until_a_prefill_completes(kc):
+    """Busy threshold of 64 prefill tokens per rank: two 64-token bookings fill both ranks, the
+    third is refused (429), and a prefill marked complete makes room again."""
+    kv = start_kvpick("--selection-api", "--active-prefill-tokens-threshold", "64")
+    try:
+        with kc.KvpickClient(f"127.0.0.1:{kv.grpc_port}") as c:
+            first = c.select_and_reserve("b1", MODEL, prompt(16))
+            second = c.select_and_reserve("b2", MODEL, prompt(17))
+            assert {first.primary.dp_rank, second.primary.dp_rank} == {0, 1}
+            with pytest.raises(kc.Overloaded) as e:
+                c.select_and_reserve("b3", MODEL, prompt(18))
+            assert e.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert e.value.http_status == 429
+            assert c.free("b3") is False, "a refused request books nothing"
+            assert c.prefill_complete("b1")
+            third = c.select_and_reserve("b3", MODEL, prompt(18))
+            assert third.primary == first.primary
+            assert all(c.free(r) for r in ("b1", "b2", "b3"))
+    finally:
+        kv.stop()
+
+
 def test_bookings_without_the_selection_api_flag_are_permission_denied(kc):
     kv = start_kvpick()
     try:
