@@ -54,7 +54,7 @@ class AsyncKvpickClient:
         try:
             return await method(request, timeout=timeout)
         except grpc.RpcError as e:  # grpc.aio.AioRpcError
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e) from e
 
     def _timeout(self, timeout: float | None) -> float | None:
         return timeout if timeout is not None else self.timeout

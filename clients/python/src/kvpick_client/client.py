@@ -68,7 +68,7 @@ class KvpickClient:
         try:
             return method(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from None
+            raise from_rpc_error(e) from e
 
     # -- selection -------------------------------------------------------------------------
 
