@@ -60,7 +60,14 @@ fn fixture_on(core: Arc<SelectionCore>, cap: usize) -> Fixture {
     }
 }
 
-async fn connect(service: ExtProcService) -> ExternalProcessorClient<tonic::transport::Channel> {
+type Client = ExternalProcessorClient<tonic::transport::Channel>;
+
+async fn connect(service: ExtProcService) -> Client {
+    connect_twice(service).await.0
+}
+
+/// Two clients, each on its own connection to one server.
+async fn connect_twice(service: ExtProcService) -> (Client, Client) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(
@@ -68,7 +75,8 @@ async fn connect(service: ExtProcService) -> ExternalProcessorClient<tonic::tran
             .add_service(service.into_server())
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
-    ExternalProcessorClient::connect(url).await.unwrap()
+    let one = ExternalProcessorClient::connect(url.clone()).await.unwrap();
+    (one, ExternalProcessorClient::connect(url).await.unwrap())
 }
 
 fn message(r: processing_request::Request) -> ProcessingRequest {
@@ -257,7 +265,7 @@ async fn at_the_cap_a_new_stream_takes_the_place_of_the_stream_idle_longest_befo
         budget,
     } = fixture(4);
     let live = service.live_streams();
-    let mut client = connect(service).await;
+    let (mut client, mut envoy) = connect_twice(service).await;
     let (head, _) = BODY.split_at(10);
     // The oldest holds part of a body; three more wait for theirs, opened 10 ms later.
     let mut oldest = Stream::open(&mut client, vec![headers(), body(head, false)]).await;
@@ -270,8 +278,9 @@ async fn at_the_cap_a_new_stream_takes_the_place_of_the_stream_idle_longest_befo
     until(|| cap.open() == 4).await;
     tokio::time::advance(GRACE).await;
 
-    // All four are past the grace: the new stream is served in the oldest's place.
-    let mut new = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    // All four are past the grace: the new stream, on a connection holding no waiting stream
+    // (as Envoy's), is served in the oldest's place.
+    let mut new = Stream::open(&mut envoy, vec![headers(), body(BODY, true)]).await;
     let routed = new.next().await.unwrap().unwrap();
     assert!(routed.response.is_some(), "the new stream is served");
     let status = oldest.next().await.unwrap_err();
@@ -291,7 +300,7 @@ async fn at_the_cap_a_new_stream_takes_the_place_of_the_stream_idle_longest_befo
     until(|| budget.in_use() == BODY.len()).await;
 
     // The next new stream takes the next idle one (not the routed new stream).
-    let mut second = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    let mut second = Stream::open(&mut envoy, vec![headers(), body(BODY, true)]).await;
     assert!(second.next().await.unwrap().unwrap().response.is_some());
     let nexts = idle.iter_mut().map(|s| Box::pin(s.next()));
     let (first, ..) = futures::future::select_all(nexts).await;
@@ -309,35 +318,43 @@ async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
         core,
         cap,
         budget,
-    } = fixture(2);
-    let mut client = connect(service).await;
+    } = fixture(3);
+    // Two streams waiting on one connection (a hoard the newcomers' connection does not match).
+    let (mut client, mut envoy) = connect_twice(service).await;
     let (head, tail) = BODY.split_at(10);
-    let mut waiting = Stream::open(&mut client, vec![headers()]).await;
+    let mut waiting = Vec::new();
+    for _ in 0..2 {
+        waiting.push(Stream::open(&mut client, vec![headers()]).await);
+    }
     let mut routed = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
     assert!(routed.next().await.unwrap().unwrap().response.is_some());
     assert!(
         routed.next().await.unwrap().unwrap().response.is_some(),
         "echo"
     );
-    until(|| cap.open() == 2).await;
+    until(|| cap.open() == 3).await;
 
     // A millisecond short of the grace: the one just over the cap is refused.
     tokio::time::advance(GRACE - Duration::from_millis(1)).await;
-    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    let mut over = Stream::open(&mut envoy, vec![headers()]).await;
     assert_eq!(
         over.next().await.unwrap_err().code(),
         Code::ResourceExhausted
     );
     assert_eq!(ends(&core, "over_stream_cap"), 1);
     // A message starts the grace again; the routed stream, long past it, never qualifies.
-    waiting.tx.send(body(head, false)).await.unwrap();
+    for w in &waiting {
+        w.tx.send(body(head, false)).await.unwrap();
+    }
     // (The routed stream's echo stays charged until its next message.)
-    until(|| budget.in_use() == BODY.len() + 10).await;
+    until(|| budget.in_use() == BODY.len() + 20).await;
     tokio::time::advance(GRACE - Duration::from_millis(1)).await;
-    waiting.tx.send(body(tail, false)).await.unwrap();
-    until(|| budget.in_use() == 2 * BODY.len()).await;
+    for w in &waiting {
+        w.tx.send(body(tail, false)).await.unwrap();
+    }
+    until(|| budget.in_use() == 3 * BODY.len()).await;
     tokio::time::advance(GRACE - Duration::from_millis(1)).await;
-    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    let mut over = Stream::open(&mut envoy, vec![headers()]).await;
     assert_eq!(
         over.next().await.unwrap_err().code(),
         Code::ResourceExhausted
@@ -345,10 +362,12 @@ async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
     assert_eq!(ends(&core, "over_stream_cap"), 2);
     assert_eq!(ends(&core, "evicted"), 0);
 
-    // Past the grace the waiting stream gives way; the routed one carries on.
+    // Past the grace a waiting stream gives way; the routed one carries on.
     tokio::time::advance(Duration::from_millis(1)).await;
-    let mut new = Stream::open(&mut client, vec![headers()]).await;
-    let status = waiting.next().await.unwrap_err();
+    let mut new = Stream::open(&mut envoy, vec![headers()]).await;
+    let nexts = waiting.iter_mut().map(|s| Box::pin(s.next()));
+    let (status, ..) = futures::future::select_all(nexts).await;
+    let status = status.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert_eq!(ends(&core, "evicted"), 1);
     new.tx.send(body(BODY, true)).await.unwrap();
@@ -362,6 +381,60 @@ async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
         "the routed stream is still served"
     );
     assert_eq!(core.live_bookings(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn at_the_cap_a_connection_evicts_only_from_one_holding_more_waiting_streams() {
+    let Fixture {
+        service, core, cap, ..
+    } = fixture(4);
+    let live = service.live_streams();
+    let (mut a, mut b) = connect_twice(service).await;
+    // Two waiting streams on each connection, all past the grace.
+    let mut streams = Vec::new();
+    for client in [&mut a, &mut b] {
+        for _ in 0..2 {
+            streams.push(Stream::open(client, vec![headers()]).await);
+        }
+    }
+    until(|| cap.open() == 4).await;
+    tokio::time::advance(GRACE * 2).await;
+    // Equal hoards: a newcomer on either is refused, however long the others waited.
+    for client in [&mut a, &mut b] {
+        let mut over = Stream::open(client, vec![headers()]).await;
+        let status = over.next().await.unwrap_err();
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    }
+    assert_eq!(ends(&core, "over_stream_cap"), 2);
+    assert_eq!(ends(&core, "evicted"), 0);
+    // b's streams are routed: b holds none waiting, a two, more than b would with a newcomer.
+    for s in &streams[2..] {
+        s.tx.send(body(BODY, true)).await.unwrap();
+    }
+    for s in &mut streams[2..] {
+        assert!(s.next().await.unwrap().unwrap().response.is_some());
+    }
+    let mut new = Stream::open(&mut b, vec![headers(), body(BODY, true)]).await;
+    assert!(
+        new.next().await.unwrap().unwrap().response.is_some(),
+        "b (none waiting) takes a's place"
+    );
+    assert_eq!(ends(&core, "evicted"), 1);
+    // a (one waiting left) against b's newcomer (one): refused.
+    let mut over = Stream::open(&mut b, vec![headers()]).await;
+    assert_eq!(
+        over.next().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+    assert_eq!(ends(&core, "evicted"), 1);
+    drop((streams, new, over));
+    live.idle().await;
+    until(|| cap.open() == 0).await;
+    assert_eq!(
+        cap.waiting_on(None),
+        (0, 0),
+        "every connection's count went back"
+    );
 }
 
 #[tokio::test(start_paused = true)]
