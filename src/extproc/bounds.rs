@@ -75,7 +75,10 @@ pub struct StreamArgs {
     /// attacker opens and leaves silent cannot refuse Envoy's. Only a stream whose connection
     /// holds more such waiting streams than the new stream's connection would, counting it,
     /// gives way: places move from connections hoarding unrouted streams to those that don't
-    /// (Envoy's), and hoarding connections cannot churn each other's. Envoy's never qualify: it sends
+    /// (Envoy's), and hoarding connections cannot churn each other's. A connection holding more
+    /// than 4 times the new stream's connection's waiting streams gets proportionally less than
+    /// this (200 against 1: 1/50 of it), so a cap an attacker has just filled is not lost to
+    /// Envoy for this long. Envoy's never qualify: it sends
     /// the request headers message at once and, in FULL_DUPLEX_STREAMED, each body chunk as it
     /// arrives from the client (only a client pausing this long mid-upload, while the cap is
     /// full, would lose its request). A routed stream, or one being tokenized or queued, is

@@ -20,6 +20,16 @@
 //! addresses ([`ConnId`]); each has one counter of its waiting streams, shared by its streams'
 //! places.
 //!
+//! Patience shrinks with the hoard: a waiting stream gives way after the grace scaled by
+//! [`HOARD_RATIO`] × (the newcomer's connection's waiting streams) / (its own connection's),
+//! never more than the grace. A connection holding up to 4× what the newcomer's does keeps the
+//! whole grace; one holding 200 against Envoy's 1 keeps 20 ms. Without it the second after an
+//! attacker filled the cap was lost to Envoy: every place was younger than the grace, and the
+//! requests arriving then were refused (5 of 200 in the soak). An attacker can shorten the
+//! patience of Envoy's own waiting streams only by opening fresh connections, and only down to
+//! grace × 4 / (Envoy's waiting streams): Envoy's streams stay protected while they make
+//! progress faster than that.
+//!
 //! Why only those: headers-only streams left silent (an attacker's) would otherwise fill the cap
 //! and refuse Envoy's own until `--ext-proc-idle-timeout`. Envoy's never qualify: it sends the
 //! request headers message at once and each body chunk as it arrives; a routed stream, or one
@@ -48,6 +58,19 @@ pub const EVICTION_SAMPLES: usize = 32;
 /// Rounds of sampling before a new stream is refused, when another new stream took the victim
 /// first.
 const EVICTION_ROUNDS: usize = 3;
+/// A connection holding up to this many times the newcomer's connection's waiting streams keeps
+/// the whole grace; past it, the grace shrinks in proportion.
+pub const HOARD_RATIO: u64 = 4;
+
+/// How long a stream of a connection holding `theirs` waiting streams must have waited before it
+/// gives way to a newcomer whose connection holds `own` (counting it): `grace` scaled by
+/// [`HOARD_RATIO`] × `own` / `theirs`, at most `grace`.
+fn patience(grace: u64, own: usize, theirs: usize) -> u64 {
+    let wide = |n: usize| u128::try_from(n.max(1)).unwrap_or(u128::MAX);
+    let scaled =
+        (u128::from(grace) * u128::from(HOARD_RATIO)).saturating_mul(wide(own)) / wide(theirs);
+    u64::try_from(scaled).unwrap_or(u64::MAX).min(grace)
+}
 
 /// Waits for a request message: evictable once it has waited the grace.
 const WAITING: u8 = 0;
@@ -236,10 +259,11 @@ impl StreamCap {
                 continue;
             }
             let since = o.since.load(Ordering::Relaxed);
-            let idle = now.saturating_sub(since) >= grace;
+            let theirs = o.conn.waiting.load(Ordering::Relaxed);
+            let idle = now.saturating_sub(since) >= patience(grace, own, theirs);
             // More by two before the move is at least as many after: the move never turns
             // the difference around, so connections never trade a place back and forth.
-            let hoards = o.conn.waiting.load(Ordering::Relaxed) > own;
+            let hoards = theirs > own;
             if idle && hoards && best.as_ref().is_none_or(|(s, ..)| since < *s) {
                 best = Some((since, place, Arc::clone(o)));
             }
@@ -471,6 +495,35 @@ mod tests {
         drop((one, two, envoy));
         assert_eq!(cap.open(), 0);
         assert_eq!(cap.waiting_on(conn(3)), (0, 0), "every count went back");
+    }
+
+    #[test]
+    fn patience_is_the_grace_up_to_four_times_the_newcomers_hoard_and_shrinks_past_it() {
+        assert_eq!(patience(1000, 1, 4), 1000, "at the ratio: the whole grace");
+        assert_eq!(patience(1000, 1, 5), 800, "just over it");
+        assert_eq!(patience(1000, 1, 200), 20);
+        assert_eq!(patience(1000, 3, 2), 1000, "never more than the grace");
+        assert_eq!(patience(u64::MAX, usize::MAX, 1), u64::MAX, "no overflow");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_connection_hoarding_past_four_times_the_newcomers_gives_way_sooner() {
+        // Connection 1 holds 8 waiting streams; a newcomer on connection 2 (1 with it) waits
+        // 1 s × 4 × 1 / 8 = 500 ms for one of them.
+        let cap = StreamCap::unmetered(8, Some(GRACE));
+        let hoard: Vec<_> = (0..8).map(|_| cap.try_open(conn(1)).unwrap()).collect();
+        tokio::time::advance(Duration::from_millis(499)).await;
+        assert!(cap.try_open(conn(2)).is_none(), "a millisecond short");
+        tokio::time::advance(Duration::from_millis(1)).await;
+        let _newcomer = cap
+            .try_open(conn(2))
+            .expect("the hoard's patience is 500 ms");
+        assert_eq!(cap.waiting_on(conn(1)).0, 7, "one of the hoard gave way");
+        // 7 against 2 (a second newcomer counted): under the ratio, the whole grace again.
+        assert!(cap.try_open(conn(2)).is_none(), "1 s × 4 × 2 / 7 > 1 s");
+        tokio::time::advance(GRACE).await;
+        assert!(cap.try_open(conn(2)).is_some());
+        drop(hoard);
     }
 
     #[test]
