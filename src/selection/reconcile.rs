@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::{SelectionCore, SourceName};
-use crate::catalog::WorkerSpec;
+use kvpick_core::catalog::WorkerSpec;
 
 pub const RETRY_AFTER: Duration = Duration::from_secs(5);
 
@@ -63,7 +63,7 @@ pub async fn run(core: Arc<SelectionCore>, source: SourceName, mut rx: SnapshotR
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::catalog::RankLayout;
+    use kvpick_core::catalog::RankLayout;
     use crate::metrics::Metrics;
     use crate::selection::CoreConfig;
 
