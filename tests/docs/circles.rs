@@ -652,7 +652,6 @@ fn rust_circles() -> Vec<String> {
 const KNOWN: &[&str] = &[
     // removed by the i47-parse branch (src/tokenize/ moves to its own crate)
     "src/lib.rs: tokenize::anthropic -> tokenize::prompt -> tokenize::anthropic",
-    "crates/kvpick-core/src/lib.rs: partition::admission -> partition::pipeline -> partition::admission (and, on circles with these, partition::booking, partition::pair, partition::select, partition::sparse)",
 ];
 
 #[test]
