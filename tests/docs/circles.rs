@@ -407,17 +407,20 @@ pub fn crate_graph(modules: &BTreeMap<String, Module>) -> Graph {
     let mut graph = Graph::new();
     for (name, m) in modules {
         let mut uses = BTreeSet::new();
-        let through_globs = glob_names(m, &surfaces[name])
-            .into_iter()
-            .map(|(glob, item)| [glob, vec![item]].concat());
-        for path in paths(name, m)
-            .into_iter()
-            .map(|(path, _)| path)
-            .chain(through_globs)
-        {
-            let target = resolve(modules, &surfaces, &path, 0);
+        let mut add = |target: String| {
             if &target != name && !facade(name, &target) {
                 uses.insert(target);
+            }
+        };
+        for (path, _) in paths(name, m) {
+            add(resolve(modules, &surfaces, &path));
+        }
+        // A bare name that is a module (`flow`) is a use only as a path's root (`flow::x`):
+        // alone it is a local of the same name.
+        for (path, rooted_path) in glob_names(m, &surfaces[name]) {
+            let (target, is_module) = locate(modules, &surfaces, &path, 0);
+            if rooted_path || !is_module {
+                add(target);
             }
         }
         graph.insert(
@@ -545,10 +548,12 @@ fn paths(name: &str, m: &Module) -> Vec<(Vec<String>, String)> {
 }
 
 /// The bare names a module's code takes from its glob imports (`use super::*`): each name
-/// that is not the module's own (defined or imported by name) and that a globbed module defines
-/// or imports, with that module's path. A glob does not hide what it brings in: `super::*` of a
-/// parent that does `use pipeline::PromptBlocks` makes `PromptBlocks` a use of `pipeline`.
-fn glob_names(m: &Module, own: &Surface) -> Vec<(Vec<String>, String)> {
+/// that is not the module's own (defined or imported by name), as a path through each globbed
+/// module, and whether the name starts a path (`name::…`). A glob does not hide what it brings
+/// in: `super::*` of a parent that does `use pipeline::PromptBlocks` makes `PromptBlocks` a use
+/// of `pipeline`. (A name the globbed module does not have resolves to that module: the glob's
+/// own edge.)
+fn glob_names(m: &Module, own: &Surface) -> Vec<(Vec<String>, bool)> {
     let mut out = Vec::new();
     if own.globs.is_empty() {
         return out;
@@ -565,16 +570,21 @@ fn glob_names(m: &Module, own: &Surface) -> Vec<(Vec<String>, String)> {
         }
         let before = code[..i].trim_end();
         let is_path_tail = before.ends_with("::") || before.ends_with('.');
+        let starts_path = rest[word.len()..].trim_start().starts_with("::");
         i += word.len();
         if is_path_tail
             || word.starts_with(|c: char| c.is_ascii_digit())
             || own.defined.contains(word)
             || own.named.contains_key(word)
-            || !seen.insert(word.to_string())
+            || !seen.insert((word.to_string(), starts_path))
         {
             continue;
         }
-        out.extend(own.globs.iter().map(|g| (g.clone(), word.to_string())));
+        out.extend(
+            own.globs
+                .iter()
+                .map(|g| ([g.clone(), vec![word.to_string()]].concat(), starts_path)),
+        );
     }
     out
 }
@@ -584,27 +594,36 @@ fn resolve(
     modules: &BTreeMap<String, Module>,
     surfaces: &BTreeMap<&String, Surface>,
     path: &[String],
-    depth: usize,
 ) -> String {
+    locate(modules, surfaces, path, 0).0
+}
+
+/// [`resolve`], and whether the path names that module itself rather than an item in it.
+fn locate(
+    modules: &BTreeMap<String, Module>,
+    surfaces: &BTreeMap<&String, Surface>,
+    path: &[String],
+    depth: usize,
+) -> (String, bool) {
     let mut k = path.len();
     while k > 0 && !modules.contains_key(&path[..k].join("::")) {
         k -= 1;
     }
     let module = path[..k].join("::");
     let Some(item) = path.get(k) else {
-        return module;
+        return (module, true);
     };
     if item == "*" || depth > 16 {
-        return module;
+        return (module, false);
     }
     let s = &surfaces[&module];
     if let Some(target) = s.named.get(item) {
         let mut next = target.clone();
         next.extend(path[k + 1..].iter().cloned());
-        return resolve(modules, surfaces, &next, depth + 1);
+        return locate(modules, surfaces, &next, depth + 1);
     }
     if s.defined.contains(item) {
-        return module;
+        return (module, false);
     }
     for glob in &s.globs {
         let g = glob.join("::");
@@ -612,11 +631,11 @@ fn resolve(
             if gs.defined.contains(item) || gs.named.contains_key(item) {
                 let mut next = glob.clone();
                 next.extend(path[k..].iter().cloned());
-                return resolve(modules, surfaces, &next, depth + 1);
+                return locate(modules, surfaces, &next, depth + 1);
             }
         }
     }
-    module
+    (module, false)
 }
 
 /// The crate roots of the workspace: `lib.rs` and `main.rs` of `src/` and of each `crates/*/src`.
@@ -922,6 +941,11 @@ fn the_rule_for_parents_children_and_re_exports() {
     // A name the globbing module defines itself is its own, not the sibling's.
     glob[2].1 = "use super::*;\npub struct B;\npub struct A(B);\n";
     assert!(cycles_of(&glob).is_empty());
+    // A sibling module's bare name is a use only as a path's root, not as a local's name.
+    glob[2].1 = "use super::*;\nfn f() { let b = 1; let _ = b; }\n";
+    assert!(cycles_of(&glob).is_empty());
+    glob[2].1 = "use super::*;\nfn f() { let _ = b::B; }\n";
+    assert_eq!(cycles_of(&glob), ["p::a -> p::b -> p::a"]);
 }
 
 #[test]
