@@ -13,8 +13,9 @@
 //!
 //! A glob import does not hide what it brings in: in a module that does `use super::*` (or any
 //! `use m::*`), a bare name that is not the module's own and that `m` defines or imports counts
-//! as a path through `m` (`PromptBlocks`, where the parent does `use pipeline::PromptBlocks`, is a
-//! use of `pipeline`).
+//! as a path through `m` (`PromptBlocks`, where the parent does `use pipeline::PromptBlocks`, is
+//! a use of `pipeline`); a name that is a module counts only as a path's root (`flow::x`, not a
+//! parameter named `flow`).
 //!
 //! **Facades.** An edge between a module and one of its ancestors other than the crate root is
 //! the facade relationship and never closes a circle, in either direction: a `mod.rs` that
@@ -22,13 +23,13 @@
 //! defines, is how the repository splits one type's impl by phase (`partition` and its stages,
 //! `StreamMachine` and `extproc::stream::*`); the parent and its subtree are one unit read from
 //! the top. Counting those edges would flag every such split and only push the shared state
-//! into one more child for the parent to re-export, no easier to read. What counts is everything else: siblings and cousins (two stages of one parent that
-//! use each other are a circle, also when one reaches the other through the parent's
-//! re-exports, which resolve to the sibling), and every edge to or from the crate root. The
-//! root is not a facade: a lower module that reads an item `lib.rs` / `main.rs` defines, while
-//! the root re-exports or calls that module, is a circle, so the types every module shares
-//! live in a leaf module (`kvpick-core`'s `outcome`, re-exported at the root), never in the
-//! root itself.
+//! into one more child for the parent to re-export, no easier to read. Every other edge counts:
+//! siblings and cousins (two stages of one parent that use each other are a circle, also when
+//! one reaches the other through the parent's re-exports or its glob, which resolve to the
+//! sibling), and every edge to or from the crate root. The root is not a facade: a lower module
+//! that reads an item `lib.rs` / `main.rs` defines, while the root re-exports or calls that
+//! module, is a circle, so the types every module shares live in a leaf module (`kvpick-core`'s
+//! `outcome`, re-exported at the root; `kvpick`'s `proto`), never in the root itself.
 //!
 //! **The Python graph** (`e2e/`, tests included): a script uses another when it imports it
 //! anywhere in the file — at the top or inside a function (a late import hides a circle from

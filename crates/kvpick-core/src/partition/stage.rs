@@ -30,8 +30,9 @@ pub(crate) struct PromptBlocks {
     /// Every complete block's chained hash (at most `max_prompt_blocks`): what a pick predicts
     /// its rank will hold once the prompt is prefilled.
     pub seq_hashes: Vec<u64>,
-    /// Of `seq_hashes`, how many leading blocks an engine can reuse ([`super::pipeline::reusable_blocks`]): what
-    /// a match is read over, so overlaps and the decision credit only those.
+    /// Of `seq_hashes`, how many leading blocks an engine can reuse
+    /// ([`super::pipeline::reusable_blocks`]): what a match is read over, so overlaps and the
+    /// decision credit only those.
     pub reusable: usize,
     /// The request had a prompt (even an empty one): only such requests create session
     /// bindings. The queue keeps this, not the prompt.
