@@ -36,6 +36,7 @@ pub mod lanes;
 pub mod memory_account;
 pub mod metrics;
 pub mod net;
+pub mod proto;
 pub mod request;
 pub mod selection;
 pub mod server;
@@ -44,9 +45,3 @@ pub mod telemetry;
 pub mod tls;
 pub mod tokenize;
 pub mod usage;
-
-/// Generated code for the project's own protos (`proto/kvpick/v1`).
-pub mod proto {
-    #![allow(clippy::all)]
-    tonic::include_proto!("kvpick.v1");
-}

@@ -289,7 +289,7 @@ impl Driver {
                 return Some(Ok(answer));
             }
             if let Some(lease) = &mut self.lease {
-                lease.keep_at_most(budget::ECHO_IN_FLIGHT_BYTES);
+                lease.keep_at_most(stream::ECHO_IN_FLIGHT_BYTES);
             }
             if self.end.is_some() {
                 return None;
