@@ -64,7 +64,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import hostile_h2  # noqa: E402
-import soak  # noqa: E402
+import soak_load  # noqa: E402
 from bench_overhead import proc_status_kb  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,8 +229,8 @@ def start_attacks(stack: harness.Stack, seconds: float) -> Attacks:
 def run(seconds: float, rate: float, adversarial: bool, sample_every: float = 2.0,
         extra_args: list[str] | None = None) -> dict:
     """One run of the good traffic, with the attacks and the broken engine when `adversarial`."""
-    up, ports = soak.start_upstreams()
-    body = soak.write_body("soak-adv")
+    up, ports = soak_load.start_upstreams()
+    body = soak_load.write_body("soak-adv")
     workers = [harness.worker("w0", ports=ports[:2]), harness.worker("w1", ports=ports[2:])]
     broken = harness.FailingEngine() if adversarial else None
     if broken is not None:
@@ -241,11 +241,11 @@ def run(seconds: float, rate: float, adversarial: bool, sample_every: float = 2.
     try:
         pid = stack.kvpick.process.pid
         attacks = start_attacks(stack, seconds) if adversarial else None
-        load, rss, _ = soak.drive(stack, body, seconds, rate, sample_every,
+        load, rss, _ = soak_load.drive(stack, body, seconds, rate, sample_every,
                                   ["--concurrency", "64"])
         if attacks is not None:
             attacks.join()
-        inflight = soak.bookings_left(stack)
+        inflight = soak_load.bookings_left(stack)
         peak_kb = proc_status_kb(pid, "VmHWM")
         alive = stack.kvpick.process.alive()
     finally:
@@ -721,8 +721,8 @@ def measure(name: str, opts: Options) -> dict:
     seconds = opts.hold_seconds if name == "held_bookings" else opts.attack_seconds
     max_message = flag_default(harness.kvpick_binary(), "--max-ext-proc-message-bytes",
                                TONIC_MAX_MESSAGE)
-    up, ports = soak.start_upstreams()
-    body = soak.write_body(f"adv-{name}")
+    up, ports = soak_load.start_upstreams()
+    body = soak_load.write_body(f"adv-{name}")
     try:
         stack = harness.Stack([harness.worker("w0", ports=ports[:2]),
                                harness.worker("w1", ports=ports[2:])], name=f"adv-{name}").start()
@@ -733,7 +733,7 @@ def measure(name: str, opts: Options) -> dict:
     target = Target("127.0.0.1", stack.kvpick.grpc_port, stack.secure, max_message, stack)
     total = opts.warm_seconds + seconds + opts.tail_seconds
     gen = subprocess.Popen(
-        [str(soak.LOADGEN), "run", "--url", stack.url() + CHAT, "--body", str(body),
+        [str(soak_load.LOADGEN), "run", "--url", stack.url() + CHAT, "--body", str(body),
          "--seconds", str(total), "--rate", str(opts.rate),
          "--concurrency", str(opts.concurrency)], stdout=subprocess.PIPE, text=True)
     watch = RssWatch(pid)
@@ -767,7 +767,7 @@ def measure(name: str, opts: Options) -> dict:
         # After the tail: the ends of the attack's streams are counted too.
         moved = {k: v - before.get(k, 0.0) for k, v in counters(stack).items()
                  if v != before.get(k, 0.0)}
-        inflight = soak.bookings_left(stack) if alive else None
+        inflight = soak_load.bookings_left(stack) if alive else None
     finally:
         watch.close()
         if gen.poll() is None:

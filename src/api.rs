@@ -117,6 +117,8 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         return Err(Status::invalid_argument("model is required"));
     }
     check_session_id_len(req.session_id.len(), "session_id").map_err(|e| status_of(&e))?;
+    check_session_id_len(req.parent_session_id.len(), "parent_session_id")
+        .map_err(|e| status_of(&e))?;
     if req.pin_dp_rank.is_some() && req.pin_worker_id.is_none() {
         return Err(Status::invalid_argument("pin_dp_rank needs pin_worker_id"));
     }
@@ -154,9 +156,8 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         slo_ttft_ms: None,
         slo_tpot_ms: None,
         session_id: (!req.session_id.is_empty()).then_some(req.session_id),
-        // The selection API names no parent or final session (yet): a tree is ext_proc's.
-        parent_session_id: None,
-        session_final: false,
+        parent_session_id: (!req.parent_session_id.is_empty()).then_some(req.parent_session_id),
+        session_final: req.session_final,
         on_duplicate: DuplicateId::Reject,
         holder: crate::selection::Holder::Stream,
         // The gRPC answer carries the pick's own cost; per-candidate scores are the gateway's.
@@ -237,10 +238,11 @@ impl Selection for SelectionApi {
             holder: Holder::Api,
             ..selection_request(req)?
         };
-        let lookup = self.core.session_lookup(
+        let lookup = self.core.session_tree_lookup(
             req.model.as_deref(),
             &req.routing_group,
             req.session_id.as_deref(),
+            req.parent_session_id.as_deref(),
         );
         // Both before the pick, at once: the wait stays the longer one's.
         let remote = self.core.remote_query(&req);

@@ -37,6 +37,7 @@ pub mod lanes;
 pub mod memory_account;
 pub mod metrics;
 pub mod net;
+pub mod proto;
 pub mod request;
 pub mod selection;
 pub mod server;
@@ -45,9 +46,3 @@ pub mod telemetry;
 pub mod tls;
 pub mod tokenize;
 pub mod usage;
-
-/// Generated code for the project's own protos (`proto/kvpick/v1`).
-pub mod proto {
-    #![allow(clippy::all)]
-    tonic::include_proto!("kvpick.v1");
-}

@@ -240,6 +240,20 @@ async fn every_selection_rpc_over_the_wire() {
         .await
         .unwrap_err();
     assert_eq!(long_session.code(), tonic::Code::InvalidArgument);
+    // A parent session id is bounded like a session id: 256 bytes pass, 257 do not.
+    let with_parent = |len: usize| SelectRequest {
+        session_id: "child".into(),
+        parent_session_id: "p".repeat(len),
+        ..request("e")
+    };
+    assert!(api.select(with_parent(256)).await.is_ok());
+    let long_parent = api.select(with_parent(257)).await.unwrap_err();
+    assert_eq!(long_parent.code(), tonic::Code::InvalidArgument);
+    assert!(
+        long_parent.message().contains("parent_session_id"),
+        "{}",
+        long_parent.message()
+    );
 }
 
 #[tokio::test]

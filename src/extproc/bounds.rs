@@ -17,9 +17,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus::IntGauge;
-use tonic::{Status, Streaming};
+use tonic::transport::server::TcpConnectInfo;
+use tonic::{Request, Status, Streaming};
 
-pub use super::cap::{Evicted, StreamCap, StreamSlot};
+pub use super::cap::{ConnId, Evicted, StreamCap, StreamSlot};
 use super::codec::Inbound;
 
 /// Default `--max-concurrent-streams` (per connection).
@@ -71,7 +72,13 @@ pub struct StreamArgs {
     /// routed and has waited at least this many seconds for its next request message (the most
     /// idle of a sample of up to 32 open streams); that one ends RESOURCE_EXHAUSTED
     /// (`kvpick_extproc_streams_total{end="evicted"}`) and releases all it holds. So streams an
-    /// attacker opens and leaves silent cannot refuse Envoy's. Envoy's never qualify: it sends
+    /// attacker opens and leaves silent cannot refuse Envoy's. Only a stream whose connection
+    /// holds more such waiting streams than the new stream's connection would, counting it,
+    /// gives way: places move from connections hoarding unrouted streams to those that don't
+    /// (Envoy's), and hoarding connections cannot churn each other's. A connection holding more
+    /// than 4 times the new stream's connection's waiting streams gets proportionally less than
+    /// this (200 against 1: 1/50 of it), so a cap an attacker has just filled is not lost to
+    /// Envoy for this long. Envoy's never qualify: it sends
     /// the request headers message at once and, in FULL_DUPLEX_STREAMED, each body chunk as it
     /// arrives from the client (only a client pausing this long mid-upload, while the cap is
     /// full, would lose its request). A routed stream, or one being tokenized or queued, is
@@ -123,6 +130,13 @@ impl Default for StreamBounds {
             idle_timeout: Some(Duration::from_secs_f64(DEFAULT_IDLE_TIMEOUT_SECS)),
         }
     }
+}
+
+/// The connection `request` came on, for fairness at the cap: tonic puts the connection's
+/// addresses in each request's extensions (`crate::net::Conn` and plain TCP alike).
+pub fn conn_id<T>(request: &Request<T>) -> ConnId {
+    let info = request.extensions().get::<TcpConnectInfo>()?;
+    Some((info.local_addr(), info.remote_addr()?))
 }
 
 /// The answer to a stream past the cap.

@@ -37,17 +37,33 @@ struct Fixture {
     budget: Arc<BodyBudget>,
 }
 
+/// `cap` places and the idle timeout [`IDLE`].
 fn fixture(cap: usize) -> Fixture {
-    fixture_on(crate::selection::one_rank_core(CoreConfig::default()), cap)
+    fixture_on(
+        crate::selection::one_rank_core(CoreConfig::default()),
+        cap,
+        Some(IDLE),
+    )
 }
 
-fn fixture_on(core: Arc<SelectionCore>, cap: usize) -> Fixture {
+/// `cap` places and no idle timeout, for the eviction tests: with paused time the clock jumps to
+/// the next timer whenever the runtime waits on the loopback sockets, so an idle timeout would
+/// end the waiting streams those tests need to stay.
+fn eviction_fixture(cap: usize) -> Fixture {
+    fixture_on(
+        crate::selection::one_rank_core(CoreConfig::default()),
+        cap,
+        None,
+    )
+}
+
+fn fixture_on(core: Arc<SelectionCore>, cap: usize, idle_timeout: Option<Duration>) -> Fixture {
     let cap = StreamCap::unmetered(cap, Some(GRACE));
     let budget = BodyBudget::unmetered(DEFAULT_BUDGET_BYTES);
     let settings = ExtProcSettings {
         streams: StreamBounds {
             cap: Arc::clone(&cap),
-            idle_timeout: Some(IDLE),
+            idle_timeout,
         },
         body_budget: Arc::clone(&budget),
         ..ExtProcSettings::default()
@@ -60,7 +76,14 @@ fn fixture_on(core: Arc<SelectionCore>, cap: usize) -> Fixture {
     }
 }
 
-async fn connect(service: ExtProcService) -> ExternalProcessorClient<tonic::transport::Channel> {
+type Client = ExternalProcessorClient<tonic::transport::Channel>;
+
+async fn connect(service: ExtProcService) -> Client {
+    connect_twice(service).await.0
+}
+
+/// Two clients, each on its own connection to one server.
+async fn connect_twice(service: ExtProcService) -> (Client, Client) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(
@@ -68,7 +91,8 @@ async fn connect(service: ExtProcService) -> ExternalProcessorClient<tonic::tran
             .add_service(service.into_server())
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
-    ExternalProcessorClient::connect(url).await.unwrap()
+    let one = ExternalProcessorClient::connect(url.clone()).await.unwrap();
+    (one, ExternalProcessorClient::connect(url).await.unwrap())
 }
 
 fn message(r: processing_request::Request) -> ProcessingRequest {
@@ -142,9 +166,15 @@ fn ends(core: &SelectionCore, end: &str) -> u64 {
         .get()
 }
 
-/// Waits (yielding, never sleeping) until `done` holds.
+/// Waits (yielding, never sleeping) until `done` holds; fails the test if it does not within
+/// 10 s of real time (a bound on failure, not a synchronisation: paused tokio time does not move).
 async fn until(done: impl Fn() -> bool) {
+    let started = std::time::Instant::now();
     while !done() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the awaited condition never held"
+        );
         tokio::task::yield_now().await;
     }
 }
@@ -255,9 +285,9 @@ async fn at_the_cap_a_new_stream_takes_the_place_of_the_stream_idle_longest_befo
         core,
         cap,
         budget,
-    } = fixture(4);
+    } = eviction_fixture(4);
     let live = service.live_streams();
-    let mut client = connect(service).await;
+    let (mut client, mut envoy) = connect_twice(service).await;
     let (head, _) = BODY.split_at(10);
     // The oldest holds part of a body; three more wait for theirs, opened 10 ms later.
     let mut oldest = Stream::open(&mut client, vec![headers(), body(head, false)]).await;
@@ -270,8 +300,9 @@ async fn at_the_cap_a_new_stream_takes_the_place_of_the_stream_idle_longest_befo
     until(|| cap.open() == 4).await;
     tokio::time::advance(GRACE).await;
 
-    // All four are past the grace: the new stream is served in the oldest's place.
-    let mut new = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    // All four are past the grace: the new stream, on a connection holding no waiting stream
+    // (as Envoy's), is served in the oldest's place.
+    let mut new = Stream::open(&mut envoy, vec![headers(), body(BODY, true)]).await;
     let routed = new.next().await.unwrap().unwrap();
     assert!(routed.response.is_some(), "the new stream is served");
     let status = oldest.next().await.unwrap_err();
@@ -291,7 +322,7 @@ async fn at_the_cap_a_new_stream_takes_the_place_of_the_stream_idle_longest_befo
     until(|| budget.in_use() == BODY.len()).await;
 
     // The next new stream takes the next idle one (not the routed new stream).
-    let mut second = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
+    let mut second = Stream::open(&mut envoy, vec![headers(), body(BODY, true)]).await;
     assert!(second.next().await.unwrap().unwrap().response.is_some());
     let nexts = idle.iter_mut().map(|s| Box::pin(s.next()));
     let (first, ..) = futures::future::select_all(nexts).await;
@@ -309,35 +340,43 @@ async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
         core,
         cap,
         budget,
-    } = fixture(2);
-    let mut client = connect(service).await;
+    } = eviction_fixture(3);
+    // Two streams waiting on one connection (a hoard the newcomers' connection does not match).
+    let (mut client, mut envoy) = connect_twice(service).await;
     let (head, tail) = BODY.split_at(10);
-    let mut waiting = Stream::open(&mut client, vec![headers()]).await;
+    let mut waiting = Vec::new();
+    for _ in 0..2 {
+        waiting.push(Stream::open(&mut client, vec![headers()]).await);
+    }
     let mut routed = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
     assert!(routed.next().await.unwrap().unwrap().response.is_some());
     assert!(
         routed.next().await.unwrap().unwrap().response.is_some(),
         "echo"
     );
-    until(|| cap.open() == 2).await;
+    until(|| cap.open() == 3).await;
 
     // A millisecond short of the grace: the one just over the cap is refused.
     tokio::time::advance(GRACE - Duration::from_millis(1)).await;
-    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    let mut over = Stream::open(&mut envoy, vec![headers()]).await;
     assert_eq!(
         over.next().await.unwrap_err().code(),
         Code::ResourceExhausted
     );
     assert_eq!(ends(&core, "over_stream_cap"), 1);
     // A message starts the grace again; the routed stream, long past it, never qualifies.
-    waiting.tx.send(body(head, false)).await.unwrap();
+    for w in &waiting {
+        w.tx.send(body(head, false)).await.unwrap();
+    }
     // (The routed stream's echo stays charged until its next message.)
-    until(|| budget.in_use() == BODY.len() + 10).await;
+    until(|| budget.in_use() == BODY.len() + 20).await;
     tokio::time::advance(GRACE - Duration::from_millis(1)).await;
-    waiting.tx.send(body(tail, false)).await.unwrap();
-    until(|| budget.in_use() == 2 * BODY.len()).await;
+    for w in &waiting {
+        w.tx.send(body(tail, false)).await.unwrap();
+    }
+    until(|| budget.in_use() == 3 * BODY.len()).await;
     tokio::time::advance(GRACE - Duration::from_millis(1)).await;
-    let mut over = Stream::open(&mut client, vec![headers()]).await;
+    let mut over = Stream::open(&mut envoy, vec![headers()]).await;
     assert_eq!(
         over.next().await.unwrap_err().code(),
         Code::ResourceExhausted
@@ -345,10 +384,12 @@ async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
     assert_eq!(ends(&core, "over_stream_cap"), 2);
     assert_eq!(ends(&core, "evicted"), 0);
 
-    // Past the grace the waiting stream gives way; the routed one carries on.
+    // Past the grace a waiting stream gives way; the routed one carries on.
     tokio::time::advance(Duration::from_millis(1)).await;
-    let mut new = Stream::open(&mut client, vec![headers()]).await;
-    let status = waiting.next().await.unwrap_err();
+    let mut new = Stream::open(&mut envoy, vec![headers()]).await;
+    let nexts = waiting.iter_mut().map(|s| Box::pin(s.next()));
+    let (status, ..) = futures::future::select_all(nexts).await;
+    let status = status.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
     assert_eq!(ends(&core, "evicted"), 1);
     new.tx.send(body(BODY, true)).await.unwrap();
@@ -365,6 +406,61 @@ async fn streams_within_the_grace_and_routed_streams_are_never_evicted() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn at_the_cap_a_connection_evicts_only_from_one_holding_more_waiting_streams() {
+    let Fixture {
+        service, core, cap, ..
+    } = eviction_fixture(4);
+    let live = service.live_streams();
+    let (mut a, mut b) = connect_twice(service).await;
+    // Two waiting streams on each connection, all past the grace.
+    let mut streams = Vec::new();
+    for client in [&mut a, &mut b] {
+        for _ in 0..2 {
+            streams.push(Stream::open(client, vec![headers()]).await);
+        }
+    }
+    until(|| cap.open() == 4).await;
+    tokio::time::advance(GRACE * 2).await;
+    // Equal hoards: a newcomer on either is refused, however long the others waited.
+    for client in [&mut a, &mut b] {
+        let mut over = Stream::open(client, vec![headers()]).await;
+        let status = over.next().await.unwrap_err();
+        assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    }
+    assert_eq!(ends(&core, "over_stream_cap"), 2);
+    assert_eq!(ends(&core, "evicted"), 0);
+    // b's streams are routed: b holds none waiting, a two, more than b would with a newcomer.
+    for s in &streams[2..] {
+        s.tx.send(body(BODY, true)).await.unwrap();
+    }
+    for s in &mut streams[2..] {
+        assert!(s.next().await.unwrap().unwrap().response.is_some());
+    }
+    let mut new = Stream::open(&mut b, vec![headers(), body(BODY, true)]).await;
+    assert!(
+        new.next().await.unwrap().unwrap().response.is_some(),
+        "b (none waiting) takes a's place"
+    );
+    // The evicted stream counts its end when its driver wakes.
+    until(|| ends(&core, "evicted") == 1).await;
+    // a (one waiting left) against b's newcomer (one): refused.
+    let mut over = Stream::open(&mut b, vec![headers()]).await;
+    assert_eq!(
+        over.next().await.unwrap_err().code(),
+        Code::ResourceExhausted
+    );
+    assert_eq!(ends(&core, "evicted"), 1);
+    drop((streams, new, over));
+    live.idle().await;
+    until(|| cap.open() == 0).await;
+    assert_eq!(
+        cap.waiting_on(None),
+        (0, 0),
+        "every connection's count went back"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_stream_waiting_in_the_queue_past_the_grace_is_not_evicted() {
     // One rank taking one request at a time: the second waits in the queue.
     let core = crate::selection::one_rank_core(CoreConfig {
@@ -378,7 +474,7 @@ async fn a_stream_waiting_in_the_queue_past_the_grace_is_not_evicted() {
     });
     let Fixture {
         service, core, cap, ..
-    } = fixture_on(core, 2);
+    } = fixture_on(core, 2, None);
     let mut client = connect(service).await;
     let mut routed = Stream::open(&mut client, vec![headers(), body(BODY, true)]).await;
     assert!(routed.next().await.unwrap().unwrap().response.is_some());

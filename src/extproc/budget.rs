@@ -17,12 +17,6 @@ use crate::memory_account::{Kind, MemoryAccount};
 /// Default of `--max-buffered-body-bytes`: 1 GiB over all streams.
 pub const DEFAULT_BUDGET_BYTES: usize = 1 << 30;
 
-/// What tonic and h2 may still hold of an echoed body once it is handed on: tonic's encode
-/// buffer yields at 32 KiB, plus one more message of at most `MAX_BODY_CHUNK` bytes, and h2 takes
-/// one such frame even from a client whose window is 1 byte. A stream keeps this much of its
-/// lease until Envoy's next message shows the echo was read.
-pub const ECHO_IN_FLIGHT_BYTES: usize = 32 * 1024 + super::stream::MAX_BODY_CHUNK + 64;
-
 #[derive(Debug)]
 pub struct BodyBudget {
     limit: usize,

@@ -224,7 +224,12 @@ impl ExtProcService {
         if self.draining.as_ref().is_some_and(|d| *d.borrow()) {
             return Err(Status::unavailable("kvpick: shutting down"));
         }
-        let Some(slot) = self.settings.streams.cap.try_open() else {
+        let Some(slot) = self
+            .settings
+            .streams
+            .cap
+            .try_open(bounds::conn_id(&request))
+        else {
             let metrics = self.core.metrics();
             metrics
                 .extproc
@@ -284,7 +289,7 @@ impl Driver {
                 return Some(Ok(answer));
             }
             if let Some(lease) = &mut self.lease {
-                lease.keep_at_most(budget::ECHO_IN_FLIGHT_BYTES);
+                lease.keep_at_most(stream::ECHO_IN_FLIGHT_BYTES);
             }
             if self.end.is_some() {
                 return None;

@@ -44,6 +44,12 @@ use wire::{body_chunks, check_protocol, one, BodyBuf};
 /// Largest body chunk sent back to Envoy in one streamed_response.
 pub const MAX_BODY_CHUNK: usize = 62_000;
 
+/// What tonic and h2 may still hold of an echoed body once it is handed on: tonic's encode
+/// buffer yields at 32 KiB, plus one more message of at most `MAX_BODY_CHUNK` bytes, and h2 takes
+/// one such frame even from a client whose window is 1 byte. A stream keeps this much of its
+/// [`super::budget::BodyLease`] until Envoy's next message shows the echo was read.
+pub const ECHO_IN_FLIGHT_BYTES: usize = 32 * 1024 + MAX_BODY_CHUNK + 64;
+
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
 pub const SERVED_KEY: &str = "x-gateway-destination-endpoint-served";
 /// `envoy.lb` key of the candidates' scores (`--emit-endpoint-scores`; llm-d-router's

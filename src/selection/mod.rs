@@ -32,8 +32,8 @@ pub use kvpick_core::{
 pub use remote::RemoteIndex;
 pub use sharing::{SessionLookupJob, SharedHooks};
 
-use crate::catalog::WorkerSpec;
 use crate::metrics::Metrics;
+use kvpick_core::catalog::WorkerSpec;
 use kvpick_core::index::{Tier, TierDepths};
 
 /// The process clock the core is given: tokio's, so a paused test or replay clock reaches it.
@@ -461,10 +461,10 @@ pub(crate) const ONE_SLOT: kvpick_core::SaturationLimits = kvpick_core::Saturati
 #[cfg(test)]
 pub(crate) fn one_rank_core(config: CoreConfig) -> Arc<SelectionCore> {
     let core = SelectionCore::new(config, Metrics::new());
-    core.apply_snapshot(vec![crate::catalog::WorkerSpec::for_test(
+    core.apply_snapshot(vec![kvpick_core::catalog::WorkerSpec::for_test(
         "a",
         "m",
-        crate::catalog::RankLayout::PerPort(vec![8000]),
+        kvpick_core::catalog::RankLayout::PerPort(vec![8000]),
     )])
     .unwrap_or_else(|e| panic!("{e}"));
     core

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::{SelectionCore, SourceName};
-use crate::catalog::WorkerSpec;
+use kvpick_core::catalog::WorkerSpec;
 
 pub const RETRY_AFTER: Duration = Duration::from_secs(5);
 
@@ -63,9 +63,9 @@ pub async fn run(core: Arc<SelectionCore>, source: SourceName, mut rx: SnapshotR
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::catalog::RankLayout;
     use crate::metrics::Metrics;
     use crate::selection::CoreConfig;
+    use kvpick_core::catalog::RankLayout;
 
     fn spec(name: &str) -> WorkerSpec {
         WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![1]))

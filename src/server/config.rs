@@ -53,17 +53,12 @@ pub fn session_headers(args: &ServeArgs) -> anyhow::Result<crate::extproc::Sessi
     .map_err(anyhow::Error::msg)
 }
 
-/// The ext_proc host's settings from flags, with what start-up made (tokenizers, flow policy).
-// Each argument is a piece start-up resolved on its own (flags, metrics, files, sources).
-#[allow(clippy::too_many_arguments)]
+/// The ext_proc host's settings from flags and the memory account. What start-up makes on its own
+/// (tokenizers, session headers, flow policy and settings, tracer) stays at its default here: the
+/// caller sets those fields on the returned settings (`ExtProcSettings { tokenizers, ..this }`).
 pub fn extproc_settings(
     args: &ServeArgs,
     metrics: &crate::metrics::Metrics,
-    tokenizers: Option<Arc<crate::tokenize::Tokenizers>>,
-    session_headers: crate::extproc::SessionHeaders,
-    flow_policy: crate::flow::PolicyRx,
-    flow_settings: crate::flow::FlowSettings,
-    tracer: Option<crate::telemetry::RequestTracer>,
     memory: &crate::h2_authority::ledger::LedgerConfig,
 ) -> anyhow::Result<crate::extproc::ExtProcSettings> {
     let streams = (args.ext_proc_streams).bounds(metrics.extproc.streams_open.clone())?;
@@ -71,17 +66,12 @@ pub fn extproc_settings(
         max_body_bytes: args.max_body_bytes,
         fallbacks: args.fallbacks,
         conformance_test_mode: args.conformance_test_mode,
-        session_headers,
-        tokenizers,
         body_budget: crate::extproc::BodyBudget::new(
             args.max_buffered_body_bytes,
             metrics.extproc.body_bytes_buffered.clone(),
             Arc::clone(&memory.account),
         ),
-        flow_policy: Some(flow_policy),
-        flow_settings,
         pd_protocol: args.pd_protocol,
-        tracer,
         endpoint_scores: if args.emit_endpoint_scores {
             args.endpoint_scores_limit
         } else {
@@ -89,6 +79,7 @@ pub fn extproc_settings(
         },
         max_message_bytes: memory.max_message_bytes,
         streams,
+        ..Default::default()
     })
 }
 

@@ -109,16 +109,14 @@ async fn start(
 
     let extproc = ExtProcService::new(
         Arc::clone(&core),
-        config::extproc_settings(
-            &args,
-            &metrics,
+        crate::extproc::ExtProcSettings {
             tokenizers,
             session_headers,
-            flow_policy.clone(),
+            flow_policy: Some(flow_policy.clone()),
             flow_settings,
-            telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
-            &memory,
-        )?,
+            tracer: telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
+            ..config::extproc_settings(&args, &metrics, &memory)?
+        },
     );
     let extproc = extproc.with_drain(shutdown_rx.clone());
     let live_streams = extproc.live_streams();

@@ -5,8 +5,9 @@
 //! table of contents in `docs/README.md`; every relative link and `#anchor` in `docs/` and
 //! `README.md` resolves; `docs/headers.md`'s table names every header of the code; and the module tables of `docs/ARCHITECTURE.md` name exactly the modules
 //! of `src/` and `crates/*/src`, whose top-level modules of `src/` import each other without a
-//! circle; and nothing in the repository reads beside its checkout: the traces it needs are in
-//! `data/`, with their licence. Reads only files in the repository (and runs `kvpick serve
+//! circle, as do the modules of every crate and the scripts of `e2e/` (`circles.rs`); nothing in
+//! the repository reads beside its checkout: the traces it needs are in `data/`, with their
+//! licence; and the Python client's proto is `proto/`'s. Reads only files in the repository (and runs `kvpick serve
 //! --help`), so a plain `cargo test` from a fresh clone runs it.
 //!
 //! After adding a flag or a metric: `KVPICK_UPDATE_DOCS=1 cargo test --test docs` rewrites the
@@ -15,6 +16,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test harness: a panic is a failure report
 
 mod architecture;
+mod circles;
 mod flags;
 mod generated;
 mod headers;
@@ -22,6 +24,7 @@ mod helm;
 mod layering;
 mod links;
 mod metrics;
+mod python_client;
 mod self_contained;
 
 use std::path::{Path, PathBuf};

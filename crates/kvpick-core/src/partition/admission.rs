@@ -18,9 +18,8 @@ use crate::facts::{Fact, Facts, QueueEvent, QueueExit};
 use crate::flow::Waiting;
 use crate::request::SelectionRequest;
 
-use super::pipeline::PromptBlocks;
-use super::select::Field;
-use super::{Ask, Partition, SelectOutcome, State};
+use super::stage::{Ask, Check, Field, PromptBlocks, Refusal};
+use super::{Partition, SelectOutcome, State};
 
 /// A waiting request: what the pipeline needs to try it again. Its prompt is kept only as block
 /// hashes (bounded by `max_prompt_blocks`): the text or token ids stay with the host's body.
@@ -29,34 +28,6 @@ pub(crate) struct Queued {
     /// The request without its prompt ([`SelectionRequest::without_prompt`]).
     pub request: SelectionRequest,
     pub prompt: PromptBlocks,
-}
-
-/// Why the pipeline did not book a request.
-#[derive(Debug)]
-pub(crate) enum Refusal {
-    /// Every eligible rank is saturated (or the hard-bound one is): the request may wait.
-    Saturated,
-    /// No rank can give the request its first token within its SLO, even idle.
-    SloUnmeetable(String),
-    Error(SelectError),
-}
-
-impl Refusal {
-    pub fn into_error(self) -> SelectError {
-        match self {
-            Refusal::Saturated => {
-                SelectError::Overloaded("every eligible worker is saturated".into())
-            }
-            Refusal::SloUnmeetable(message) => SelectError::Overloaded(message),
-            Refusal::Error(e) => e,
-        }
-    }
-}
-
-impl From<SelectError> for Refusal {
-    fn from(e: SelectError) -> Self {
-        Refusal::Error(e)
-    }
 }
 
 /// The booking registry, as admission needs it (the core implements it).
@@ -82,24 +53,7 @@ pub(crate) enum Admitted {
     },
 }
 
-/// The flow-control checks of one attempt to place a request.
-pub(crate) struct Check {
-    pub enqueued: Instant,
-    /// TTFT objective in seconds, counted from `enqueued`.
-    pub slo_ttft: Option<f64>,
-    /// TPOT objective, seconds per output token.
-    pub slo_tpot: Option<f64>,
-}
-
 impl Check {
-    pub fn new(request: &SelectionRequest, enqueued: Instant) -> Self {
-        Check {
-            enqueued,
-            slo_ttft: request.slo_ttft_ms.map(|ms| ms as f64 / 1000.0),
-            slo_tpot: request.slo_tpot_ms.map(|ms| ms as f64 / 1000.0),
-        }
-    }
-
     /// Keeps only the candidates predicted to meet the request's SLOs: the first token within
     /// what is left of the TTFT SLO, and a time per output token (at the rank's batch with this
     /// request in it) within the TPOT SLO. None can now: [`Refusal::Saturated`] (wait) while an

@@ -7,20 +7,6 @@
 
 use super::*;
 
-/// What the decision chose, as the booking stage needs it.
-pub(super) struct Pick<'a> {
-    pub(super) booking_id: &'a str,
-    pub(super) generation: u64,
-    pub(super) rank: RankKey,
-    pub(super) overlap: TierDepths,
-    pub(super) prompt: &'a PromptBlocks,
-    pub(super) block_size: u32,
-    pub(super) ttft_tokens: f64,
-    pub(super) predicted_ttft: f64,
-    /// The prefill rank and the prompt's overlap there, when the pair decision split the request.
-    pub(super) prefill: Option<(RankKey, TierDepths)>,
-}
-
 impl Booking {
     /// Prefill tokens this booking still adds to its rank's queue.
     pub(super) fn queued_prefill(&self) -> u64 {
@@ -78,26 +64,6 @@ impl Booking {
     }
 }
 
-/// Whether a pick's entries on `slot`'s rank are precise (its engine's KV events apply: they
-/// live until the events confirm them or the request ends, [`health::end`]) or approximate
-/// (they live `approx_ttl`), and when the index lets them expire. A precise prediction's expiry
-/// is only a bound (`predicted_ttl`, by default as long as an unfreed API booking lives) for a
-/// booking whose end never comes: the request's own life is what ends it, so a 4 s prefill or a
-/// minute of decode keeps it and an engine that never confirms it loses it at the request's end.
-pub(super) fn prediction_life(
-    slot: &super::ranks::Slot,
-    config: &CoreConfig,
-    now: Instant,
-) -> (bool, Option<Instant>) {
-    let precise = config.kv_events && slot.kv_events && slot.events_seen;
-    let ttl = if precise {
-        config.predicted_ttl
-    } else {
-        config.approx_ttl
-    };
-    (precise, now.checked_add(ttl))
-}
-
 impl Partition {
     /// The last stage: binds or reuses the session, installs the booking and its load, and
     /// predicts the prompt's blocks (predicted or approximate entries) for the picked rank,
@@ -130,7 +96,7 @@ impl Partition {
         if booking.holder == Holder::Api {
             slot.api_bookings = slot.api_bookings.saturating_add(1);
         }
-        let (precise, expires) = prediction_life(slot, config, now);
+        let (precise, expires) = health::prediction_life(slot, config, now);
         facts.push(load_fact(slot, pick.rank));
         facts.push(Fact::Inflight(1));
         // Only a stream reports its answer: an API booking never takes a half-open rank's probe.

@@ -3,7 +3,8 @@
 //! byte is no TTFT sample, SLO or TPOT start, and takes back the index entries the pick predicted
 //! on ranks that never computed them: after any answer but a 2xx, and after a stream that ended
 //! before its first response byte (a 2xx's headers included: the engine may have aborted the
-//! prefill). It also owns what a booking predicted ([`Predicted`]) and how that ends.
+//! prefill). It also owns what a booking predicted ([`Predicted`]), how long a pick's predictions live
+//! ([`prediction_life`]) and how they end.
 //!
 //! The host's view of the engine itself comes in here too: a rank reported unreachable (its KV
 //! events lost and its endpoint refusing connections, or a refused scrape) takes no picks until it
@@ -23,6 +24,7 @@ use crate::outlier::{HealthEvent, OutlierConfig, RankHealth};
 use crate::request::Holder;
 use crate::types::RankKey;
 
+use super::ranks::Slot;
 use super::{BookingRef, Partition, State};
 
 /// What a pick predicted on one rank it booked: the prompt's chained hashes (shared with the
@@ -57,6 +59,26 @@ pub(crate) fn predicted_on(
         from,
         precise,
     })
+}
+
+/// Whether a pick's entries on `slot`'s rank are precise (its engine's KV events apply: they
+/// live until the events confirm them or the request ends, [`end`]) or approximate
+/// (they live `approx_ttl`), and when the index lets them expire. A precise prediction's expiry
+/// is only a bound (`predicted_ttl`, by default as long as an unfreed API booking lives) for a
+/// booking whose end never comes: the request's own life is what ends it, so a 4 s prefill or a
+/// minute of decode keeps it and an engine that never confirms it loses it at the request's end.
+pub(crate) fn prediction_life(
+    slot: &Slot,
+    config: &CoreConfig,
+    now: Instant,
+) -> (bool, Option<Instant>) {
+    let precise = config.kv_events && slot.kv_events && slot.events_seen;
+    let ttl = if precise {
+        config.predicted_ttl
+    } else {
+        config.approx_ttl
+    };
+    (precise, now.checked_add(ttl))
 }
 
 /// Only a stream's booking may probe a half-open rank: its host reports the answer. The API

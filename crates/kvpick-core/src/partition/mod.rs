@@ -5,6 +5,7 @@
 //!
 //! Layout: [`ranks`] (the rank table), [`membership`] (rank changes from the catalog),
 //! [`select`] (one decision: the stages in order), [`pipeline`] (the selection stages' rules),
+//! [`stage`] (the values the stages hand each other),
 //! [`pair`] (the prefill/decode pair stage and the prefill leg of a booking), [`admission`] (flow
 //! control: SLO gate, queue, release passes), [`booking`] (a pick's booking and its life),
 //! [`health`] (engine answers and outlier ejection), [`events`] (KV events applied to the
@@ -28,6 +29,7 @@ mod ranks;
 mod replicas;
 mod select;
 pub(crate) mod sparse;
+mod stage;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -38,17 +40,17 @@ use std::time::{Duration, Instant};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-pub(crate) use admission::{Admitted, Claims, Refusal};
-use booking::Pick;
+pub(crate) use admission::{Admitted, Claims};
 use events::EngineMap;
 pub use events::EventStats;
 #[cfg(test)]
 pub(crate) use health::END_GRACE;
-use pipeline::{Affinity, Allowed, PromptBlocks};
+use pipeline::Allowed;
 use ranks::{RankTable, Slot};
-use select::Ask;
 #[cfg(test)]
 pub(crate) use sparse::PathAnswer;
+pub(crate) use stage::Refusal;
+use stage::{Affinity, Ask, Pick, PromptBlocks};
 
 use crate::catalog::WorkerRecord;
 use crate::config::{CoreConfig, DEFAULT_BLOCK_SIZE};

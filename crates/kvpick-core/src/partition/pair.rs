@@ -19,9 +19,8 @@ use crate::types::{RankKey, Role};
 
 use super::pipeline::SaturationView;
 use super::ranks::Slot;
-use super::select::{Ask, Decided, Field};
-use super::Refusal;
-use super::{health, load_fact, Pick, State};
+use super::stage::{Ask, Decided, Field, Pick, Refusal};
+use super::{health, load_fact, State};
 
 /// The prefill rank's load held by a split booking until its first token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,7 +153,7 @@ pub(crate) fn book_leg(
     // The leg is one request on its rank: in the in-flight gauge until it is unbooked (or its
     // rank leaves, which takes every request on the rank off the gauge).
     facts.push(crate::facts::Fact::Inflight(1));
-    let (precise, expires) = super::booking::prediction_life(slot, ask.config, ask.now);
+    let (precise, expires) = health::prediction_life(slot, ask.config, ask.now);
     facts.push(load_fact(slot, rank));
     if !chain.is_empty() {
         state.predict(rank, chain, expires);

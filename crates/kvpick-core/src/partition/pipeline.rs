@@ -33,28 +33,7 @@ use crate::types::{RankKey, RankLoad};
 use std::time::{Duration, Instant};
 
 use super::ranks::Slot;
-
-/// The prompt reduced to what the index and cost function need.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct PromptBlocks {
-    pub tokens: u64,
-    /// Every complete block's chained hash (at most `max_prompt_blocks`): what a pick predicts
-    /// its rank will hold once the prompt is prefilled.
-    pub seq_hashes: Vec<u64>,
-    /// Of `seq_hashes`, how many leading blocks an engine can reuse ([`reusable_blocks`]): what
-    /// a match is read over, so overlaps and the decision credit only those.
-    pub reusable: usize,
-    /// The request had a prompt (even an empty one): only such requests create session
-    /// bindings. The queue keeps this, not the prompt.
-    pub present: bool,
-}
-
-impl PromptBlocks {
-    /// The blocks a match reads: the leading ones an engine can reuse.
-    pub fn match_hashes(&self) -> &[u64] {
-        &self.seq_hashes[..self.reusable.min(self.seq_hashes.len())]
-    }
-}
+use super::stage::{Affinity, Ask, Decided, Field, PromptBlocks, Refusal};
 
 /// Complete blocks of a `tokens`-token prompt an engine can serve from its prefix cache: vLLM
 /// always computes the prompt's last token (its cache hit is capped at `tokens - 1`), so a
@@ -406,27 +385,27 @@ impl SaturationView<'_> {
 /// being pushed onto an uncached rank just because that one is free. A hard-bound session's
 /// rank is never replaced: the request waits for it.
 pub(crate) fn dispatch_or_wait(
-    ask: &super::Ask,
-    field: &super::select::Field,
-    decided: &mut super::select::Decided,
+    ask: &Ask,
+    field: &Field,
+    decided: &mut Decided,
     view: &SaturationView,
-) -> Result<(), super::Refusal> {
+) -> Result<(), Refusal> {
     let hard_bound_kept =
         decided.affinity == Affinity::Kept && ask.config.sessions.mode == AffinityMode::Hard;
     let (candidates, decision) = (&field.candidates, &mut decided.decision);
     let (prompt_tokens, block_size, params) =
         (ask.prompt.tokens, field.block_size, &ask.config.cost);
     let Some(&first) = decision.ranking.first() else {
-        return Err(super::Refusal::Saturated);
+        return Err(Refusal::Saturated);
     };
     if !view.saturated(first) {
         return Ok(());
     }
     if hard_bound_kept {
-        return Err(super::Refusal::Saturated);
+        return Err(Refusal::Saturated);
     }
     let Some(position) = decision.ranking.iter().position(|&c| !view.saturated(c)) else {
-        return Err(super::Refusal::Saturated);
+        return Err(Refusal::Saturated);
     };
     let ttft = |c: usize| {
         candidates.get(c).map_or(f64::INFINITY, |cand| {
@@ -439,7 +418,7 @@ pub(crate) fn dispatch_or_wait(
     };
     let room = decision.ranking[position];
     if ttft(room) > ttft(first) {
-        return Err(super::Refusal::Saturated);
+        return Err(Refusal::Saturated);
     }
     decision.ranking.remove(position);
     decision.ranking.insert(0, room);
@@ -539,17 +518,6 @@ pub(crate) fn rank<R: rand::Rng + ?Sized>(
         request.fallbacks.saturating_mul(8).saturating_add(1),
         rng,
     )
-}
-
-/// What session affinity did to the decision.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Affinity {
-    /// No usable binding: the decision stands.
-    Unbound,
-    /// The bound rank was moved to the front of the ranking.
-    Kept,
-    /// Soft mode: the bound rank cost too much (or was not a candidate); the binding goes.
-    Overridden,
 }
 
 /// Hard affinity keeps the bound rank whenever it is a candidate; soft keeps it while its cost is

@@ -7,75 +7,9 @@
 #![warn(clippy::arithmetic_side_effects)]
 
 use super::*;
-use crate::decide::{Candidate, Decision};
 use crate::disagg::PrefillChoice;
-use crate::types::Role;
 
-/// One selection as the stages see it: the request and its blocks, its booking (id,
-/// generation) when the pick is booked, and flow control's check when saturation may make it
-/// wait.
-pub(super) struct Ask<'a> {
-    pub prompt: &'a PromptBlocks,
-    pub request: &'a SelectionRequest,
-    pub booking: Option<(&'a str, u64)>,
-    pub config: &'a CoreConfig,
-    pub now: Instant,
-    pub admission: Option<&'a admission::Check>,
-    /// Cost every eligible rank (the full path), never the bounded search ([`super::sparse`]).
-    pub exhaustive: bool,
-    /// The prompt's matches, read before the state lock was taken (so concurrent picks read
-    /// the index in parallel); `None` reads them under it.
-    pub matches: Option<&'a crate::index::Matches>,
-}
-
-/// The prompt's matches, read once and only when a stage needs them.
-pub(super) struct LazyMatches(Option<crate::index::Matches>);
-
-impl LazyMatches {
-    pub fn get(&mut self, state: &State, ask: &Ask) -> &crate::index::Matches {
-        self.0.get_or_insert_with(|| Partition::matches(state, ask))
-    }
-
-    pub fn take(self, state: &State, ask: &Ask) -> crate::index::Matches {
-        self.0.unwrap_or_else(|| Partition::matches(state, ask))
-    }
-
-    /// One rank's depths: from the matches when read, else from the index for that rank only.
-    pub fn depths_of(&self, state: &State, ask: &Ask, rank: &RankKey) -> TierDepths {
-        match (&self.0, ask.matches) {
-            (Some(m), _) | (None, Some(m)) => m.depths_of(rank),
-            (None, None) => match &ask.request.remote_overlap {
-                Some(remote) => Partition::remote_matches(state, remote, ask).depths_of(rank),
-                None => state
-                    .kv_read()
-                    .index
-                    .rank_depths(rank, ask.prompt.match_hashes(), ask.now),
-            },
-        }
-    }
-}
-
-/// What eligibility and the SLO gate left: candidate `i` is rank `eligible[i]` of the table.
-pub(super) struct Field {
-    pub(super) block_size: u32,
-    pub eligible: Vec<usize>,
-    pub candidates: Vec<Candidate>,
-    /// The session's bound rank, while it may still serve the request.
-    bound: Option<RankKey>,
-    /// A child session without a binding of its own: its parent's bound rank (a soft
-    /// preference, [`pipeline::prefer_parent`]).
-    parent: Option<RankKey>,
-}
-
-/// The decision: the ranking, each candidate's role when the partition splits prefill and
-/// decode, and whether session affinity kept the bound rank.
-pub(super) struct Decided {
-    pub decision: Decision,
-    pub(super) roles: Option<Vec<Role>>,
-    pub affinity: Affinity,
-    /// A child session's parent rank, when it had one: taken or declined.
-    parent: Option<crate::session::ParentPick>,
-}
+use super::stage::{Check, Decided, Field, LazyMatches};
 
 /// The picked ranks and what the booking and the answer say of them.
 struct Picked {
@@ -126,7 +60,7 @@ impl Partition {
     ) -> Result<SelectOutcome, SelectError> {
         let prompt = self.prompt_of(request, config);
         let early = self.early_matches(request, &prompt, config, now);
-        let check = saturation_gate.then(|| admission::Check::new(request, now));
+        let check = saturation_gate.then(|| Check::new(request, now));
         let ask = Ask {
             prompt: &prompt,
             request,
@@ -298,7 +232,7 @@ impl Partition {
 
     /// The prompt's matches: the prefix every rank holds once, when the index can tell
     /// (every rank of the table is interned), and the ranks matching deeper.
-    fn matches(state: &State, ask: &Ask) -> crate::index::Matches {
+    pub(super) fn matches(state: &State, ask: &Ask) -> crate::index::Matches {
         if ask.prompt.match_hashes().is_empty() {
             return crate::index::Matches::default();
         }
@@ -329,7 +263,7 @@ impl Partition {
     /// A remote index's overlap (`SelectionRequest::remote_overlap`) in the local matches'
     /// form: the remote's depths, or this process's own predictions where deeper. The remote
     /// answer is one more source of the same input; the stages read it as they read the index.
-    fn remote_matches(
+    pub(super) fn remote_matches(
         state: &State,
         remote: &crate::request::RemoteOverlap,
         ask: &Ask,

@@ -21,7 +21,7 @@ use std::collections::{BinaryHeap, HashSet};
 
 use super::load_order::{LoadOrder, Place};
 use super::pipeline::{self, EngineView};
-use super::select::Ask;
+use super::stage::{Ask, LazyMatches};
 use super::*;
 use crate::decide::{overlap_score, terms, Candidate, CostParams, Terms, TtftBound};
 use crate::error::SelectError;
@@ -397,7 +397,7 @@ impl Partition {
         allowed: &Allowed,
         bound: Option<RankKey>,
         parent: Option<RankKey>,
-        lazy: &mut super::select::LazyMatches,
+        lazy: &mut LazyMatches,
     ) -> Result<Option<SparseField>, SelectError> {
         #[cfg(test)]
         SEARCHES.with(|c| c.set((c.get().0.saturating_add(1), c.get().1)));
@@ -487,7 +487,7 @@ impl Partition {
         now: Instant,
         flow: bool,
     ) -> [PathAnswer; 2] {
-        let check = admission::Check::new(request, now);
+        let check = super::stage::Check::new(request, now);
         let prompt = self.prompt_of(request, config);
         // The search gets the matches as `select` reads them, before the lock.
         let early = self.early_matches(request, &prompt, config, now);

@@ -312,6 +312,15 @@ struct AgentTag {
     fresh: Option<Vec<u64>>,
 }
 
+/// What every loop of one agent session shares: its prefix group, the requests it made so far
+/// (parent and sub-agents interleaved in the order they were generated), and how many sub-agents
+/// it spawned (which numbers the next one's session id).
+struct AgentSession<'a> {
+    group: u64,
+    out: &'a mut Vec<Timed>,
+    agents: u32,
+}
+
 /// Agent applications, each with its own tool/system prefix of 8–32 blocks (4–16k tokens).
 pub const AGENT_APPS: usize = 8;
 pub const AGENT_PREFIX_BLOCKS: (usize, usize) = (8, 32);
@@ -375,27 +384,24 @@ impl Agentic {
 
     /// One agent loop of `turns` calls on `ctx` from `at`; returns when its last answer arrived.
     /// A parent (`spawn`) may fan out sub-agents that branch off its history; `tag` names the
-    /// loop's session (`agent-tree`), `agents` counts the session's sub-agents so far.
-    #[allow(clippy::too_many_arguments)]
+    /// loop's session (`agent-tree`); `session` collects the requests of the whole tree.
     fn agent_loop(
         s: &mut Sampler,
+        session: &mut AgentSession<'_>,
         ctx: &mut Context,
         mut at: f64,
         turns: usize,
-        group: u64,
         spawn: bool,
-        out: &mut Vec<Timed>,
         tag: Option<&AgentTag>,
-        agents: &mut u32,
     ) -> f64 {
         for turn in 0..turns {
             if ctx.len() > AGENT_CONTEXT_LIMIT {
                 break;
             }
             let call = s.tokens(AGENT_CALL);
-            let mut request = ctx.request(at, call as u32, group);
+            let mut request = ctx.request(at, call as u32, session.group);
             request.session = tag.map(|t| (t.session.clone(), t.parent.clone()));
-            out.push(request);
+            session.out.push(request);
             ctx.append(call, s);
             at += call as f64 * NOMINAL_MS_PER_OUTPUT_TOKEN;
             if spawn && turn > 0 && s.chance(SUBAGENT_SPAWN_CHANCE) {
@@ -409,22 +415,20 @@ impl Agentic {
                     let instruction = s.tokens(SUBAGENT_INSTRUCTION);
                     sub.append(instruction, s);
                     let sub_turns = s.truncated_geometric(SUBAGENT_TURNS);
-                    *agents += 1;
+                    session.agents += 1;
                     let sub_tag = tag.map(|t| AgentTag {
-                        session: format!("{}.{agents}", t.session),
+                        session: format!("{}.{}", t.session, session.agents),
                         parent: Some(t.session.clone()),
                         fresh: None,
                     });
                     done = done.max(Self::agent_loop(
                         s,
+                        session,
                         &mut sub,
                         at,
                         sub_turns,
-                        group,
                         false,
-                        out,
                         sub_tag.as_ref(),
-                        agents,
                     ));
                 }
                 at = done;
@@ -464,16 +468,19 @@ impl SessionSource for Agentic {
             parent: None,
             fresh: self.fresh.then(|| prefix.clone()),
         });
+        let mut session = AgentSession {
+            group,
+            out: &mut out,
+            agents: 0,
+        };
         Self::agent_loop(
             s,
+            &mut session,
             &mut ctx,
             start_ms,
             turns,
-            group,
             true,
-            &mut out,
             tag.as_ref(),
-            &mut 0,
         );
         out
     }

@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs of ``kvpick.v1`` (``generate.py`` writes them; do not edit)."""
