@@ -254,7 +254,7 @@ if check(len(rules) == 1, "want one PrometheusRule"):
     check(r["spec"] == want, "the PrometheusRule's spec is not observability/alerts.yaml")
     alerts = [x for g in r["spec"]["groups"] for x in g["rules"]]
     names = {a["alert"] for a in alerts}
-    for need in ("KvpickNoReadyRanks", "KvpickQueueTimeouts", "KvpickTtftSloMisses", "KvpickKvEventsStale", "KvpickCacheViewDisagrees", "KvpickSharedStateDown"):
+    for need in ("KvpickNoReadyRanks", "KvpickQueueTimeouts", "KvpickTtftSloMisses", "KvpickKvEventsStale", "KvpickCacheViewDisagrees", "KvpickSharedStateDown", "KvpickKvIndexRemoteDown"):
         check(need in names, f"alert {need} missing")
     for a in alerts:
         check(set(a) <= {"alert", "expr", "for", "labels", "annotations"} and a.get("expr") and a.get("labels", {}).get("severity") in ("warning", "critical"),

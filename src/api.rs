@@ -162,6 +162,7 @@ pub fn selection_request(req: SelectRequest) -> Result<SelectionRequest, Status>
         holder: crate::selection::Holder::Stream,
         // The gRPC answer carries the pick's own cost; per-candidate scores are the gateway's.
         scores: 0,
+        remote_overlap: None,
     })
 }
 
@@ -218,7 +219,8 @@ impl Selection for SelectionApi {
         &self,
         request: Request<SelectRequest>,
     ) -> Result<Response<SelectResponse>, Status> {
-        let req = selection_request(request.into_inner())?;
+        let mut req = selection_request(request.into_inner())?;
+        self.core.attach_remote_overlap(&mut req).await;
         let selection = self.core.select(&req).map_err(|e| status_of(&e))?;
         Ok(Response::new(response(selection)))
     }
@@ -232,18 +234,32 @@ impl Selection for SelectionApi {
         if req.request_id.is_empty() {
             return Err(Status::invalid_argument("request_id is required"));
         }
-        let req = SelectionRequest {
+        let mut req = SelectionRequest {
             holder: Holder::Api,
             ..selection_request(req)?
         };
-        if let Some(job) = self.core.session_tree_lookup(
+        let lookup = self.core.session_tree_lookup(
             req.model.as_deref(),
             &req.routing_group,
             req.session_id.as_deref(),
             req.parent_session_id.as_deref(),
-        ) {
-            self.core.prefetch_session(job).await;
-        }
+        );
+        // Both before the pick, at once: the wait stays the longer one's.
+        let remote = self.core.remote_query(&req);
+        let (_, overlap) = futures::join!(
+            async {
+                if let Some(job) = lookup {
+                    self.core.prefetch_session(job).await;
+                }
+            },
+            async {
+                match remote {
+                    Some(query) => self.core.fetch_remote_overlap(query).await,
+                    None => None,
+                }
+            }
+        );
+        req.remote_overlap = overlap;
         let reservation = self
             .core
             .select_and_reserve(&req)

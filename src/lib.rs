@@ -32,6 +32,7 @@ pub mod extproc;
 pub mod flow;
 pub mod h2_authority;
 pub mod health;
+pub mod kv_remote;
 pub mod lanes;
 pub mod memory_account;
 pub mod metrics;

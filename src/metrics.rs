@@ -20,6 +20,7 @@ pub use ranks::RankMetrics;
 mod bookings;
 pub mod cache_view;
 mod conn;
+pub mod kv_remote;
 mod memory;
 mod ranks;
 

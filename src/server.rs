@@ -674,6 +674,33 @@ pub struct ServeArgs {
     )]
     pub shared_state_interval_ms: u64,
 
+    /// Take the KV view from another kvpick (the indexer: a `serve` that subscribes to the
+    /// engines' KV events) at this URL instead of subscribing to every engine: this replica
+    /// opens no KV-event subscription, and each pick asks the indexer's `OverlapScores` for the
+    /// prompt's block hashes. `https://host:port` (its gRPC port as served by default; add
+    /// `#insecure` to skip the certificate check, e.g. for its generated self-signed one) or
+    /// `http://host:port` (served with `--secure-serving=false`). A slow or unreachable indexer
+    /// leaves picks approximate (counted in `kvpick_kv_index_remote_fallbacks_total`); the
+    /// indexer itself runs without this flag.
+    #[arg(long, value_name = "URL", help_heading = "Replicas")]
+    pub kv_index_remote: Option<String>,
+
+    /// PEM file of the CA(s) that sign the indexer's certificate (`--kv-index-remote
+    /// https://...`); default: the system's roots.
+    #[arg(long, value_name = "FILE", help_heading = "Replicas")]
+    pub kv_index_remote_ca_file: Option<PathBuf>,
+
+    /// Deadline of one `--kv-index-remote` query, in milliseconds (1..=10000): a pick whose
+    /// answer has not come by then routes approximately, and no pick asks again until the
+    /// indexer's health check (every second) answers SERVING. Connecting is bounded at 2 s.
+    #[arg(
+        long,
+        default_value_t = 50,
+        value_name = "MS",
+        help_heading = "Replicas"
+    )]
+    pub kv_index_remote_timeout_ms: u64,
+
     /// Seconds open streams may take to finish after SIGTERM.
     #[arg(long, default_value_t = 30, value_name = "SECONDS")]
     pub shutdown_grace: u64,

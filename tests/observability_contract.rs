@@ -348,6 +348,9 @@ async fn every_metric_the_dashboard_alerts_and_keda_example_use_is_exported() {
             // Nothing listens on port 1: the shared state is down (kvpick routes on local state).
             "--shared-state",
             "redis://127.0.0.1:1",
+            // Nor the remote KV index: its metrics are registered with the flag.
+            "--kv-index-remote",
+            "http://127.0.0.1:1",
         ],
     );
     common::wait_readiness(serve.health, ServingStatus::Serving).await;

@@ -354,8 +354,24 @@ impl Driver {
             };
             step = self.machine.resume(outcome);
         }
-        if let Some(job) = step.session_lookup.take() {
-            self.machine.core().prefetch_session(job).await;
+        let (lookup, remote) = (step.session_lookup.take(), step.remote_query.take());
+        if lookup.is_some() || remote.is_some() {
+            let core = Arc::clone(self.machine.core());
+            // Both at once: the wait stays the longer one's.
+            let (_, overlap) = futures::join!(
+                async {
+                    if let Some(job) = lookup {
+                        core.prefetch_session(job).await;
+                    }
+                },
+                async {
+                    match remote {
+                        Some(query) => core.fetch_remote_overlap(query).await,
+                        None => None,
+                    }
+                }
+            );
+            self.machine.set_remote_overlap(overlap);
             step = self.machine.resume_after_lookup();
         }
         if let Some(waiter) = step.queue.take() {

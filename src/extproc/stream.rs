@@ -89,6 +89,10 @@ pub struct Step {
     /// `--shared-state`: the host must run this lookup ([`SelectionCore::prefetch_session`]) and
     /// call [`StreamMachine::resume_after_lookup`] before handing the machine another message.
     pub session_lookup: Option<crate::shared::SessionLookupJob>,
+    /// `--kv-index-remote`: the host must run this query
+    /// ([`SelectionCore::fetch_remote_overlap`], at once with `session_lookup`), hand its answer
+    /// to [`StreamMachine::set_remote_overlap`] and call [`StreamMachine::resume_after_lookup`].
+    pub remote_query: Option<crate::selection::RemoteQuery>,
     /// The budget held by the body echoed in `responses`: the host drops it once they are sent,
     /// so the bytes count against the budget for as long as kvpick holds them.
     pub body_lease: Option<BodyLease>,
@@ -193,6 +197,8 @@ pub struct StreamMachine {
     parent_session_id: Option<String>,
     session_final: bool,
     pending: Option<PendingRoute>,
+    /// `--kv-index-remote`: the remote index's answer for the pending request's pick.
+    remote_overlap: Option<Arc<crate::selection::RemoteOverlap>>,
     /// Flow control: the fairness key and SLOs of the request (headers).
     fairness_key: Option<String>,
     slo_ttft_ms: Option<u64>,
@@ -242,6 +248,7 @@ impl StreamMachine {
             parent_session_id: None,
             session_final: false,
             pending: None,
+            remote_overlap: None,
             fairness_key: None,
             slo_ttft_ms: None,
             slo_tpot_ms: None,

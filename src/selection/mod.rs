@@ -9,6 +9,7 @@
 
 pub mod admission;
 pub mod reconcile;
+pub mod remote;
 pub mod sharing;
 
 use std::net::SocketAddr;
@@ -16,9 +17,11 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use tokio::sync::watch;
 
+pub use kvpick_core::core::RemoteQuery;
 pub use kvpick_core::decide::DEFAULT_DECODE_BLOCK_WEIGHT;
 pub use kvpick_core::session;
 use kvpick_core::Core;
+pub use kvpick_core::RemoteOverlap;
 pub use kvpick_core::{
     clip, cost, decide, overlap_score, AffinityMode, ApplyReport, BusyThresholds, Candidate,
     CatalogError, Claim, CoreConfig, CostParams, Decision, DuplicateId, EndpointFilter, EventStats,
@@ -26,10 +29,11 @@ pub use kvpick_core::{
     SelectError, Selection, SelectionRequest, SessionConfig, SessionOutcome, SourceName,
     WorkerRecord, WorkerView, DEFAULT_BLOCK_SIZE,
 };
+pub use remote::RemoteIndex;
 pub use sharing::{SessionLookupJob, SharedHooks};
 
-use kvpick_core::catalog::WorkerSpec;
 use crate::metrics::Metrics;
+use kvpick_core::catalog::WorkerSpec;
 use kvpick_core::index::{Tier, TierDepths};
 
 /// The process clock the core is given: tokio's, so a paused test or replay clock reaches it.
@@ -60,6 +64,8 @@ pub struct SelectionCore {
     catalog_tx: watch::Sender<u64>,
     /// `--shared-state`: sessions and load shared with the other replicas (unset: none).
     shared: OnceLock<Arc<dyn SharedHooks>>,
+    /// `--kv-index-remote`: the index this replica queries instead of the engines' events.
+    remote: OnceLock<Arc<dyn remote::RemoteIndex>>,
     /// Flow control: where released requests' reservations go ([`admission`]).
     mailboxes: admission::Mailboxes,
     /// This core's own `Arc` (a released request's [`Reservation`] holds one).
@@ -93,6 +99,7 @@ impl SelectionCore {
                 ready_tx,
                 catalog_tx,
                 shared: OnceLock::new(),
+                remote: OnceLock::new(),
                 mailboxes: admission::Mailboxes::default(),
                 this: this.clone(),
             }

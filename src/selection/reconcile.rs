@@ -63,9 +63,9 @@ pub async fn run(core: Arc<SelectionCore>, source: SourceName, mut rx: SnapshotR
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpick_core::catalog::RankLayout;
     use crate::metrics::Metrics;
     use crate::selection::CoreConfig;
+    use kvpick_core::catalog::RankLayout;
 
     fn spec(name: &str) -> WorkerSpec {
         WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![1]))

@@ -221,7 +221,8 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
         },
         approx_ttl: Duration::from_secs(args.approx_ttl),
         predicted_ttl: Duration::from_secs(args.predicted_ttl),
-        kv_events: args.kv_events == "on",
+        // A replica reading a remote index subscribes to nothing: its own picks are approximate.
+        kv_events: args.kv_events == "on" && args.kv_index_remote.is_none(),
         index_max_blocks: args.index_max_blocks,
         engine_metrics_max_age: Duration::from_millis(args.engine_metrics_stale_ms),
         flow: flow_config(args)?,

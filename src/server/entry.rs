@@ -66,6 +66,7 @@ async fn start(
     let session_headers = config::session_headers(&args)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
     let shared = tasks::start_shared(&args, &core, &metrics).await?;
+    tasks::start_kv_remote(&args, &core, &metrics)?;
 
     // Catalog source first: a bad catalog fails start-up with a clear message.
     let catalog = catalog_source(&args, std::env::var("NAMESPACE").ok())?;

@@ -84,6 +84,27 @@ pub(super) async fn start_shared(
     Ok(Some(shared))
 }
 
+/// `--kv-index-remote`: the client of the indexer, attached to the core, its probe started.
+pub(super) fn start_kv_remote(
+    args: &ServeArgs,
+    core: &Arc<SelectionCore>,
+    metrics: &Metrics,
+) -> anyhow::Result<()> {
+    let deadline = crate::kv_remote::check_timeout_ms(args.kv_index_remote_timeout_ms)?;
+    let Some(url) = &args.kv_index_remote else {
+        if args.kv_index_remote_ca_file.is_some() {
+            anyhow::bail!("--kv-index-remote-ca-file needs --kv-index-remote URL");
+        }
+        return Ok(());
+    };
+    let metrics = crate::metrics::kv_remote::KvRemoteMetrics::register(&metrics.registry);
+    let ca = args.kv_index_remote_ca_file.as_deref();
+    let remote = Arc::new(crate::kv_remote::KvRemote::new(url, ca, deadline, metrics)?);
+    remote.start(core);
+    tracing::info!(%url, deadline_ms = args.kv_index_remote_timeout_ms, "KV view from a remote index: no KV-event subscriptions");
+    Ok(())
+}
+
 /// Starts the catalog source and the loop reconciling its snapshots into the core; returns the
 /// Kubernetes client when the catalog is Kubernetes (the flow-policy source shares it).
 pub(super) async fn start_catalog(

@@ -54,9 +54,18 @@ pub fn serve_command() -> Command {
 /// Starts `kvpick serve` with its ports on 127.0.0.1:0 and its log in `dir/kvpick.log`;
 /// `configure` adds the test's own flags and environment.
 pub fn start_with(dir: PathBuf, configure: impl FnOnce(&mut Command)) -> Serve {
+    start_command(dir, serve_command(), configure)
+}
+
+/// [`start_with`] from a command the test built itself (e.g. `kvpick serve` on a fixed port:
+/// a process restarted where its clients knew it).
+pub fn start_command(
+    dir: PathBuf,
+    mut command: Command,
+    configure: impl FnOnce(&mut Command),
+) -> Serve {
     let port_file = dir.join("ports.json");
     let log = std::fs::File::create(dir.join("kvpick.log")).unwrap();
-    let mut command = serve_command();
     command
         .arg("--port-file")
         .arg(&port_file)

@@ -74,7 +74,8 @@ pub use crate::live::{LiveConfig, LiveConfigError};
 pub use crate::outcome::{EndpointScore, PickedRank, RankStatus, Selection, WorkerView};
 pub use crate::partition::EventStats;
 pub use crate::request::{
-    clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, SelectionRequest,
+    clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, RemoteOverlap,
+    SelectionRequest,
 };
 pub use crate::session::{AffinityMode, Installed, SessionConfig, SessionOutcome};
 pub use crate::types::{Lifecycle, PartitionKey, RankKey, RankLoad, Role};

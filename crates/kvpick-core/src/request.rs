@@ -8,6 +8,7 @@ use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
 
 use crate::error::SelectError;
+use crate::types::{RankKey, TierDepths};
 
 /// Longest accepted session id, in bytes.
 pub const MAX_SESSION_ID_BYTES: usize = 256;
@@ -163,6 +164,56 @@ pub struct SelectionRequest {
     /// destinations, then the best-scored other candidates); 0 = none, and nothing is allocated
     /// for them. At most [`MAX_ENDPOINT_SCORES`].
     pub scores: usize,
+    /// The prompt's overlap as a remote index answered it (`--kv-index-remote`): when set, the
+    /// decision reads each rank's depths from it (and from this process's own predictions,
+    /// whichever is deeper) instead of the local index. A host input like the prompt, never
+    /// from a client; `None` = the local index alone.
+    pub remote_overlap: Option<std::sync::Arc<RemoteOverlap>>,
+}
+
+/// Per-rank matched depths of one prompt, read from another process's index (the indexer a
+/// replica queries instead of subscribing to the engines' KV events). Sorted by rank, one
+/// entry per rank; a rank not listed matches nothing there.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemoteOverlap {
+    ranks: Vec<(RankKey, TierDepths)>,
+}
+
+impl RemoteOverlap {
+    /// The remote's answer in any order; a rank named twice keeps its deepest tiers.
+    pub fn new(mut ranks: Vec<(RankKey, TierDepths)>) -> Self {
+        ranks.sort_unstable_by_key(|r| r.0);
+        ranks.dedup_by(|later, kept| {
+            let same = later.0 == kept.0;
+            if same {
+                kept.1 = deeper(kept.1, later.1);
+            }
+            same
+        });
+        RemoteOverlap { ranks }
+    }
+
+    pub fn ranks(&self) -> &[(RankKey, TierDepths)] {
+        &self.ranks
+    }
+
+    /// The remote's depths merged with `local` (this process's own predictions, any order):
+    /// per rank and tier the deeper, sorted by rank. A pick this replica made moments ago is
+    /// in its own index before the engine's events reach the remote one.
+    pub fn merged_with(&self, local: &[(RankKey, TierDepths)]) -> Vec<(RankKey, TierDepths)> {
+        let mut all: Vec<(RankKey, TierDepths)> = self.ranks.clone();
+        all.extend_from_slice(local);
+        RemoteOverlap::new(all).ranks
+    }
+}
+
+/// Per tier the deeper of two depths.
+fn deeper(a: TierDepths, b: TierDepths) -> TierDepths {
+    TierDepths {
+        gpu: a.gpu.max(b.gpu),
+        host: a.host.max(b.host),
+        disk: a.disk.max(b.disk),
+    }
 }
 
 /// Precomputed block hashes must describe the prompt they claim: `prompt_tokens` within one
@@ -222,6 +273,7 @@ impl SelectionRequest {
             on_duplicate: self.on_duplicate,
             holder: self.holder,
             scores: self.scores,
+            remote_overlap: self.remote_overlap.clone(),
         }
     }
 

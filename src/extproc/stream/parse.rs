@@ -111,8 +111,11 @@ impl StreamMachine {
                 });
             }
         }
+        // A step the host runs before the pick: a shared session's lookup, a remote index's
+        // overlap (`route_pending` asks for whichever the request needs).
         let shared_session = self.core.shared().is_some() && self.session_id.is_some();
-        if let Some(p) = parsed.take_if(|_| shared_session) {
+        let prefetch = shared_session || self.core.has_remote_index();
+        if let Some(p) = parsed.take_if(|_| prefetch) {
             let tail = self.held_body(body_end_of_stream);
             return Ok(self.route_pending(PendingRoute {
                 parsed: p,

@@ -5,12 +5,16 @@
 //! It must not read the request's messages or the response: it routes what the request phase
 //! handed it. The routing headers are [`super::route_headers`]'s, the refusals [`super::reject`]'s.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::epp_metrics::Stage;
 use crate::request::{ParsedBody, Prompt};
 use crate::selection::admission::Admitted;
-use crate::selection::{DuplicateId, PromptInput, Reservation, SelectError, SelectionRequest};
+use crate::selection::{
+    DuplicateId, PromptInput, RemoteOverlap, RemoteQuery, Reservation, SelectError,
+    SelectionRequest,
+};
 use crate::tokenize::TokenizeOutcome;
 
 use super::trace::trace_tokenize;
@@ -31,24 +35,66 @@ impl StreamMachine {
         )
     }
 
-    /// Routes a pending request, unless its session must be looked up first: then it stays
-    /// pending and the step asks the host for the lookup.
-    pub(super) fn route_pending(&mut self, pending: PendingRoute) -> Step {
-        if let Some(job) = self.session_lookup_for(&pending.parsed) {
-            if let Some(t) = &mut self.trace {
-                t.lookup_started();
-            }
-            self.pending = Some(pending);
-            self.phase = Phase::Tokenizing;
-            return Step {
-                session_lookup: Some(job),
-                ..Step::default()
-            };
+    /// `--kv-index-remote`: the remote index's query for this request's prompt (engine token
+    /// ids only: text hashed without a tokenizer never matches an engine's blocks).
+    fn remote_query_for(&self, parsed: &mut ParsedBody) -> Option<RemoteQuery> {
+        if !self.core.has_remote_index() {
+            return None;
         }
-        self.route_now(pending)
+        let prompt = match std::mem::replace(&mut parsed.prompt, Prompt::Absent) {
+            Prompt::TokenIds(ids) => PromptInput::Tokens(ids),
+            Prompt::MediaTokenIds { ids, media } => PromptInput::MediaTokens { tokens: ids, media },
+            other => {
+                parsed.prompt = other;
+                return None;
+            }
+        };
+        let probe = SelectionRequest {
+            model: parsed.model.clone(),
+            prompt,
+            cache_salt: parsed.cache_salt.clone(),
+            ..SelectionRequest::default()
+        };
+        let query = self.core.remote_query(&probe);
+        parsed.prompt = match probe.prompt {
+            PromptInput::Tokens(ids) => Prompt::TokenIds(ids),
+            PromptInput::MediaTokens { tokens, media } => {
+                Prompt::MediaTokenIds { ids: tokens, media }
+            }
+            _ => Prompt::Absent,
+        };
+        query
     }
 
-    /// Finishes a request whose session was looked up (the binding found, if any, is installed).
+    /// Routes a pending request, unless its session must be looked up first or the remote
+    /// index asked (`--kv-index-remote`): then it stays pending and the step asks the host for
+    /// both at once.
+    pub(super) fn route_pending(&mut self, mut pending: PendingRoute) -> Step {
+        let lookup = self.session_lookup_for(&pending.parsed);
+        let remote_query = self.remote_query_for(&mut pending.parsed);
+        if lookup.is_none() && remote_query.is_none() {
+            return self.route_now(pending);
+        }
+        if let (Some(t), true) = (&mut self.trace, lookup.is_some()) {
+            t.lookup_started();
+        }
+        self.pending = Some(pending);
+        self.phase = Phase::Tokenizing;
+        Step {
+            session_lookup: lookup,
+            remote_query,
+            ..Step::default()
+        }
+    }
+
+    /// The remote index's answer for the pending request (`None`: approximate), read by its
+    /// pick; the host then calls [`StreamMachine::resume_after_lookup`].
+    pub fn set_remote_overlap(&mut self, overlap: Option<Arc<RemoteOverlap>>) {
+        self.remote_overlap = overlap;
+    }
+
+    /// Finishes a request whose session was looked up (the binding found, if any, is installed)
+    /// and whose remote overlap was asked for.
     pub fn resume_after_lookup(&mut self) -> Step {
         if let Some(t) = &mut self.trace {
             t.lookup_done();
@@ -159,6 +205,7 @@ impl StreamMachine {
             on_duplicate: DuplicateId::Suffix,
             holder: crate::selection::Holder::Stream,
             scores: self.settings.endpoint_scores,
+            remote_overlap: self.remote_overlap.take(),
         };
         let pick_started = Instant::now();
         let admitted = self.core.admit(&request);

@@ -15,6 +15,7 @@ mod replicas;
 
 pub use catalog::MAX_HELD_PARTITIONS;
 use registry::Registered;
+pub use replicas::RemoteQuery;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
@@ -279,3 +280,6 @@ mod scores_tests;
 
 #[cfg(test)]
 mod decay_tests;
+
+#[cfg(test)]
+mod remote_tests;

@@ -58,3 +58,40 @@ impl Core {
         (installed, facts)
     }
 }
+
+/// What a replica asks a remote index for one prompt (`--kv-index-remote`): the prompt's
+/// block hashes as this process hashes them for the request's partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteQuery {
+    pub model: String,
+    pub routing_group: String,
+    /// Chained block hashes (LoRA seed and cache salt folded in), at most `max_prompt_blocks`.
+    pub seq_hashes: Vec<u64>,
+    /// The prompt length the remote checks the hashes against (one token past the hashed blocks
+    /// when the prompt was cut at `max_prompt_blocks`: every hashed block is then reusable).
+    pub prompt_tokens: u64,
+}
+
+impl Core {
+    /// The remote-index query of a request: `None` when it has no model or no partition serves
+    /// it, or it has no complete block to match.
+    pub fn remote_query(&self, request: &SelectionRequest) -> Option<RemoteQuery> {
+        let model = request.model.clone()?;
+        let partition = self.resolve_partition(request).ok()?;
+        let prompt = partition.prompt_of(request, &self.config());
+        if prompt.seq_hashes.is_empty() {
+            return None;
+        }
+        let block = u64::from(partition.block_size().max(1));
+        let covered = (prompt.seq_hashes.len() as u64).saturating_mul(block);
+        // The remote refuses a length a block or more away from the hashes it is sent.
+        let cut = covered.saturating_add(u64::from(block > 1));
+        let prompt_tokens = prompt.tokens.min(cut);
+        Some(RemoteQuery {
+            model,
+            routing_group: request.routing_group.clone(),
+            seq_hashes: prompt.seq_hashes,
+            prompt_tokens,
+        })
+    }
+}

@@ -30,7 +30,7 @@ impl Partition {
     }
 
     /// The prompt's blocks as this partition hashes them (outside the lock).
-    pub(super) fn prompt_of(
+    pub(crate) fn prompt_of(
         &self,
         request: &SelectionRequest,
         config: &CoreConfig,
@@ -236,6 +236,9 @@ impl Partition {
         if ask.prompt.match_hashes().is_empty() {
             return crate::index::Matches::default();
         }
+        if let (None, Some(remote)) = (ask.matches, &ask.request.remote_overlap) {
+            return Self::remote_matches(state, remote, ask);
+        }
         let all_interned = state.all_interned();
         if let Some(early) = ask.matches {
             // Read before the lock: good when it needs no rank the index did not know then
@@ -257,6 +260,22 @@ impl Partition {
         }
     }
 
+    /// A remote index's overlap (`SelectionRequest::remote_overlap`) in the local matches'
+    /// form: the remote's depths, or this process's own predictions where deeper. The remote
+    /// answer is one more source of the same input; the stages read it as they read the index.
+    pub(super) fn remote_matches(
+        state: &State,
+        remote: &crate::request::RemoteOverlap,
+        ask: &Ask,
+    ) -> crate::index::Matches {
+        let kv = state.kv_read();
+        crate::index::Matches {
+            base: 0,
+            ranks: remote.merged_with(&kv.index.find_matches(ask.prompt.match_hashes(), ask.now)),
+            epoch: kv.index.rank_epoch(),
+        }
+    }
+
     /// The prompt's matches read without the state lock (see [`Ask::matches`]); none for a
     /// request a hard-bound session will most likely keep on its rank (only that rank's
     /// overlap is needed then, [`super::sparse`]). Read inside the state lock instead, a pick
@@ -269,6 +288,16 @@ impl Partition {
         config: &CoreConfig,
         now: Instant,
     ) -> Option<crate::index::Matches> {
+        if let Some(remote) = &request.remote_overlap {
+            // Every stage reads the remote's answer, so it is always handed over (base 0: it
+            // needs no rank interned here).
+            let kv = self.kv.read();
+            return Some(crate::index::Matches {
+                base: 0,
+                ranks: remote.merged_with(&kv.index.find_matches(prompt.match_hashes(), now)),
+                epoch: kv.index.rank_epoch(),
+            });
+        }
         let hard_session = request.session_id.is_some()
             && request.fallbacks == 0
             && config.sessions.mode == crate::session::AffinityMode::Hard;

@@ -90,12 +90,13 @@ impl LazyMatches {
     pub fn depths_of(&self, state: &State, ask: &Ask, rank: &RankKey) -> TierDepths {
         match (&self.0, ask.matches) {
             (Some(m), _) | (None, Some(m)) => m.depths_of(rank),
-            (None, None) => {
-                state
+            (None, None) => match &ask.request.remote_overlap {
+                Some(remote) => Partition::remote_matches(state, remote, ask).depths_of(rank),
+                None => state
                     .kv_read()
                     .index
-                    .rank_depths(rank, ask.prompt.match_hashes(), ask.now)
-            }
+                    .rank_depths(rank, ask.prompt.match_hashes(), ask.now),
+            },
         }
     }
 }
