@@ -28,7 +28,9 @@ use crate::types::RankKey;
 pub use crate::types::{Tier, TierDepths};
 use shards::Shards;
 pub use shards::PURGE_SHARDS;
-use walk::{narrow_matches, narrow_to_gpu_holders, open_matches, BlockHolders, RankGroups, OPEN};
+use walk::{
+    narrow_matches, narrow_to_gpu_holders, open_matches, BlockHolders, RankGroups, RankWalk,
+};
 
 /// `state` flag: a permanent holder; the low bits are its reference count.
 const PERMANENT: u32 = 1 << 31;
@@ -668,56 +670,22 @@ impl PrefixIndex {
     }
 
     /// One rank's matched depths (what [`PrefixIndex::find_matches`] reports for it): costs the
-    /// blocks it matches, whatever other ranks hold.
+    /// blocks it matches, whatever other ranks hold ([`RankWalk`]).
     pub fn rank_depths(&self, rank: &RankKey, seq_hashes: &[u64], now: Instant) -> TierDepths {
         let Some(&id) = self.rank_ids.get(rank) else {
             return TierDepths::default();
         };
         let now = self.units(now);
-        let mut ends = [OPEN; 3];
-        let mut depth = 0u32;
-        let mut prev_set = None;
-        for (i, h) in seq_hashes.iter().enumerate() {
+        let mut walk = RankWalk::new(id);
+        for h in seq_hashes {
             let Some(entry) = self.blocks.get(&BlockKey::new(*h)) else {
                 break;
             };
-            let BlockHolders {
-                holders,
-                set_id,
-                fresh,
-                ..
-            } = self.block_holders(entry, now);
-            // The same live holders as the block before: the rank's tiers did not change.
-            let same = fresh && prev_set == Some(set_id);
-            prev_set = Some(set_id);
-            let i = i as u32;
-            if !same {
-                let from = holders.partition_point(|h| h.rank_id() < id);
-                let mut here = [false; 3];
-                for holder in holders[from..].iter().take_while(|h| h.rank_id() == id) {
-                    if holder.live(now) {
-                        for t in here.iter_mut().skip(holder.tier()) {
-                            *t = true;
-                        }
-                    }
-                }
-                for t in 0..3 {
-                    if ends[t] == OPEN && !here[t] {
-                        ends[t] = i;
-                    }
-                }
-            }
-            if ends[2] != OPEN {
+            if !walk.step(self.block_holders(entry, now), now) {
                 break;
             }
-            depth = i + 1;
         }
-        let d = ends.map(|e| e.min(depth));
-        TierDepths {
-            gpu: d[0],
-            host: d[1],
-            disk: d[2],
-        }
+        walk.depths()
     }
 
     /// What the match walks need to know of a block's holders, inline or in the slab.
