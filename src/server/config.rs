@@ -244,6 +244,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             (args.engine_metrics != crate::server::EngineMetricsMode::Off)
                 .then(|| Duration::from_millis(args.engine_metrics_interval_ms)),
         )?,
+        shared_cache: args.tiers.shared_cache()?,
         ..CoreConfig::default()
     })
 }

@@ -279,3 +279,5 @@ mod scores_tests;
 
 #[cfg(test)]
 mod decay_tests;
+#[cfg(test)]
+mod shared_tier_tests;

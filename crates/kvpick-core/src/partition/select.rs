@@ -162,6 +162,9 @@ impl Partition {
         };
         let mut field = self.field(state, ask, &allowed, facts)?;
         let mut decided = Self::decide(state, ask, &mut field)?;
+        if self.has_shared_tier {
+            Self::shared_tier_fact(state, ask, &field, &decided.decision, facts);
+        }
         let prefill = Self::flow_gate(state, ask, &field, &mut decided)?;
         let picked = Self::pick(state, ask, &field, &decided, prefill)?;
         let trace = if ask.config.trace_decisions > 0 {
@@ -240,10 +243,13 @@ impl Partition {
                 Err(e) => return Err(Refusal::Error(e)),
             };
         let matches = Self::expand(slots, matches.take(state, ask));
+        let runs = self.shared_runs(state, ask);
+        let shared = shared_tier::SharedView::of(runs.as_ref());
         let engine_view = pipeline::EngineView {
             now,
             max_age: config.engine_metrics_max_age,
             adapter: allowed.adapter,
+            shared,
         };
         let candidates = pipeline::candidates(
             slots,
@@ -534,6 +540,11 @@ impl Partition {
         picked: Picked,
         session: Option<SessionOutcome>,
     ) -> Selection {
+        let shared_blocks = field
+            .candidates
+            .iter()
+            .find(|c| c.key == picked.primary.key)
+            .map_or(0, |c| c.shared_blocks);
         Selection {
             booking_id: ask
                 .booking
@@ -556,6 +567,8 @@ impl Partition {
             candidates: field.candidates.len() as u32,
             predicted_ttft_seconds: picked.predicted_ttft,
             scores: Vec::new(),
+            shared_blocks,
+            transfer: None,
         }
     }
 
