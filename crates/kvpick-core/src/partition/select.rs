@@ -162,9 +162,10 @@ impl Partition {
         };
         let mut field = self.field(state, ask, &allowed, facts)?;
         let mut decided = Self::decide(state, ask, &mut field)?;
-        if self.has_shared_tier {
-            Self::shared_tier_fact(state, ask, &field, &decided.decision, facts);
-        }
+        let shared_changed = self
+            .has_shared_tier
+            .then(|| Self::shared_tier_changed(state, ask, &field, &decided.decision))
+            .flatten();
         let prefill = Self::flow_gate(state, ask, &field, &mut decided)?;
         let picked = Self::pick(state, ask, &field, &decided, prefill)?;
         let trace = if ask.config.trace_decisions > 0 {
@@ -193,6 +194,9 @@ impl Partition {
             facts.push(Fact::SessionParent(parent));
         }
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
+        if let Some(changed) = shared_changed {
+            facts.push(Fact::SharedTierPick { changed });
+        }
         let mut selection = self.selection(ask, &field, picked, session);
         selection.scores = scores;
         Ok(SelectOutcome { selection, trace })

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use super::select::{Ask, Field};
 use super::{Partition, State};
 use crate::decide::{Candidate, Decision};
-use crate::facts::{Fact, Facts};
+use crate::facts::Fact;
 use crate::types::RankKey;
 
 /// Configuration of shared KV stores (`--shared-cache-multiplier`, `--shared-cache-models`).
@@ -199,22 +199,22 @@ impl Partition {
     }
 
     /// On a booked pick where some candidate loads blocks from the shared tier: whether the
-    /// same decision without the shared tier ranks another rank first (counted over the
-    /// candidates the decision costed; sampling and pairs are not replayed).
-    pub(super) fn shared_tier_fact(
+    /// same decision without the shared tier ranks another rank first (over the candidates the
+    /// decision costed; sampling and pairs are not replayed). The caller reports it once the
+    /// pick is booked (a try that ends up waiting is no pick).
+    pub(super) fn shared_tier_changed(
         state: &mut State,
         ask: &Ask,
         field: &Field,
         decision: &Decision,
-        facts: &mut Facts,
-    ) {
+    ) -> Option<bool> {
         let temperature = ask
             .request
             .temperature
             .unwrap_or(ask.config.cost.router_temperature);
         let hit = field.candidates.iter().any(|c| c.shared_blocks > 0);
         if ask.booking.is_none() || !hit || temperature != 0.0 || state.ranks.split_roles {
-            return;
+            return None;
         }
         let without: Vec<Candidate> = field
             .candidates
@@ -232,8 +232,7 @@ impl Partition {
             ask.config,
             &mut state.rng,
         );
-        let changed = plain.ranking.first() != decision.ranking.first();
-        facts.push(Fact::SharedTierPick { changed });
+        Some(plain.ranking.first() != decision.ranking.first())
     }
 }
 
