@@ -81,6 +81,7 @@ pub fn extproc_settings(
         flow_policy: Some(flow_policy),
         flow_settings,
         pd_protocol: args.pd_protocol,
+        kv_transfer_p2p_port: args.tiers.p2p_port()?,
         tracer,
         endpoint_scores: if args.emit_endpoint_scores {
             args.endpoint_scores_limit
@@ -245,6 +246,7 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
                 .then(|| Duration::from_millis(args.engine_metrics_interval_ms)),
         )?,
         shared_cache: args.tiers.shared_cache()?,
+        kv_transfer_hints: args.tiers.kv_transfer_hints,
         ..CoreConfig::default()
     })
 }

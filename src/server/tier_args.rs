@@ -1,7 +1,9 @@
-//! `serve`'s flags for KV held outside a rank's own tiers (ARCHITECTURE.md §7, "Shared tier"):
-//! a model's shared KV store (`--shared-cache-multiplier`, `--shared-cache-models`). Owns the
-//! flags and their range checks only; the shared tier itself is the core's
-//! (`kvpick_core::SharedCacheConfig`).
+//! `serve`'s flags for KV held outside a rank's own tiers: a model's shared KV store
+//! (ARCHITECTURE.md §7, "Shared tier": `--shared-cache-multiplier`, `--shared-cache-models`) and
+//! KV transfer hints (§4, "Transfer hints": `--kv-transfer-hints`, `--kv-transfer-p2p-port`).
+//! Owns the flags and their range checks only; the shared tier and the hints are the core's
+//! (`kvpick_core::SharedCacheConfig`, `CoreConfig::kv_transfer_hints`), the hint's wire form the
+//! ext_proc host's.
 
 use clap::Args;
 use kvpick_core::SharedCacheConfig;
@@ -34,9 +36,35 @@ pub struct TierArgs {
         help_heading = "Scheduling"
     )]
     pub shared_cache_models: Vec<String>,
+
+    /// When a pick is not the rank holding the prompt's longest cached prefix (the holder is
+    /// saturated, or an idle rank costs less), name the least-loaded holder so the picked engine
+    /// pulls the prefix instead of recomputing it: llm-d's `x-kv-cache-source-host-port`
+    /// (holder's host:port, for its routing sidecar's P2P pull). Never on query-only selections.
+    #[arg(long, help_heading = "Scheduling")]
+    pub kv_transfer_hints: bool,
+
+    /// With --kv-transfer-hints: also set vLLM's `kv_transfer_params.remote_kv_source`
+    /// (`remote_host`, this port + the holder's DP rank as `remote_port`, the booking id as
+    /// `kv_request_id`) in the request body, for engines whose P2P KV connector reads it
+    /// directly (vLLM's side-channel port, 5710 by default). Unset: the header alone.
+    #[arg(long, value_name = "PORT", help_heading = "Scheduling")]
+    pub kv_transfer_p2p_port: Option<u16>,
 }
 
 impl TierArgs {
+    /// `--kv-transfer-p2p-port` needs `--kv-transfer-hints` (without hints it would never act),
+    /// and is never port 0.
+    pub fn p2p_port(&self) -> anyhow::Result<Option<u16>> {
+        match self.kv_transfer_p2p_port {
+            Some(0) => anyhow::bail!("--kv-transfer-p2p-port must be 1..=65535, got 0"),
+            Some(_) if !self.kv_transfer_hints => {
+                anyhow::bail!("--kv-transfer-p2p-port needs --kv-transfer-hints")
+            }
+            port => Ok(port),
+        }
+    }
+
     /// The core's shared-cache configuration, checked.
     pub fn shared_cache(&self) -> anyhow::Result<SharedCacheConfig> {
         let m = self.shared_cache_multiplier;
@@ -59,10 +87,30 @@ impl TierArgs {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_p2p_port_needs_hints_and_is_never_zero() {
+        let mut a = args(0.0);
+        assert_eq!(a.p2p_port().unwrap(), None);
+        a.kv_transfer_p2p_port = Some(5710);
+        assert!(a
+            .p2p_port()
+            .unwrap_err()
+            .to_string()
+            .contains("--kv-transfer-hints"));
+        a.kv_transfer_hints = true;
+        assert_eq!(a.p2p_port().unwrap(), Some(5710));
+        a.kv_transfer_p2p_port = Some(1);
+        assert_eq!(a.p2p_port().unwrap(), Some(1), "the lowest port is one");
+        a.kv_transfer_p2p_port = Some(0);
+        assert!(a.p2p_port().is_err());
+    }
+
     fn args(m: f64) -> TierArgs {
         TierArgs {
             shared_cache_multiplier: m,
             shared_cache_models: vec![" a ".into(), String::new()],
+            kv_transfer_hints: false,
+            kv_transfer_p2p_port: None,
         }
     }
 

@@ -281,3 +281,5 @@ mod scores_tests;
 mod decay_tests;
 #[cfg(test)]
 mod shared_tier_tests;
+#[cfg(test)]
+mod transfer_tests;

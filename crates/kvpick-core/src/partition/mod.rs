@@ -29,6 +29,7 @@ mod replicas;
 mod select;
 pub(crate) mod shared_tier;
 pub(crate) mod sparse;
+mod transfer;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;

@@ -193,12 +193,22 @@ impl Partition {
         if let Some(parent) = decided.parent.filter(|_| ask.booking.is_some()) {
             facts.push(Fact::SessionParent(parent));
         }
+        // A split pick's prefill rank computes the prompt: no hint for its decode rank.
+        let transfer = picked
+            .prefill
+            .is_none()
+            .then(|| self.transfer_hint(state, ask, &picked.primary))
+            .flatten();
+        if transfer.is_some() {
+            facts.push(Fact::TransferHint);
+        }
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
         if let Some(changed) = shared_changed {
             facts.push(Fact::SharedTierPick { changed });
         }
         let mut selection = self.selection(ask, &field, picked, session);
         selection.scores = scores;
+        selection.transfer = transfer;
         Ok(SelectOutcome { selection, trace })
     }
 
@@ -307,7 +317,7 @@ impl Partition {
 
     /// The prompt's matches: the prefix every rank holds once, when the index can tell
     /// (every rank of the table is interned), and the ranks matching deeper.
-    fn matches(state: &State, ask: &Ask) -> crate::index::Matches {
+    pub(super) fn matches(state: &State, ask: &Ask) -> crate::index::Matches {
         if ask.prompt.match_hashes().is_empty() {
             return crate::index::Matches::default();
         }
