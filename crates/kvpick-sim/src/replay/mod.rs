@@ -478,10 +478,7 @@ async fn run_one(
             let step = rank.pending.take().expect("a busy rank has a pending step");
             if !step.events.is_empty() {
                 policy.on_kv_events(r, &step.events);
-                let shared = tier_sim.on_events(&step.events);
-                if !shared.is_empty() {
-                    policy.on_kv_events(r, &shared);
-                }
+                tier_sim.forward(r, &step.events, policy);
             }
             for o in &step.outputs {
                 let out = &mut outcomes[index_of[&o.id]];
@@ -541,18 +538,17 @@ async fn run_one(
             let req = &requests[index_of[&id]];
             let out = &mut outcomes[index_of[&id]];
             out.rank = rank;
-            let request = EngineRequest {
-                id,
-                prompt: req.tokens.clone(),
-                max_tokens: req.output,
-            };
             let hint = policy.transfer_source(id).and_then(|s| ranks.get(s));
             let external =
                 tier_sim.external(&req.tokens, &ranks[rank].engine, hint.map(|h| &h.engine));
-            let added = match external {
-                Some(e) => ranks[rank].engine.add_with_external(request, e),
-                None => ranks[rank].engine.add_request(request),
-            };
+            let added = ranks[rank].engine.add_with_external(
+                EngineRequest {
+                    id,
+                    prompt: req.tokens.clone(),
+                    max_tokens: req.output,
+                },
+                external,
+            );
             if added.is_err() {
                 out.refused = true;
                 policy.on_complete(id, rank);
@@ -640,14 +636,7 @@ async fn run_one(
             }),
         bands: flow_report::bands(&outcomes, requests, makespan_ns),
         tenants: flow_report::tenants(&outcomes, requests, makespan_ns),
-        tiers: (tier_options != tiers::TierOptions::default()).then(|| {
-            let (hits, changed) = policy.shared_tier_picks();
-            tiers::TierReport {
-                shared_hit_picks: hits,
-                shared_changed_picks: changed,
-                ..tier_sim.report
-            }
-        }),
+        tiers: tier_sim.report(policy),
         charts: Some(Box::new(chart)),
     }
 }

@@ -14,6 +14,7 @@ use kvpick_core::event::{KvEvent, Medium};
 use kvpick_core::hash;
 use serde::Serialize;
 
+use super::policy::Policy;
 use crate::sim::engine::{Engine, ExternalKv};
 
 /// The replay's shared store and transfer hints.
@@ -99,7 +100,7 @@ pub(super) struct TierSim {
     store: HashSet<u64>,
     block_size: usize,
     seed: u64,
-    pub report: TierReport,
+    report: TierReport,
 }
 
 impl TierSim {
@@ -136,6 +137,27 @@ impl TierSim {
             }
         }
         out
+    }
+
+    /// Tells `policy` the `EXTERNAL` copies of rank `rank`'s events ([`TierSim::on_events`]).
+    pub fn forward(&mut self, rank: usize, events: &[KvEvent], policy: &mut dyn Policy) {
+        let shared = self.on_events(events);
+        if !shared.is_empty() {
+            policy.on_kv_events(rank, &shared);
+        }
+    }
+
+    /// The run's tier report (with the policy's shared-tier picks), when a store or hints ran.
+    pub fn report(&self, policy: &dyn Policy) -> Option<TierReport> {
+        if self.options == TierOptions::default() {
+            return None;
+        }
+        let (hits, changed) = policy.shared_tier_picks();
+        Some(TierReport {
+            shared_hit_picks: hits,
+            shared_changed_picks: changed,
+            ..self.report.clone()
+        })
     }
 
     /// What a request dispatched to `target` may load: from the peer a hint named (the blocks

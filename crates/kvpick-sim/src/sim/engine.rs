@@ -254,16 +254,17 @@ impl Engine {
     }
 
     /// Queues a request that may load `external` KV at admission (blocks beyond its cached
-    /// prefix, paid in the admitting step's time; they enter the cache and the KV events).
+    /// prefix, paid in the admitting step's time; they enter the cache and the KV events);
+    /// `None` is [`Engine::add_request`].
     pub fn add_with_external(
         &mut self,
         request: EngineRequest,
-        external: ExternalKv,
+        external: Option<ExternalKv>,
     ) -> Result<(), AddError> {
         let id = request.id;
         self.add_request(request)?;
         if let Some(seq) = self.waiting.iter_mut().rev().find(|s| s.id == id) {
-            seq.external = Some(external);
+            seq.external = external;
         }
         Ok(())
     }

@@ -332,7 +332,8 @@ fn external_kv_is_loaded_at_admission_instead_of_prefilled() {
         blocks: 8,
         ns_per_block: 50_000,
     };
-    e.add_with_external(req(2, p.clone(), 1), external).unwrap();
+    e.add_with_external(req(2, p.clone(), 1), Some(external))
+        .unwrap();
     let r = run(&mut e, 0);
     // 4 blocks loaded (8 - 4 cached), 161 - 128 = 33 tokens prefilled.
     assert_eq!(r.first[&2], 1_000_000 + 4 * 50_000 + 33 * 100_000);
@@ -355,6 +356,6 @@ fn external_kv_is_loaded_at_admission_instead_of_prefilled() {
         blocks: 0,
         ns_per_block: 50_000,
     };
-    again.add_with_external(req(3, p, 1), none).unwrap();
+    again.add_with_external(req(3, p, 1), Some(none)).unwrap();
     assert_eq!(run(&mut again, 0).first[&3], 1_000_000 + 161 * 100_000);
 }
