@@ -458,7 +458,8 @@ async fn run_one(
     let mut observer = series::Observer::new(workers);
     loop {
         let arrival = requests.get(next_arrival).map(|r| r.arrival_ns);
-        let step_end = ranks.iter().filter_map(|r| r.busy_until).min();
+        let busy = ranks.iter().filter_map(|r| r.busy_until);
+        let step_end = busy.chain(tier_sim.next_landing()).min();
         let now = match (arrival, step_end) {
             (None, None) => break,
             (Some(a), None) => a,
@@ -497,7 +498,8 @@ async fn run_one(
         }
         // 2. Arrivals now are routed and queued (in the engine, or in the router's own queue).
         policy.tick();
-        let mut dispatch: Vec<(u64, usize)> = Vec::new();
+        // Requests whose peer pull landed reach their engine now.
+        let mut dispatch: Vec<(u64, usize)> = tier_sim.landed(now);
         while let Some(req) = requests.get(next_arrival).filter(|r| r.arrival_ns == now) {
             next_arrival += 1;
             let metrics: Vec<EngineStats> = ranks.iter().map(|r| r.engine.stats()).collect();
@@ -539,8 +541,10 @@ async fn run_one(
             let out = &mut outcomes[index_of[&id]];
             out.rank = rank;
             let hint = policy.transfer_source(id).and_then(|s| ranks.get(s));
-            let external =
-                tier_sim.external(&req.tokens, &ranks[rank].engine, hint.map(|h| &h.engine));
+            let target = &ranks[rank].engine;
+            let Some(external) = tier_sim.plan(id, rank, now, &req.tokens, target, hint) else {
+                continue; // a peer pull in flight: the request reaches its engine when it lands
+            };
             let added = ranks[rank].engine.add_with_external(
                 EngineRequest {
                     id,

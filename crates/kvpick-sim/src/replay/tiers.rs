@@ -2,8 +2,10 @@
 //! (`--shared-store-gb-s`: LMCache-like, every block an engine computes is written through to
 //! it, and an engine loads the blocks it holds beyond its own cached prefix at admission, each at
 //! the store's bandwidth) and peer pulls named by kvpick's transfer hints (`--kv-transfer-hints`:
-//! the picked engine pulls the prefix the hint's holder caches, at `--p2p-gb-s`). It owns the
-//! store's contents, the flags and the counts; the engines pay the loads
+//! the picked engine pulls the prefix the hint's holder caches, at `--p2p-gb-s`, beside its
+//! batch as NIXL does: the request alone waits for the pull, then reaches its engine with the
+//! blocks in hand). It owns the store's contents, the pulls in flight, the flags and the counts;
+//! the engines pay the store's loads
 //! ([`crate::sim::engine::ExternalKv`]), kvpick's core decides (it learns the store's blocks as
 //! `EXTERNAL` KV events, as SGLang publishes them). It never changes a policy's decision itself.
 
@@ -98,6 +100,10 @@ pub struct TierReport {
 pub(super) struct TierSim {
     options: TierOptions,
     store: HashSet<u64>,
+    /// Peer pulls in flight: (landing time, request id, rank, blocks pulled), and the pulls
+    /// landed whose requests are being dispatched (id -> blocks).
+    pulls: Vec<(u64, u64, usize, usize)>,
+    landed: std::collections::HashMap<u64, usize>,
     block_size: usize,
     seed: u64,
     report: TierReport,
@@ -108,6 +114,8 @@ impl TierSim {
         TierSim {
             options,
             store: HashSet::new(),
+            pulls: Vec::new(),
+            landed: std::collections::HashMap::new(),
             block_size,
             seed: hash::block_seed(None, None),
             report: TierReport::default(),
@@ -160,15 +168,66 @@ impl TierSim {
         })
     }
 
-    /// What a request dispatched to `target` may load: from the peer a hint named (the blocks
-    /// it caches now), or from the store (its consecutive prefix of the prompt), whichever holds
-    /// more; `None` when neither holds anything.
-    pub fn external(
+    /// The earliest time a peer pull lands.
+    pub fn next_landing(&self) -> Option<u64> {
+        self.pulls.iter().map(|p| p.0).min()
+    }
+
+    /// The requests whose peer pull landed at `now`, to dispatch (to the same rank).
+    pub fn landed(&mut self, now: u64) -> Vec<(u64, usize)> {
+        let mut out = Vec::new();
+        self.pulls.retain(|&(at, id, rank, blocks)| {
+            if at > now {
+                return true;
+            }
+            out.push((id, rank));
+            self.landed.insert(id, blocks);
+            false
+        });
+        out
+    }
+
+    /// What request `id`, dispatched to `rank` at `now`, takes to its engine: `Some(load)` now
+    /// (a store load is paid in its admitting step, as LMCache retrieves), or `None` while a peer
+    /// pull runs: vLLM's NIXL pulls run beside the engine's batch, so the request alone waits
+    /// (blocks × time per block) and reaches the engine with the blocks in hand.
+    pub fn plan(
+        &mut self,
+        id: u64,
+        rank: usize,
+        now: u64,
+        tokens: &[u32],
+        target: &Engine,
+        hint: Option<&super::RankState>,
+    ) -> Option<Option<ExternalKv>> {
+        if let Some(blocks) = self.landed.remove(&id) {
+            return Some(Some(ExternalKv {
+                blocks,
+                ns_per_block: 0,
+            }));
+        }
+        match self.external(tokens, target, hint.map(|h| &h.engine)) {
+            Some((e, true)) => {
+                let own = target.cached_prefix_tokens(tokens) / self.block_size;
+                let wait = (e.blocks.saturating_sub(own) as u64).saturating_mul(e.ns_per_block);
+                self.pulls
+                    .push((now.saturating_add(wait.max(1)), id, rank, e.blocks));
+                None
+            }
+            Some((e, false)) => Some(Some(e)),
+            None => Some(None),
+        }
+    }
+
+    /// What a request dispatched to `target` may load, and whether from a peer: from the peer a
+    /// hint named (the blocks it caches now), or from the store (its consecutive prefix of the
+    /// prompt), whichever holds more; `None` when neither holds anything.
+    fn external(
         &mut self,
         tokens: &[u32],
         target: &Engine,
         hint: Option<&Engine>,
-    ) -> Option<ExternalKv> {
+    ) -> Option<(ExternalKv, bool)> {
         let bs = self.block_size;
         let own = target.cached_prefix_tokens(tokens) / bs;
         let peer = hint
@@ -197,10 +256,13 @@ impl TierSim {
         } else {
             self.report.store_blocks_loaded += loaded;
         }
-        (loaded > 0).then_some(ExternalKv {
-            blocks,
-            ns_per_block,
-        })
+        (loaded > 0).then_some((
+            ExternalKv {
+                blocks,
+                ns_per_block,
+            },
+            from_peer,
+        ))
     }
 }
 
@@ -235,6 +297,58 @@ pub fn markdown(policies: &[super::PolicyReport]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::sim::engine::{EngineConfig, EngineRequest};
+
+    #[test]
+    fn a_peer_pull_holds_its_request_until_it_lands_then_loads_for_free() {
+        let config = EngineConfig {
+            num_gpu_blocks: 100,
+            ..EngineConfig::default()
+        };
+        let tokens: Vec<u32> = (0..16 * 6 + 1).collect();
+        let mut holder = Engine::new(config.clone());
+        holder
+            .add_request(EngineRequest {
+                id: 1,
+                prompt: tokens.clone(),
+                max_tokens: 1,
+            })
+            .unwrap();
+        while holder.step().is_some() {}
+        let holder = super::super::RankState {
+            engine: holder,
+            busy_until: None,
+            pending: None,
+            step_ns: 0,
+            prefill_ns: 0,
+        };
+        let target = Engine::new(config);
+        let options = TierOptions {
+            store_ns_per_block: None,
+            p2p_ns_per_block: Some(100),
+        };
+        let mut sim = TierSim::new(options, 16);
+        // No hint: nothing to load, dispatched at once.
+        assert_eq!(sim.plan(2, 0, 1_000, &tokens, &target, None), Some(None));
+        // A hint to a holder of 6 blocks: the request waits 6 × 100 ns.
+        assert_eq!(sim.plan(3, 0, 1_000, &tokens, &target, Some(&holder)), None);
+        assert_eq!(sim.next_landing(), Some(1_600));
+        assert!(sim.landed(1_599).is_empty(), "not before it lands");
+        assert_eq!(sim.landed(1_600), vec![(3, 0)]);
+        let load = ExternalKv {
+            blocks: 6,
+            ns_per_block: 0,
+        };
+        assert_eq!(
+            sim.plan(3, 0, 1_600, &tokens, &target, None),
+            Some(Some(load))
+        );
+        assert_eq!(sim.next_landing(), None);
+        assert_eq!(
+            (sim.report.peer_blocks_pulled, sim.report.hinted_requests),
+            (6, 1)
+        );
+    }
 
     #[test]
     fn bandwidths_become_time_per_block_and_are_checked() {
