@@ -23,6 +23,7 @@ mod conn;
 pub mod kv_remote;
 mod memory;
 mod ranks;
+mod tiers;
 
 /// Every metric kvpick exports, registered per area on one registry. Cheap to clone (all
 /// handles are reference-counted). Tokenization registers its own (`tokenize::TokenizeMetrics`).
@@ -45,6 +46,8 @@ pub struct Metrics {
     pub cache_view: CacheViewMetrics,
     /// Held bookings decayed or reconciled.
     pub bookings: BookingBoundMetrics,
+    /// The shared KV tier and KV transfer hints.
+    pub tiers: tiers::TierMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
     pub epp: crate::epp_metrics::EppMetrics,
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
@@ -942,6 +945,9 @@ impl Metrics {
                 }
                 // Delivered to its waiter by the selection host, not a metric.
                 Fact::Dequeued { .. } => {}
+                Fact::SharedTierSize { .. } | Fact::SharedTierPick { .. } | Fact::TransferHint => {
+                    self.tiers.record(fact)
+                }
             }
         }
     }
@@ -970,6 +976,7 @@ impl Metrics {
             ranks: RankMetrics::register(&registry),
             cache_view: CacheViewMetrics::register(&registry),
             bookings: BookingBoundMetrics::register(&registry),
+            tiers: tiers::TierMetrics::register(&registry),
             scrape_facts: Default::default(),
             registry,
         }

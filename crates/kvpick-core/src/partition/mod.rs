@@ -28,8 +28,10 @@ mod pipeline;
 mod ranks;
 mod replicas;
 mod select;
+pub(crate) mod shared_tier;
 pub(crate) mod sparse;
 mod stage;
+mod transfer;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -179,6 +181,8 @@ pub(crate) struct Kv {
     clear_log: deferred::ClearLog,
     /// The index's rank epoch, published ([`PrefixIndex::publish_rank_epoch`]).
     rank_epoch: Arc<AtomicU64>,
+    /// The model's shared KV store, when one is configured ([`shared_tier`]).
+    shared: Option<shared_tier::SharedTier>,
 }
 
 impl Kv {
@@ -188,6 +192,9 @@ impl Kv {
         self.index = PrefixIndex::new(self.index.capacity(), now);
         self.index.publish_rank_epoch(Arc::clone(&self.rank_epoch));
         self.engines.clear();
+        if let Some(shared) = &mut self.shared {
+            shared.clear();
+        }
     }
 
     /// Forgets a rank's blocks and engine map.
@@ -204,6 +211,9 @@ impl Kv {
         self.index.clear_ranks(ranks);
         for rank in ranks {
             self.engines.remove(rank);
+            if let Some(shared) = &mut self.shared {
+                shared.forget_rank(*rank);
+            }
         }
     }
 }
@@ -256,6 +266,8 @@ pub(crate) struct Partition {
     kv: Arc<SpinRwLock<Kv>>,
     /// Requests in `state.queue` (read without the lock: an empty queue costs nothing).
     queued: AtomicUsize,
+    /// The model has a shared KV store ([`Kv::shared`]): a pick reads it only then.
+    has_shared_tier: bool,
 }
 
 /// `-n` as a gauge delta, saturating.
@@ -291,6 +303,7 @@ impl Partition {
         let rank_epoch = Arc::new(AtomicU64::new(0));
         let mut index = PrefixIndex::new(config.index_max_blocks, now);
         index.publish_rank_epoch(Arc::clone(&rank_epoch));
+        let shared_weight = config.shared_cache.weight_for(&key.model);
         let kv = Arc::new(SpinRwLock::new(Kv {
             index,
             engines: HashMap::new(),
@@ -300,6 +313,7 @@ impl Partition {
             size_mismatch: HashMap::new(),
             clear_log: deferred::ClearLog::new(Arc::clone(&clears)),
             rank_epoch: Arc::clone(&rank_epoch),
+            shared: shared_weight.map(|w| shared_tier::SharedTier::new(w, config.index_max_blocks)),
         }));
         Partition {
             key: Arc::new(key),
@@ -324,6 +338,7 @@ impl Partition {
                 interned: std::cell::Cell::new((u64::MAX, u64::MAX, false)),
             }),
             queued: AtomicUsize::new(0),
+            has_shared_tier: shared_weight.is_some(),
         }
     }
 
