@@ -12,7 +12,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::select::{Ask, Field};
+use super::stage::{Ask, Field};
 use super::{Partition, State};
 use crate::decide::{Candidate, Decision};
 use crate::facts::Fact;

@@ -8,7 +8,7 @@
 
 #![warn(clippy::arithmetic_side_effects)]
 
-use super::select::Ask;
+use super::stage::Ask;
 use super::{pipeline, Partition, State};
 use crate::outcome::{PickedRank, TransferHint};
 use crate::types::RankKey;
