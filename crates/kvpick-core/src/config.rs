@@ -125,8 +125,8 @@ pub struct CoreConfig {
     pub outlier: crate::outlier::OutlierConfig,
     /// How long a booking's load is believed without evidence from the engine.
     pub bookings: BookingBounds,
-    /// Shared KV stores per model: the shared tier ([`crate::SharedCacheConfig`]).
-    pub shared_cache: crate::SharedCacheConfig,
+    /// Shared KV stores per model: the shared tier ([`SharedCacheConfig`]).
+    pub shared_cache: SharedCacheConfig,
     /// Name a holder of the prompt's prefix on a booked pick that is not one
     /// ([`crate::outcome::TransferHint`]); never on a query-only selection.
     pub kv_transfer_hints: bool,
@@ -155,8 +155,28 @@ impl Default for CoreConfig {
             pd: PdConfig::default(),
             outlier: crate::outlier::OutlierConfig::default(),
             bookings: BookingBounds::default(),
-            shared_cache: crate::SharedCacheConfig::default(),
+            shared_cache: SharedCacheConfig::default(),
             kv_transfer_hints: false,
         }
+    }
+}
+
+/// Configuration of shared KV stores (`--shared-cache-multiplier`, `--shared-cache-models`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct SharedCacheConfig {
+    /// Weight of a block the shared tier holds beyond a rank's own overlap, against a block the
+    /// rank holds on its GPU (1) and a block it must recompute (0). 0 = no shared tier: `EXTERNAL`
+    /// stores then count as the storing rank's disk tier, as without this feature.
+    pub multiplier: f64,
+    /// Models attached to a shared store; empty = every model (when `multiplier` > 0).
+    pub models: Vec<String>,
+}
+
+impl SharedCacheConfig {
+    /// The multiplier for `model`'s partitions, `None` when it has no shared tier.
+    pub fn weight_for(&self, model: &str) -> Option<f64> {
+        let attached = self.models.is_empty() || self.models.iter().any(|m| m == model);
+        (self.multiplier > 0.0 && self.multiplier.is_finite() && attached)
+            .then_some(self.multiplier)
     }
 }

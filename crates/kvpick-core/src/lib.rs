@@ -58,7 +58,8 @@ pub mod types;
 
 pub use crate::catalog::{ApplyReport, SourceName, WorkerRecord, WorkerSpec};
 pub use crate::config::{
-    BookingBounds, BusyThresholds, CoreConfig, DEFAULT_BLOCK_SIZE, DEFAULT_PREDICTED_TTL,
+    BookingBounds, BusyThresholds, CoreConfig, SharedCacheConfig, DEFAULT_BLOCK_SIZE,
+    DEFAULT_PREDICTED_TTL,
 };
 pub use crate::core::Core;
 pub use crate::decide::{
@@ -74,7 +75,6 @@ pub use crate::live::{LiveConfig, LiveConfigError};
 pub use crate::outcome::{
     EndpointScore, PickedRank, RankStatus, Selection, TransferHint, WorkerView,
 };
-pub use crate::partition::shared_tier::SharedCacheConfig;
 pub use crate::partition::EventStats;
 pub use crate::request::{
     clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, RemoteOverlap,

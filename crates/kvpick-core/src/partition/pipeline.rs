@@ -433,7 +433,7 @@ pub(crate) struct EngineView<'a> {
     pub max_age: std::time::Duration,
     pub adapter: Option<&'a str>,
     /// The prompt's runs in the partition's shared tier (empty without one).
-    pub shared: super::shared_tier::SharedView<'a>,
+    pub shared: super::stage::SharedView<'a>,
 }
 
 /// The eligible ranks with their load, the prompt's matched depths and their fresh engine

@@ -193,7 +193,7 @@ impl Partition {
             };
         let matches = Self::expand(slots, matches.take(state, ask));
         let runs = self.shared_runs(state, ask);
-        let shared = shared_tier::SharedView::of(runs.as_ref());
+        let shared = stage::SharedView::of(runs.as_ref());
         let engine_view = pipeline::EngineView {
             now,
             max_age: config.engine_metrics_max_age,

@@ -14,29 +14,11 @@ use std::sync::Arc;
 
 use super::stage::{Ask, Field};
 use super::{Partition, State};
+#[cfg(test)]
+use crate::config::SharedCacheConfig;
 use crate::decide::{Candidate, Decision};
 use crate::facts::Fact;
 use crate::types::RankKey;
-
-/// Configuration of shared KV stores (`--shared-cache-multiplier`, `--shared-cache-models`).
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct SharedCacheConfig {
-    /// Weight of a block the shared tier holds beyond a rank's own overlap, against a block the
-    /// rank holds on its GPU (1) and a block it must recompute (0). 0 = no shared tier: `EXTERNAL`
-    /// stores then count as the storing rank's disk tier, as without this feature.
-    pub multiplier: f64,
-    /// Models attached to a shared store; empty = every model (when `multiplier` > 0).
-    pub models: Vec<String>,
-}
-
-impl SharedCacheConfig {
-    /// The multiplier for `model`'s partitions, `None` when it has no shared tier.
-    pub fn weight_for(&self, model: &str) -> Option<f64> {
-        let attached = self.models.is_empty() || self.models.iter().any(|m| m == model);
-        (self.multiplier > 0.0 && self.multiplier.is_finite() && attached)
-            .then_some(self.multiplier)
-    }
-}
 
 /// The shared tier's blocks (our chained hashes) and how engines name them.
 #[derive(Debug)]
@@ -136,28 +118,6 @@ impl SharedTier {
     }
 }
 
-/// What a pick reads of the shared tier: the prompt's runs and the multiplier.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct SharedView<'a> {
-    pub runs: &'a [u32],
-    pub weight: f64,
-}
-
-impl<'a> SharedView<'a> {
-    /// The view of [`Partition::shared_runs`]' answer (none: no shared blocks).
-    pub fn of(runs: Option<&'a (Vec<u32>, f64)>) -> Self {
-        runs.map_or_else(Default::default, |(runs, weight)| SharedView {
-            runs,
-            weight: *weight,
-        })
-    }
-
-    /// Blocks a rank whose own overlap ends at `depth` can load from the shared tier.
-    pub fn beyond(&self, depth: u32) -> u32 {
-        self.runs.get(depth as usize).copied().unwrap_or(0)
-    }
-}
-
 impl Partition {
     /// The prompt's runs in the shared tier and the multiplier; `None` without a shared tier
     /// or when it holds none of the prompt's blocks.
@@ -239,6 +199,7 @@ impl Partition {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::partition::stage::SharedView;
 
     const R0: RankKey = RankKey {
         worker_id: 1,

@@ -201,7 +201,7 @@ impl<'a> Found<'a> {
         bounds: &'a Bounds<'a>,
         base: TierDepths,
         block_size: u32,
-        shared: super::shared_tier::SharedView<'a>,
+        shared: super::stage::SharedView<'a>,
     ) -> Self {
         let (config, request) = (ask.config, ask.request);
         Found {
@@ -434,7 +434,7 @@ impl Partition {
             disk: matches.base,
         };
         let runs = self.shared_runs(state, ask);
-        let shared = super::shared_tier::SharedView::of(runs.as_ref());
+        let shared = super::stage::SharedView::of(runs.as_ref());
         let mut bounds = Bounds {
             fixed,
             min_scale,

@@ -183,3 +183,25 @@ pub(super) struct Pick<'a> {
     /// The prefill rank and the prompt's overlap there, when the pair decision split the request.
     pub(super) prefill: Option<(RankKey, TierDepths)>,
 }
+
+/// What a pick reads of the shared tier: the prompt's runs and the multiplier.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct SharedView<'a> {
+    pub runs: &'a [u32],
+    pub weight: f64,
+}
+
+impl<'a> SharedView<'a> {
+    /// The view of `Partition::shared_runs`' answer (none: no shared blocks).
+    pub fn of(runs: Option<&'a (Vec<u32>, f64)>) -> Self {
+        runs.map_or_else(Default::default, |(runs, weight)| SharedView {
+            runs,
+            weight: *weight,
+        })
+    }
+
+    /// Blocks a rank whose own overlap ends at `depth` can load from the shared tier.
+    pub fn beyond(&self, depth: u32) -> u32 {
+        self.runs.get(depth as usize).copied().unwrap_or(0)
+    }
+}

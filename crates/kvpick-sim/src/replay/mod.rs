@@ -479,7 +479,10 @@ async fn run_one(
             let step = rank.pending.take().expect("a busy rank has a pending step");
             if !step.events.is_empty() {
                 policy.on_kv_events(r, &step.events);
-                tier_sim.forward(r, &step.events, policy);
+                let shared = tier_sim.on_events(&step.events);
+                if !shared.is_empty() {
+                    policy.on_kv_events(r, &shared);
+                }
             }
             for o in &step.outputs {
                 let out = &mut outcomes[index_of[&o.id]];
@@ -640,7 +643,7 @@ async fn run_one(
             }),
         bands: flow_report::bands(&outcomes, requests, makespan_ns),
         tenants: flow_report::tenants(&outcomes, requests, makespan_ns),
-        tiers: tier_sim.report(policy),
+        tiers: tier_sim.report(policy.shared_tier_picks()),
         charts: Some(Box::new(chart)),
     }
 }

@@ -16,7 +16,6 @@ use kvpick_core::event::{KvEvent, Medium};
 use kvpick_core::hash;
 use serde::Serialize;
 
-use super::policy::Policy;
 use crate::sim::engine::{Engine, ExternalKv};
 
 /// The replay's shared store and transfer hints.
@@ -147,20 +146,12 @@ impl TierSim {
         out
     }
 
-    /// Tells `policy` the `EXTERNAL` copies of rank `rank`'s events ([`TierSim::on_events`]).
-    pub fn forward(&mut self, rank: usize, events: &[KvEvent], policy: &mut dyn Policy) {
-        let shared = self.on_events(events);
-        if !shared.is_empty() {
-            policy.on_kv_events(rank, &shared);
-        }
-    }
-
-    /// The run's tier report (with the policy's shared-tier picks), when a store or hints ran.
-    pub fn report(&self, policy: &dyn Policy) -> Option<TierReport> {
+    /// The run's tier report, with the policy's shared-tier picks (`Policy::shared_tier_picks`:
+    /// picks with a shared hit, picks it changed), when a store or hints ran.
+    pub fn report(&self, (hits, changed): (u64, u64)) -> Option<TierReport> {
         if self.options == TierOptions::default() {
             return None;
         }
-        let (hits, changed) = policy.shared_tier_picks();
         Some(TierReport {
             shared_hit_picks: hits,
             shared_changed_picks: changed,
