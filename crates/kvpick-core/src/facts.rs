@@ -88,6 +88,12 @@ pub enum Fact {
         blocks: usize,
         bytes: Option<usize>,
     },
+    /// How long a partition's precise predictions outlive their request now (the end grace,
+    /// adapted to its KV events' lag): after each live batch, and at each scrape.
+    PredictionGrace {
+        partition: Arc<PartitionKey>,
+        seconds: f64,
+    },
     /// Share of a pick's prompt blocks already cached on the picked rank.
     PredictedOverlap(f64),
     /// KV events applied and dropped (of which `block_size_mismatches` for a block size other
