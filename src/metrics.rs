@@ -25,6 +25,7 @@ mod grace;
 pub mod kv_remote;
 mod memory;
 mod ranks;
+mod tiers;
 
 /// Every metric kvpick exports, registered per area on one registry. Cheap to clone (all
 /// handles are reference-counted). Tokenization registers its own (`tokenize::TokenizeMetrics`).
@@ -49,6 +50,8 @@ pub struct Metrics {
     pub bookings: BookingBoundMetrics,
     /// How long predictions outlive their request, per partition.
     pub grace: GraceMetrics,
+    /// The shared KV tier and KV transfer hints.
+    pub tiers: tiers::TierMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
     pub epp: crate::epp_metrics::EppMetrics,
     /// Pool and queue gauges computed at each scrape (autoscaling signals).
@@ -949,6 +952,9 @@ impl Metrics {
                 }
                 // Delivered to its waiter by the selection host, not a metric.
                 Fact::Dequeued { .. } => {}
+                Fact::SharedTierSize { .. } | Fact::SharedTierPick { .. } | Fact::TransferHint => {
+                    self.tiers.record(fact)
+                }
             }
         }
     }
@@ -978,6 +984,7 @@ impl Metrics {
             cache_view: CacheViewMetrics::register(&registry),
             bookings: BookingBoundMetrics::register(&registry),
             grace: GraceMetrics::register(&registry),
+            tiers: tiers::TierMetrics::register(&registry),
             scrape_facts: Default::default(),
             registry,
         }

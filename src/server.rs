@@ -23,6 +23,7 @@ mod outlier_args;
 mod ports;
 pub mod settings;
 mod tasks;
+mod tier_args;
 mod tls_args;
 
 pub use entry::{run, serve};
@@ -215,6 +216,10 @@ pub struct ServeArgs {
     /// How long a booking's load is believed without the engine's evidence.
     #[command(flatten)]
     pub bookings: bookings::BookingArgs,
+
+    /// KV outside a rank's own tiers: a model's shared KV store.
+    #[command(flatten)]
+    pub tiers: tier_args::TierArgs,
 
     /// Bounds on connections and on what a client may make the HTTP/2 layer decode.
     #[command(flatten)]

@@ -786,6 +786,13 @@ fn medium_names() {
     ] {
         assert_eq!(Medium::parse(name), want, "{name}");
     }
+    // SGLang's cluster-wide store: the shared tier's medium, whatever its case.
+    for shared in ["EXTERNAL", "external", " External "] {
+        assert!(Medium::parse(shared).is_shared(), "{shared:?}");
+    }
+    for local in ["GPU", "CPU", "DISK", "EXTERNALS", "LMCACHE"] {
+        assert!(!Medium::parse(local).is_shared(), "{local:?}");
+    }
     assert_eq!(
         Medium::parse(&"é".repeat(100)),
         Medium::Other("é".repeat(MAX_ECHO / 2))

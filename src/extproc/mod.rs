@@ -47,6 +47,10 @@ pub struct ExtProcSettings {
     pub flow_settings: crate::flow::FlowSettings,
     /// Which headers carry a prefill/decode pair (`--pd-protocol`).
     pub pd_protocol: PdProtocol,
+    /// `--kv-transfer-p2p-port`: a pick's KV transfer hint also goes into the body as vLLM's
+    /// `kv_transfer_params.remote_kv_source` with this P2P connector port (+ the holder's DP
+    /// rank); `None` = the header alone.
+    pub kv_transfer_p2p_port: Option<u16>,
     /// OpenTelemetry tracing (`--otlp-endpoint`); `None` = off: no span, no `traceparent`.
     pub tracer: Option<crate::telemetry::RequestTracer>,
     /// `--emit-endpoint-scores`: most endpoints whose scores the `envoy.lb` metadata carries
@@ -72,6 +76,7 @@ impl Default for ExtProcSettings {
             flow_policy: None,
             flow_settings: crate::flow::FlowSettings::default(),
             pd_protocol: PdProtocol::default(),
+            kv_transfer_p2p_port: None,
             tracer: None,
             endpoint_scores: 0,
             max_message_bytes: max_message_bytes(32 << 20),

@@ -114,6 +114,8 @@ mod tests {
             candidates: 1,
             predicted_ttft_seconds: 0.0,
             scores: vec![],
+            shared_blocks: 0,
+            transfer: None,
         }
     }
 

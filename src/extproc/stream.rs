@@ -35,6 +35,7 @@ mod response;
 mod route;
 mod route_headers;
 mod trace;
+mod transfer;
 mod wire;
 
 use trace::TraceSeed;

@@ -72,6 +72,7 @@ pub fn extproc_settings(
             Arc::clone(&memory.account),
         ),
         pd_protocol: args.pd_protocol,
+        kv_transfer_p2p_port: args.tiers.p2p_port()?,
         endpoint_scores: if args.emit_endpoint_scores {
             args.endpoint_scores_limit
         } else {
@@ -236,6 +237,8 @@ pub fn core_config(args: &ServeArgs) -> anyhow::Result<CoreConfig> {
             (args.engine_metrics != crate::server::EngineMetricsMode::Off)
                 .then(|| Duration::from_millis(args.engine_metrics_interval_ms)),
         )?,
+        shared_cache: args.tiers.shared_cache()?,
+        kv_transfer_hints: args.tiers.kv_transfer_hints,
         ..CoreConfig::default()
     })
 }

@@ -254,6 +254,8 @@ fn the_reason_is_the_first_rule_that_decided() {
         candidates: 2,
         predicted_ttft_seconds: 0.05,
         scores: vec![],
+        shared_blocks: 0,
+        transfer: None,
     };
     assert_eq!(pick_reason(&base, false), "load");
     let cached = Selection {

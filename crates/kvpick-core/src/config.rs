@@ -125,6 +125,11 @@ pub struct CoreConfig {
     pub outlier: crate::outlier::OutlierConfig,
     /// How long a booking's load is believed without evidence from the engine.
     pub bookings: BookingBounds,
+    /// Shared KV stores per model: the shared tier ([`crate::SharedCacheConfig`]).
+    pub shared_cache: crate::SharedCacheConfig,
+    /// Name a holder of the prompt's prefix on a booked pick that is not one
+    /// ([`crate::outcome::TransferHint`]); never on a query-only selection.
+    pub kv_transfer_hints: bool,
 }
 
 impl Default for CoreConfig {
@@ -150,6 +155,8 @@ impl Default for CoreConfig {
             pd: PdConfig::default(),
             outlier: crate::outlier::OutlierConfig::default(),
             bookings: BookingBounds::default(),
+            shared_cache: crate::SharedCacheConfig::default(),
+            kv_transfer_hints: false,
         }
     }
 }

@@ -107,6 +107,12 @@ pub struct Candidate {
     /// still prefilling ahead of it (FIFO), which decode while its prefill runs.
     pub stalled_requests: u64,
     pub overlap: TierDepths,
+    /// Blocks beyond `overlap` (its deepest tier) the model's shared KV store holds
+    /// consecutively: the rank loads them rather than recomputing ([`cached_blocks`]).
+    pub shared_blocks: u32,
+    /// What a shared-tier block counts for against a GPU hit (1) and a recompute (0): the
+    /// partition's `--shared-cache-multiplier`; 0 without a shared tier.
+    pub shared_weight: f64,
     /// The engine's queue, batch and KV usage; `None` without a fresh scrape.
     pub engine: Option<EngineLoad>,
     /// Where the request's adapter stands on the rank (`Unknown` for base-model requests).
@@ -132,6 +138,8 @@ impl Candidate {
             active_requests: load.active_requests,
             stalled_requests: load.active_requests,
             overlap,
+            shared_blocks: 0,
+            shared_weight: 0.0,
             scale: 1.0,
             fixed_blocks: 0.0,
             engine: None,
@@ -157,6 +165,14 @@ pub fn overlap_score(depths: TierDepths, params: &CostParams) -> f64 {
     gpu + params.host_tier_weight * host_only + params.disk_tier_weight * disk_only
 }
 
+/// Blocks of the prompt the candidate need not prefill: its own overlap by tier
+/// ([`overlap_score`]) and the shared tier's blocks beyond it, weighted by the multiplier. A
+/// shared hit costs a load over the network: cheaper than a recompute, dearer than a local hit,
+/// so the multiplier sits between 0 and 1 (Dynamo's `--shared-cache-multiplier`).
+pub fn cached_blocks(c: &Candidate, params: &CostParams) -> f64 {
+    overlap_score(c.overlap, params) + c.shared_weight * f64::from(c.shared_blocks)
+}
+
 /// A candidate's terms, computed once per decision: its own predicted TTFT, its own uncached
 /// prefill, and its cost (which contains both).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -175,7 +191,7 @@ pub(crate) fn terms(
     params: &CostParams,
 ) -> Terms {
     let block = f64::from(block_size.max(1));
-    let cached = params.overlap_score_credit * overlap_score(c.overlap, params);
+    let cached = params.overlap_score_credit * cached_blocks(c, params);
     let own = (prompt_tokens as f64 / block - cached).max(0.0);
     let waited = ((c.active_prefill_tokens + prompt_tokens) as f64 / block - cached).max(0.0);
     let ttft = c.fixed_blocks + params.prefill_load_scale * waited;
@@ -194,7 +210,7 @@ pub(crate) fn terms(
 pub fn ttft_blocks(c: &Candidate, prompt_tokens: u64, block_size: u32, params: &CostParams) -> f64 {
     let prefill_blocks =
         (c.active_prefill_tokens + prompt_tokens) as f64 / f64::from(block_size.max(1));
-    (prefill_blocks - params.overlap_score_credit * overlap_score(c.overlap, params)).max(0.0)
+    (prefill_blocks - params.overlap_score_credit * cached_blocks(c, params)).max(0.0)
 }
 
 /// `scale * (fixed + prefill_load_scale * max(0, queued + prompt - credit * overlap))

@@ -43,6 +43,12 @@ impl Medium {
             _ => Medium::Other(truncate(s, MAX_TIER_NAME).to_owned()),
         }
     }
+
+    /// A cluster-wide store any rank of the model can load from (SGLang's `"EXTERNAL"`): the
+    /// partition's shared tier when one is configured, else the storing rank's disk tier.
+    pub fn is_shared(&self) -> bool {
+        matches!(self, Medium::Other(name) if name.trim().eq_ignore_ascii_case("external"))
+    }
 }
 
 /// One decoded KV event.

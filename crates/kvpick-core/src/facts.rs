@@ -94,6 +94,17 @@ pub enum Fact {
         partition: Arc<PartitionKey>,
         seconds: f64,
     },
+    /// A partition's shared tier now holds `blocks` blocks (`--shared-cache-multiplier`).
+    SharedTierSize {
+        partition: Arc<PartitionKey>,
+        blocks: usize,
+    },
+    /// A booked pick some candidate of which could load prompt blocks from the shared tier:
+    /// whether the shared tier changed the pick (the same decision without it picks another
+    /// rank).
+    SharedTierPick { changed: bool },
+    /// A booked pick carried a KV transfer hint ([`crate::outcome::TransferHint`]).
+    TransferHint,
     /// Share of a pick's prompt blocks already cached on the picked rank.
     PredictedOverlap(f64),
     /// KV events applied and dropped (of which `block_size_mismatches` for a block size other

@@ -71,7 +71,10 @@ pub use crate::estimate::{Coefficients, EstimatorConfig, TpotEstimator, TtftEsti
 pub use crate::facts::{Fact, Facts, QueueEvent, QueueExit, ResponseClass};
 pub use crate::flow::{FlowConfig, SaturationLimits};
 pub use crate::live::{LiveConfig, LiveConfigError};
-pub use crate::outcome::{EndpointScore, PickedRank, RankStatus, Selection, WorkerView};
+pub use crate::outcome::{
+    EndpointScore, PickedRank, RankStatus, Selection, TransferHint, WorkerView,
+};
+pub use crate::partition::shared_tier::SharedCacheConfig;
 pub use crate::partition::EventStats;
 pub use crate::request::{
     clip, Claim, DuplicateId, EndpointFilter, Holder, Pin, PromptInput, RemoteOverlap,

@@ -54,6 +54,23 @@ pub struct Selection {
     /// many — the destinations (primary, then fallbacks) first, then the other candidates best
     /// first. Empty otherwise.
     pub scores: Vec<EndpointScore>,
+    /// Blocks beyond `overlap_blocks` the primary can load from the model's shared KV store
+    /// (the shared tier, `--shared-cache-multiplier`); 0 without one.
+    pub shared_blocks: u32,
+    /// With `--kv-transfer-hints`, on a booked pick that holds less of the prompt than another
+    /// rank: the holder the primary may pull the prefix from. Never on a query-only selection.
+    pub transfer: Option<TransferHint>,
+}
+
+/// A holder of the prompt's longest cached prefix that the pick is not ([`Selection::transfer`]):
+/// the least loaded of the ranks holding the longest prefix, so pulls spread over holders.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TransferHint {
+    pub source: PickedRank,
+    /// Prompt blocks the source holds (GPU or host tier).
+    pub blocks: u32,
+    /// Of them, blocks the primary does not hold itself (what the pull saves).
+    pub gain: u32,
 }
 
 /// One endpoint's score in the decision that picked ([`Selection::scores`]): what a gateway

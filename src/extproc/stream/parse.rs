@@ -148,7 +148,7 @@ impl StreamMachine {
     pub(super) fn echo_after_route(&mut self, mut step: Step, tail: BodyTail) -> Step {
         match self.queued.as_mut() {
             Some(queued) => queued.tail = Some(tail),
-            None => tail.echo(&mut step),
+            None => self.transfer_body(tail).echo(&mut step),
         }
         step
     }

@@ -259,7 +259,7 @@ impl StreamMachine {
             return step;
         }
         if let Some(tail) = queued.tail {
-            tail.echo(&mut step);
+            self.transfer_body(tail).echo(&mut step);
         }
         step
     }

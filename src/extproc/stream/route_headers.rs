@@ -83,6 +83,20 @@ impl StreamMachine {
                 })
                 .cloned(),
         );
+        // A KV transfer hint (`--kv-transfer-hints`); client-sent ones never pass.
+        let hint = super::transfer::header(selection);
+        if let Some((name, value)) = &hint {
+            set.push(set_header(name, value));
+        }
+        remove.extend(
+            self.header_names
+                .iter()
+                .filter(|n| {
+                    super::transfer::KV_CACHE_SOURCE_HEADERS.contains(&n.as_str())
+                        && hint.as_ref().is_none_or(|(set, _)| set != n)
+                })
+                .cloned(),
+        );
         remove.sort();
         remove.dedup();
         (destination, set, remove)

@@ -334,6 +334,18 @@ impl Core {
             .insert_blocks(rank, seq_hashes, tier, expires);
     }
 
+    /// Records that the model's shared KV store holds `seq_hashes` (tests: the events' path is
+    /// `apply_kv_events` with an `EXTERNAL` medium). Nothing without a shared tier.
+    #[cfg(test)]
+    pub(crate) fn insert_shared_blocks(
+        &self,
+        key: &PartitionKey,
+        seq_hashes: &[u64],
+        now: Instant,
+    ) {
+        self.partition(key, now).insert_shared(seq_hashes);
+    }
+
     /// Applies KV events published by one rank. Returns what was applied / dropped.
     ///
     /// `lag`: for a live batch, how late it arrived (the engine's timestamp to the host's clock
@@ -364,6 +376,9 @@ impl Core {
             block_size_mismatches: stats.block_size_mismatches,
         });
         facts.push(partition.index_size());
+        if let Some(fact) = partition.shared_tier_size() {
+            facts.push(fact);
+        }
         (stats, facts)
     }
 
@@ -376,6 +391,9 @@ impl Core {
         for p in partitions {
             facts.push(p.index_size_now());
             facts.push(p.grace_now());
+            if let Some(fact) = p.shared_tier_size() {
+                facts.push(fact);
+            }
         }
         facts
     }

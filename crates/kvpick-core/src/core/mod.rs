@@ -283,3 +283,7 @@ mod decay_tests;
 
 #[cfg(test)]
 mod remote_tests;
+#[cfg(test)]
+mod shared_tier_tests;
+#[cfg(test)]
+mod transfer_tests;

@@ -53,6 +53,10 @@ fn random_config(rng: &mut StdRng) -> CoreConfig {
     cost.decode_block_weight = [0.0, 0.0, 0.01, 1.0][rng.random_range(0..4)];
     cost.decode_active_request_weight = [0.0, 0.0, 0.5][rng.random_range(0..3)];
     cost.prefill_load_scale = [0.5, 1.0][rng.random_range(0..2)];
+    // Half the worlds have a shared KV store (the shared tier).
+    if rng.random_bool(0.5) {
+        config.shared_cache.multiplier = [0.25, 0.5, 0.9][rng.random_range(0..3)];
+    }
     config
 }
 
@@ -132,6 +136,12 @@ fn random_world(rng: &mut StdRng, t0: Instant) -> (Core, Vec<RankKey>, Vec<u64>)
                 t0,
             );
         }
+    }
+    // The shared store holds a run of the shared prefix (from its start or past it).
+    if rng.random_bool(0.7) {
+        let from = [0, common, rng.random_range(0..32)][rng.random_range(0..3)];
+        let to = rng.random_range(from..64).max(from);
+        core.insert_shared_blocks(&key, &shared[from..to], t0);
     }
     (core, ranks, shared)
 }

@@ -11,6 +11,7 @@ use crate::hash;
 use crate::index::{MixedMap, PrefixIndex, Tier};
 use crate::types::RankKey;
 
+use super::shared_tier::SharedTier;
 use super::Partition;
 
 /// What happened to a batch of KV events.
@@ -23,10 +24,12 @@ pub struct EventStats {
     pub block_size_mismatches: u64,
 }
 
-/// The block sizes of one batch's stores that carry tokens: the last size other than the
-/// partition's, and whether one store of the partition's size applied.
+/// The block sizes of one batch's stores that carry tokens: how many were of another size, the
+/// last such size, and whether one store of the partition's size applied.
 #[derive(Debug, Default, Clone, Copy)]
 struct BatchSizes {
+    /// Stores dropped for their block size.
+    mismatches: u64,
     mismatched: Option<u32>,
     matched: bool,
 }
@@ -65,17 +68,32 @@ struct StoredBlocks<'a> {
 fn apply_event(
     index: &mut PrefixIndex,
     map: &mut EngineMap,
+    shared: Option<&mut SharedTier>,
     rank: RankKey,
     event: &KvEvent,
     block_size: usize,
-    stats: &mut EventStats,
     sizes: &mut BatchSizes,
 ) -> bool {
     match event {
         KvEvent::AllBlocksCleared => {
             index.clear_rank(rank);
             map.entries.clear();
+            if let Some(shared) = shared {
+                shared.forget_rank(rank);
+            }
             true
+        }
+        KvEvent::BlockRemoved {
+            block_hashes,
+            medium,
+            ..
+        } if medium.is_shared() && shared.is_some() => {
+            let Some(shared) = shared else { return false };
+            let mut all_known = true;
+            for h in block_hashes {
+                all_known &= shared.remove(rank, *h);
+            }
+            all_known
         }
         KvEvent::BlockRemoved {
             block_hashes,
@@ -100,7 +118,7 @@ fn apply_event(
             block_size: event_block_size,
             ..
         } if !token_ids.is_empty() && *event_block_size as usize != block_size => {
-            stats.block_size_mismatches = stats.block_size_mismatches.saturating_add(1);
+            sizes.mismatches = sizes.mismatches.saturating_add(1);
             sizes.mismatched = Some(*event_block_size);
             false
         }
@@ -116,6 +134,7 @@ fn apply_event(
             ..
         } => {
             sizes.matched |= !token_ids.is_empty();
+            let shared = shared.filter(|_| medium.is_shared());
             let stored = StoredBlocks {
                 block_hashes,
                 parent: *parent_block_hash,
@@ -126,8 +145,58 @@ fn apply_event(
                 cache_salt: cache_salt.as_deref(),
                 media,
             };
-            store_blocks(index, map, rank, &stored, block_size)
+            match shared {
+                Some(shared) => {
+                    store_blocks(&mut SharedSink { shared, map, rank }, &stored, block_size)
+                }
+                None => store_blocks(&mut RankSink { index, map, rank }, &stored, block_size),
+            }
         }
+    }
+}
+
+/// Where a store's blocks go: resolves engine hashes (parents, tokenless blocks) and records
+/// each block under our hash.
+trait BlockSink {
+    fn resolve(&self, engine_hash: u64) -> Option<u64>;
+    fn put(&mut self, engine_hash: u64, seq: u64, tier: Tier);
+}
+
+/// The storing rank's own tiers in the index.
+struct RankSink<'a> {
+    index: &'a mut PrefixIndex,
+    map: &'a mut EngineMap,
+    rank: RankKey,
+}
+
+impl BlockSink for RankSink<'_> {
+    fn resolve(&self, engine_hash: u64) -> Option<u64> {
+        self.map.entries.get(&engine_hash).copied()
+    }
+
+    fn put(&mut self, engine_hash: u64, seq: u64, tier: Tier) {
+        self.map.entries.insert(engine_hash, seq);
+        self.index.insert(self.rank, &[seq], tier, None);
+    }
+}
+
+/// The partition's shared tier: a parent or tokenless block is named by the storing rank's
+/// engine, in the shared tier or (offloaded from its GPU) in its own map.
+struct SharedSink<'a> {
+    shared: &'a mut SharedTier,
+    map: &'a EngineMap,
+    rank: RankKey,
+}
+
+impl BlockSink for SharedSink<'_> {
+    fn resolve(&self, engine_hash: u64) -> Option<u64> {
+        self.shared
+            .resolve(self.rank, engine_hash)
+            .or_else(|| self.map.entries.get(&engine_hash).copied())
+    }
+
+    fn put(&mut self, engine_hash: u64, seq: u64, _tier: Tier) {
+        self.shared.store(self.rank, engine_hash, seq);
     }
 }
 
@@ -135,18 +204,12 @@ fn apply_event(
 /// store is resolved through the engine map). False when any block could not be applied: a chain
 /// we never saw the start of, a block-size mismatch, a tokenless block we do not know, or too few
 /// tokens.
-fn store_blocks(
-    index: &mut PrefixIndex,
-    map: &mut EngineMap,
-    rank: RankKey,
-    stored: &StoredBlocks,
-    block_size: usize,
-) -> bool {
+fn store_blocks(sink: &mut impl BlockSink, stored: &StoredBlocks, block_size: usize) -> bool {
     let tokenless = stored.token_ids.is_empty();
     let mut parent = match stored.parent {
         None => None,
-        Some(h) => match map.entries.get(&h) {
-            Some(&seq) => Some(seq),
+        Some(h) => match sink.resolve(h) {
+            Some(seq) => Some(seq),
             None if tokenless => None,
             // A chain we never saw the start of cannot be hashed like requests.
             None => return false,
@@ -158,8 +221,8 @@ fn store_blocks(
     let mut ok = true;
     for (i, engine_hash) in stored.block_hashes.iter().enumerate() {
         let seq = if tokenless {
-            match map.entries.get(engine_hash) {
-                Some(&seq) => seq,
+            match sink.resolve(*engine_hash) {
+                Some(seq) => seq,
                 None => {
                     ok = false;
                     continue;
@@ -183,8 +246,7 @@ fn store_blocks(
                 hash::fold_media(hash::block_hash(block, seed), &block_keys(stored.media, i));
             parent.map_or(local, |p| hash::chain(p, local))
         };
-        map.entries.insert(*engine_hash, seq);
-        index.insert(rank, &[seq], stored.tier, None);
+        sink.put(*engine_hash, seq, stored.tier);
         parent = Some(seq);
     }
     ok
@@ -324,16 +386,19 @@ impl Partition {
             index,
             engines,
             size_mismatch,
+            shared,
             ..
         } = kv;
         let map = engines.entry(rank).or_default();
         for event in events {
-            if apply_event(index, map, rank, event, block_size, &mut stats, &mut sizes) {
+            let shared = shared.as_mut();
+            if apply_event(index, map, shared, rank, event, block_size, &mut sizes) {
                 stats.applied = stats.applied.saturating_add(1);
             } else {
                 stats.dropped = stats.dropped.saturating_add(1);
             }
         }
+        stats.block_size_mismatches = sizes.mismatches;
         let change = match sizes.mismatched {
             Some(size) if size_mismatch.insert(rank, size) != Some(size) => Some(Some(size)),
             Some(_) => None,

@@ -30,8 +30,10 @@ mod pipeline;
 mod ranks;
 mod replicas;
 mod select;
+pub(crate) mod shared_tier;
 pub(crate) mod sparse;
 mod stage;
+mod transfer;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -185,6 +187,8 @@ pub(crate) struct Kv {
     rank_epoch: Arc<AtomicU64>,
     /// The partition's KV-event lag and the end grace it implies ([`grace`]).
     grace: grace::EventGrace,
+    /// The model's shared KV store, when one is configured ([`shared_tier`]).
+    shared: Option<shared_tier::SharedTier>,
 }
 
 impl Kv {
@@ -194,6 +198,9 @@ impl Kv {
         self.index = PrefixIndex::new(self.index.capacity(), now);
         self.index.publish_rank_epoch(Arc::clone(&self.rank_epoch));
         self.engines.clear();
+        if let Some(shared) = &mut self.shared {
+            shared.clear();
+        }
     }
 
     /// Forgets a rank's blocks and engine map.
@@ -210,6 +217,9 @@ impl Kv {
         self.index.clear_ranks(ranks);
         for rank in ranks {
             self.engines.remove(rank);
+            if let Some(shared) = &mut self.shared {
+                shared.forget_rank(*rank);
+            }
         }
     }
 }
@@ -267,6 +277,8 @@ pub(crate) struct Partition {
     kv: Arc<SpinRwLock<Kv>>,
     /// Requests in `state.queue` (read without the lock: an empty queue costs nothing).
     queued: AtomicUsize,
+    /// The model has a shared KV store ([`Kv::shared`]): a pick reads it only then.
+    has_shared_tier: bool,
 }
 
 /// `-n` as a gauge delta, saturating.
@@ -304,6 +316,7 @@ impl Partition {
         index.publish_rank_epoch(Arc::clone(&rank_epoch));
         let event_grace = grace::EventGrace::new();
         let grace = event_grace.shared();
+        let shared_weight = config.shared_cache.weight_for(&key.model);
         let kv = Arc::new(SpinRwLock::new(Kv {
             index,
             engines: HashMap::new(),
@@ -314,6 +327,7 @@ impl Partition {
             clear_log: deferred::ClearLog::new(Arc::clone(&clears)),
             rank_epoch: Arc::clone(&rank_epoch),
             grace: event_grace,
+            shared: shared_weight.map(|w| shared_tier::SharedTier::new(w, config.index_max_blocks)),
         }));
         Partition {
             key: Arc::new(key),
@@ -339,6 +353,7 @@ impl Partition {
                 interned: std::cell::Cell::new((u64::MAX, u64::MAX, false)),
             }),
             queued: AtomicUsize::new(0),
+            has_shared_tier: shared_weight.is_some(),
         }
     }
 

@@ -432,6 +432,8 @@ pub(crate) struct EngineView<'a> {
     pub now: std::time::Instant,
     pub max_age: std::time::Duration,
     pub adapter: Option<&'a str>,
+    /// The prompt's runs in the partition's shared tier (empty without one).
+    pub shared: super::shared_tier::SharedView<'a>,
 }
 
 /// The eligible ranks with their load, the prompt's matched depths and their fresh engine
@@ -492,6 +494,8 @@ pub(crate) fn candidate(
             _ => crate::engine::AdapterFit::Unknown,
         },
         tie: slot.tie,
+        shared_blocks: view.shared.beyond(overlap.disk),
+        shared_weight: view.shared.weight,
         ..Candidate::new(key, slot.total_load(), overlap)
     }
 }

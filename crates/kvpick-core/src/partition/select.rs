@@ -97,6 +97,10 @@ impl Partition {
         };
         let mut field = self.field(state, ask, &allowed, facts)?;
         let mut decided = Self::decide(state, ask, &mut field)?;
+        let shared_changed = self
+            .has_shared_tier
+            .then(|| Self::shared_tier_changed(state, ask, &field, &decided.decision))
+            .flatten();
         let prefill = Self::flow_gate(state, ask, &field, &mut decided)?;
         let picked = Self::pick(state, ask, &field, &decided, prefill)?;
         let trace = if ask.config.trace_decisions > 0 {
@@ -124,9 +128,22 @@ impl Partition {
         if let Some(parent) = decided.parent.filter(|_| ask.booking.is_some()) {
             facts.push(Fact::SessionParent(parent));
         }
+        // A split pick's prefill rank computes the prompt: no hint for its decode rank.
+        let transfer = picked
+            .prefill
+            .is_none()
+            .then(|| self.transfer_hint(state, ask, &picked.primary))
+            .flatten();
+        if transfer.is_some() {
+            facts.push(Fact::TransferHint);
+        }
         let session = self.book_pick(state, ask, &field, &picked, decided.affinity, facts);
+        if let Some(changed) = shared_changed {
+            facts.push(Fact::SharedTierPick { changed });
+        }
         let mut selection = self.selection(ask, &field, picked, session);
         selection.scores = scores;
+        selection.transfer = transfer;
         Ok(SelectOutcome { selection, trace })
     }
 
@@ -175,10 +192,13 @@ impl Partition {
                 Err(e) => return Err(Refusal::Error(e)),
             };
         let matches = Self::expand(slots, matches.take(state, ask));
+        let runs = self.shared_runs(state, ask);
+        let shared = shared_tier::SharedView::of(runs.as_ref());
         let engine_view = pipeline::EngineView {
             now,
             max_age: config.engine_metrics_max_age,
             adapter: allowed.adapter,
+            shared,
         };
         let candidates = pipeline::candidates(
             slots,
@@ -498,6 +518,11 @@ impl Partition {
         picked: Picked,
         session: Option<SessionOutcome>,
     ) -> Selection {
+        let shared_blocks = field
+            .candidates
+            .iter()
+            .find(|c| c.key == picked.primary.key)
+            .map_or(0, |c| c.shared_blocks);
         Selection {
             booking_id: ask
                 .booking
@@ -520,6 +545,8 @@ impl Partition {
             candidates: field.candidates.len() as u32,
             predicted_ttft_seconds: picked.predicted_ttft,
             scores: Vec::new(),
+            shared_blocks,
+            transfer: None,
         }
     }
 

@@ -23,7 +23,7 @@ use super::load_order::{LoadOrder, Place};
 use super::pipeline::{self, EngineView};
 use super::stage::{Ask, LazyMatches};
 use super::*;
-use crate::decide::{overlap_score, terms, Candidate, CostParams, Terms, TtftBound};
+use crate::decide::{cached_blocks, overlap_score, terms, Candidate, CostParams, Terms, TtftBound};
 use crate::error::SelectError;
 use crate::session::AffinityMode;
 
@@ -67,6 +67,12 @@ impl<'a> Bounds<'a> {
 }
 
 impl Bounds<'_> {
+    /// The cached blocks of a base rank, shared tier included.
+    fn set_cached(&mut self, cached: f64) {
+        self.cached = cached;
+        self.own = (self.prompt_tokens as f64 / self.block - cached).max(0.0);
+    }
+
     fn waited(&self, prefill: u64) -> f64 {
         (prefill.saturating_add(self.prompt_tokens) as f64 / self.block - self.cached).max(0.0)
     }
@@ -195,6 +201,7 @@ impl<'a> Found<'a> {
         bounds: &'a Bounds<'a>,
         base: TierDepths,
         block_size: u32,
+        shared: super::shared_tier::SharedView<'a>,
     ) -> Self {
         let (config, request) = (ask.config, ask.request);
         Found {
@@ -204,6 +211,7 @@ impl<'a> Found<'a> {
                 now: ask.now,
                 max_age: config.engine_metrics_max_age,
                 adapter: allowed.adapter,
+                shared,
             },
             bounds,
             eligibility: Eligibility {
@@ -425,12 +433,29 @@ impl Partition {
             host: matches.base,
             disk: matches.base,
         };
-        let bounds = Bounds {
+        let runs = self.shared_runs(state, ask);
+        let shared = super::shared_tier::SharedView::of(runs.as_ref());
+        let mut bounds = Bounds {
             fixed,
             min_scale,
             ..Bounds::new(&config.cost, ask.prompt.tokens, block_size, base)
         };
-        let mut found = Found::new(state, ask, allowed, &bounds, base, block_size);
+        // Every base rank loads the same shared-tier blocks beyond the base: its bound counts
+        // them exactly as `terms` does.
+        if shared.weight > 0.0 {
+            let key = RankKey {
+                worker_id: 0,
+                dp_rank: 0,
+            };
+            let candidate = Candidate {
+                shared_blocks: shared.beyond(base.disk),
+                shared_weight: shared.weight,
+                ..Candidate::new(key, RankLoad::default(), base)
+            };
+            let credit = config.cost.overlap_score_credit;
+            bounds.set_cached(credit * cached_blocks(&candidate, &config.cost));
+        }
+        let mut found = Found::new(state, ask, allowed, &bounds, base, block_size, shared);
         let sheddable = request.priority < 0;
         let bound = Self::sparse_bound(&found, bound, config, sheddable)?;
         if let Some(depths) = bound_depths {

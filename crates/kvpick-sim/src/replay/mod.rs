@@ -16,6 +16,7 @@ mod flow_report;
 pub mod pd;
 pub mod policy;
 mod series;
+pub mod tiers;
 pub mod trace;
 
 use std::collections::HashSet;
@@ -133,6 +134,9 @@ pub struct ReplayArgs {
     /// kvpick-pd: weight of one active request on a decode rank, blocks (as `kvpick serve`).
     #[arg(long, default_value_t = kvpick_core::PdConfig::default().decode_request_weight, help_heading = "Prefill/decode")]
     pub pd_decode_request_weight: f64,
+    /// A shared KV store and transfer hints.
+    #[command(flatten)]
+    pub tiers: tiers::TierArgs,
 }
 
 /// kvpick's flow control in the replay, from `--flow-control`, `--queue-timeout`,
@@ -202,6 +206,9 @@ pub struct PolicyReport {
     /// Per tenant (traces with a `tenant` column only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub tenants: Vec<flow_report::TenantReport>,
+    /// The shared store and transfer hints (`--shared-store-gb-s`, `--kv-transfer-hints`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<tiers::TierReport>,
     /// The HTML report's data for this policy (not in the JSON report).
     #[serde(skip)]
     pub charts: Option<Box<PolicyCharts>>,
@@ -427,7 +434,9 @@ async fn run_one(
     policy: &mut dyn Policy,
     workers: usize,
     config: &EngineConfig,
+    tier_options: tiers::TierOptions,
 ) -> PolicyReport {
+    let mut tier_sim = tiers::TierSim::new(tier_options, config.block_size);
     let mut ranks: Vec<RankState> = (0..workers)
         .map(|_| RankState {
             engine: Engine::new(config.clone()),
@@ -449,7 +458,8 @@ async fn run_one(
     let mut observer = series::Observer::new(workers);
     loop {
         let arrival = requests.get(next_arrival).map(|r| r.arrival_ns);
-        let step_end = ranks.iter().filter_map(|r| r.busy_until).min();
+        let busy = ranks.iter().filter_map(|r| r.busy_until);
+        let step_end = busy.chain(tier_sim.next_landing()).min();
         let now = match (arrival, step_end) {
             (None, None) => break,
             (Some(a), None) => a,
@@ -469,6 +479,7 @@ async fn run_one(
             let step = rank.pending.take().expect("a busy rank has a pending step");
             if !step.events.is_empty() {
                 policy.on_kv_events(r, &step.events);
+                tier_sim.forward(r, &step.events, policy);
             }
             for o in &step.outputs {
                 let out = &mut outcomes[index_of[&o.id]];
@@ -487,7 +498,8 @@ async fn run_one(
         }
         // 2. Arrivals now are routed and queued (in the engine, or in the router's own queue).
         policy.tick();
-        let mut dispatch: Vec<(u64, usize)> = Vec::new();
+        // Requests whose peer pull landed reach their engine now.
+        let mut dispatch: Vec<(u64, usize)> = tier_sim.landed(now);
         while let Some(req) = requests.get(next_arrival).filter(|r| r.arrival_ns == now) {
             next_arrival += 1;
             let metrics: Vec<EngineStats> = ranks.iter().map(|r| r.engine.stats()).collect();
@@ -528,11 +540,19 @@ async fn run_one(
             let req = &requests[index_of[&id]];
             let out = &mut outcomes[index_of[&id]];
             out.rank = rank;
-            let added = ranks[rank].engine.add_request(EngineRequest {
-                id,
-                prompt: req.tokens.clone(),
-                max_tokens: req.output,
-            });
+            let hint = policy.transfer_source(id).and_then(|s| ranks.get(s));
+            let target = &ranks[rank].engine;
+            let Some(external) = tier_sim.plan(id, rank, now, &req.tokens, target, hint) else {
+                continue; // a peer pull in flight: the request reaches its engine when it lands
+            };
+            let added = ranks[rank].engine.add_with_external(
+                EngineRequest {
+                    id,
+                    prompt: req.tokens.clone(),
+                    max_tokens: req.output,
+                },
+                external,
+            );
             if added.is_err() {
                 out.refused = true;
                 policy.on_complete(id, rank);
@@ -620,6 +640,7 @@ async fn run_one(
             }),
         bands: flow_report::bands(&outcomes, requests, makespan_ns),
         tenants: flow_report::tenants(&outcomes, requests, makespan_ns),
+        tiers: tier_sim.report(policy),
         charts: Some(Box::new(chart)),
     }
 }
@@ -656,7 +677,13 @@ pub fn run_policies_with(
             .enable_time()
             .start_paused(true)
             .build()?;
-        let report = runtime.block_on(run_one(requests, policy.as_mut(), workers, config));
+        let report = runtime.block_on(run_one(
+            requests,
+            policy.as_mut(),
+            workers,
+            config,
+            options.tiers,
+        ));
         out.push(report);
     }
     Ok(out)
@@ -727,6 +754,9 @@ pub fn build_report_with(args: &ReplayArgs, peers: policy::PeerBuilder) -> anyho
             ..Default::default()
         },
         flow: replay_flow(args)?,
+        shared_cache_multiplier: args.tiers.shared_cache_multiplier,
+        kv_transfer_hints: args.tiers.kv_transfer_hints,
+        tiers: args.tiers.options(config.block_size)?,
     };
     let (policies, pd) = match args.pd_prefill_ranks {
         None => (
@@ -884,6 +914,7 @@ pub fn markdown(report: &Report) -> String {
         "| infinite-cache bound | {:.1}% | | | | | | | | |\n",
         report.infinite_cache_hit_rate * 100.0
     ));
+    s.push_str(&tiers::markdown(&report.policies));
     s
 }
 

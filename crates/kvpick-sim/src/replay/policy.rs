@@ -127,6 +127,15 @@ pub trait Policy {
     }
     /// Virtual time advanced: queue deadlines may have passed.
     fn tick(&mut self) {}
+    /// The rank a transfer hint named for request `id`'s pick (kvpick, `--kv-transfer-hints`),
+    /// taken once at its dispatch.
+    fn transfer_source(&mut self, _id: u64) -> Option<usize> {
+        None
+    }
+    /// kvpick: booked picks with a shared-tier hit, and of them the picks it changed.
+    fn shared_tier_picks(&self) -> (u64, u64) {
+        (0, 0)
+    }
     /// Requests waiting in the policy's own queue now (`None`: the policy has no queue). Read
     /// only, for the report's time series.
     fn queued(&self) -> Option<usize> {
@@ -198,6 +207,12 @@ pub struct PolicyOptions {
     pub estimator: kvpick_core::EstimatorConfig,
     /// kvpick's flow control (queue, saturation limits).
     pub flow: kvpick_core::FlowConfig,
+    /// kvpick's `--shared-cache-multiplier` (0 = off).
+    pub shared_cache_multiplier: f64,
+    /// kvpick's `--kv-transfer-hints`.
+    pub kv_transfer_hints: bool,
+    /// The replay's shared store and peer pulls.
+    pub tiers: super::tiers::TierOptions,
 }
 
 impl PolicyOptions {
@@ -209,6 +224,9 @@ impl PolicyOptions {
             predicted_ttl: CoreConfig::default().predicted_ttl,
             estimator: kvpick_core::EstimatorConfig::default(),
             flow: kvpick_core::FlowConfig::default(),
+            shared_cache_multiplier: 0.0,
+            kv_transfer_hints: false,
+            tiers: Default::default(),
         }
     }
 }
@@ -585,6 +603,10 @@ pub struct Kvpick {
     flow_enabled: bool,
     /// Child sessions' first picks with a parent rank: cheapest anyway, preferred, declined.
     parents: (u64, u64, u64),
+    /// Transfer hints by request id: the named holder's rank.
+    hints: HashMap<u64, usize>,
+    /// Booked picks with a shared-tier hit, and of them the changed ones.
+    shared_picks: (u64, u64),
 }
 
 /// Port of simulated rank 0 in the replay's catalog (never bound: no sockets in the replay).
@@ -628,6 +650,11 @@ impl Kvpick {
             estimator: options.estimator,
             flow: options.flow,
             kv_events: true,
+            shared_cache: kvpick_core::SharedCacheConfig {
+                multiplier: options.shared_cache_multiplier,
+                models: Vec::new(),
+            },
+            kv_transfer_hints: options.kv_transfer_hints,
             ..CoreConfig::default()
         }));
         let specs = fleet_specs(
@@ -660,6 +687,17 @@ impl Kvpick {
             parents: (0, 0, 0),
             events_dropped: 0,
             flow_enabled: options.flow.enabled,
+            hints: HashMap::new(),
+            shared_picks: (0, 0),
+        }
+    }
+
+    /// Remembers a booked pick's transfer hint for its dispatch.
+    fn note_hint(&mut self, id: u64, selection: &kvpick_core::Selection) {
+        if let Some(hint) = &selection.transfer {
+            if let Some(&rank) = self.port_to_rank.get(&hint.source.endpoint.port()) {
+                self.hints.insert(id, rank);
+            }
         }
     }
 
@@ -674,6 +712,10 @@ impl Kvpick {
     /// Collects the queued requests an operation released (booked or refused).
     fn collect(&mut self, facts: &kvpick_core::Facts) {
         for fact in facts.iter() {
+            if let kvpick_core::Fact::SharedTierPick { changed } = fact {
+                self.shared_picks.0 += 1;
+                self.shared_picks.1 += u64::from(*changed);
+            }
             if let kvpick_core::Fact::SessionParent(parent) = fact {
                 use kvpick_core::session::ParentPick;
                 let (cheapest, preferred, declined) = &mut self.parents;
@@ -689,6 +731,9 @@ impl Kvpick {
             let Some(id) = self.tickets.remove(ticket) else {
                 continue;
             };
+            if let Ok(selection) = result {
+                self.note_hint(id, selection);
+            }
             self.released.push(match result {
                 Ok(selection) => {
                     self.bookings.insert(id, selection.booking_id.clone());
@@ -739,6 +784,7 @@ impl Policy for Kvpick {
         match self.core.select_and_reserve(&selection_request(req), now()) {
             Ok((sel, facts)) => {
                 self.collect(&facts);
+                self.note_hint(req.id, &sel);
                 self.bookings.insert(req.id, sel.booking_id.clone());
                 self.port_to_rank[&sel.primary.endpoint.port()]
             }
@@ -754,6 +800,7 @@ impl Policy for Kvpick {
         self.collect(&facts);
         match result {
             Ok(kvpick_core::core::Admission::Dispatched(sel)) => {
+                self.note_hint(req.id, &sel);
                 self.bookings.insert(req.id, sel.booking_id.clone());
                 Admit::Now(self.rank_of(&sel))
             }
@@ -800,6 +847,12 @@ impl Policy for Kvpick {
     }
     fn session_parents(&self) -> Option<(u64, u64, u64)> {
         Some(self.parents).filter(|&(a, b, c)| a + b + c > 0)
+    }
+    fn transfer_source(&mut self, id: u64) -> Option<usize> {
+        self.hints.remove(&id)
+    }
+    fn shared_tier_picks(&self) -> (u64, u64) {
+        self.shared_picks
     }
     fn prediction_report(&self) -> Option<PredictionReport> {
         Some(self.predictions.report())

@@ -328,3 +328,63 @@ fn report_html_is_refused_in_pd_mode() {
     let err = run(args).unwrap_err().to_string();
     assert!(err.contains("--pd-prefill-ranks"), "{err}");
 }
+
+#[test]
+fn a_shared_store_serves_round_robin_its_prefixes_and_kvpick_sees_it() {
+    // One family, spaced apart: round robin lands each on another rank, which loads the
+    // family's prefix from the store instead of recomputing it.
+    let records: Vec<TraceRecord> = (0..6u64)
+        .map(|i| TraceRecord {
+            timestamp: i * 10_000,
+            input_length: 1000,
+            output_length: 2,
+            hash_ids: vec![7, 200 + i],
+            class: Default::default(),
+            session: Default::default(),
+        })
+        .collect();
+    let requests = prepare(&records, 1.0);
+    let names = ["kvpick".to_string(), "round-robin".to_string()];
+    let plain = policy::PolicyOptions::new(16, 3);
+    let off = run_policies(&requests, &names, 4, &engine(), &plain).unwrap();
+    assert!(
+        off.iter().all(|p| p.tiers.is_none()),
+        "no store, no tier report"
+    );
+    let store = policy::PolicyOptions {
+        // A load as good as a local hit: every rank ties with the holder.
+        shared_cache_multiplier: 1.0,
+        tiers: tiers::TierOptions {
+            store_ns_per_block: Some(200_000),
+            p2p_ns_per_block: None,
+        },
+        ..plain
+    };
+    let on = run_policies(&requests, &names, 4, &engine(), &store).unwrap();
+    let rr = on[1].tiers.as_ref().unwrap();
+    // Requests 2..=6 each load the 32 blocks of the family prefix their rank lacks (requests
+    // 5 and 6 land on ranks that served it and hold it).
+    assert_eq!(rr.store_blocks_loaded, 3 * 32, "{rr:?}");
+    assert!(
+        on[1].kv_hit_rate > off[1].kv_hit_rate,
+        "loaded blocks are hits"
+    );
+    let kv = on[0].tiers.as_ref().unwrap();
+    assert!(
+        kv.shared_changed_picks > 0,
+        "kvpick saw the store's blocks: {kv:?}"
+    );
+    assert!(kv.store_blocks_loaded > 0, "{kv:?}");
+    let used = |p: &PolicyReport| p.per_rank_requests.iter().filter(|&&n| n > 0).count();
+    assert_eq!(
+        used(&off[0]),
+        1,
+        "without the store kvpick keeps the holder"
+    );
+    assert!(
+        used(&on[0]) > 1,
+        "with it, ties spread: {:?}",
+        on[0].per_rank_requests
+    );
+    assert_eq!(on[0].completed, 6);
+}

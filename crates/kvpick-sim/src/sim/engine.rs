@@ -79,6 +79,16 @@ pub struct EngineRequest {
     pub max_tokens: u32,
 }
 
+/// KV a request may load at admission instead of prefilling it: the prompt's first `blocks`
+/// blocks are held outside this rank (a shared KV store, or a peer named by a transfer hint), and
+/// each one this rank does not hold itself costs `ns_per_block` of the admitting step (loading is
+/// modelled synchronous, as LMCache's default retrieval is: the step waits for it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ExternalKv {
+    pub blocks: usize,
+    pub ns_per_block: u64,
+}
+
 /// Why a request was refused at admission.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AddError {
@@ -159,6 +169,8 @@ struct Seq {
     /// Prefill/decode disaggregation: the prompt's KV was computed by a prefill rank and
     /// transferred here, so its uncached blocks enter the cache at admission without a prefill.
     transferred: bool,
+    /// KV it may load at admission beyond its cached prefix.
+    external: Option<ExternalKv>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -236,7 +248,24 @@ impl Engine {
             hashed: 0,
             private: 0,
             transferred: false,
+            external: None,
         });
+        Ok(())
+    }
+
+    /// Queues a request that may load `external` KV at admission (blocks beyond its cached
+    /// prefix, paid in the admitting step's time; they enter the cache and the KV events);
+    /// `None` is [`Engine::add_request`].
+    pub fn add_with_external(
+        &mut self,
+        request: EngineRequest,
+        external: Option<ExternalKv>,
+    ) -> Result<(), AddError> {
+        let id = request.id;
+        self.add_request(request)?;
+        if let Some(seq) = self.waiting.iter_mut().rev().find(|s| s.id == id) {
+            seq.external = external;
+        }
         Ok(())
     }
 
@@ -377,6 +406,7 @@ impl Engine {
         // (index in running, prefill tokens; 0 = decode)
         let mut plan: Vec<(usize, usize)> = Vec::new();
         let mut starts = 0usize;
+        let mut load_ns = 0u64;
 
         // 1. Running requests: continue prefill chunks, or decode one token (which may need a
         //    new block; without one, the most recently admitted request is preempted).
@@ -449,10 +479,33 @@ impl Engine {
             seq.private = new_blocks;
             self.private_total += new_blocks;
             seq.computed = hit * bs;
+            // Blocks loaded from outside: computed without a prefill, paid in this step.
+            let loaded = match seq.external.take() {
+                Some(e) => {
+                    let n = e.blocks.min((len - 1) / bs).saturating_sub(hit);
+                    load_ns += n as u64 * e.ns_per_block;
+                    n
+                }
+                None => 0,
+            };
+            if loaded > 0 {
+                Self::flush_removed(&mut removed, &mut events);
+                let before = seq.computed;
+                seq.computed = (hit + loaded) * bs;
+                commit_blocks(
+                    &mut self.cache,
+                    &mut self.lru,
+                    &mut self.private_total,
+                    &mut seq,
+                    before,
+                    bs,
+                    &mut events,
+                );
+            }
             if seq.cached_tokens.is_none() {
-                seq.cached_tokens = Some((hit * bs) as u32);
+                seq.cached_tokens = Some(((hit + loaded) * bs) as u32);
                 self.queries += len as u64;
-                self.hits += (hit * bs) as u64;
+                self.hits += ((hit + loaded) * bs) as u64;
             }
             if seq.transferred {
                 // Pulled from the prefill rank: the prompt is computed; this step decodes.
@@ -500,6 +553,7 @@ impl Engine {
             + decode_kv_tokens * self.config.itl_ps_per_kv_token / 1000;
         let duration_ns = self.config.prefill_overhead_ns * starts as u64
             + self.config.prefill_ns_per_token * prefill_tokens as u64
+            + load_ns
             + decode_ns;
         let mut outputs = Vec::with_capacity(plan.len());
         let mut finished = Vec::new();

@@ -312,6 +312,7 @@ fn candidates_join_eligible_ranks_with_their_matches() {
         now: std::time::Instant::now(),
         max_age: std::time::Duration::from_secs(1),
         adapter: None,
+        shared: Default::default(),
     };
     let estimator = crate::estimate::TtftEstimator::default();
     let got = candidates(&table, &[1, 2, 4], &matches, &estimator, 16, &view);
@@ -353,6 +354,7 @@ fn remote_load_adds_to_local_load_for_candidates_and_busy_thresholds() {
             now: std::time::Instant::now(),
             max_age: std::time::Duration::from_secs(1),
             adapter: None,
+            shared: Default::default(),
         },
     );
     let summary: Vec<(u64, u64, u64)> = got
@@ -414,6 +416,7 @@ fn candidates_carry_only_fresh_engine_readings_and_the_adapter_fit() {
         now,
         max_age,
         adapter: Some("sql"),
+        shared: Default::default(),
     };
     let estimator = crate::estimate::TtftEstimator::default();
     let got = candidates(&table, &[0, 1, 2, 3], &[], &estimator, 16, &view);

@@ -320,3 +320,42 @@ fn a_transferred_prompt_is_cached_without_prefill_and_decodes_at_once() {
     let r = run(&mut e, 0);
     assert_eq!(r.cached[&2], 96);
 }
+
+#[test]
+fn external_kv_is_loaded_at_admission_instead_of_prefilled() {
+    // 10 blocks + 1 token; the first 4 cached locally, the store holds the first 8.
+    let p = prompt(7, 161);
+    let mut e = Engine::new(config());
+    e.add_request(req(1, p[..64].to_vec(), 1)).unwrap();
+    run(&mut e, 0);
+    let external = ExternalKv {
+        blocks: 8,
+        ns_per_block: 50_000,
+    };
+    e.add_with_external(req(2, p.clone(), 1), Some(external))
+        .unwrap();
+    let r = run(&mut e, 0);
+    // 4 blocks loaded (8 - 4 cached), 161 - 128 = 33 tokens prefilled.
+    assert_eq!(r.first[&2], 1_000_000 + 4 * 50_000 + 33 * 100_000);
+    assert_eq!(r.cached[&2], 128, "loaded blocks are reported as cached");
+    let stored: usize = r
+        .events
+        .iter()
+        .map(|ev| match ev {
+            KvEvent::BlockStored { block_hashes, .. } => block_hashes.len(),
+            _ => 0,
+        })
+        .sum();
+    assert_eq!(
+        stored, 6,
+        "4 loaded + 2 prefilled complete blocks enter the cache"
+    );
+    // A store holding no more than the rank caches loads nothing.
+    let mut again = Engine::new(config());
+    let none = ExternalKv {
+        blocks: 0,
+        ns_per_block: 50_000,
+    };
+    again.add_with_external(req(3, p, 1), Some(none)).unwrap();
+    assert_eq!(run(&mut again, 0).first[&3], 1_000_000 + 161 * 100_000);
+}
