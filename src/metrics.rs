@@ -9,6 +9,7 @@ pub use crate::epp_metrics::BoundedLabel;
 pub use bookings::BookingBoundMetrics;
 pub use cache_view::CacheViewMetrics;
 pub use conn::ConnMetrics;
+pub use grace::GraceMetrics;
 use kvpick_core::{Fact, Facts, Lifecycle, QueueEvent, QueueExit};
 pub use memory::MemoryMetrics;
 use prometheus::{
@@ -20,6 +21,7 @@ pub use ranks::RankMetrics;
 mod bookings;
 pub mod cache_view;
 mod conn;
+mod grace;
 pub mod kv_remote;
 mod memory;
 mod ranks;
@@ -46,6 +48,8 @@ pub struct Metrics {
     pub cache_view: CacheViewMetrics,
     /// Held bookings decayed or reconciled.
     pub bookings: BookingBoundMetrics,
+    /// How long predictions outlive their request, per partition.
+    pub grace: GraceMetrics,
     /// The shared KV tier and KV transfer hints.
     pub tiers: tiers::TierMetrics,
     /// The EPP contract's series (`llm_d_epp_*`, ...), as `--metrics-families` chose.
@@ -781,6 +785,9 @@ impl Metrics {
                 Fact::RankReachable { .. } | Fact::BlockSizeMismatch { .. } => {
                     self.ranks.apply(fact);
                 }
+                Fact::PredictionGrace { .. } => {
+                    self.grace.apply(fact);
+                }
                 Fact::RankGone { worker, dp_rank } => {
                     self.pool.rank_gone(worker, *dp_rank);
                     self.ranks.rank_gone(worker, *dp_rank);
@@ -976,6 +983,7 @@ impl Metrics {
             ranks: RankMetrics::register(&registry),
             cache_view: CacheViewMetrics::register(&registry),
             bookings: BookingBoundMetrics::register(&registry),
+            grace: GraceMetrics::register(&registry),
             tiers: tiers::TierMetrics::register(&registry),
             scrape_facts: Default::default(),
             registry,

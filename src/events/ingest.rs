@@ -109,8 +109,13 @@ impl RankStream {
         }
         let filtered = self.groups.filter(batch);
         count_kinds(&self.core, &filtered.outcomes);
-        if !filtered.events.is_empty() {
-            self.core.apply_kv_events(self.rank, &filtered.events);
+        // A replayed batch's timestamp is as old as the message: no lag for the end grace.
+        let lag = match source {
+            Source::Live => event_lag(batch.ts, SystemTime::now()),
+            Source::Replay => None,
+        };
+        if !filtered.events.is_empty() || lag.is_some() {
+            self.core.apply_kv_batch(self.rank, &filtered.events, lag);
         }
         if filtered.clear_rank {
             self.core.clear_rank(self.rank);

@@ -327,10 +327,27 @@ async fn without_a_replay_endpoint_a_resubscription_clears_the_rank() {
     engine.stop().await;
 }
 
+/// The partition's end grace as last reported (`None`: no live batch reported one yet).
+fn grace(rig: &Rig) -> Option<f64> {
+    let family = rig
+        .core
+        .metrics()
+        .registry
+        .gather()
+        .into_iter()
+        .find(|f| f.name() == "kvpick_prediction_grace_seconds")?;
+    let m = family
+        .get_metric()
+        .iter()
+        .find(|m| m.get_label().iter().any(|l| l.value() == "m"))?;
+    Some(m.get_gauge().get_value())
+}
+
 /// Replayed batches carry their original timestamps (27 of them added 4,123 s to the lag sum in
-/// issue 44's run): only live batches are observed.
+/// issue 44's run): only live batches are observed, as lag and for the end grace; a live batch
+/// 3 s late makes predictions outlive their request about 6 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn replayed_batches_are_not_observed_as_lag() {
+async fn replayed_batches_are_not_observed_as_lag_nor_lengthen_the_grace() {
     let b_http = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let mut engine = FakeEngine::start(0).await.unwrap();
     let old = SystemTime::now()
@@ -347,12 +364,30 @@ async fn replayed_batches_are_not_observed_as_lag() {
         r.on_a(22) == 4
     })
     .await;
+    assert_eq!(
+        grace(&rig).unwrap_or(1.0),
+        1.0,
+        "ten minutes old, replayed: no lag"
+    );
     engine.publish(&[store(1)], true);
     rig.until("live batch", Duration::from_secs(10), |r| r.on_a(1) == 4)
         .await;
     let lag = &rig.core.metrics().events.event_lag;
     assert_eq!(lag.get_sample_count(), 1, "the live batch only");
     assert!(lag.get_sample_sum() < 5.0, "{} s", lag.get_sample_sum());
+    assert_eq!(grace(&rig), Some(1.0));
+    let late = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs_f64()
+        - 3.0;
+    engine.publish_at(&[store(2)], true, late);
+    rig.until("late live batch", Duration::from_secs(10), |r| {
+        r.on_a(2) == 4
+    })
+    .await;
+    let g = grace(&rig).unwrap();
+    assert!((6.0..7.0).contains(&g), "{g} s");
     engine.stop().await;
 }
 

@@ -310,13 +310,27 @@ impl SelectionCore {
         );
     }
 
-    /// Applies KV events published by one rank. Returns what was applied / dropped.
+    /// Applies KV events published by one rank, without a lag (a replayed batch, tests).
+    /// Returns what was applied / dropped.
     pub fn apply_kv_events(
         &self,
         rank: RankKey,
         events: &[kvpick_core::event::KvEvent],
     ) -> EventStats {
-        let (stats, facts) = self.core.apply_kv_events(rank, events, now());
+        self.apply_kv_batch(rank, events, None)
+    }
+
+    /// Applies one batch of KV events published by one rank; `lag` is how late a live batch
+    /// arrived (its timestamp to now, `crate::events::event_lag`), `None` for a replayed one. The
+    /// lag lengthens how long the partition's unconfirmed predictions outlive their request
+    /// (`kvpick_prediction_grace_seconds`).
+    pub fn apply_kv_batch(
+        &self,
+        rank: RankKey,
+        events: &[kvpick_core::event::KvEvent],
+        lag: Option<std::time::Duration>,
+    ) -> EventStats {
+        let (stats, facts) = self.core.apply_kv_events(rank, events, lag, now());
         self.record(facts);
         stats
     }

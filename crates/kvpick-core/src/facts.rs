@@ -88,6 +88,12 @@ pub enum Fact {
         blocks: usize,
         bytes: Option<usize>,
     },
+    /// How long a partition's precise predictions outlive their request now (the end grace,
+    /// adapted to its KV events' lag): after each live batch, and at each scrape.
+    PredictionGrace {
+        partition: Arc<PartitionKey>,
+        seconds: f64,
+    },
     /// A partition's shared tier now holds `blocks` blocks (`--shared-cache-multiplier`).
     SharedTierSize {
         partition: Arc<PartitionKey>,

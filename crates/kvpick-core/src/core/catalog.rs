@@ -347,10 +347,17 @@ impl Core {
     }
 
     /// Applies KV events published by one rank. Returns what was applied / dropped.
+    ///
+    /// `lag`: for a live batch, how late it arrived (the engine's timestamp to the host's clock
+    /// now; a timestamp ahead of it, clock skew, is lag 0); `None` for a replayed batch (its
+    /// timestamp is as old as the message) or one without a plausible timestamp. The partition's
+    /// end grace follows it ([`crate::partition`]'s `grace`): how long a precise rank's
+    /// unconfirmed predictions outlive their request.
     pub fn apply_kv_events(
         &self,
         rank: RankKey,
         events: &[KvEvent],
+        lag: Option<std::time::Duration>,
         now: Instant,
     ) -> (EventStats, Facts) {
         let mut facts = Facts::default();
@@ -362,7 +369,7 @@ impl Core {
             };
             return (stats, facts);
         };
-        let stats = partition.apply_events(rank, events, now, &mut facts);
+        let stats = partition.apply_events(rank, events, lag, now, &mut facts);
         facts.push(Fact::KvEvents {
             applied: stats.applied,
             dropped: stats.dropped,
@@ -375,14 +382,15 @@ impl Core {
         (stats, facts)
     }
 
-    /// Every partition's index size now, one fact each: a metrics scrape reads them, so the
-    /// gauge follows whatever changed the index (a clear's sweep, a purge), not only the
-    /// operations that report it.
+    /// Every partition's index size and end grace now, one fact each: a metrics scrape reads
+    /// them, so the gauge follows whatever changed the index (a clear's sweep, a purge), not only
+    /// the operations that report it, and a partition without KV events shows its grace too.
     pub fn index_sizes(&self) -> Facts {
         let partitions: Vec<Arc<Partition>> = self.partitions.read().values().cloned().collect();
         let mut facts = Facts::default();
         for p in partitions {
             facts.push(p.index_size_now());
+            facts.push(p.grace_now());
             if let Some(fact) = p.shared_tier_size() {
                 facts.push(fact);
             }

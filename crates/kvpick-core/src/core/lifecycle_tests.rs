@@ -39,7 +39,7 @@ fn announce(core: &Core, spec: &WorkerSpec) {
         group_idx: None,
         media: Vec::new(),
     };
-    let (stats, _) = core.apply_kv_events(rank(spec), &[event], Instant::now());
+    let (stats, _) = core.apply_kv_events(rank(spec), &[event], None, Instant::now());
     assert_eq!(stats.applied, 1);
 }
 
@@ -132,7 +132,7 @@ fn a_restarted_data_parallel_worker_forgets_every_rank_and_only_its_own() {
             ..rank(&dp)
         };
         assert_eq!(
-            core.apply_kv_events(key, &[event], Instant::now())
+            core.apply_kv_events(key, &[event], None, Instant::now())
                 .0
                 .applied,
             1
@@ -265,7 +265,7 @@ fn a_rank_is_precise_only_once_its_events_arrive() {
         "no events yet: the pick is remembered past the 2 s prediction"
     );
     announce(&core, &a);
-    let (_, facts) = core.apply_kv_events(rank(&a), &[], t0);
+    let (_, facts) = core.apply_kv_events(rank(&a), &[], None, t0);
     assert!(facts.iter().all(|f| !matches!(f, Fact::RankPrecise { .. })));
     let fresh: Vec<u32> = (5_000..5_000 + 4 * BS as u32).collect();
     pick("r2", fresh.clone());
@@ -303,12 +303,21 @@ fn the_block_size_is_learned_from_events_and_mismatches_are_counted() {
         media: Vec::new(),
     };
     let now = Instant::now();
-    let (stats, _) = core.apply_kv_events(rank(&a), &[store(vec![1, 2], tokens.clone(), 64)], now);
+    let (stats, _) = core.apply_kv_events(
+        rank(&a),
+        &[store(vec![1, 2], tokens.clone(), 64)],
+        None,
+        now,
+    );
     assert_eq!((stats.applied, stats.block_size_mismatches), (1, 0));
     assert_eq!(core.block_size(&key), 64, "learned from the engine");
     assert_eq!(overlap_at(&core, "a", tokens.clone(), now), 2);
-    let (stats, facts) =
-        core.apply_kv_events(rank(&a), &[store(vec![3], (0..16).collect(), 16)], now);
+    let (stats, facts) = core.apply_kv_events(
+        rank(&a),
+        &[store(vec![3], (0..16).collect(), 16)],
+        None,
+        now,
+    );
     assert_eq!((stats.dropped, stats.block_size_mismatches), (1, 1));
     assert!(facts.iter().any(|f| matches!(
         f,
@@ -339,8 +348,8 @@ fn salted_blocks_match_only_requests_with_the_same_salt() {
         media: Vec::new(),
     };
     let now = Instant::now();
-    core.apply_kv_events(rank(&a), &[store(Some("tenant-1"))], now);
-    core.apply_kv_events(rank(&b), &[store(None)], now);
+    core.apply_kv_events(rank(&a), &[store(Some("tenant-1"))], None, now);
+    core.apply_kv_events(rank(&b), &[store(None)], None, now);
     let overlaps = |salt: Option<&str>| {
         let request = SelectionRequest {
             model: Some("m".into()),

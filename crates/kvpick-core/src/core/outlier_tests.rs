@@ -354,7 +354,7 @@ fn a_failure_takes_back_the_prediction_on_a_precise_rank_too() {
         .unwrap();
     let w0 = rank_of(&core, "w0");
     // Its KV events flow: picks insert short-lived predictions until the events confirm them.
-    core.apply_kv_events(w0, &[crate::event::KvEvent::AllBlocksCleared], now);
+    core.apply_kv_events(w0, &[crate::event::KvEvent::AllBlocksCleared], None, now);
     let r = request("a", 0..64);
     let (s, _) = core.select_and_reserve(&r, now).unwrap();
     assert_eq!(cached_on(&core, &r, "w0", now), 4);

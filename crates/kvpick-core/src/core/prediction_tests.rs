@@ -69,7 +69,7 @@ fn precise_core(config: CoreConfig) -> (Core, WorkerSpec, Instant) {
     let t0 = Instant::now();
     core.apply_source_snapshot("catalog", vec![a.clone()], t0)
         .unwrap();
-    let (stats, _) = core.apply_kv_events(rank_of(&a), &[KvEvent::AllBlocksCleared], t0);
+    let (stats, _) = core.apply_kv_events(rank_of(&a), &[KvEvent::AllBlocksCleared], None, t0);
     assert_eq!(stats.applied, 1, "the rank is precise");
     (core, a, t0)
 }
@@ -114,7 +114,7 @@ fn blocks_the_engine_announced_outlive_their_request() {
     let (s, _) = core
         .select_and_reserve(&request("r", prompt(2)), t0)
         .unwrap();
-    core.apply_kv_events(rank_of(&a), &[store(&prompt(2))], t0);
+    core.apply_kv_events(rank_of(&a), &[store(&prompt(2))], None, t0);
     core.free("r", Claim::Generation(s.generation), t0);
     assert_eq!(cached(&core, prompt(2), t0 + Duration::from_secs(60)), 4);
 }
@@ -171,7 +171,7 @@ fn a_moved_booking_takes_its_prediction_off_the_rank_that_did_not_serve_it() {
     core.apply_source_snapshot("catalog", vec![a.clone(), b.clone()], t0)
         .unwrap();
     for s in [&a, &b] {
-        core.apply_kv_events(rank_of(s), &[KvEvent::AllBlocksCleared], t0);
+        core.apply_kv_events(rank_of(s), &[KvEvent::AllBlocksCleared], None, t0);
     }
     let (s, _) = core
         .select_and_reserve(&request("r", prompt(5)), t0)
@@ -194,4 +194,80 @@ fn a_moved_booking_takes_its_prediction_off_the_rank_that_did_not_serve_it() {
     let (moved, _) = core.move_booking("r", Claim::Generation(s.generation), served);
     assert!(moved);
     assert_eq!(on(&picked), 0);
+}
+
+/// Applies an empty live batch of `a` that arrived `lag` late; returns the grace it reported.
+fn lagged_batch(core: &Core, a: &WorkerSpec, lag: Duration, at: Instant) -> f64 {
+    let (_, facts) = core.apply_kv_events(rank_of(a), &[], Some(lag), at);
+    let grace = facts
+        .iter()
+        .find_map(|f| match f {
+            Fact::PredictionGrace { seconds, .. } => Some(*seconds),
+            _ => None,
+        })
+        .unwrap();
+    grace
+}
+
+/// Books and frees a request for prompt `tag` at `end`; returns whether a sibling finds its
+/// blocks just before and just after `end + grace`.
+fn outlives_by(core: &Core, tag: u32, end: Instant, grace: Duration) -> (u32, u32) {
+    let id = format!("r{tag}");
+    let (s, _) = core
+        .select_and_reserve(&request(&id, prompt(tag)), end)
+        .unwrap();
+    core.free(&id, Claim::Generation(s.generation), end);
+    let margin = Duration::from_millis(1);
+    (
+        cached(core, prompt(tag), end + grace - margin),
+        cached(core, prompt(tag), end + grace + margin),
+    )
+}
+
+/// A CPU-starved engine publishes its stores seconds late: after a batch 3 s late, a request's
+/// unconfirmed predictions outlive its end by twice that, so a follower still finds them.
+#[test]
+fn late_kv_events_lengthen_how_long_predictions_outlive_their_request() {
+    let (core, a, t0) = precise_core(CoreConfig::default());
+    assert_eq!(lagged_batch(&core, &a, Duration::from_millis(3), t0), 1.0);
+    let slow = t0 + Duration::from_millis(100);
+    assert_eq!(lagged_batch(&core, &a, Duration::from_secs(3), slow), 6.0);
+    let end = slow + Duration::from_millis(200);
+    assert_eq!(outlives_by(&core, 5, end, Duration::from_secs(6)), (4, 0));
+    // A replayed batch (no lag) changes nothing.
+    core.apply_kv_events(rank_of(&a), &[], None, end);
+    assert_eq!(outlives_by(&core, 6, end, Duration::from_secs(6)), (4, 0));
+}
+
+/// Fast batches bring the grace back: it halves every 10 s of them, to the second it was.
+#[test]
+fn the_grace_decays_back_over_fast_batches() {
+    let (core, a, t0) = precise_core(CoreConfig::default());
+    lagged_batch(&core, &a, Duration::from_secs(3), t0);
+    let fast = Duration::from_millis(5);
+    let half = lagged_batch(&core, &a, fast, t0 + Duration::from_secs(10));
+    assert!((half - 3.0).abs() < 1e-9, "{half}");
+    let mut t = t0 + Duration::from_secs(10);
+    for _ in 0..20 {
+        t += Duration::from_secs(1);
+        lagged_batch(&core, &a, fast, t);
+    }
+    assert_eq!(lagged_batch(&core, &a, fast, t), 1.0);
+    assert_eq!(outlives_by(&core, 7, t, Duration::from_secs(1)), (4, 0));
+}
+
+/// The grace stops at 10 s: a lag at 5 s gives it, one just over (or an absurd one, clock
+/// skew) gives no more.
+#[test]
+fn the_grace_cap_holds_for_a_lag_just_over_it() {
+    let cap = Duration::from_secs(10);
+    for (lag, tag) in [
+        (Duration::from_secs(5), 8),
+        (Duration::from_millis(5_001), 9),
+        (Duration::from_secs(3_000), 10),
+    ] {
+        let (core, a, t0) = precise_core(CoreConfig::default());
+        assert_eq!(lagged_batch(&core, &a, lag, t0), 10.0, "{lag:?}");
+        assert_eq!(outlives_by(&core, tag, t0, cap), (4, 0), "{lag:?}");
+    }
 }

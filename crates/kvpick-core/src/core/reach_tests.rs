@@ -81,7 +81,7 @@ fn reachability(facts: &Facts) -> Vec<(String, bool)> {
 fn an_unreachable_rank_takes_no_pick_keeps_its_cache_and_comes_back() {
     let (a, b) = (worker("a", 1, Some(BS)), worker("b", 2, Some(BS)));
     let core = core_with(vec![a.clone(), b.clone()]);
-    core.apply_kv_events(rank(&a), &[store(BS)], Instant::now());
+    core.apply_kv_events(rank(&a), &[store(BS)], None, Instant::now());
     assert_eq!(pick(&core, "1").unwrap(), "a", "the cache pulls the pick");
 
     let facts = core.set_rank_reachable(rank(&a), false, Instant::now());
@@ -143,29 +143,29 @@ fn a_block_size_mismatch_is_reported_once_per_size_and_when_it_ends() {
     let a = worker("a", 1, Some(BS));
     let core = core_with(vec![a.clone()]);
     let now = Instant::now();
-    let (stats, facts) = core.apply_kv_events(rank(&a), &[store(32)], now);
+    let (stats, facts) = core.apply_kv_events(rank(&a), &[store(32)], None, now);
     assert_eq!(stats.block_size_mismatches, 1);
     assert_eq!(size_facts(&facts), [(16, Some(32))]);
     let listed = |core: &Core| core.list_workers(None)[0].clone();
     assert_eq!(listed(&core).status[0].mismatched_block_size, Some(32));
     assert_eq!(listed(&core).block_size, Some(16));
     // The same size again: counted, not reported again (also once the rank is precise).
-    core.apply_kv_events(rank(&a), &[KvEvent::AllBlocksCleared], now);
+    core.apply_kv_events(rank(&a), &[KvEvent::AllBlocksCleared], None, now);
     for _ in 0..3 {
-        let (stats, facts) = core.apply_kv_events(rank(&a), &[store(32)], now);
+        let (stats, facts) = core.apply_kv_events(rank(&a), &[store(32)], None, now);
         assert_eq!(stats.block_size_mismatches, 1);
         assert!(size_facts(&facts).is_empty());
     }
-    let (_, facts) = core.apply_kv_events(rank(&a), &[store(64)], now);
+    let (_, facts) = core.apply_kv_events(rank(&a), &[store(64)], None, now);
     assert_eq!(size_facts(&facts), [(16, Some(64))], "another size");
     // The catalog is fixed: the stores match, the mismatch ends once.
     let fixed = worker("a", 1, Some(64));
     core.apply_source_snapshot("catalog", vec![fixed], now)
         .unwrap();
-    let (stats, facts) = core.apply_kv_events(rank(&a), &[store(64)], now);
+    let (stats, facts) = core.apply_kv_events(rank(&a), &[store(64)], None, now);
     assert_eq!((stats.applied, stats.block_size_mismatches), (1, 0));
     assert_eq!(size_facts(&facts), [(64, None)]);
-    let (_, facts) = core.apply_kv_events(rank(&a), &[store(64)], now);
+    let (_, facts) = core.apply_kv_events(rank(&a), &[store(64)], None, now);
     assert!(size_facts(&facts).is_empty());
     assert_eq!(listed(&core).status[0], crate::RankStatus::default());
 }
@@ -175,7 +175,7 @@ fn a_listing_shows_the_block_size_learned_from_events() {
     let a = worker("a", 1, None);
     let core = core_with(vec![a.clone()]);
     assert_eq!(core.list_workers(None)[0].block_size, None, "not known yet");
-    let (_, facts) = core.apply_kv_events(rank(&a), &[store(32)], Instant::now());
+    let (_, facts) = core.apply_kv_events(rank(&a), &[store(32)], None, Instant::now());
     assert!(size_facts(&facts).is_empty(), "learned, not a mismatch");
     assert_eq!(core.list_workers(None)[0].block_size, Some(32));
 }

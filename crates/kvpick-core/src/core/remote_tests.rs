@@ -87,7 +87,7 @@ fn the_remote_scores_pick_the_rank_holding_the_prefix_as_the_indexer_would() {
         worker_id: specs()[2].worker_id(),
         dp_rank: 0,
     };
-    indexer.apply_kv_events(holder, &[stored(&tokens)], t0);
+    indexer.apply_kv_events(holder, &[stored(&tokens)], None, t0);
     let req = request("r1", tokens.clone());
     let remote = indexer_answer(&indexer, &replica, &req);
     assert_eq!(

@@ -77,7 +77,7 @@ fn two_workers(multiplier: f64) -> (Core, RankKey, RankKey, Instant) {
     core.apply_source_snapshot("catalog", vec![a.clone(), b.clone()], t0)
         .unwrap();
     for r in [rank_of(&a), rank_of(&b)] {
-        core.apply_kv_events(r, &[KvEvent::AllBlocksCleared], t0);
+        core.apply_kv_events(r, &[KvEvent::AllBlocksCleared], None, t0);
     }
     (core, rank_of(&a), rank_of(&b), t0)
 }
@@ -100,8 +100,8 @@ fn shared_size(facts: &Facts) -> Option<usize> {
 /// the holder wins; with one `b` loads the prefix from the store and starts at once.
 fn busy_holder_idle_peer(multiplier: f64) -> (Core, RankKey, RankKey, Instant) {
     let (core, a, b, t0) = two_workers(multiplier);
-    core.apply_kv_events(a, &[store(&prompt(1), 0, 8, Medium::Gpu, 100)], t0);
-    let (_, facts) = core.apply_kv_events(a, &[store(&prompt(1), 0, 8, external(), 100)], t0);
+    core.apply_kv_events(a, &[store(&prompt(1), 0, 8, Medium::Gpu, 100)], None, t0);
+    let (_, facts) = core.apply_kv_events(a, &[store(&prompt(1), 0, 8, external(), 100)], None, t0);
     if multiplier > 0.0 {
         assert_eq!(
             shared_size(&facts),
@@ -168,7 +168,7 @@ fn an_external_removal_takes_the_blocks_back() {
         medium: external(),
         group_idx: None,
     };
-    let (stats, facts) = core.apply_kv_events(a, &[removed], t0);
+    let (stats, facts) = core.apply_kv_events(a, &[removed], None, t0);
     assert_eq!((stats.applied, shared_size(&facts)), (1, Some(0)));
     let (s, _) = core
         .select_and_reserve(&request("r", prompt(1)), t0)
@@ -185,8 +185,8 @@ fn shared_blocks_count_from_the_ranks_own_depth_on() {
     let (core, a, b, t0) = two_workers(0.5);
     // `a` holds blocks 0..3 on its GPU; the store holds 3..8 (stored after them by `a`, the
     // parent named by `a`'s engine), so it continues `a`'s prefix and no one else's.
-    core.apply_kv_events(a, &[store(&prompt(2), 0, 3, Medium::Gpu, 200)], t0);
-    core.apply_kv_events(a, &[store(&prompt(2), 3, 8, external(), 200)], t0);
+    core.apply_kv_events(a, &[store(&prompt(2), 0, 3, Medium::Gpu, 200)], None, t0);
+    core.apply_kv_events(a, &[store(&prompt(2), 3, 8, external(), 200)], None, t0);
     let (s, _) = core.select(&request("q", prompt(2)), t0).unwrap();
     assert_eq!(
         (s.primary.key, s.overlap_blocks, s.shared_blocks),
@@ -205,7 +205,7 @@ fn shared_blocks_count_from_the_ranks_own_depth_on() {
 #[test]
 fn without_a_shared_tier_an_external_store_is_the_ranks_disk_tier() {
     let (core, a, _, t0) = two_workers(0.0);
-    core.apply_kv_events(a, &[store(&prompt(3), 0, 8, external(), 300)], t0);
+    core.apply_kv_events(a, &[store(&prompt(3), 0, 8, external(), 300)], None, t0);
     let (_, ranks) = core.overlap_scores(&request("q", prompt(3)), t0).unwrap();
     let depths = ranks.iter().find(|(k, _)| k.key == a).map(|(_, d)| *d);
     assert_eq!(depths.map(|d| (d.gpu, d.disk)), Some((0, 8)));
@@ -224,7 +224,11 @@ fn models_not_attached_have_no_shared_tier() {
     let t0 = Instant::now();
     core.apply_source_snapshot("catalog", vec![a.clone()], t0)
         .unwrap();
-    let (_, facts) =
-        core.apply_kv_events(rank_of(&a), &[store(&prompt(4), 0, 8, external(), 1)], t0);
+    let (_, facts) = core.apply_kv_events(
+        rank_of(&a),
+        &[store(&prompt(4), 0, 8, external(), 1)],
+        None,
+        t0,
+    );
     assert_eq!(shared_size(&facts), None);
 }

@@ -86,10 +86,10 @@ fn busy_holders(hints: bool) -> (Core, [RankKey; 3], Instant) {
         .unwrap();
     let keys = specs.each_ref().map(rank_of);
     for k in keys {
-        core.apply_kv_events(k, &[KvEvent::AllBlocksCleared], t0);
+        core.apply_kv_events(k, &[KvEvent::AllBlocksCleared], None, t0);
     }
     for k in &keys[..2] {
-        core.apply_kv_events(*k, &[store(&prompt())], t0);
+        core.apply_kv_events(*k, &[store(&prompt())], None, t0);
     }
     queue_on(&core, "qa", keys[0], 20, t0);
     queue_on(&core, "qb", keys[1], 10, t0);

@@ -3,7 +3,7 @@
 //! an [`EngineMap`].
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::event::{BlockMedia, KvEvent, Medium};
 use crate::facts::{Fact, Facts};
@@ -269,10 +269,15 @@ impl Partition {
     /// block of another size (its index starts afresh); after that, stores of another size are
     /// dropped and counted as mismatches. A rank counts as precise (its picks' predicted entries
     /// live only `predicted_ttl`) once one of its events has applied.
+    ///
+    /// `lag`: how late the batch arrived (engine timestamp to now, measured by the host on a
+    /// live batch; `None` for a replayed one): it adapts the partition's end grace
+    /// ([`super::grace`]), reported as a fact.
     pub fn apply_events(
         &self,
         rank: RankKey,
         events: &[KvEvent],
+        lag: Option<Duration>,
         now: Instant,
         facts: &mut Facts,
     ) -> EventStats {
@@ -285,6 +290,10 @@ impl Partition {
                     dropped: events.len() as u64,
                     ..EventStats::default()
                 };
+            }
+            if let Some(lag) = lag {
+                let grace = kv.grace.observe(lag, now);
+                facts.push(self.grace_fact(grace));
             }
             (kv.block_size_known && kv.precise.contains(&rank))
                 .then(|| self.apply_to(&mut kv, rank, events))
@@ -324,6 +333,14 @@ impl Partition {
             }
         }
         stats
+    }
+
+    /// The partition's end grace, as a fact.
+    pub(super) fn grace_fact(&self, grace: Duration) -> Fact {
+        Fact::PredictionGrace {
+            partition: Arc::clone(&self.key),
+            seconds: grace.as_secs_f64(),
+        }
     }
 
     /// The fact of a rank's changed block-size standing (`engine`: the size its stores carry, or

@@ -95,22 +95,14 @@ fn withdraw(state: &State, predicted: &mut Predicted) {
     }
 }
 
-/// How long a precise rank's unconfirmed predicted entries outlive their request. vLLM
-/// publishes a prefill's stores at the end of the engine step that computed them, a decode step
-/// or two before a short answer ends, so they may still be in flight (the publisher's thread,
-/// the socket, kvpick's ingestion) when the response's last byte reaches kvpick: seen on real
-/// vLLM, a same-prompt request sent 2 ms after the response went cold. A second covers that
-/// transport on a busy host; an engine that never confirms still loses the entries a second
-/// after each request.
-pub(crate) const END_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
-
 /// Ends what a request predicted on one rank (the request ended, or its prefill leg did): a
-/// precise rank's entries its engine has not confirmed expire [`END_GRACE`] later, since a
-/// finished prefill stored the blocks and their events say so; an approximate rank's stay for
+/// precise rank's entries its engine has not confirmed expire the partition's end grace later
+/// ([`super::grace`]: a second, longer while its KV events arrive late), since a finished
+/// prefill stored the blocks and their events say so; an approximate rank's stay for
 /// `approx_ttl`, the only knowledge of that rank's cache.
 pub(crate) fn end(state: &State, chain: Option<PredictedChain>, now: Instant) {
     if let Some(chain) = chain.filter(|c| c.precise) {
-        let at = now.checked_add(END_GRACE).unwrap_or(now);
+        let at = now.checked_add(state.end_grace()).unwrap_or(now);
         state.end_prediction(chain, at);
     }
 }

@@ -9,7 +9,8 @@
 //! [`pair`] (the prefill/decode pair stage and the prefill leg of a booking), [`admission`] (flow
 //! control: SLO gate, queue, release passes), [`booking`] (a pick's booking and its life),
 //! [`health`] (engine answers and outlier ejection), [`events`] (KV events applied to the
-//! index), [`replicas`] (what other replicas and engines report).
+//! index), [`grace`] (how long predictions outlive their request, from the events' lag),
+//! [`replicas`] (what other replicas and engines report).
 
 // Request fields and KV events come from the network: arithmetic on them says what happens at
 // the edge (checked, saturating) instead of wrapping in release builds and panicking in debug.
@@ -20,6 +21,7 @@ mod booking;
 mod decay;
 mod deferred;
 mod events;
+mod grace;
 mod health;
 mod load_order;
 mod membership;
@@ -46,7 +48,7 @@ pub(crate) use admission::{Admitted, Claims};
 use events::EngineMap;
 pub use events::EventStats;
 #[cfg(test)]
-pub(crate) use health::END_GRACE;
+pub(crate) use grace::END_GRACE;
 use pipeline::Allowed;
 use ranks::{RankTable, Slot};
 #[cfg(test)]
@@ -127,6 +129,8 @@ struct State {
     /// the KV lock.
     clears: Arc<AtomicU64>,
     rank_epoch: Arc<AtomicU64>,
+    /// The end grace [`Kv::grace`] publishes, readable without the KV lock.
+    grace: Arc<AtomicU64>,
     bookings: HashMap<String, Booking>,
     /// When booked prefills stop counting ([`decay`]).
     prefill_deadlines: decay::PrefillDeadlines,
@@ -181,6 +185,8 @@ pub(crate) struct Kv {
     clear_log: deferred::ClearLog,
     /// The index's rank epoch, published ([`PrefixIndex::publish_rank_epoch`]).
     rank_epoch: Arc<AtomicU64>,
+    /// The partition's KV-event lag and the end grace it implies ([`grace`]).
+    grace: grace::EventGrace,
     /// The model's shared KV store, when one is configured ([`shared_tier`]).
     shared: Option<shared_tier::SharedTier>,
 }
@@ -219,6 +225,11 @@ impl Kv {
 }
 
 impl State {
+    /// How long a precise rank's unconfirmed predictions outlive their request ([`grace`]).
+    fn end_grace(&self) -> Duration {
+        grace::grace_of(&self.grace)
+    }
+
     /// The live booking of this id and generation (a stale reference finds nothing).
     fn booking(&self, (id, generation): &BookingRef) -> Option<&Booking> {
         self.bookings
@@ -303,6 +314,8 @@ impl Partition {
         let rank_epoch = Arc::new(AtomicU64::new(0));
         let mut index = PrefixIndex::new(config.index_max_blocks, now);
         index.publish_rank_epoch(Arc::clone(&rank_epoch));
+        let event_grace = grace::EventGrace::new();
+        let grace = event_grace.shared();
         let shared_weight = config.shared_cache.weight_for(&key.model);
         let kv = Arc::new(SpinRwLock::new(Kv {
             index,
@@ -313,6 +326,7 @@ impl Partition {
             size_mismatch: HashMap::new(),
             clear_log: deferred::ClearLog::new(Arc::clone(&clears)),
             rank_epoch: Arc::clone(&rank_epoch),
+            grace: event_grace,
             shared: shared_weight.map(|w| shared_tier::SharedTier::new(w, config.index_max_blocks)),
         }));
         Partition {
@@ -328,6 +342,7 @@ impl Partition {
                 index_grew: Default::default(),
                 clears,
                 rank_epoch,
+                grace,
                 bookings: HashMap::new(),
                 prefill_deadlines: Default::default(),
                 sessions: SessionTable::default(),
@@ -386,5 +401,11 @@ impl Partition {
     /// scrape reports; predictions a pick has not yet written are not in it).
     pub fn index_size_now(&self) -> Fact {
         self.index_size_of(&self.kv.read(), None)
+    }
+
+    /// The end grace as of the partition's last live KV-event batch, as a fact.
+    pub fn grace_now(&self) -> Fact {
+        let grace = self.kv.read().grace.grace();
+        self.grace_fact(grace)
     }
 }

@@ -182,7 +182,7 @@ impl PairPolicy for KvpickPd {
     }
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
         if let Some(key) = self.ranks.get(rank) {
-            self.core.apply_kv_events(*key, events, now());
+            self.core.apply_kv_events(*key, events, None, now());
         }
     }
 }

@@ -840,7 +840,9 @@ impl Policy for Kvpick {
         }
     }
     fn on_kv_events(&mut self, rank: usize, events: &[KvEvent]) {
-        let (stats, _) = self.core.apply_kv_events(self.ranks[rank], events, now());
+        let (stats, _) = self
+            .core
+            .apply_kv_events(self.ranks[rank], events, None, now());
         self.events_dropped += stats.dropped;
     }
     fn session_parents(&self) -> Option<(u64, u64, u64)> {
