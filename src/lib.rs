@@ -8,7 +8,7 @@
 //!   readiness channels, the RAII reservation) and the catalog reconciler loop.
 //! - Hosts, which only translate protocols: [`extproc`] (Envoy ext_proc), [`api`] (gRPC
 //!   selection API). [`request`] and [`usage`] read request and response bodies; [`tokenize`]
-//!   turns prompts into engine token ids.
+//!   (the `kvpick-tokenize` crate) turns prompts into engine token ids.
 //! - Sources: [`catalog`] (static file, Kubernetes reflector) produce complete worker snapshots;
 //!   [`events`] decodes KV events off ZeroMQ and feeds them to the core.
 //! - [`flow`]: flow-control classification policy (objectives, fairness keys, SLO headers,
@@ -42,7 +42,8 @@ pub mod server;
 pub mod shared;
 pub mod telemetry;
 pub mod tls;
-pub mod tokenize;
+/// Prompts -> engine token ids: the `kvpick-tokenize` crate, under its old path.
+pub use kvpick_tokenize as tokenize;
 pub mod usage;
 
 /// Generated code for the project's own protos (`proto/kvpick/v1`).

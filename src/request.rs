@@ -10,35 +10,8 @@ use serde::Deserialize;
 
 pub mod scan;
 
-/// Which API a body was sent to, as far as reading its prompt cares.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Endpoint {
-    /// Chat, completions or responses: told apart by the body's fields.
-    #[default]
-    Generate,
-    /// `/v1/embeddings`: `input` is text to tokenize, not a responses conversation.
-    Embeddings,
-    /// Anthropic `/v1/messages` (and `/v1/messages/count_tokens`), converted as vLLM does.
-    Messages,
-    /// SGLang's native `/generate`: `text` or `input_ids`.
-    SglangGenerate,
-}
-
-impl Endpoint {
-    /// From the request `:path`.
-    pub fn from_path(path: &str) -> Self {
-        let path = path.split('?').next().unwrap_or_default();
-        if path.ends_with("/embeddings") {
-            Endpoint::Embeddings
-        } else if path.ends_with("/v1/messages") || path.ends_with("/v1/messages/count_tokens") {
-            Endpoint::Messages
-        } else if path == "/generate" {
-            Endpoint::SglangGenerate
-        } else {
-            Endpoint::Generate
-        }
-    }
-}
+/// Which API a body was sent to (defined with the prompt reader, `kvpick_tokenize`).
+pub use kvpick_tokenize::Endpoint;
 
 /// What a request body tells the router.
 #[derive(Debug, Clone, PartialEq, Eq)]

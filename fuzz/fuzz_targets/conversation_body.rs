@@ -1,4 +1,4 @@
-//! Differential fuzzing of the conversation cache (`src/tokenize/conversation.rs`): a body read
+//! Differential fuzzing of the conversation cache (`crates/kvpick-tokenize/src/conversation.rs`): a body read
 //! after a cached body that shares its first bytes must read exactly as the whole-body reader
 //! reads it (the same prompt, or an error for both), and nothing may panic.
 //!

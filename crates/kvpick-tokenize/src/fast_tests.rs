@@ -1,5 +1,5 @@
 use super::*;
-use crate::tokenize::prefix_cache::testutil;
+use crate::prefix_cache::testutil;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
 use testutil::WORDS;
@@ -26,10 +26,7 @@ fn encoder(json: &str) -> (Arc<Tokenizer>, FastEncoder) {
 /// and in order.
 #[test]
 fn equals_tokenizers_for_every_covered_shape() {
-    for (seed, (name, json)) in crate::tokenize::test_shapes::covered()
-        .into_iter()
-        .enumerate()
-    {
+    for (seed, (name, json)) in crate::test_shapes::covered().into_iter().enumerate() {
         let tokenizer: Arc<Tokenizer> = Arc::new(json.parse().unwrap());
         let fast = FastEncoder::new(Arc::clone(&tokenizer), &json)
             .unwrap_or_else(|e| panic!("{name}: not covered: {e}"));

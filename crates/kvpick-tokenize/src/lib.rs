@@ -1,14 +1,31 @@
-//! Token-exact prompts for text and chat requests (ARCHITECTURE.md §8). Per model, from a YAML file
-//! (`--tokenizer-config`): an in-process HuggingFace `tokenizer.json` plus chat template
-//! (rendered with HF semantics, tokenized through a prefix cache) and/or a remote render endpoint.
-//! This module owns tokenizer configuration, the per-model registry, the order of sources and
+//! kvpick-tokenize: token-exact prompts for text and chat requests (ARCHITECTURE.md §8). Per
+//! model, from a YAML file (`--tokenizer-config`) or a model directory (`--tokenizer-dir`): an
+//! in-process HuggingFace `tokenizer.json` plus chat template (rendered with HF semantics,
+//! tokenized through a prefix cache) and/or a remote render endpoint.
+//!
+//! The crate root owns tokenizer configuration, the per-model registry, the order of sources and
 //! the tokenization metrics. It never selects workers and never fails a request: any failure is
-//! an outcome the host turns into load-only routing.
+//! an outcome the host (`kvpick`) turns into load-only routing. It depends on `kvpick-core` only
+//! for the image spans it hands back (`kvpick_core::hash::MediaSpan`); it never depends on the
+//! host crate.
+//!
+//! # Layout (bottom to top)
+//! - [`endpoint`]: which API a body was sent to (shared with the host's body reader).
+//! - [`json`]: the order-preserving JSON value templates see.
+//! - [`prompt`], [`anthropic`], [`media`]: request body -> what to tokenize, as vLLM
+//!   preprocesses it; [`conversation`]: bodies parsed reusing an earlier body's messages.
+//! - [`pretok`], [`fast`], [`boundary`], [`prefix_cache`]: tokenizing, resumed from cached
+//!   checkpoints; [`template`], [`model_dir`], [`local`]: a model's tokenizer and chat templates.
+//! - [`render`]: the engine's render endpoints; [`pool`]: the threads tokenization runs on.
+//! - [`cli`]: `kvpick tokenize`.
+
+#![forbid(unsafe_code)]
 
 pub mod anthropic;
 pub mod boundary;
 pub mod cli;
 pub mod conversation;
+pub mod endpoint;
 pub mod fast;
 pub mod json;
 pub mod local;
@@ -35,11 +52,12 @@ use prometheus::{
 use serde::Deserialize;
 
 use conversation::ConversationCache;
+pub use endpoint::Endpoint;
 use json::Json;
 pub use local::{LocalTokenizer, Resolved};
 use pool::{JobLimits, PoolError, TokenizerPool};
 pub use prefix_cache::IncrementalTokenizer;
-use prompt::{ContentFormat, Endpoint, PromptSpec};
+use prompt::{ContentFormat, PromptSpec};
 use render::{RenderClient, RenderKind};
 
 /// Default of `--tokenize-max-body-bytes`: bodies over it are routed on load alone.

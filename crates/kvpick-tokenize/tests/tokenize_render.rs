@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use kvpick::tokenize::render::{RenderClient, RenderError, RenderKind};
-use kvpick::tokenize::{ModelEntry, Source, TokenizeOutcome, Tokenizers};
+use kvpick_tokenize::render::{RenderClient, RenderError, RenderKind};
+use kvpick_tokenize::{ModelEntry, Source, TokenizeOutcome, Tokenizers};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 

@@ -1,5 +1,5 @@
 //! An image's bytes are hashed while its base64 text is decoded, a few KiB at a time, and never
-//! kept (src/tokenize/media.rs): the memory identifying an image takes does not grow with it.
+//! kept (src/media.rs): the memory identifying an image takes does not grow with it.
 //! Measured with a counting allocator (peak live bytes above the start), on a 48 KiB and a 12 MiB
 //! image, through the data-URL and the body paths.
 
@@ -12,9 +12,9 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Mutex;
 
-use kvpick::request::Endpoint;
-use kvpick::tokenize::json::Json;
-use kvpick::tokenize::media::{data_url_identifier, items};
+use kvpick_tokenize::json::Json;
+use kvpick_tokenize::media::{data_url_identifier, items};
+use kvpick_tokenize::Endpoint;
 
 struct Counting;
 static LIVE: AtomicIsize = AtomicIsize::new(0);

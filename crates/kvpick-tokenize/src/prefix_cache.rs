@@ -515,10 +515,10 @@ pub(crate) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
     i
 }
 
-#[cfg(test)]
-pub(crate) mod testutil {
+#[cfg(any(test, feature = "testutil"))]
+pub mod testutil {
     //! A small byte-level BPE tokenizer (GPT-2 pre-tokenizer regex) built in code, so unit tests
-    //! need no files.
+    //! need no files (the host's tests reach it through the `testutil` feature).
 
     use std::collections::BTreeMap;
 
@@ -559,7 +559,7 @@ pub(crate) mod testutil {
 
     /// The tokenizer.json text.
     pub fn tokenizer_json() -> String {
-        let map = crate::tokenize::fast::bytes_to_unicode();
+        let map = crate::fast::bytes_to_unicode();
         let mut vocab: BTreeMap<String, u32> = BTreeMap::new();
         for c in &map {
             let next = vocab.len() as u32;
@@ -614,6 +614,8 @@ pub(crate) mod testutil {
         .to_string()
     }
 
+    // Test support only (a fixed, valid tokenizer.json): a panic is a failed test.
+    #[allow(clippy::unwrap_used)]
     pub fn tokenizer() -> tokenizers::Tokenizer {
         tokenizers::Tokenizer::from_bytes(tokenizer_json().as_bytes()).unwrap()
     }

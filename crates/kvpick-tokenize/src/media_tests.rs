@@ -2,7 +2,7 @@ use super::*;
 
 const FIXTURES: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
-    "/tests/fixtures/kv_events/multimodal"
+    "/../../tests/fixtures/kv_events/multimodal"
 );
 
 /// `identifiers.json`, written by vLLM's own hasher (make_fixtures.py): (base64 text, model id,

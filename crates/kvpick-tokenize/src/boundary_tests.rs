@@ -4,10 +4,10 @@ use std::sync::Arc;
 
 use rand::{rngs::StdRng, Rng, SeedableRng};
 
-use crate::tokenize::fast::FastEncoder;
-use crate::tokenize::prefix_cache::testutil::WORDS;
-use crate::tokenize::prefix_cache::{IncrementalTokenizer, Path};
-use crate::tokenize::test_shapes;
+use crate::fast::FastEncoder;
+use crate::prefix_cache::testutil::WORDS;
+use crate::prefix_cache::{IncrementalTokenizer, Path};
+use crate::test_shapes;
 
 /// Random text of about `bytes` bytes; `lines` says whether it has line ends.
 fn random_text(rng: &mut StdRng, bytes: usize, lines: bool) -> String {

@@ -23,20 +23,25 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use bytes::Bytes;
-use kvpick::tokenize::conversation::ConversationCache;
-use kvpick::tokenize::{prompt, ModelEntry, Tokenizers};
+use kvpick_tokenize::conversation::ConversationCache;
+use kvpick_tokenize::{prompt, ModelEntry, Tokenizers};
 
 // mimalloc: tokenizers, minijinja and body parsing allocate per token and per string; with
-// glibc malloc the allocator was ~40% of a tokenization (benches/tokenize.rs), with mimalloc the
+// glibc malloc the allocator was ~40% of a tokenization (this bench), with mimalloc the
 // same work is ~1.8x faster.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// The repository root (this crate is `crates/kvpick-tokenize`): `.venv`, `e2e/` and `target/`.
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
 
 fn tokenizer_json() -> Option<PathBuf> {
     if let Ok(p) = std::env::var("KVPICK_BENCH_TOKENIZER") {
         return Some(PathBuf::from(p));
     }
-    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
+    let lib = repo().join(".venv/lib");
     for entry in std::fs::read_dir(lib).ok()?.flatten() {
         let p = entry
             .path()
@@ -101,7 +106,7 @@ fn body(conv: u64, exchanges: usize) -> Vec<u8> {
 }
 
 fn tokenizers(path: &Path, cache: usize) -> Tokenizers {
-    let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/tokenize_ref/chatml.jinja");
+    let template = repo().join("e2e/tokenize_ref/chatml.jinja");
     let entry: ModelEntry = serde_yaml::from_str(&format!(
         "model: m\ntokenizer_json: {}\nchat_template_file: {}\nbos_token: \"<｜begin▁of▁sentence｜>\"\nprefix_cache_tokens: {cache}\n",
         path.display(),
@@ -174,7 +179,7 @@ fn text_form_prompt(words: &[String], seed: u64, tokens: usize) -> String {
 fn text_form(iters: usize) -> serde_json::Value {
     const TOKENS: usize = 12_000;
     let words = text_form_words();
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-tokenize-text-form");
+    let dir = repo().join("target/bench-tokenize-text-form");
     std::fs::create_dir_all(&dir).unwrap();
     let file = dir.join("tokenizer.json");
     std::fs::write(&file, text_form_tokenizer_json(&words)).unwrap();
@@ -191,7 +196,7 @@ fn text_form(iters: usize) -> serde_json::Value {
             serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": prompt})).unwrap(),
         )
     };
-    let cpu_ms = |model: &kvpick::tokenize::ModelTokenizer, b: &Bytes| {
+    let cpu_ms = |model: &kvpick_tokenize::ModelTokenizer, b: &Bytes| {
         let t = thread_cpu_seconds();
         let (ids, source) = model.tokenize_body_blocking(b).unwrap().unwrap();
         assert_eq!(ids.len(), TOKENS);
@@ -212,7 +217,7 @@ fn text_form(iters: usize) -> serde_json::Value {
         cpu_ms(cached_model, &body(&previous));
         let (ms, source) = cpu_ms(cached_model, &body(&next));
         cached_ms.push(ms);
-        hits += usize::from(source == kvpick::tokenize::Source::Cached);
+        hits += usize::from(source == kvpick_tokenize::Source::Cached);
     }
     let (c, h) = (median(cold_ms), median(cached_ms));
     println!();
@@ -227,7 +232,7 @@ fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
     let text_form_iters = if benching { 15 } else { 2 };
     let text_form_row = text_form(text_form_iters);
-    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("target/bench-tokenize.json");
+    let out = repo().join("target/bench-tokenize.json");
     if std::env::var("KVPICK_BENCH_ONLY").is_ok_and(|v| v == "text-form") {
         if benching {
             std::fs::write(
@@ -345,7 +350,7 @@ fn main() {
         let (c, h) = (median(cold_us), median(cached_us));
         let all_cached = sources
             .iter()
-            .all(|s| *s == kvpick::tokenize::Source::Cached);
+            .all(|s| *s == kvpick_tokenize::Source::Cached);
         println!(
             "| {turns} exchanges | {tokens} | {c:.0} | {:.2} | {h:.0} | {new_tokens} | {} |",
             tokens as f64 / c,

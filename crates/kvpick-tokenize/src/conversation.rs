@@ -522,7 +522,7 @@ fn prefix_keys(body: &[u8], stride: usize) -> Vec<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tokenize::prompt::{prompt_spec_for, prompt_spec_parsed, PromptSpec};
+    use crate::prompt::{prompt_spec_for, prompt_spec_parsed, PromptSpec};
     use rand::{rngs::StdRng, Rng, SeedableRng};
     use serde_json::json;
 
@@ -732,7 +732,7 @@ mod tests {
 #[cfg(test)]
 mod edge_tests {
     use super::*;
-    use crate::tokenize::prompt::{prompt_spec_for, prompt_spec_parsed};
+    use crate::prompt::{prompt_spec_for, prompt_spec_parsed};
 
     fn both(body: &str) -> (Result<String, ()>, Result<String, ()>) {
         let cache = ConversationCache::with_stride(1 << 20, 8);

