@@ -7,8 +7,8 @@
 //! - [`selection`]: the core bound to this process (clock, metrics from the core's facts,
 //!   readiness channels, the RAII reservation) and the catalog reconciler loop.
 //! - Hosts, which only translate protocols: [`extproc`] (Envoy ext_proc), [`api`] (gRPC
-//!   selection API). [`request`] and [`usage`] read request and response bodies; [`tokenize`]
-//!   (the `kvpick-tokenize` crate) turns prompts into engine token ids.
+//!   selection API). [`usage`] reads response bodies; [`tokenize`] (the `kvpick-tokenize` crate)
+//!   reads request bodies (`tokenize::body`) and turns prompts into engine token ids.
 //! - Sources: [`catalog`] (static file, Kubernetes reflector) produce complete worker snapshots;
 //!   [`events`] decodes KV events off ZeroMQ and feeds them to the core.
 //! - [`flow`]: flow-control classification policy (objectives, fairness keys, SLO headers,
@@ -36,7 +36,6 @@ pub mod lanes;
 pub mod memory_account;
 pub mod metrics;
 pub mod net;
-pub mod request;
 pub mod selection;
 pub mod server;
 pub mod shared;

@@ -17,11 +17,11 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tonic::Status;
 
-use crate::request::scan::BodyScanner;
-use crate::request::ParsedBody;
 use crate::selection::admission::Waiter;
 use crate::selection::{EndpointFilter, Pin, Reservation, SelectionCore};
 use crate::telemetry::RequestTrace;
+use crate::tokenize::body::scan::BodyScanner;
+use crate::tokenize::body::ParsedBody;
 use crate::usage::UsageTracker;
 
 use super::budget::BodyLease;
@@ -161,7 +161,7 @@ pub struct StreamMachine {
     subset: Option<EndpointFilter>,
     body: BodyBuf,
     body_started: Option<Instant>,
-    /// Reads the request body as it arrives (`crate::request::scan`); `None` once it is done.
+    /// Reads the request body as it arrives (`crate::tokenize::body::scan`); `None` once it is done.
     scanner: Option<BodyScanner>,
     /// Time spent scanning the body so far (the EPP parse stage).
     scan_time: std::time::Duration,

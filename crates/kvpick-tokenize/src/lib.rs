@@ -10,7 +10,8 @@
 //! host crate.
 //!
 //! # Layout (bottom to top)
-//! - [`endpoint`]: which API a body was sent to (shared with the host's body reader).
+//! - [`endpoint`], [`body`]: which API a body was sent to, and the request-body reader the host
+//!   routes by (the streaming scanner, `body::scan`).
 //! - [`json`]: the order-preserving JSON value templates see.
 //! - [`prompt`], [`anthropic`], [`media`]: request body -> what to tokenize, as vLLM
 //!   preprocesses it; [`conversation`]: bodies parsed reusing an earlier body's messages.
@@ -22,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod anthropic;
+pub mod body;
 pub mod boundary;
 pub mod cli;
 pub mod conversation;

@@ -11,8 +11,8 @@ use bytes::Bytes;
 use tonic::Status;
 
 use crate::epp_metrics::Stage;
-use crate::request::scan::Scanned;
-use crate::request::{parse_request_body_for, BodyError, ParsedBody, Prompt};
+use crate::tokenize::body::scan::Scanned;
+use crate::tokenize::body::{parse_request_body_for, BodyError, ParsedBody, Prompt};
 
 use super::wire::body_error_message;
 use super::{BodyTail, PendingRoute, Phase, Step, StreamMachine, TokenizeJob};
@@ -26,7 +26,7 @@ impl StreamMachine {
         let parse_started = Instant::now();
         let scanned = match self.scanner.take() {
             Some(scanner) => scanner.finish(&self.body.chunks),
-            None => Scanned::Undecided(crate::request::scan::Undecided::Incomplete),
+            None => Scanned::Undecided(crate::tokenize::body::scan::Undecided::Incomplete),
         };
         let parsed = match scanned {
             Scanned::Parsed(parsed) => parsed,

@@ -8,9 +8,9 @@
 use std::time::Instant;
 
 use crate::epp_metrics::Stage;
-use crate::request::{ParsedBody, Prompt};
 use crate::selection::admission::Admitted;
 use crate::selection::{DuplicateId, PromptInput, Reservation, SelectError, SelectionRequest};
+use crate::tokenize::body::{ParsedBody, Prompt};
 use crate::tokenize::TokenizeOutcome;
 
 use super::trace::trace_tokenize;

@@ -1,6 +1,7 @@
 //! Parsing of request bodies (OpenAI chat, completions, responses, embeddings; Anthropic
 //! messages; SGLang `/generate`) into what routing needs (model, stream flag, salt, prompt).
-//! Shared by every host; it never mutates the body (the echoed body stays byte-identical).
+//! The host (`kvpick`'s ext_proc stream) reads every body through it; it never mutates the body
+//! (the echoed body stays byte-identical).
 
 #![warn(clippy::arithmetic_side_effects)]
 
@@ -10,8 +11,8 @@ use serde::Deserialize;
 
 pub mod scan;
 
-/// Which API a body was sent to (defined with the prompt reader, `kvpick_tokenize`).
-pub use kvpick_tokenize::Endpoint;
+/// Which API a body was sent to.
+pub use crate::endpoint::Endpoint;
 
 /// What a request body tells the router.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -5,7 +5,7 @@
 use rand::{Rng, SeedableRng};
 
 use super::*;
-use crate::request::{parse_request_body_for, Prompt};
+use crate::body::{parse_request_body_for, Prompt};
 
 const ENDPOINTS: [Endpoint; 4] = [
     Endpoint::Generate,
@@ -138,7 +138,7 @@ fn long_bodies_split_anywhere_read_the_same() {
 
 #[test]
 fn bodies_in_the_fuzz_corpus_read_the_same() {
-    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fuzz/seeds/request_body");
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fuzz/seeds/request_body");
     let mut seen = 0;
     for entry in std::fs::read_dir(dir).unwrap() {
         let data = std::fs::read(entry.unwrap().path()).unwrap();
