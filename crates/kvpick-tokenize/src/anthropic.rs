@@ -1,7 +1,7 @@
 //! Anthropic Messages bodies (`/v1/messages`) as the chat prompt vLLM renders for them
 //! (ARCHITECTURE.md §8). vLLM's Anthropic endpoint converts the request to an OpenAI chat request
 //! and renders that with the model's chat template; this module does the same conversion, then
-//! hands each message to the chat path's preprocessing ([`super::prompt`]), so a `/v1/messages`
+//! hands each message to the chat path's preprocessing ([`super::chat`]), so a `/v1/messages`
 //! prompt tokenizes to the ids the engine computes. It reads bodies only: it owns the conversion
 //! and nothing about templates, tokenizers or routing.
 //!
@@ -19,8 +19,8 @@
 //! (a `tool_use` without an id, which it names by the clock; a list `tool_result` in an assistant
 //! turn, which it renders as a Python repr) is [`Unsupported`]: load-only routing.
 
+use super::chat::{chat_message, ChatPrompt, ContentFormat, Message, PromptSpec, Unsupported};
 use super::json::Json;
-use super::prompt::{chat_message, ChatPrompt, ContentFormat, Message, PromptSpec, Unsupported};
 
 /// Claude Code's per-request attribution block; vLLM drops it so the prefix stays cacheable.
 const BILLING_HEADER: &str = "x-anthropic-billing-header";

@@ -13,8 +13,9 @@
 //! - [`endpoint`], [`body`]: which API a body was sent to, and the request-body reader the host
 //!   routes by (the streaming scanner, `body::scan`).
 //! - [`json`]: the order-preserving JSON value templates see.
-//! - [`prompt`], [`anthropic`], [`media`]: request body -> what to tokenize, as vLLM
-//!   preprocesses it; [`conversation`]: bodies parsed reusing an earlier body's messages.
+//! - [`media`], [`chat`] (the chat prompt's vocabulary and vLLM's per-message preprocessing),
+//!   [`anthropic`], [`prompt`]: request body -> what to tokenize, as vLLM preprocesses it;
+//!   [`conversation`]: bodies parsed reusing an earlier body's messages.
 //! - [`pretok`], [`fast`], [`boundary`], [`prefix_cache`]: tokenizing, resumed from cached
 //!   checkpoints; [`template`], [`model_dir`], [`local`]: a model's tokenizer and chat templates.
 //! - [`render`]: the engine's render endpoints; [`pool`]: the threads tokenization runs on.
@@ -25,6 +26,7 @@
 pub mod anthropic;
 pub mod body;
 pub mod boundary;
+pub mod chat;
 pub mod cli;
 pub mod conversation;
 pub mod endpoint;

@@ -16,8 +16,8 @@ use std::path::Path;
 
 use kvpick_core::hash::{media_id, MediaSpan};
 
+use super::endpoint::Endpoint;
 use super::json::Json;
-use super::prompt::Endpoint;
 
 /// What the chat conversion writes for an image part in `string` content format, in place of the
 /// model's placeholder string (which the conversion does not know); replaced by
