@@ -9,6 +9,7 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 
+pub mod layout;
 pub mod scan;
 
 /// Which API a body was sent to.

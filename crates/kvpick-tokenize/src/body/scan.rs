@@ -19,6 +19,7 @@
 
 use std::borrow::Cow;
 
+use super::layout::{is_conversation_key, BodyLayout, Span, TopField};
 use super::{reads_as_ids, BodyError, Endpoint, Fields, ParsedBody, RawField};
 
 /// Deeper nesting is left to serde (its own limit is 128 levels, this one is below it, so a
@@ -218,6 +219,19 @@ pub struct BodyScanner {
     id_leading_zero: bool,
     seen: u16,
     kept: [Option<Kept>; 11],
+    /// Where the top-level key being read starts (past its quote) and ends.
+    key_span: (usize, usize),
+    /// Where the top-level value being read starts, and whether it is a list.
+    top_start: Option<usize>,
+    top_is_list: bool,
+    /// The key is a conversation's (`messages`, `input`) and the body's API has one: the
+    /// items of its list are recorded.
+    conversation_key: bool,
+    /// Where the item being read of a conversation list starts, and the items so far.
+    item_start: usize,
+    items: Vec<Span>,
+    /// Every top-level field so far: key span, value span, a conversation list's items.
+    fields: Vec<((usize, usize), Span, Option<Vec<Span>>)>,
 }
 
 impl BodyScanner {
@@ -243,6 +257,13 @@ impl BodyScanner {
             id_leading_zero: false,
             seen: 0,
             kept: Default::default(),
+            key_span: (0, 0),
+            top_start: None,
+            top_is_list: false,
+            conversation_key: false,
+            item_start: 0,
+            items: Vec::new(),
+            fields: Vec::new(),
         }
     }
 
@@ -266,16 +287,40 @@ impl BodyScanner {
     /// The body is complete: what it tells the router, or that serde must read it. `body` is the
     /// bytes fed, in order, in any chunking (the fields are copied out of it, not kept while the
     /// body arrives).
-    pub fn finish<B: AsRef<[u8]>>(mut self, body: &[B]) -> Scanned {
+    pub fn finish<B: AsRef<[u8]>>(self, body: &[B]) -> Scanned {
+        self.finish_layout(body).0
+    }
+
+    /// [`BodyScanner::finish`], and the body's [`BodyLayout`] whenever the scanner read the
+    /// body as a JSON object to its end (whatever routing makes of its fields): what the
+    /// tokenizer decodes the chat template's input from.
+    pub fn finish_layout<B: AsRef<[u8]>>(mut self, body: &[B]) -> (Scanned, Option<BodyLayout>) {
         if self.skip || self.fed == 0 {
-            return Scanned::Parsed(Ok(None));
+            return (Scanned::Parsed(Ok(None)), None);
         }
         if let Some(why) = self.undecided {
-            return Scanned::Undecided(why);
+            return (Scanned::Undecided(why), None);
         }
         if self.lex != Lex::Done || !self.utf8_carry.is_empty() {
-            return Scanned::Undecided(Undecided::Incomplete);
+            return (Scanned::Undecided(Undecided::Incomplete), None);
         }
+        let layout = self.layout(body);
+        (self.fields_of(body), layout)
+    }
+
+    /// The top-level fields recorded, their keys read out of the body (keys the scanner
+    /// settles have no escapes, so their bytes are their text).
+    fn layout<B: AsRef<[u8]>>(&mut self, body: &[B]) -> Option<BodyLayout> {
+        let mut fields = Vec::with_capacity(self.fields.len());
+        for ((start, end), value, items) in std::mem::take(&mut self.fields) {
+            let key = String::from_utf8(span(body, start, end).into_owned()).ok()?;
+            fields.push(TopField { key, value, items });
+        }
+        Some(BodyLayout { fields })
+    }
+
+    /// The routing fields out of a body read to its end.
+    fn fields_of<B: AsRef<[u8]>>(&mut self, body: &[B]) -> Scanned {
         let mut kept = std::mem::take(&mut self.kept);
         let [model, stream, cache_salt, prompt, messages, tools, instructions, input, system, text, input_ids] =
             &mut kept;
@@ -360,7 +405,7 @@ impl BodyScanner {
             (Lex::Start, _) => self.stop(Undecided::NotAnObject),
             (Lex::ObjectFirst, b'}') | (Lex::After, b'}') if self.in_object() => self.close(i),
             (Lex::ArrayFirst, b']') | (Lex::After, b']') if self.in_array() => self.close(i),
-            (Lex::ObjectFirst | Lex::Key, b'"') => self.start_key(),
+            (Lex::ObjectFirst | Lex::Key, b'"') => self.start_key(i),
             (Lex::Colon, b':') => self.lex = Lex::Value,
             (Lex::After, b',') if self.in_object() => self.lex = Lex::Key,
             (Lex::After, b',') => self.lex = Lex::Value,
@@ -400,8 +445,9 @@ impl BodyScanner {
         }
     }
 
-    fn start_key(&mut self) {
+    fn start_key(&mut self, i: usize) {
         if self.stack.len() == 1 {
+            self.key_span.0 = self.fed + i + 1;
             self.key.clear();
             self.key_too_long = false;
         }
@@ -414,7 +460,12 @@ impl BodyScanner {
     /// The first byte of a value; returns the next index.
     fn start_value(&mut self, chunk: &[u8], i: usize) -> usize {
         let b = chunk[i];
+        if self.stack.len() == 2 && self.conversation_key && self.in_array() {
+            self.item_start = self.fed + i;
+        }
         if self.stack.len() == 1 {
+            self.top_start = Some(self.fed + i);
+            self.top_is_list = b == b'[';
             if let Some((slot, true)) = self.slot {
                 if b == b'[' && reads_as_ids(self.endpoint, slot.name()) {
                     self.ids = Vec::new();
@@ -448,9 +499,17 @@ impl BodyScanner {
     /// A value ended just before `end` (in `chunk`): at the top level, its field is stored.
     fn value_done(&mut self, end: usize) {
         self.lex = Lex::After;
+        if self.stack.len() == 2 && self.conversation_key && self.in_array() {
+            let start = self.item_start;
+            self.items.push(Span {
+                start,
+                end: self.fed + end,
+            });
+        }
         if self.stack.len() != 1 {
             return;
         }
+        self.field_done(self.fed + end);
         let slot = self.slot.take();
         if let (Some((slot, _)), Some(start)) = (slot, self.value_start.take()) {
             let end = self.fed + end;
@@ -458,15 +517,29 @@ impl BodyScanner {
         }
     }
 
-    fn key_done(&mut self) {
+    /// A top-level value ended at body offset `end`: its field joins the layout.
+    fn field_done(&mut self, end: usize) {
+        if let Some(start) = self.top_start.take() {
+            let items = (self.conversation_key && self.top_is_list)
+                .then(|| std::mem::take(&mut self.items));
+            self.fields
+                .push((self.key_span, Span { start, end }, items));
+        }
+    }
+
+    fn key_done(&mut self, i: usize) {
         self.lex = Lex::Colon;
         if self.stack.len() != 1 {
             return;
         }
+        self.key_span.1 = self.fed + i;
+        self.conversation_key = false;
         self.slot = None;
         if self.key_too_long {
             return;
         }
+        self.conversation_key =
+            self.endpoint == Endpoint::Generate && is_conversation_key(&self.key);
         if let Some((index, slot)) = Slot::of(&self.key) {
             if self.seen & (1 << index) != 0 {
                 self.stop(Undecided::DuplicateField);
@@ -492,7 +565,7 @@ impl BodyScanner {
                     match b {
                         b'"' => {
                             if key {
-                                self.key_done();
+                                self.key_done(i);
                             } else {
                                 self.value_done(i + 1);
                             }
@@ -643,6 +716,7 @@ impl BodyScanner {
                     i += 1;
                 }
                 (Ids::Open | Ids::After, b']') => {
+                    self.field_done(self.fed + i + 1);
                     if let Some((slot, _)) = self.slot.take() {
                         self.kept[slot as usize] = Some(Kept::Ids(std::mem::take(&mut self.ids)));
                     }
