@@ -122,6 +122,14 @@ impl Slot {
     }
 }
 
+/// A top-level field as the scanner recorded it (its key still a span of the body).
+#[derive(Debug)]
+struct Recorded {
+    key: (usize, usize),
+    value: Span,
+    items: Option<Vec<Span>>,
+}
+
 /// A kept field's value: where its raw JSON lies in the body, or its ids.
 #[derive(Debug)]
 enum Kept {
@@ -231,7 +239,7 @@ pub struct BodyScanner {
     item_start: usize,
     items: Vec<Span>,
     /// Every top-level field so far: key span, value span, a conversation list's items.
-    fields: Vec<((usize, usize), Span, Option<Vec<Span>>)>,
+    fields: Vec<Recorded>,
 }
 
 impl BodyScanner {
@@ -312,7 +320,8 @@ impl BodyScanner {
     /// settles have no escapes, so their bytes are their text).
     fn layout<B: AsRef<[u8]>>(&mut self, body: &[B]) -> Option<BodyLayout> {
         let mut fields = Vec::with_capacity(self.fields.len());
-        for ((start, end), value, items) in std::mem::take(&mut self.fields) {
+        for Recorded { key, value, items } in std::mem::take(&mut self.fields) {
+            let (start, end) = key;
             let key = String::from_utf8(span(body, start, end).into_owned()).ok()?;
             fields.push(TopField { key, value, items });
         }
@@ -522,8 +531,11 @@ impl BodyScanner {
         if let Some(start) = self.top_start.take() {
             let items = (self.conversation_key && self.top_is_list)
                 .then(|| std::mem::take(&mut self.items));
-            self.fields
-                .push((self.key_span, Span { start, end }, items));
+            self.fields.push(Recorded {
+                key: self.key_span,
+                value: Span { start, end },
+                items,
+            });
         }
     }
 
