@@ -10,7 +10,8 @@ use std::path::PathBuf;
 
 use bytes::Bytes;
 
-use super::json::Json;
+use super::body::layout::BodyLayout;
+use super::conversation;
 use super::prompt::{self, Endpoint, PromptSpec};
 use super::{Resolved, Source, TokenizeOutcome, Tokenizers};
 
@@ -163,8 +164,11 @@ fn used_for(
     body: &Bytes,
 ) -> Option<serde_json::Map<String, serde_json::Value>> {
     let local = tokenizers.model(model)?.local.as_ref()?;
-    let json: Json = serde_json::from_slice(body).ok()?;
-    let spec = prompt::prompt_spec_for(endpoint, &json, local.content_format).ok()?;
+    let layout = BodyLayout::of(endpoint, body).ok()?;
+    let parsed = conversation::read(body, &layout, endpoint, local.content_format).ok()?;
+    let spec =
+        prompt::prompt_spec_parsed(endpoint, &parsed.top, parsed.items, local.content_format)
+            .ok()?;
     let mut used = serde_json::Map::new();
     match &spec {
         PromptSpec::Chat(chat) => {

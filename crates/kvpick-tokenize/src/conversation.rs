@@ -1,32 +1,32 @@
-//! Request bodies parsed into template messages, reusing the messages of an earlier body that
+//! Request bodies read into template messages, reusing the messages of an earlier body that
 //! shares a byte prefix (ARCHITECTURE.md §8, prefix cache). An agent resends its whole conversation every
 //! turn, and clients serialize it the same way each time, so the new body starts with the bytes
-//! of the previous one. Parsing and converting only the messages past that shared start keeps a
-//! turn's cost proportional to its new text.
+//! of the previous one. Converting only the messages past that shared start keeps a turn's cost
+//! proportional to its new text.
 //!
-//! Exactness: JSON is parsed left to right, so items lying wholly inside a byte-identical prefix
-//! parse to the same values. A body is split at an item boundary of a cached body inside the
-//! shared prefix: the body's bytes up to its conversation array's `[` followed by the bytes
-//! after that item (a *splice*) parse to exactly the same top-level fields and remaining items,
-//! and the cached items go in front. Anything unusual (a second conversation key, no `,` or `]`
-//! after the item) takes the plain path. This module owns that cache; it knows nothing about
-//! templates or tokenizers.
+//! It never reads a body's structure itself: the body's [`BodyLayout`] (recorded by the
+//! streaming scanner while the body arrived, `crate::body::scan`) says where each top-level field
+//! and each conversation item lies, and each value the prompt needs is decoded once from its
+//! bytes. Exactness: JSON is read left to right, so the items lying wholly inside a byte-identical
+//! prefix lie at the same offsets and decode to the same values; a cached body's converted items
+//! are reused for them, and only when the new body's layout puts its first items exactly where
+//! the cached body's were. This module owns that cache; it knows nothing about templates or
+//! tokenizers.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use parking_lot::Mutex;
-use serde::de::{Deserializer, MapAccess, Visitor};
-use serde_json::value::RawValue;
 use xxhash_rust::xxh3::Xxh3;
 
+use super::body::layout::{decode, BodyLayout, Span, TopField};
 use super::json::Json;
 use super::prefix_cache::common_prefix;
 use super::prompt::{ContentFormat, ConversationField, Endpoint, Message};
 
 /// Bodies are indexed by the hash of every prefix of a multiple of this many bytes; bodies under
-/// two strides are parsed whole (there is little to save).
+/// two strides are read whole (there is little to save).
 pub const STRIDE: usize = 4096;
 
 /// A body as the prompt reader needs it.
@@ -46,14 +46,11 @@ pub struct ParsedBody {
 #[error("{0}")]
 pub struct BodyError(pub String);
 
-/// A cached body: its bytes and where each conversation item ends.
+/// A cached body: its bytes and where each conversation item lies.
 struct CachedBody {
     body: Bytes,
     field: ConversationField,
-    /// Offset just past the conversation array's `[`.
-    array_open: usize,
-    /// Offset just past each item.
-    item_ends: Vec<usize>,
+    items_at: Vec<Span>,
     items: Vec<Arc<Message>>,
     format: ContentFormat,
     endpoint: Endpoint,
@@ -71,7 +68,7 @@ struct Inner {
     bytes: usize,
 }
 
-/// Bounded LRU cache of parsed conversation bodies.
+/// Bounded LRU cache of read conversation bodies.
 pub struct ConversationCache {
     inner: Mutex<Inner>,
     max_bytes: usize,
@@ -85,6 +82,12 @@ pub struct ConversationStats {
     pub bytes: usize,
 }
 
+/// A body's conversation: which field, and where its items lie.
+struct Conversation<'a> {
+    field: ConversationField,
+    items_at: &'a [Span],
+}
+
 impl ConversationCache {
     /// A cache holding bodies of at most `max_bytes` in all (the newest is always kept).
     pub fn new(max_bytes: usize) -> Self {
@@ -92,7 +95,7 @@ impl ConversationCache {
     }
 
     /// A cache indexing bodies every `stride` bytes (small strides let tests and the fuzzer
-    /// reach the splice with small bodies).
+    /// reach the reuse with small bodies).
     pub fn with_stride(max_bytes: usize, stride: usize) -> Self {
         ConversationCache {
             inner: Mutex::new(Inner::default()),
@@ -109,111 +112,75 @@ impl ConversationCache {
         }
     }
 
-    /// Parses `body`, reusing the messages of a cached body with the same start.
+    /// Reads `body` (its layout found here: tools and tests; the host hands the scanner's to
+    /// [`ConversationCache::read`]).
     pub fn parse(
         &self,
         body: &Bytes,
         endpoint: Endpoint,
         format: ContentFormat,
     ) -> Result<ParsedBody, BodyError> {
-        if body.len() < 2 * self.stride {
-            return Ok(parse_plain(body, endpoint, format)?.0);
-        }
-        let keys = prefix_keys(body, self.stride);
-        if let Some(parsed) = self.parse_spliced(body, endpoint, format, &keys)? {
-            return Ok(parsed);
-        }
-        let (parsed, layout) = parse_plain(body, endpoint, format)?;
-        if let (Some(layout), Some(items)) = (layout, &parsed.items) {
-            self.insert(body, endpoint, format, layout, items.clone(), keys, None);
-        }
-        Ok(parsed)
+        let layout = BodyLayout::of(endpoint, body).map_err(BodyError)?;
+        self.read(body, &layout, endpoint, format)
     }
 
-    /// The spliced parse when a cached body shares at least one whole item with `body`.
-    fn parse_spliced(
+    /// Reads `body` laid out as `layout`, reusing the messages of a cached body with the same
+    /// start.
+    pub fn read(
         &self,
         body: &Bytes,
+        layout: &BodyLayout,
         endpoint: Endpoint,
         format: ContentFormat,
-        keys: &[u64],
-    ) -> Result<Option<ParsedBody>, BodyError> {
-        let Some(hit) = self.lookup(body, endpoint, format, keys) else {
-            return Ok(None);
+    ) -> Result<ParsedBody, BodyError> {
+        let conversation = conversation_of(body, layout, endpoint);
+        let Some(conversation) = conversation.filter(|_| body.len() >= 2 * self.stride) else {
+            return read(body, layout, endpoint, format);
         };
-        let Hit {
-            id,
-            field,
-            array_open,
-            item_ends,
-            items,
-            whole,
-        } = hit;
-        let reused = items.len();
-        let after = item_ends[reused - 1];
-        let mut at = after;
-        while at < body.len() && matches!(body[at], b' ' | b'\t' | b'\n' | b'\r') {
-            at += 1;
+        let keys = prefix_keys(body, self.stride);
+        let hit = self.lookup(body, endpoint, format, &keys, &conversation);
+        let (reused, replaces) = match hit {
+            Some((id, items, whole)) => (items, whole.then_some(id)),
+            None => (Vec::new(), None),
+        };
+        let from = reused.len();
+        let mut items = reused;
+        items.reserve(conversation.items_at.len() - from);
+        for &at in &conversation.items_at[from..] {
+            items.push(convert(body, at, conversation.field, format)?);
         }
-        let rest = match body.get(at) {
-            Some(b',') => at + 1,
-            Some(b']') => at,
-            _ => return Ok(None),
-        };
-        let mut splice = Vec::with_capacity(array_open + body.len() - rest);
-        splice.extend_from_slice(&body[..array_open]);
-        splice.extend_from_slice(&body[rest..]);
-        let Ok(envelope) = parse_envelope(&splice) else {
-            // Let the plain parse report the error for the body as sent.
-            return Ok(None);
-        };
-        let Some(conversation) = read_conversation(&envelope, endpoint, &splice, format)? else {
-            return Ok(None);
-        };
-        if conversation.field != field || conversation.array_open != array_open {
-            return Ok(None);
-        }
-        // Splice offsets past the `[` are body offsets shifted by what was cut out.
-        let shift = rest - array_open;
-        let mut all_ends = item_ends;
-        all_ends.extend(conversation.item_ends.iter().map(|e| e + shift));
-        let mut all_items = items;
-        all_items.extend(conversation.items);
-        let top = top_fields(&envelope, Some(field))?;
         let parsed = ParsedBody {
-            top,
-            items: Some(all_items.clone()),
-            reused,
-        };
-        let layout = Layout {
-            field,
-            array_open,
-            item_ends: all_ends,
+            top: top_fields(body, layout, Some(conversation.field))?,
+            items: Some(items.clone()),
+            reused: from,
         };
         // A body that continues a cached one replaces it: an agent's earlier turns are not
         // asked for again.
-        let replaces = whole.then_some(id);
-        self.insert(
-            body,
-            endpoint,
+        let cached = CachedBody {
+            body: body.clone(),
+            field: conversation.field,
+            items_at: conversation.items_at.to_vec(),
+            items,
             format,
-            layout,
-            all_items,
-            keys.to_vec(),
-            replaces,
-        );
-        Ok(Some(parsed))
+            endpoint,
+            keys,
+            last_used: 0,
+        };
+        self.insert(cached, replaces);
+        Ok(parsed)
     }
 
-    /// The cached body sharing the longest start with `body`, cut to the items inside the
-    /// shared bytes (at least one).
+    /// The converted items of the cached body sharing the longest start with `body` that lie
+    /// inside the shared bytes (at least one) and where `conversation` puts its own first items;
+    /// with the cached body's id and whether every one of its items is reused.
     fn lookup(
         &self,
         body: &[u8],
         endpoint: Endpoint,
         format: ContentFormat,
         keys: &[u64],
-    ) -> Option<Hit> {
+        conversation: &Conversation<'_>,
+    ) -> Option<(u64, Vec<Arc<Message>>, bool)> {
         let mut inner = self.inner.lock();
         inner.clock += 1;
         let now = inner.clock;
@@ -233,34 +200,21 @@ impl ConversationCache {
                 continue;
             }
             let shared = len + common_prefix(&cached.body[len..], &body[len..]);
-            let reused = cached.item_ends.partition_point(|&end| end <= shared);
-            if reused == 0 {
+            let reused = cached.items_at.partition_point(|at| at.end <= shared);
+            if reused == 0
+                || cached.field != conversation.field
+                || conversation.items_at.get(..reused) != Some(&cached.items_at[..reused])
+            {
                 return None;
             }
             cached.last_used = now;
-            return Some(Hit {
-                id,
-                field: cached.field,
-                array_open: cached.array_open,
-                item_ends: cached.item_ends[..reused].to_vec(),
-                items: cached.items[..reused].to_vec(),
-                whole: reused == cached.items.len(),
-            });
+            let whole = reused == cached.items.len();
+            return Some((id, cached.items[..reused].to_vec(), whole));
         }
         None
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn insert(
-        &self,
-        body: &Bytes,
-        endpoint: Endpoint,
-        format: ContentFormat,
-        layout: Layout,
-        items: Vec<Arc<Message>>,
-        keys: Vec<u64>,
-        replaces: Option<u64>,
-    ) {
+    fn insert(&self, mut cached: CachedBody, replaces: Option<u64>) {
         let mut inner = self.inner.lock();
         if let Some(old) = replaces {
             inner.remove(old);
@@ -268,25 +222,12 @@ impl ConversationCache {
         inner.clock += 1;
         let id = inner.next_id;
         inner.next_id += 1;
-        for &key in &keys {
+        for &key in &cached.keys {
             inner.map.insert(key, id);
         }
-        inner.bytes += body.len();
-        let last_used = inner.clock;
-        inner.bodies.insert(
-            id,
-            CachedBody {
-                body: body.clone(),
-                field: layout.field,
-                array_open: layout.array_open,
-                item_ends: layout.item_ends,
-                items,
-                format,
-                endpoint,
-                keys,
-                last_used,
-            },
-        );
+        inner.bytes += cached.body.len();
+        cached.last_used = inner.clock;
+        inner.bodies.insert(id, cached);
         while inner.bytes > self.max_bytes && inner.bodies.len() > 1 {
             let Some(oldest) = inner
                 .bodies
@@ -315,197 +256,79 @@ impl Inner {
     }
 }
 
-struct Hit {
-    id: u64,
-    field: ConversationField,
-    array_open: usize,
-    item_ends: Vec<usize>,
-    items: Vec<Arc<Message>>,
-    /// Every item of the cached body is reused.
-    whole: bool,
-}
-
-/// Where a body's conversation sits.
-struct Layout {
-    field: ConversationField,
-    array_open: usize,
-    item_ends: Vec<usize>,
-}
-
-/// The whole-body parse: fields, converted items and (for caching) where the items are.
-fn parse_plain(
+/// Reads a body without the cache: its fields and, when it has one, its converted conversation.
+pub fn read(
     body: &[u8],
+    layout: &BodyLayout,
     endpoint: Endpoint,
     format: ContentFormat,
-) -> Result<(ParsedBody, Option<Layout>), BodyError> {
-    let envelope = match parse_envelope(body) {
-        Ok(envelope) => envelope,
-        // Not an object: whatever the whole-body reader makes of it (no conversation).
-        Err(e) => {
-            let top: Json = serde_json::from_slice(body).map_err(|_| BodyError(e.to_string()))?;
-            let parsed = ParsedBody {
-                top,
-                items: None,
-                reused: 0,
-            };
-            return Ok((parsed, None));
-        }
+) -> Result<ParsedBody, BodyError> {
+    let Some(conversation) = conversation_of(body, layout, endpoint) else {
+        return Ok(ParsedBody {
+            top: top_fields(body, layout, None)?,
+            items: None,
+            reused: 0,
+        });
     };
-    match read_conversation(&envelope, endpoint, body, format)? {
-        Some(conversation) => Ok((
-            ParsedBody {
-                top: top_fields(&envelope, Some(conversation.field))?,
-                items: Some(conversation.items),
-                reused: 0,
-            },
-            Some(Layout {
-                field: conversation.field,
-                array_open: conversation.array_open,
-                item_ends: conversation.item_ends,
-            }),
-        )),
-        None => Ok((
-            ParsedBody {
-                top: top_fields(&envelope, None)?,
-                items: None,
-                reused: 0,
-            },
-            None,
-        )),
-    }
+    let items = conversation
+        .items_at
+        .iter()
+        .map(|&at| convert(body, at, conversation.field, format))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(ParsedBody {
+        top: top_fields(body, layout, Some(conversation.field))?,
+        items: Some(items),
+        reused: 0,
+    })
 }
 
-/// A body's top-level fields, in order, each still as its JSON text.
-type Envelope<'a> = Vec<(String, &'a RawValue)>;
-
-fn parse_envelope(body: &[u8]) -> Result<Envelope<'_>, serde_json::Error> {
-    struct EnvelopeVisitor;
-    impl<'de> Visitor<'de> for EnvelopeVisitor {
-        type Value = Envelope<'de>;
-        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-            f.write_str("a JSON object")
-        }
-        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Envelope<'de>, A::Error> {
-            let mut fields = Vec::new();
-            while let Some(entry) = map.next_entry::<String, &'de RawValue>()? {
-                fields.push(entry);
-            }
-            Ok(fields)
-        }
-    }
-    let mut de = serde_json::Deserializer::from_slice(body);
-    let fields = (&mut de).deserialize_map(EnvelopeVisitor)?;
-    de.end()?;
-    Ok(fields)
-}
-
-struct Conversation {
-    field: ConversationField,
-    array_open: usize,
-    item_ends: Vec<usize>,
-    items: Vec<Arc<Message>>,
-}
-
-/// The conversation items of an envelope parsed from `buf`, when the body has exactly one
-/// conversation field and it is a list.
-fn read_conversation(
-    envelope: &Envelope<'_>,
+/// The body's conversation, when it has exactly one conversation field and it is a list.
+fn conversation_of<'a>(
+    body: &[u8],
+    layout: &'a BodyLayout,
     endpoint: Endpoint,
-    buf: &[u8],
-    format: ContentFormat,
-) -> Result<Option<Conversation>, BodyError> {
-    let has = |key: &str| envelope.iter().any(|(k, _)| k == key);
-    let raw_of = |key: &str| {
-        let mut found = envelope.iter().filter(|(k, _)| k == key).map(|(_, v)| *v);
-        match (found.next(), found.next()) {
-            (Some(v), None) => Some(v),
-            _ => None,
-        }
-    };
-    let input_is_list = raw_of("input").is_some_and(|v| v.get().starts_with('['));
-    let Some(field) = ConversationField::of(endpoint, has, input_is_list) else {
-        return Ok(None);
-    };
+) -> Option<Conversation<'a>> {
+    let is_list = |f: &TopField| body.get(f.value.start) == Some(&b'[');
+    let input_is_list = layout.unique("input").is_some_and(is_list);
+    let field = ConversationField::of(endpoint, |k| layout.has(k), input_is_list)?;
     // A repeated key: the plain reader decides which one counts.
-    let Some(raw) = raw_of(field.key()) else {
-        return Ok(None);
-    };
-    if !raw.get().starts_with('[') {
-        return Ok(None);
-    }
-    let list: Vec<&RawValue> =
-        serde_json::from_str(raw.get()).map_err(|e| BodyError(format!("{}: {e}", field.key())))?;
-    let base = buf.as_ptr() as usize;
-    let array_open = raw.get().as_ptr() as usize - base + 1;
-    let mut item_ends = Vec::with_capacity(list.len());
-    let mut items = Vec::with_capacity(list.len());
-    for item in list {
-        item_ends.push(item.get().as_ptr() as usize - base + item.get().len());
-        // Items sit two levels down (object, list): keep the whole-body reader's depth limit.
-        check_depth(item.get(), 2)?;
-        let json: Json = serde_json::from_str(item.get()).map_err(|e| BodyError(format!("{e}")))?;
-        let message = field
-            .convert(&json, format)
-            .map_err(|e| BodyError(e.to_string()))?;
-        items.push(Message::new(message));
-    }
-    Ok(Some(Conversation {
+    let found = layout.unique(field.key())?;
+    Some(Conversation {
         field,
-        array_open,
-        item_ends,
-        items,
-    }))
+        items_at: found.items.as_deref()?,
+    })
 }
 
-/// The envelope's fields as values, the conversation field (if any) as an empty list.
+/// One conversation item as a template message.
+fn convert(
+    body: &[u8],
+    at: Span,
+    field: ConversationField,
+    format: ContentFormat,
+) -> Result<Arc<Message>, BodyError> {
+    let json = decode(body, at).map_err(BodyError)?;
+    let message = field
+        .convert(&json, format)
+        .map_err(|e| BodyError(e.to_string()))?;
+    Ok(Message::new(message))
+}
+
+/// The body's top-level fields as values, the conversation field (if any) as an empty list.
 fn top_fields(
-    envelope: &Envelope<'_>,
+    body: &[u8],
+    layout: &BodyLayout,
     conversation: Option<ConversationField>,
 ) -> Result<Json, BodyError> {
-    let mut fields = Vec::with_capacity(envelope.len());
-    for (key, raw) in envelope {
-        let value = if conversation.is_some_and(|f| f.key() == key) {
+    let mut fields = Vec::with_capacity(layout.fields.len());
+    for f in &layout.fields {
+        let value = if conversation.is_some_and(|c| c.key() == f.key) {
             Json::Array(Vec::new())
         } else {
-            check_depth(raw.get(), 1)?;
-            serde_json::from_str(raw.get()).map_err(|e| BodyError(format!("{key}: {e}")))?
+            decode(body, f.value).map_err(|e| BodyError(format!("{}: {e}", f.key)))?
         };
-        fields.push((key.clone(), value));
+        fields.push((f.key.clone(), value));
     }
     Ok(Json::Object(fields))
-}
-
-/// serde_json's nesting limit for a whole document.
-const MAX_DEPTH: usize = 127;
-
-/// Fails like the whole-body parse would when `raw` (valid JSON found `above` levels down in the
-/// body) nests deeper than the limit counted from the body's top.
-fn check_depth(raw: &str, above: usize) -> Result<(), BodyError> {
-    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
-    for &b in raw.as_bytes() {
-        if in_string {
-            match (escaped, b) {
-                (true, _) => escaped = false,
-                (false, b'\\') => escaped = true,
-                (false, b'"') => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                deepest = deepest.max(depth);
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    if deepest + above > MAX_DEPTH {
-        return Err(BodyError("recursion limit exceeded".into()));
-    }
-    Ok(())
 }
 
 /// xxh3 of every `stride`-multiple prefix of `body`.

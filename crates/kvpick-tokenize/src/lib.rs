@@ -55,6 +55,7 @@ use prometheus::{
 };
 use serde::Deserialize;
 
+use body::layout::{decode, BodyLayout};
 use conversation::ConversationCache;
 pub use endpoint::Endpoint;
 use json::Json;
@@ -270,7 +271,7 @@ impl ModelTokenizer {
         &self,
         body: &Bytes,
     ) -> Result<Option<(Vec<u32>, Source)>, String> {
-        match tokenize_blocking(self, Endpoint::Generate, body) {
+        match tokenize_job(self, Endpoint::Generate, body, None).1 {
             Ok(Local::Done(ids, source, _)) => Ok(Some((ids, source))),
             Ok(Local::Remote(_) | Local::Nothing) => Ok(None),
             Err((stage, e)) => Err(format!("{stage}: {e}")),
@@ -615,12 +616,25 @@ impl Tokenizers {
         self.tokenize_request(Endpoint::Generate, model, body).await
     }
 
-    /// [`Tokenizers::tokenize`] for a body sent to `endpoint`.
+    /// [`Tokenizers::tokenize`] for a body sent to `endpoint` (its layout found on the pool).
     pub async fn tokenize_request(
         &self,
         endpoint: Endpoint,
         model: &str,
         body: Bytes,
+    ) -> TokenizeOutcome {
+        self.tokenize_laid_out(endpoint, model, body, None).await
+    }
+
+    /// [`Tokenizers::tokenize_request`] for a body laid out as `layout`: what the streaming
+    /// scanner recorded while reading it for routing, so the body's structure is never read
+    /// again, only the values the prompt needs decoded (`None`: found on the pool).
+    pub async fn tokenize_laid_out(
+        &self,
+        endpoint: Endpoint,
+        model: &str,
+        body: Bytes,
+        layout: Option<BodyLayout>,
     ) -> TokenizeOutcome {
         let Some(m) = self.models.get(model).cloned() else {
             return TokenizeOutcome::NotApplicable;
@@ -631,7 +645,7 @@ impl Tokenizers {
             };
         }
         let started = Instant::now();
-        let outcome = self.tokenize_model(&m, endpoint, body).await;
+        let outcome = self.tokenize_model(&m, endpoint, body, layout).await;
         match &outcome {
             TokenizeOutcome::Tokens { source, .. } => {
                 self.metrics
@@ -663,7 +677,8 @@ impl Tokenizers {
         m: &Arc<ModelTokenizer>,
         endpoint: Endpoint,
         body: &Bytes,
-    ) -> Result<Result<Local, StageError>, TokenizeOutcome> {
+        layout: Option<BodyLayout>,
+    ) -> Result<Laid, TokenizeOutcome> {
         // 100k-token prompts take milliseconds: never on the reactor.
         let job_model = Arc::clone(m);
         let job_body = body.clone();
@@ -677,7 +692,10 @@ impl Tokenizers {
             .pool
             .run(limits, move || {
                 let waited = queued.elapsed();
-                (waited, tokenize_blocking(&job_model, endpoint, &job_body))
+                (
+                    waited,
+                    tokenize_job(&job_model, endpoint, &job_body, layout),
+                )
             })
             .await;
         match ran {
@@ -694,7 +712,7 @@ impl Tokenizers {
             Err(PoolError::QueueFull) => Err(TokenizeOutcome::Skipped {
                 reason: SKIP_QUEUE_FULL,
             }),
-            Err(e @ PoolError::Panicked(_)) => Ok(Err(("tokenizer", e.to_string()))),
+            Err(e @ PoolError::Panicked(_)) => Ok((None, Err(("tokenizer", e.to_string())))),
             Err(PoolError::Stopped) => Err(TokenizeOutcome::Fallback {
                 reason: "shutting down".into(),
             }),
@@ -706,6 +724,7 @@ impl Tokenizers {
         m: &Arc<ModelTokenizer>,
         endpoint: Endpoint,
         body: Bytes,
+        layout: Option<BodyLayout>,
     ) -> TokenizeOutcome {
         let error = |stage: &str| {
             self.metrics
@@ -713,8 +732,8 @@ impl Tokenizers {
                 .with_label_values(&[&m.model, stage])
                 .inc();
         };
-        let local = match self.run_local(m, endpoint, &body).await {
-            Ok(local) => local,
+        let (layout, local) = match self.run_local(m, endpoint, &body, layout).await {
+            Ok(laid) => laid,
             Err(outcome) => return outcome,
         };
         let (spec, failure) = match local {
@@ -740,8 +759,8 @@ impl Tokenizers {
         let rendered = match endpoint {
             // vLLM has no embeddings render endpoint, and SGLang none at all.
             Endpoint::Embeddings | Endpoint::SglangGenerate => None,
-            Endpoint::Generate => render_request(spec.as_ref(), &body),
-            Endpoint::Messages => chat_render_body(spec.as_ref(), &body),
+            Endpoint::Generate => render_request(spec.as_ref(), &body, layout.as_ref()),
+            Endpoint::Messages => chat_body(spec.as_ref(), &body, layout.as_ref()),
         };
         let (kind, payload) = match rendered {
             Some(r) => r,
@@ -840,28 +859,41 @@ enum Local {
 
 type StageError = (&'static str, String);
 
+/// A job's layout (when the body has one) and its result.
+type Laid = (Option<BodyLayout>, Result<Local, StageError>);
+
+/// The pool job: the body's layout (the scanner's, else found here), then the prompt.
+fn tokenize_job(
+    m: &ModelTokenizer,
+    endpoint: Endpoint,
+    body: &Bytes,
+    layout: Option<BodyLayout>,
+) -> Laid {
+    let layout = match layout.map_or_else(|| BodyLayout::of(endpoint, body), Ok) {
+        Ok(layout) => layout,
+        Err(e) => return (None, Err(("body", e))),
+    };
+    let local = tokenize_blocking(m, endpoint, body, &layout);
+    (Some(layout), local)
+}
+
 fn tokenize_blocking(
     m: &ModelTokenizer,
     endpoint: Endpoint,
     body: &Bytes,
+    layout: &BodyLayout,
 ) -> Result<Local, StageError> {
     let format = m
         .local
         .as_ref()
         .map_or(m.content_format, |l| l.content_format);
-    let spec = match &m.conversations {
-        Some(cache) => {
-            let parsed = cache
-                .parse(body, endpoint, format)
-                .map_err(|e| ("body", e.to_string()))?;
-            prompt::prompt_spec_parsed(endpoint, &parsed.top, parsed.items, format)
-        }
-        None => {
-            let json: Json = serde_json::from_slice(body).map_err(|e| ("body", e.to_string()))?;
-            prompt::prompt_spec_for(endpoint, &json, format)
-        }
+    let parsed = match &m.conversations {
+        Some(cache) => cache.read(body, layout, endpoint, format),
+        None => conversation::read(body, layout, endpoint, format),
     }
     .map_err(|e| ("body", e.to_string()))?;
+    let spec = prompt::prompt_spec_parsed(endpoint, &parsed.top, parsed.items, format)
+        .map_err(|e| ("body", e.to_string()))?;
     match &spec {
         PromptSpec::None => return Ok(Local::Nothing),
         PromptSpec::Ids(ids) => return Ok(Local::Done(ids.clone(), Source::Body, Vec::new())),
@@ -873,7 +905,7 @@ fn tokenize_blocking(
     if let PromptSpec::Chat(chat) = &spec {
         let text = local.render_chat(chat).map_err(|e| ("template", e))?;
         if has_media(chat) {
-            return media_prompt(m, endpoint, body, local, chat, &text);
+            return media_prompt(m, endpoint, (body, layout), local, chat, &text);
         }
         let (ids, source) = local
             .tokenize_text(&text, chat.add_special_tokens)
@@ -901,7 +933,7 @@ fn has_media(chat: &prompt::ChatPrompt) -> bool {
 fn media_prompt(
     m: &ModelTokenizer,
     endpoint: Endpoint,
-    body: &Bytes,
+    (body, layout): (&Bytes, &BodyLayout),
     local: &LocalTokenizer,
     chat: &prompt::ChatPrompt,
     text: &str,
@@ -916,10 +948,10 @@ fn media_prompt(
     let (ids, source) = local
         .tokenize_text(&text, chat.add_special_tokens)
         .map_err(|e| ("tokenizer", e))?;
-    // The conversation cache keeps converted messages, not images: read them from the body.
-    let json: Json = serde_json::from_slice(body).map_err(|e| ("body", e.to_string()))?;
-    let items = media::items(endpoint, &json, &config.model_id);
-    drop(json);
+    // The converted messages hold placeholders, not images: decode the fields that hold them.
+    let fields = fields_of(body, layout, media::BODY_FIELDS).map_err(|e| ("body", e))?;
+    let items = media::items(endpoint, &fields, &config.model_id);
+    drop(fields);
     let (ids, spans) = media::expand(&ids, config, &items).map_err(|e| ("body", e))?;
     let exact = items.iter().filter(|i| i.exact).count();
     m.images[0].inc_by(exact as u64);
@@ -928,29 +960,45 @@ fn media_prompt(
 }
 
 /// The render endpoint and body for a request: the body as sent for chat and completions;
-/// `/v1/responses` is converted to a chat body.
-fn render_request(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind, Bytes)> {
-    let json: Json = serde_json::from_slice(body).ok()?;
-    if json.get("messages").is_some() {
+/// `/v1/responses` is converted to a chat body. `None` for a body that is not JSON.
+fn render_request(
+    spec: Option<&PromptSpec>,
+    body: &Bytes,
+    layout: Option<&BodyLayout>,
+) -> Option<(RenderKind, Bytes)> {
+    if layout?.has("messages") {
         return Some((RenderKind::Chat, body.clone()));
     }
-    if json.get("prompt").is_some() {
+    if layout?.has("prompt") {
         return Some((RenderKind::Completions, body.clone()));
     }
-    chat_body(spec, &json)
+    chat_body(spec, body, layout)
 }
 
-/// A body converted to chat messages (`/v1/messages`) as a chat render request.
-fn chat_render_body(spec: Option<&PromptSpec>, body: &Bytes) -> Option<(RenderKind, Bytes)> {
-    let json: Json = serde_json::from_slice(body).ok()?;
-    chat_body(spec, &json)
+/// The top-level fields of a body named in `keys`, decoded (in the body's order).
+fn fields_of(body: &[u8], layout: &BodyLayout, keys: &[&str]) -> Result<Json, String> {
+    let mut out = Vec::new();
+    for f in layout
+        .fields
+        .iter()
+        .filter(|f| keys.contains(&f.key.as_str()))
+    {
+        out.push((f.key.clone(), decode(body, f.value)?));
+    }
+    Ok(Json::Object(out))
 }
 
-/// The chat render request for a converted prompt (the converted messages, tools and kwargs).
-fn chat_body(spec: Option<&PromptSpec>, json: &Json) -> Option<(RenderKind, Bytes)> {
+/// The chat render request for a converted prompt (the converted messages, tools and kwargs):
+/// `/v1/responses` and `/v1/messages` bodies.
+fn chat_body(
+    spec: Option<&PromptSpec>,
+    body: &[u8],
+    layout: Option<&BodyLayout>,
+) -> Option<(RenderKind, Bytes)> {
     let Some(PromptSpec::Chat(chat)) = spec else {
         return None;
     };
+    let json = fields_of(body, layout?, &["model"]).ok()?;
     let mut entries = vec![
         ("model", json.get("model").cloned().unwrap_or(Json::Null)),
         (

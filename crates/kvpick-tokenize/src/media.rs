@@ -111,6 +111,14 @@ fn patches(config: &serde_json::Value) -> Option<u64> {
     side.checked_mul(side)?.checked_add(u64::from(full))
 }
 
+/// The top-level fields [`items`] reads (the tokenizer decodes only these for it).
+pub const BODY_FIELDS: &[&str] = &[
+    "messages",
+    "input",
+    "mm_processor_kwargs",
+    "media_io_kwargs",
+];
+
 /// Every image of a body, in the order vLLM's chat parser meets them (messages in order, parts in
 /// order). Parts kvpick does not read (audio, video, embeddings) are refused by the conversion
 /// before this runs. `mm_processor_kwargs` in the body changes vLLM's hash in a way kvpick does not
