@@ -41,7 +41,8 @@ pub struct BodyLayout {
     pub fields: Vec<TopField>,
 }
 
-/// Whether a top-level key may hold a conversation list ([`crate::prompt::ConversationField`]).
+/// Whether a top-level key may hold a conversation list ([`crate::prompt::ConversationField`];
+/// only chat, completions and responses bodies have one).
 pub fn is_conversation_key(key: &[u8]) -> bool {
     key == b"messages" || key == b"input"
 }
@@ -57,13 +58,14 @@ impl BodyLayout {
         scanner.feed(body);
         match scanner.finish_layout(&[body]) {
             (_, Some(layout)) => Ok(layout),
-            (Scanned::Parsed(_) | Scanned::Undecided(_), None) => Self::from_serde(body),
+            (Scanned::Parsed(_) | Scanned::Undecided(_), None) => Self::from_serde(endpoint, body),
         }
     }
 
-    /// The layout as serde reads the body (the scanner's fallback): a body that is JSON but not
-    /// an object has no fields; nesting past serde's limit anywhere is the error serde gives.
-    pub fn from_serde(body: &[u8]) -> Result<Self, String> {
+    /// The layout as serde reads the body (the scanner's fallback, and its oracle in tests and
+    /// fuzzing: equal whenever the scanner gives one): a body that is JSON but not an object has
+    /// no fields; nesting past serde's limit anywhere is the error serde gives.
+    pub fn from_serde(endpoint: Endpoint, body: &[u8]) -> Result<Self, String> {
         let fields = match envelope(body) {
             Ok(fields) => fields,
             Err(e) => {
@@ -86,7 +88,9 @@ impl BodyLayout {
         for (key, raw) in fields {
             // Values sit one level down (items two): fail as the whole-body parse would.
             check_depth(raw.get(), 1)?;
-            let items = if is_conversation_key(key.as_bytes()) && raw.get().starts_with('[') {
+            let conversation =
+                endpoint == Endpoint::Generate && is_conversation_key(key.as_bytes());
+            let items = if conversation && raw.get().starts_with('[') {
                 let list: Vec<&RawValue> =
                     serde_json::from_str(raw.get()).map_err(|e| format!("{key}: {e}"))?;
                 Some(list.into_iter().map(span_of).collect())

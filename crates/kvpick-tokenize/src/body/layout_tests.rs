@@ -21,7 +21,7 @@ fn the_scanner_records_what_serde_reads() {
         r#"{}"#,
     ];
     for body in bodies {
-        let serde = BodyLayout::from_serde(body.as_bytes()).unwrap();
+        let serde = BodyLayout::from_serde(Endpoint::Generate, body.as_bytes()).unwrap();
         for cut in 0..body.len() {
             let (a, b) = body.as_bytes().split_at(cut);
             let layout = scanned(Endpoint::Generate, &[a, b]);
