@@ -604,3 +604,78 @@ mod edge_tests {
         }
     }
 }
+
+/// The `conversation_body` fuzz target's property over its committed seeds (so `cargo test`
+/// checks it without a nightly toolchain): the scanner's layout equals serde's, and the prompt
+/// read through it with the cache equals serde_json's generic parse.
+#[cfg(test)]
+mod seed_tests {
+    use super::*;
+    use crate::body::scan::BodyScanner;
+    use crate::prompt::{prompt_spec_for, prompt_spec_parsed};
+
+    fn oracle(body: &[u8], endpoint: Endpoint) -> Option<String> {
+        let json: Json = serde_json::from_slice(body).ok()?;
+        let spec = prompt_spec_for(endpoint, &json, ContentFormat::String).ok()?;
+        Some(format!("{spec:?}"))
+    }
+
+    fn one_parser(
+        cache: &ConversationCache,
+        body: &Bytes,
+        endpoint: Endpoint,
+        chunk: usize,
+    ) -> Option<String> {
+        let chunks: Vec<&[u8]> = body.chunks(chunk).collect();
+        let mut scanner = BodyScanner::new(endpoint, None);
+        for c in &chunks {
+            scanner.feed(c);
+        }
+        let (_, scanned) = scanner.finish_layout(&chunks);
+        if let Some(layout) = &scanned {
+            assert_eq!(Ok(layout), BodyLayout::from_serde(endpoint, body).as_ref());
+        }
+        let layout = scanned.or_else(|| BodyLayout::from_serde(endpoint, body).ok())?;
+        let parsed = cache
+            .read(body, &layout, endpoint, ContentFormat::String)
+            .ok()?;
+        let spec =
+            prompt_spec_parsed(endpoint, &parsed.top, parsed.items, ContentFormat::String).ok()?;
+        Some(format!("{spec:?}"))
+    }
+
+    #[test]
+    fn the_fuzz_seeds_read_as_serde_reads_them() {
+        let dir = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../fuzz/seeds/conversation_body"
+        );
+        let (mut seen, mut read) = (0, 0);
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let data = std::fs::read(entry.unwrap().path()).unwrap();
+            let [cut, split, rest @ ..] = data.as_slice() else {
+                continue;
+            };
+            let at = rest.len() * *split as usize / 255;
+            let (a, x) = rest.split_at(at);
+            let keep = a.len() * *cut as usize / 255;
+            let b = [&a[..keep], x].concat();
+            let cache = ConversationCache::with_stride(1 << 16, 8);
+            let endpoint = [
+                Endpoint::Generate,
+                Endpoint::Embeddings,
+                Endpoint::Messages,
+                Endpoint::SglangGenerate,
+            ][usize::from(cut & 3)];
+            for body in [a, &b[..], &b[..]] {
+                let body = Bytes::copy_from_slice(body);
+                let got = one_parser(&cache, &body, endpoint, *split as usize + 1);
+                read += usize::from(got.is_some());
+                assert_eq!(got, oracle(&body, endpoint));
+            }
+            seen += 1;
+        }
+        assert!(seen >= 50, "the corpus is there ({seen} seeds)");
+        assert!(read > 0, "some seeds are prompts");
+    }
+}
