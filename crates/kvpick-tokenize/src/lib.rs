@@ -271,7 +271,18 @@ impl ModelTokenizer {
         &self,
         body: &Bytes,
     ) -> Result<Option<(Vec<u32>, Source)>, String> {
-        match tokenize_job(self, Endpoint::Generate, body, None).1 {
+        self.tokenize_laid_out_blocking(Endpoint::Generate, body, None)
+    }
+
+    /// [`ModelTokenizer::tokenize_body_blocking`] for a body sent to `endpoint` and laid out as
+    /// `layout` (the scanner's, as the host hands it over; `None`: found here).
+    pub fn tokenize_laid_out_blocking(
+        &self,
+        endpoint: Endpoint,
+        body: &Bytes,
+        layout: Option<BodyLayout>,
+    ) -> Result<Option<(Vec<u32>, Source)>, String> {
+        match tokenize_job(self, endpoint, body, layout).1 {
             Ok(Local::Done(ids, source, _)) => Ok(Some((ids, source))),
             Ok(Local::Remote(_) | Local::Nothing) => Ok(None),
             Err((stage, e)) => Err(format!("{stage}: {e}")),
