@@ -4,7 +4,8 @@
 //! for routing, so the tokenizer decodes only the values the chat template needs, each once, and
 //! never reads the body's structure again ([`crate::conversation`] reuses an earlier body's items
 //! by it). A body the scanner does not settle gets its layout from serde instead
-//! ([`BodyLayout::from_serde`]), as its routing fields come from serde.
+//! ([`BodyLayout::from_serde`]), as its routing fields come from serde; `BodyLayout::of` (in
+//! [`super::scan`], which records layouts: this module never names the scanner) picks.
 //!
 //! It owns the layout and the decoding of one part into [`Json`]; it knows no API's fields
 //! beyond which keys may hold a conversation.
@@ -15,7 +16,6 @@
 use serde::de::{Deserializer, MapAccess, Visitor};
 use serde_json::value::RawValue;
 
-use super::scan::{BodyScanner, Scanned};
 use super::Endpoint;
 use crate::json::Json;
 
@@ -51,17 +51,6 @@ pub fn is_conversation_key(key: &[u8]) -> bool {
 const SERDE_MAX_DEPTH: usize = 127;
 
 impl BodyLayout {
-    /// The layout of a complete body sent to `endpoint`: the scanner's reading when it settles
-    /// the body, else serde's. The error is the body's JSON error.
-    pub fn of(endpoint: Endpoint, body: &[u8]) -> Result<Self, String> {
-        let mut scanner = BodyScanner::new(endpoint, None);
-        scanner.feed(body);
-        match scanner.finish_layout(&[body]) {
-            (_, Some(layout)) => Ok(layout),
-            (Scanned::Parsed(_) | Scanned::Undecided(_), None) => Self::from_serde(endpoint, body),
-        }
-    }
-
     /// The layout as serde reads the body (the scanner's fallback, and its oracle in tests and
     /// fuzzing: equal whenever the scanner gives one): a body that is JSON but not an object has
     /// no fields; nesting past serde's limit anywhere is the error serde gives.

@@ -1,6 +1,7 @@
 //! The scanner's layout against serde's for the same body: the same fields, spans and items.
 
 use super::*;
+use crate::body::scan::BodyScanner;
 
 fn scanned(endpoint: Endpoint, chunks: &[&[u8]]) -> Option<BodyLayout> {
     let mut scanner = BodyScanner::new(endpoint, Some("application/json"));

@@ -852,6 +852,19 @@ fn plain_run(s: &[u8]) -> usize {
         .unwrap_or(s.len() - i)
 }
 
+impl BodyLayout {
+    /// The layout of a complete body sent to `endpoint`: the scanner's reading when it settles
+    /// the body, else serde's. The error is the body's JSON error.
+    pub fn of(endpoint: Endpoint, body: &[u8]) -> Result<Self, String> {
+        let mut scanner = BodyScanner::new(endpoint, None);
+        scanner.feed(body);
+        match scanner.finish_layout(&[body]) {
+            (_, Some(layout)) => Ok(layout),
+            (_, None) => Self::from_serde(endpoint, body),
+        }
+    }
+}
+
 /// [`super::parse_request_body_for`] over a body in chunks: scanned, and parsed whole by serde
 /// only when the scanner leaves it undecided.
 pub fn parse_chunks(
