@@ -63,7 +63,7 @@ pub use local::{LocalTokenizer, Resolved};
 use pool::{JobLimits, PoolError, TokenizerPool};
 pub use prefix_cache::IncrementalTokenizer;
 use prompt::{ContentFormat, PromptSpec};
-use render::{RenderClient, RenderKind};
+use render::RenderClient;
 
 /// Default of `--tokenize-max-body-bytes`: bodies over it are routed on load alone.
 pub const DEFAULT_TOKENIZE_MAX_BODY_BYTES: usize = 4 << 20;
@@ -770,8 +770,8 @@ impl Tokenizers {
         let rendered = match endpoint {
             // vLLM has no embeddings render endpoint, and SGLang none at all.
             Endpoint::Embeddings | Endpoint::SglangGenerate => None,
-            Endpoint::Generate => render_request(spec.as_ref(), &body, layout.as_ref()),
-            Endpoint::Messages => chat_body(spec.as_ref(), &body, layout.as_ref()),
+            Endpoint::Generate => render::request_for(spec.as_ref(), &body, layout.as_ref()),
+            Endpoint::Messages => render::chat_body(spec.as_ref(), &body, layout.as_ref()),
         };
         let (kind, payload) = match rendered {
             Some(r) => r,
@@ -970,24 +970,8 @@ fn media_prompt(
     Ok(Local::Done(ids, source, spans))
 }
 
-/// The render endpoint and body for a request: the body as sent for chat and completions;
-/// `/v1/responses` is converted to a chat body. `None` for a body that is not JSON.
-fn render_request(
-    spec: Option<&PromptSpec>,
-    body: &Bytes,
-    layout: Option<&BodyLayout>,
-) -> Option<(RenderKind, Bytes)> {
-    if layout?.has("messages") {
-        return Some((RenderKind::Chat, body.clone()));
-    }
-    if layout?.has("prompt") {
-        return Some((RenderKind::Completions, body.clone()));
-    }
-    chat_body(spec, body, layout)
-}
-
 /// The top-level fields of a body named in `keys`, decoded (in the body's order).
-fn fields_of(body: &[u8], layout: &BodyLayout, keys: &[&str]) -> Result<Json, String> {
+pub(crate) fn fields_of(body: &[u8], layout: &BodyLayout, keys: &[&str]) -> Result<Json, String> {
     let mut out = Vec::new();
     for f in layout
         .fields
@@ -997,38 +981,6 @@ fn fields_of(body: &[u8], layout: &BodyLayout, keys: &[&str]) -> Result<Json, St
         out.push((f.key.clone(), decode(body, f.value)?));
     }
     Ok(Json::Object(out))
-}
-
-/// The chat render request for a converted prompt (the converted messages, tools and kwargs):
-/// `/v1/responses` and `/v1/messages` bodies.
-fn chat_body(
-    spec: Option<&PromptSpec>,
-    body: &[u8],
-    layout: Option<&BodyLayout>,
-) -> Option<(RenderKind, Bytes)> {
-    let Some(PromptSpec::Chat(chat)) = spec else {
-        return None;
-    };
-    let json = fields_of(body, layout?, &["model"]).ok()?;
-    let mut entries = vec![
-        ("model", json.get("model").cloned().unwrap_or(Json::Null)),
-        (
-            "messages",
-            Json::Array(chat.messages.iter().map(|m| m.json().clone()).collect()),
-        ),
-        (
-            "add_generation_prompt",
-            Json::Bool(chat.add_generation_prompt),
-        ),
-    ];
-    if let Some(tools) = &chat.tools {
-        entries.push(("tools", tools.clone()));
-    }
-    if !chat.kwargs.is_empty() {
-        entries.push(("chat_template_kwargs", Json::Object(chat.kwargs.clone())));
-    }
-    let out = serde_json::to_vec(&Json::object(entries)).ok()?;
-    Some((RenderKind::Chat, Bytes::from(out)))
 }
 
 #[cfg(test)]

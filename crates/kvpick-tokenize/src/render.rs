@@ -1,8 +1,9 @@
 //! Remote tokenization through an engine's render endpoints (ARCHITECTURE.md §8, source 3): vLLM's
 //! `POST /v1/chat/completions/render` and `POST /v1/completions/render` take the request body and
 //! answer the prompt's token ids. One pooled HTTP/1 client per model (connections are reused),
-//! a 5 s deadline per call and a 16 MiB cap on the answer. It owns the HTTP exchange only;
-//! deciding what to do on failure is the registry's.
+//! a 5 s deadline per call and a 16 MiB cap on the answer. It owns the HTTP exchange and the
+//! render request a body becomes ([`request_for`], [`chat_body`]); deciding what to do on failure
+//! is the registry's.
 
 use std::time::Duration;
 
@@ -10,6 +11,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
+
+use crate::body::layout::BodyLayout;
+use crate::json::Json;
+use crate::prompt::PromptSpec;
 
 pub const RENDER_TIMEOUT: Duration = Duration::from_secs(5);
 pub const RENDER_MAX_BYTES: usize = 16 << 20;
@@ -163,6 +168,54 @@ pub fn token_ids_of(bytes: &[u8]) -> Result<Vec<u32>, RenderError> {
     Err(RenderError::BadAnswer(
         "no `token_ids` or `prompt_token_ids`".into(),
     ))
+}
+
+/// The render endpoint and body for a request: the body as sent for chat and completions;
+/// `/v1/responses` is converted to a chat body. `None` for a body that is not JSON.
+pub(crate) fn request_for(
+    spec: Option<&PromptSpec>,
+    body: &Bytes,
+    layout: Option<&BodyLayout>,
+) -> Option<(RenderKind, Bytes)> {
+    if layout?.has("messages") {
+        return Some((RenderKind::Chat, body.clone()));
+    }
+    if layout?.has("prompt") {
+        return Some((RenderKind::Completions, body.clone()));
+    }
+    chat_body(spec, body, layout)
+}
+
+/// The chat render request for a converted prompt (the converted messages, tools and kwargs):
+/// `/v1/responses` and `/v1/messages` bodies.
+pub(crate) fn chat_body(
+    spec: Option<&PromptSpec>,
+    body: &[u8],
+    layout: Option<&BodyLayout>,
+) -> Option<(RenderKind, Bytes)> {
+    let Some(PromptSpec::Chat(chat)) = spec else {
+        return None;
+    };
+    let json = crate::fields_of(body, layout?, &["model"]).ok()?;
+    let mut entries = vec![
+        ("model", json.get("model").cloned().unwrap_or(Json::Null)),
+        (
+            "messages",
+            Json::Array(chat.messages.iter().map(|m| m.json().clone()).collect()),
+        ),
+        (
+            "add_generation_prompt",
+            Json::Bool(chat.add_generation_prompt),
+        ),
+    ];
+    if let Some(tools) = &chat.tools {
+        entries.push(("tools", tools.clone()));
+    }
+    if !chat.kwargs.is_empty() {
+        entries.push(("chat_template_kwargs", Json::Object(chat.kwargs.clone())));
+    }
+    let out = serde_json::to_vec(&Json::object(entries)).ok()?;
+    Some((RenderKind::Chat, Bytes::from(out)))
 }
 
 #[cfg(test)]
