@@ -1,6 +1,6 @@
 //! Reading a request body on the ext_proc path: serde over the whole body once it is buffered
 //! (the chunks joined first, as the stream did before the scanner) against the streaming scanner
-//! (`src/request/scan.rs`) fed the same chunks as they arrive, for the overhead benchmark's
+//! (`crates/kvpick-tokenize/src/body/scan.rs`) fed the same chunks as they arrive, for the overhead benchmark's
 //! bodies (`e2e/bench_overhead.py`: a token-id prompt and a chat, 1 KB / 32 KB / 220 KB) in
 //! 16 KB chunks, Envoy's usual size. Then hashing a chat prompt's text without a tokenizer: first
 //! copied into a list of 4-byte pseudo-tokens (as kvpick did before) against straight from the
@@ -10,8 +10,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench harness: a panic is a failure report
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvpick::request::scan::{BodyScanner, Scanned};
-use kvpick::request::{parse_request_body_for, Endpoint};
+use kvpick::tokenize::body::scan::{BodyScanner, Scanned};
+use kvpick::tokenize::body::{parse_request_body_for, Endpoint};
 use kvpick_core::hash;
 
 const SIZES: [(&str, usize); 3] = [("1KB", 1024), ("32KB", 32 << 10), ("220KB", 220 << 10)];

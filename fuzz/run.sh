@@ -6,8 +6,8 @@
 #
 # The targets are the [[bin]] entries of fuzz/Cargo.toml, the one list fuzz/smoke.sh (CI) also
 # reads: adding a target there is all it takes. Today: kv_event_decoder (src/events/decode.rs),
-# request_body (src/request.rs + src/usage.rs), extproc_stream (the ext_proc stream machine),
-# conversation_body (src/tokenize/conversation.rs), h2_front (the HTTP/2 front layer,
+# request_body (crates/kvpick-tokenize/src/body.rs + src/usage.rs), extproc_stream (the ext_proc stream machine),
+# conversation_body (crates/kvpick-tokenize/src/body/ read by conversation.rs, against serde), h2_front (the HTTP/2 front layer,
 # src/h2_authority, against an independent HPACK decoder).
 #
 # Inputs: fuzz/seeds/TARGET (committed, at most ~100 inputs chosen for coverage by

@@ -7,8 +7,8 @@
 //! - [`selection`]: the core bound to this process (clock, metrics from the core's facts,
 //!   readiness channels, the RAII reservation) and the catalog reconciler loop.
 //! - Hosts, which only translate protocols: [`extproc`] (Envoy ext_proc), [`api`] (gRPC
-//!   selection API). [`request`] and [`usage`] read request and response bodies; [`tokenize`]
-//!   turns prompts into engine token ids.
+//!   selection API). [`usage`] reads response bodies; [`tokenize`] (the `kvpick-tokenize` crate)
+//!   reads request bodies (`tokenize::body`) and turns prompts into engine token ids.
 //! - Sources: [`catalog`] (static file, Kubernetes reflector) produce complete worker snapshots;
 //!   [`events`] decodes KV events off ZeroMQ and feeds them to the core.
 //! - [`flow`]: flow-control classification policy (objectives, fairness keys, SLO headers,
@@ -38,11 +38,11 @@ pub mod memory_account;
 pub mod metrics;
 pub mod net;
 pub mod proto;
-pub mod request;
 pub mod selection;
 pub mod server;
 pub mod shared;
 pub mod telemetry;
 pub mod tls;
-pub mod tokenize;
+/// Prompts -> engine token ids: the `kvpick-tokenize` crate, under its old path.
+pub use kvpick_tokenize as tokenize;
 pub mod usage;

@@ -5,7 +5,7 @@
 use clap::{Parser, Subcommand};
 
 // mimalloc: tokenizers, minijinja and body parsing allocate per token and per string; with
-// glibc malloc the allocator was ~40% of a tokenization (benches/tokenize.rs), with mimalloc the
+// glibc malloc the allocator was ~40% of a tokenization (crates/kvpick-tokenize/benches/tokenize.rs), with mimalloc the
 // same work is ~1.8x faster.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;

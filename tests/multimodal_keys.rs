@@ -219,7 +219,7 @@ async fn chat_images_tokenize_to_expanded_placeholders_with_the_images_identifie
         {"type": "base64", "media_type": "image/png", "data": red}}]}]});
     let out = t
         .tokenize_request(
-            kvpick::request::Endpoint::Messages,
+            kvpick::tokenize::body::Endpoint::Messages,
             "llava",
             Bytes::from(anthropic.to_string()),
         )

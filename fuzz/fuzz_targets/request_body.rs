@@ -1,4 +1,4 @@
-//! Fuzzes the request-body readers (`src/request.rs`, `src/request/scan.rs`) and the response
+//! Fuzzes the request-body readers (`crates/kvpick-tokenize/src/body.rs`, `body/scan.rs`) and the response
 //! usage extractor (`src/usage.rs`): arbitrary bytes as a body (with and without a JSON content
 //! type) and as a response split at an arbitrary point, for each API the body may be sent to.
 //! Nothing may panic; a parsed body always has a model, except one sent to SGLang's `/generate`;
@@ -11,8 +11,8 @@
 
 #![no_main]
 
-use kvpick::request::scan::{parse_chunks, BodyScanner, Scanned};
-use kvpick::request::{parse_request_body_for, Endpoint};
+use kvpick::tokenize::body::scan::{parse_chunks, BodyScanner, Scanned};
+use kvpick::tokenize::body::{parse_request_body_for, Endpoint};
 use kvpick::usage;
 use libfuzzer_sys::fuzz_target;
 

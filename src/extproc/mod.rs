@@ -352,8 +352,13 @@ impl Driver {
         if let Some(job) = step.tokenize.take() {
             let outcome = match &self.machine.settings().tokenizers {
                 Some(t) => {
-                    t.tokenize_request(Endpoint::from_path(&job.path), &job.model, job.body)
-                        .await
+                    t.tokenize_laid_out(
+                        Endpoint::from_path(&job.path),
+                        &job.model,
+                        job.body,
+                        job.layout,
+                    )
+                    .await
                 }
                 None => TokenizeOutcome::NotApplicable,
             };

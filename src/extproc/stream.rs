@@ -17,11 +17,12 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tonic::Status;
 
-use crate::request::scan::BodyScanner;
-use crate::request::ParsedBody;
 use crate::selection::admission::Waiter;
 use crate::selection::{EndpointFilter, Pin, Reservation, SelectionCore};
 use crate::telemetry::RequestTrace;
+use crate::tokenize::body::layout::BodyLayout;
+use crate::tokenize::body::scan::BodyScanner;
+use crate::tokenize::body::ParsedBody;
 use crate::usage::UsageTracker;
 
 use super::budget::BodyLease;
@@ -150,6 +151,9 @@ pub struct TokenizeJob {
     /// The request `:path` (tells embeddings `input` from responses `input`).
     pub path: String,
     pub body: bytes::Bytes,
+    /// Where the body's fields lie, as the scanner read them while routing did (`None` when
+    /// it left the body to serde: the tokenizer finds it).
+    pub layout: Option<BodyLayout>,
 }
 
 /// A routed-to-be request waiting for its token ids.
@@ -172,8 +176,10 @@ pub struct StreamMachine {
     subset: Option<EndpointFilter>,
     body: BodyBuf,
     body_started: Option<Instant>,
-    /// Reads the request body as it arrives (`crate::request::scan`); `None` once it is done.
+    /// Reads the request body as it arrives (`crate::tokenize::body::scan`); `None` once it is done.
     scanner: Option<BodyScanner>,
+    /// The body's layout the scanner recorded, until the tokenize job takes it.
+    layout: Option<BodyLayout>,
     /// Time spent scanning the body so far (the EPP parse stage).
     scan_time: std::time::Duration,
     reservation: Option<Reservation>,
@@ -233,6 +239,7 @@ impl StreamMachine {
             body: BodyBuf::new(settings.body_budget.lease()),
             body_started: None,
             scanner: None,
+            layout: None,
             scan_time: std::time::Duration::ZERO,
             reservation: None,
             picked_at: None,

@@ -1,5 +1,5 @@
 //! The metric reference of `docs/observability.md`, generated from the metric definitions in
-//! `src/`: every `prometheus` constructor call whose first argument is a `"kvpick_..."` literal
+//! `src/` and `crates/kvpick-tokenize/src/`: every `prometheus` constructor call whose first argument is a `"kvpick_..."` literal
 //! (or one of the EPP contract's prefixes, [`PREFIXES`])
 //! (`IntCounterVec::new(Opts::new(NAME, HELP), &[LABELS])`, `IntGauge::new(NAME, HELP)`,
 //! `HistogramVec::new(HistogramOpts::new(NAME, HELP)..., &[LABELS])`, ...) gives one row: name,
@@ -142,7 +142,11 @@ fn labels_of(call: &str, name: &str) -> Vec<String> {
 }
 
 fn metrics() -> BTreeMap<String, Metric> {
+    // The host and the tokenizer crate (its metrics register on the host's registry).
     let mut files = crate::rust_files(&crate::repo().join("src"));
+    files.extend(crate::rust_files(
+        &crate::repo().join("crates/kvpick-tokenize/src"),
+    ));
     files.sort();
     let mut out = BTreeMap::new();
     for path in files {

@@ -11,8 +11,8 @@ use bytes::Bytes;
 use tonic::Status;
 
 use crate::epp_metrics::Stage;
-use crate::request::scan::Scanned;
-use crate::request::{parse_request_body_for, BodyError, ParsedBody, Prompt};
+use crate::tokenize::body::scan::Scanned;
+use crate::tokenize::body::{parse_request_body_for, BodyError, ParsedBody, Prompt};
 
 use super::wire::body_error_message;
 use super::{BodyTail, PendingRoute, Phase, Step, StreamMachine, TokenizeJob};
@@ -21,12 +21,17 @@ impl StreamMachine {
     /// The body parsed for its API (by the request path): what the scanner read while it
     /// arrived, or serde over the whole body when the scanner left it undecided (or the body was
     /// rewritten since). Timed, scanning included, as the EPP's parse stage.
+    /// The scanner's layout of the body, when it read it whole, is kept for the tokenize job.
     pub(super) fn parse_body(&mut self) -> Result<Option<ParsedBody>, BodyError> {
         let endpoint = crate::tokenize::prompt::Endpoint::from_path(&self.path);
         let parse_started = Instant::now();
         let scanned = match self.scanner.take() {
-            Some(scanner) => scanner.finish(&self.body.chunks),
-            None => Scanned::Undecided(crate::request::scan::Undecided::Incomplete),
+            Some(scanner) => {
+                let (scanned, layout) = scanner.finish_layout(&self.body.chunks);
+                self.layout = layout;
+                scanned
+            }
+            None => Scanned::Undecided(crate::tokenize::body::scan::Undecided::Incomplete),
         };
         let parsed = match scanned {
             Scanned::Parsed(parsed) => parsed,
@@ -94,6 +99,7 @@ impl StreamMachine {
                     model,
                     path: self.path.clone(),
                     body: job_body,
+                    layout: self.layout.take(),
                 };
                 self.pending = Some(PendingRoute {
                     parsed: parsed.expect("checked"),

@@ -17,8 +17,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use tonic::Status;
 
-use crate::request::scan::BodyScanner;
 use crate::selection::{EndpointFilter, Pin};
+use crate::tokenize::body::scan::BodyScanner;
 use kvpick_core::request::check_session_id_len;
 
 use super::wire::{header_bytes, header_len, header_value, one, session_key, string_entries};

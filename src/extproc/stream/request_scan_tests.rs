@@ -1,4 +1,4 @@
-//! The request body read while it arrives (`crate::request::scan`): a body routes and echoes the
+//! The request body read while it arrives (`crate::tokenize::body::scan`): a body routes and echoes the
 //! same however Envoy chunks it, a body the scanner leaves to serde is answered as serde reads
 //! it, and tiny chunks are coalesced into pieces the stream owns.
 
@@ -49,7 +49,8 @@ fn a_body_routes_and_echoes_the_same_however_it_is_chunked() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     for body in bodies {
         let whole = route(&[&body]);
-        let expected_error = crate::request::parse_request_body(Some("application/json"), &body);
+        let expected_error =
+            crate::tokenize::body::parse_request_body(Some("application/json"), &body);
         if let Err(err) = expected_error {
             assert!(whole.0.starts_with("400 kvpick: 400: "), "{}", whole.0);
             assert!(whole.0.contains(&err.to_string()), "{} / {err}", whole.0);

@@ -1,17 +1,18 @@
 //! A stream that ends before its first response byte takes back what its pick predicted.
 
 use super::*;
-use crate::request::Prompt;
 use crate::selection::{PromptInput, SelectionRequest};
+use crate::tokenize::body::Prompt;
 
 /// A chat request whose prompt spans several blocks (64 bytes of text per 16-token block).
 const LONG_CHAT: &[u8] = br#"{"model":"m","messages":[{"role":"user","content":"Summarise the attached design document in three short paragraphs, then list every open question it leaves for the reviewers, one per line, most important first."}]}"#;
 
 fn cached(core: &SelectionCore) -> u32 {
-    let prompt = match crate::request::parse_request_body(Some("application/json"), LONG_CHAT) {
-        Ok(Some(p)) => p.prompt,
-        other => panic!("{other:?}"),
-    };
+    let prompt =
+        match crate::tokenize::body::parse_request_body(Some("application/json"), LONG_CHAT) {
+            Ok(Some(p)) => p.prompt,
+            other => panic!("{other:?}"),
+        };
     let request = SelectionRequest {
         request_id: "look".into(),
         model: Some("m".into()),

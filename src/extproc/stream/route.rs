@@ -9,12 +9,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::epp_metrics::Stage;
-use crate::request::{ParsedBody, Prompt};
 use crate::selection::admission::Admitted;
 use crate::selection::{
     DuplicateId, PromptInput, RemoteOverlap, RemoteQuery, Reservation, SelectError,
     SelectionRequest,
 };
+use crate::tokenize::body::{ParsedBody, Prompt};
 use crate::tokenize::TokenizeOutcome;
 
 use super::trace::trace_tokenize;

@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};
 use tonic::Status;
 
-use crate::request::BodyError;
+use crate::tokenize::body::BodyError;
 
 use super::super::budget::BodyLease;
 use super::super::codec::{BodySide, Outbound};
