@@ -1,4 +1,5 @@
 use super::*;
+use std::time::Duration;
 
 fn tokenizers(limits: TokenizeLimits) -> Tokenizers {
     let dir = std::env::temp_dir().join(format!("kvpick-limits-{}", uuid::Uuid::new_v4()));

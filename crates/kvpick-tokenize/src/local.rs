@@ -8,12 +8,13 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use super::config::{ModelEntry, Source};
+use super::fast;
 use super::json::Json;
 use super::model_dir::{self, Sourced, SpecialTokens, Templates, SPECIAL_TOKEN_NAMES};
 use super::prefix_cache::{self, IncrementalTokenizer};
 use super::prompt::{ChatPrompt, ContentFormat, PromptSpec};
 use super::template::ChatTemplate;
-use super::{fast, ModelEntry, Source};
 
 /// A compiled template and where it came from.
 struct Compiled {

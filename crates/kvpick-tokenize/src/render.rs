@@ -196,7 +196,7 @@ pub(crate) fn chat_body(
     let Some(PromptSpec::Chat(chat)) = spec else {
         return None;
     };
-    let json = crate::fields_of(body, layout?, &["model"]).ok()?;
+    let json = crate::body::layout::fields_of(body, layout?, &["model"]).ok()?;
     let mut entries = vec![
         ("model", json.get("model").cloned().unwrap_or(Json::Null)),
         (

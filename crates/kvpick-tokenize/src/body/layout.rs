@@ -169,6 +169,19 @@ fn check_depth(raw: &str, above: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// The top-level fields of a body named in `keys`, decoded (in the body's order).
+pub(crate) fn fields_of(body: &[u8], layout: &BodyLayout, keys: &[&str]) -> Result<Json, String> {
+    let mut out = Vec::new();
+    for f in layout
+        .fields
+        .iter()
+        .filter(|f| keys.contains(&f.key.as_str()))
+    {
+        out.push((f.key.clone(), decode(body, f.value)?));
+    }
+    Ok(Json::Object(out))
+}
+
 #[cfg(test)]
 #[path = "layout_tests.rs"]
 mod tests;
