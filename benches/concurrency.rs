@@ -21,9 +21,9 @@ use std::time::{Duration, Instant};
 mod common;
 
 use common::{BLOCK, PROMPT_TOKENS};
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, PromptInput, RankKey, SelectionCore, SelectionRequest};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
 use kvpick_core::event::{KvEvent, Medium};
 
 const RANKS: usize = 1_024;

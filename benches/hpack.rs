@@ -1,4 +1,4 @@
-//! The HTTP/2 front layer's HPACK decoding (src/h2_authority/hpack.rs) on the block that made
+//! The HTTP/2 front layer's HPACK decoding (src/transport/h2_authority/hpack.rs) on the block that made
 //! it a CPU flood: 2.4 KB of one-byte Huffman-coded literals, decoded the way kvpick decodes
 //! (`decode_block`, Huffman via `h2_authority::huffman`) and the way `loona_hpack` alone does
 //! (its own Huffman decoder, the behaviour before). Also a typical Envoy ext_proc HEADERS block.
@@ -7,8 +7,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a bench harness: a panic is a failure report
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use kvpick::h2_authority::hpack::decode_block;
-use kvpick::h2_authority::limits::FrontLimits;
+use kvpick::transport::h2_authority::hpack::decode_block;
+use kvpick::transport::h2_authority::limits::FrontLimits;
 
 fn decoder() -> loona_hpack::Decoder<'static> {
     let mut d = loona_hpack::Decoder::new();

@@ -23,10 +23,10 @@ use std::sync::atomic::{AtomicIsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::events::decode::{decode_batch, KvEvent, Medium};
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, RankKey, SelectionCore};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
+use kvpick::sources::events::decode::{decode_batch, KvEvent, Medium};
 use kvpick_core::hash::{chain, local_hashes, BASE_SEED};
 use kvpick_core::index::{PrefixIndex, Tier};
 

@@ -15,9 +15,9 @@ mod common;
 
 use common::{BLOCK, PROMPT_TOKENS};
 use criterion::{BenchmarkId, Criterion};
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
 use kvpick_core::{PdConfig, Role};
 
 const SIZES: [usize; 3] = [8, 64, 1_024];

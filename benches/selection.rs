@@ -17,9 +17,9 @@ mod common;
 
 use common::{BLOCK, PROMPT_TOKENS};
 use criterion::{BenchmarkId, Criterion};
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
 
 const SIZES: [usize; 4] = [8, 64, 1_024, 8_192];
 const RANKS_PER_WORKER: usize = 8;

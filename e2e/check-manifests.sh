@@ -341,7 +341,7 @@ def arg_value(args, flag):
     return None
 
 def check_catalog(where, text):
-    """Mirrors src/catalog/static_file.rs: what kvpick would reject at start-up."""
+    """Mirrors src/sources/catalog/static_file.rs: what kvpick would reject at start-up."""
     if not check(isinstance(text, str), where, "no data key catalog.yaml"):
         return None
     try:

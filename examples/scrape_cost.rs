@@ -1,7 +1,7 @@
 //! The engine-metrics scraper's CPU cost: `cargo run --release --example scrape_cost -- RANKS
 //! SECONDS [PAD_LINES]` starts a child process serving a vLLM-like `/metrics` page on RANKS
 //! loopback ports (PAD_LINES extra histogram lines the scraper must skip, like a real vLLM page),
-//! runs the real scraper (`kvpick::engine_metrics::manage`, 50 ms interval) over a catalog of
+//! runs the real scraper (`kvpick::sources::engine_metrics::manage`, 50 ms interval) over a catalog of
 //! RANKS workers for SECONDS, and prints the scraper process's CPU time (from /proc/self/stat),
 //! scrapes per second and CPU per 100 ranks per second. The server's CPU is the child's, not
 //! counted.
@@ -14,10 +14,10 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::engine_metrics::{manage, MetricNames, ScrapeConfig};
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, SelectionCore};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
+use kvpick::sources::engine_metrics::{manage, MetricNames, ScrapeConfig};
 
 fn page(pad_lines: usize) -> String {
     let mut text = String::from(

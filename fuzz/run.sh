@@ -5,10 +5,10 @@
 #   bash fuzz/run.sh --list               # every target, one per line
 #
 # The targets are the [[bin]] entries of fuzz/Cargo.toml, the one list fuzz/smoke.sh (CI) also
-# reads: adding a target there is all it takes. Today: kv_event_decoder (src/events/decode.rs),
+# reads: adding a target there is all it takes. Today: kv_event_decoder (src/sources/events/decode.rs),
 # request_body (crates/kvpick-tokenize/src/body.rs + src/usage.rs), extproc_stream (the ext_proc stream machine),
 # conversation_body (crates/kvpick-tokenize/src/body/ read by conversation.rs, against serde), h2_front (the HTTP/2 front layer,
-# src/h2_authority, against an independent HPACK decoder).
+# src/transport/h2_authority, against an independent HPACK decoder).
 #
 # Inputs: fuzz/seeds/TARGET (committed, at most ~100 inputs chosen for coverage by
 # fuzz/pick_seeds.py; kv_event_decoder's seed_* files are e2e/kv_events/make_fixtures.py's

@@ -1,48 +1,39 @@
 //! kvpick: a KV-cache-aware endpoint picker for LLM inference behind Envoy. This crate holds the
-//! hosts, the sources and the process wiring around the selection core (`kvpick_core`, no I/O);
-//! the simulator and the replay are `kvpick_sim` (its binary is `kvpick-lab`; neither this crate nor
-//! the `kvpick` binary links it). See `docs/ARCHITECTURE.md` for the whole map.
+//! hosts, the sources and the process wiring around the selection core (`kvpick_core`,
+//! no I/O); the simulator and the replay are `kvpick_sim` (its binary is `kvpick-lab`; neither this
+//! crate nor the `kvpick` binary links it). See `docs/ARCHITECTURE.md` for the whole map; the
+//! folders follow it:
 //!
-//! # Layout
+//! - [`hosts`]: Envoy ext_proc ([`hosts::extproc`]) and the gRPC selection API ([`hosts::api`]);
+//!   they only translate protocols. Request bodies are read once, by the tokenizer crate's body
+//!   scanner ([`tokenize`] = `kvpick_tokenize`: routing fields, the prompt's layout, the chat
+//!   template, token ids).
+//! - Leaves every module may read: [`clock`] (the process clock), [`proto`] (the generated code
+//!   of `proto/kvpick/v1`), [`usage`] (an engine's response `usage`, read as it streams).
 //! - [`selection`]: the core bound to this process (clock, metrics from the core's facts,
 //!   readiness channels, the RAII reservation) and the catalog reconciler loop.
-//! - Hosts, which only translate protocols: [`extproc`] (Envoy ext_proc), [`api`] (gRPC
-//!   selection API). [`usage`] reads response bodies; [`tokenize`] (the `kvpick-tokenize` crate)
-//!   reads request bodies (`tokenize::body`) and turns prompts into engine token ids.
-//! - Sources: [`catalog`] (static file, Kubernetes reflector) produce complete worker snapshots;
-//!   [`events`] decodes KV events off ZeroMQ and feeds them to the core.
-//! - [`flow`]: flow-control classification policy (objectives, fairness keys, SLO headers,
-//!   model rewrites) from `--flow-config` and InferenceObjective / InferenceModelRewrite.
-//! - [`shared`]: sessions and load shared by replicas on Redis (`--shared-state`).
-//! - [`telemetry`]: OpenTelemetry spans of the request path, exported over OTLP/gRPC.
-//! - Process: [`server`] (flags, ports, wiring, shutdown), [`tls`], [`health`], [`net`],
-//!   [`memory_account`] (the bytes clients make kvpick hold, against one limit),
-//!   [`metrics`] (one registry, per-area metric sets), [`epp_metrics`] (the llm-d EPP metric
-//!   contract and the pool / queue gauges for autoscaling).
+//! - [`sources`]: what feeds the core — [`sources::catalog`] (static file, Kubernetes reflector),
+//!   [`sources::events`] (KV events off ZeroMQ), [`sources::engine_metrics`] (scraped engine load),
+//!   [`sources::flow`] (flow-control policy), [`sources::shared`] (replicas' shared state on Redis),
+//!   [`sources::kv_remote`] (an indexer's KV view, `--kv-index-remote`).
+//! - [`observability`]: [`observability::metrics`], [`observability::epp_metrics`] (the llm-d EPP
+//!   contract) and [`observability::telemetry`] (OpenTelemetry spans).
+//! - [`transport`]: [`transport::net`], [`transport::tls`], the HTTP/2 front
+//!   ([`transport::h2_authority`]), [`transport::lanes`], [`transport::health`] and
+//!   [`transport::memory_account`] (the bytes clients make kvpick hold, against one limit).
+//! - [`server`]: the process — flags, ports, wiring, shutdown; `server::entry::run` is callable
+//!   from a test.
 
 #![forbid(unsafe_code)]
 
-pub mod api;
-pub mod catalog;
 pub mod clock;
-pub mod engine_metrics;
-pub mod epp_metrics;
-pub mod events;
-pub mod extproc;
-pub mod flow;
-pub mod h2_authority;
-pub mod health;
-pub mod kv_remote;
-pub mod lanes;
-pub mod memory_account;
-pub mod metrics;
-pub mod net;
+pub mod hosts;
+pub mod observability;
 pub mod proto;
 pub mod selection;
 pub mod server;
-pub mod shared;
-pub mod telemetry;
-pub mod tls;
+pub mod sources;
+pub mod transport;
+pub mod usage;
 /// Prompts -> engine token ids: the `kvpick-tokenize` crate, under its old path.
 pub use kvpick_tokenize as tokenize;
-pub mod usage;

@@ -13,13 +13,13 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     external_processor_client::ExternalProcessorClient, processing_request, processing_response,
     HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
 };
-use kvpick::api::SelectionApi;
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::extproc::{ExtProcService, ExtProcSettings};
-use kvpick::metrics::Metrics;
+use kvpick::hosts::api::SelectionApi;
+use kvpick::hosts::extproc::{ExtProcService, ExtProcSettings};
+use kvpick::observability::metrics::Metrics;
 use kvpick::proto::selection_client::SelectionClient;
 use kvpick::proto::{BookingRef, SelectRequest};
 use kvpick::selection::{CoreConfig, SelectionCore};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc;

@@ -1,5 +1,5 @@
 //! Engine metrics end to end in one process: loopback HTTP servers serve vLLM `/metrics` pages
-//! the test controls, the real scraper (`kvpick::engine_metrics::manage`) reads them into the
+//! the test controls, the real scraper (`kvpick::sources::engine_metrics::manage`) reads them into the
 //! selection core, and the picks follow: off a rank whose queue is deep, back to bookings alone
 //! when a rank stops answering (its reading goes stale, and is counted), and towards the rank
 //! that has the requested LoRA adapter loaded rather than one at `max_lora` without it. A rank
@@ -16,10 +16,10 @@ use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
 use axum::routing::get;
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::engine_metrics::{manage, MetricNames, ScrapeConfig};
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, SelectionCore, SelectionRequest};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
+use kvpick::sources::engine_metrics::{manage, MetricNames, ScrapeConfig};
 use parking_lot::Mutex;
 
 /// A loopback `/metrics` page: `Some(text)` is served with 200, `None` answers 503.

@@ -1,4 +1,4 @@
-//! The Kubernetes flow-policy source (`kvpick::flow::kube`) end to end without a cluster: a fake
+//! The Kubernetes flow-policy source (`kvpick::sources::flow::kube`) end to end without a cluster: a fake
 //! Kubernetes API server on 127.0.0.1 serving InferenceObjective (`llm-d.ai/v1`, `llm-d.ai/v1alpha2`,
 //! `inference.networking.x-k8s.io/v1alpha2`), InferenceModelRewrite (`llm-d.ai/v1alpha2`,
 //! `inference.networking.x-k8s.io/v1alpha2`) and the InferencePool (`inference.networking.k8s.io/v1`,
@@ -21,8 +21,8 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use common::{watch_gone as gone, watch_line as line};
-use kvpick::flow::kube::{ClusterContent, FlowKubeConfig};
-use kvpick::flow::{FlowPolicy, FlowSourceConfig, Origin};
+use kvpick::sources::flow::kube::{ClusterContent, FlowKubeConfig};
+use kvpick::sources::flow::{FlowPolicy, FlowSourceConfig, Origin};
 use serde_json::{json, Value};
 use tokio::sync::{mpsc, watch};
 
@@ -322,7 +322,7 @@ async fn objectives_and_rewrites_list_watch_relist_and_a_missing_crd() {
     );
 
     let (tx, mut rx) = watch::channel(ClusterContent::default());
-    let task = tokio::spawn(kvpick::flow::kube::run(
+    let task = tokio::spawn(kvpick::sources::flow::kube::run(
         fake.client(),
         FlowKubeConfig::new(NS, POOL),
         tx,
@@ -498,7 +498,7 @@ async fn every_version_parses_selectors_follow_pool_labels_and_only_llm_d_counts
     .unwrap();
     registry.register(Box::new(gauge.clone())).unwrap();
     let (tx, mut rx) = watch::channel(ClusterContent::default());
-    let task = tokio::spawn(kvpick::flow::kube::run(
+    let task = tokio::spawn(kvpick::sources::flow::kube::run(
         fake.client(),
         FlowKubeConfig::new(NS, POOL).with_in_use_gauge(gauge.clone()),
         tx,
@@ -549,7 +549,7 @@ async fn merged_receiver_combines_the_file_and_the_cluster() {
         "objectives: [{name: interactive, priority: 1}, {name: batch, priority: -5}]\nrewrites: [{targets: [{model: default-model}]}]",
     )
     .unwrap();
-    let mut rx = kvpick::flow::start(FlowSourceConfig {
+    let mut rx = kvpick::sources::flow::start(FlowSourceConfig {
         file: Some(path),
         poll: Duration::from_millis(50),
         kube: Some((fake.client(), FlowKubeConfig::new(NS, POOL))),

@@ -50,7 +50,10 @@ async fn catalog(api: &mut Api) -> Vec<String> {
         .filter(|w| w.lifecycle != "Draining")
         .map(|w| {
             assert_eq!(w.namespace, NS);
-            assert_eq!(w.worker_id, kvpick::catalog::worker_id(NS, &w.name));
+            assert_eq!(
+                w.worker_id,
+                kvpick::sources::catalog::worker_id(NS, &w.name)
+            );
             let mut ranks = w.ranks.clone();
             ranks.sort_by_key(|r| r.dp_rank);
             let addrs: Vec<String> = ranks.iter().map(|r| r.address.clone()).collect();

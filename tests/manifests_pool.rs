@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use kvpick::catalog::kube::{InferencePool, PoolView};
+use kvpick::sources::catalog::kube::{InferencePool, PoolView};
 
 /// Parses the one InferencePool document of `rel` (relative to the crate root) and checks that
 /// nothing in its `spec` was ignored: the type serializes back to exactly the YAML's spec, so a

@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::events::decode::decode_batch;
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, RankKey, SelectionCore};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
+use kvpick::sources::events::decode::decode_batch;
 use kvpick::tokenize::media::base64_identifier;
 use kvpick::tokenize::{ModelEntry, TokenizeOutcome, Tokenizers};
 use kvpick_core::hash::{media_id, MediaSpan};
@@ -279,7 +279,7 @@ struct EngineCase {
     name: String,
     body: Value,
     prompt_tokens: usize,
-    events: Vec<kvpick::events::decode::KvEvent>,
+    events: Vec<kvpick::sources::events::decode::KvEvent>,
 }
 
 fn engine_cases() -> (String, Vec<EngineCase>) {
@@ -328,7 +328,9 @@ async fn kvpicks_tokens_and_keys_equal_a_real_vllms_for_the_same_image_requests(
             .events
             .iter()
             .flat_map(|e| match e {
-                kvpick::events::decode::KvEvent::BlockStored { token_ids, .. } => token_ids.clone(),
+                kvpick::sources::events::decode::KvEvent::BlockStored { token_ids, .. } => {
+                    token_ids.clone()
+                }
                 _ => Vec::new(),
             })
             .collect();

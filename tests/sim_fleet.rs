@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::metrics::Metrics;
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, PromptInput, SelectionCore, SelectionRequest};
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
 use kvpick_sim::sim::server::{start, SimArgs};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -265,7 +265,7 @@ async fn ingest_indexes_what_the_sim_announced(encoding: &str) {
         })
         .collect();
     core.apply_snapshot(specs).unwrap();
-    let ingest = tokio::spawn(kvpick::events::ingest::manage(
+    let ingest = tokio::spawn(kvpick::sources::events::ingest::manage(
         Arc::clone(&core),
         core.catalog_changes(),
     ));
@@ -425,11 +425,12 @@ async fn lora_requests_info_lists_running_adapters() {
     .await
     .unwrap();
     let port = fleet.workers[0].http;
-    let names = kvpick::engine_metrics::MetricNames::vllm();
+    let names = kvpick::sources::engine_metrics::MetricNames::vllm();
     let loaded = || async {
         let (status, _, page) = http(port, "GET", "/metrics", &[], "").await;
         assert_eq!(status, 200);
-        let r = kvpick::engine_metrics::readings(&page, &names, &[0], Instant::now()).unwrap();
+        let r =
+            kvpick::sources::engine_metrics::readings(&page, &names, &[0], Instant::now()).unwrap();
         let r = r[0].clone().unwrap();
         (r.adapters.to_vec(), r.max_adapters)
     };

@@ -1,9 +1,9 @@
 //! The simulator's KV-event encoder (`kvpick_sim::sim::wire`) against kvpick's wire decoder
-//! (`kvpick::events::decode`): what the sim publishes decodes back to the same events.
+//! (`kvpick::sources::events::decode`): what the sim publishes decodes back to the same events.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)] // a test/bench harness: a panic is a failure report
 
-use kvpick::events::decode::decode_batch;
+use kvpick::sources::events::decode::decode_batch;
 use kvpick_core::event::{KvEvent, Medium};
 use kvpick_sim::sim::wire::*;
 

@@ -2,8 +2,8 @@
 //! hashes, and every rank holding its own 32-block history plus the prompt's first 8 blocks
 //! (every 97th rank a deeper part of it). Included by each bench with `mod common;`.
 
-use kvpick::catalog::WorkerSpec;
 use kvpick::selection::{PartitionKey, RankKey, SelectionCore};
+use kvpick::sources::catalog::WorkerSpec;
 use kvpick_core::hash::{prompt_hashes, BASE_SEED};
 use kvpick_core::index::Tier;
 

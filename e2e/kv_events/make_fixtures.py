@@ -4,7 +4,7 @@
 Each fixture is one msgpack ``EventBatch`` payload (the third ZeroMQ frame) built from the
 engines' own ``msgspec.Struct`` definitions (see ``wire.py``) and encoded with
 ``msgspec.msgpack.Encoder()``, so the bytes are what a vLLM / SGLang publisher puts on the wire.
-The Rust decoder's unit tests (src/events/decode.rs) pin the exact decoded contents; the fuzz
+The Rust decoder's unit tests (src/sources/events/decode.rs) pin the exact decoded contents; the fuzz
 seeds (fuzz/seeds/kv_event_decoder/seed_*) are the same files.
 
     .venv/bin/python e2e/kv_events/make_fixtures.py           # (re)write the fixtures + README
@@ -480,7 +480,7 @@ def render_readme() -> str:
         "",
         "    .venv/bin/python e2e/kv_events/make_fixtures.py",
         "",
-        "(`--check` verifies the files are current). `src/events/decode.rs` asserts the exact",
+        "(`--check` verifies the files are current). `src/sources/events/decode.rs` asserts the exact",
         "decoded contents of each; `fuzz/seeds/kv_event_decoder/seed_*` are the same payloads.",
         "",
         "| file | contents |",

@@ -1,4 +1,4 @@
-//! Fuzzes the ext_proc host's per-stream state machine (`src/extproc/stream.rs`): header and
+//! Fuzzes the ext_proc host's per-stream state machine (`src/hosts/extproc/stream/mod.rs`): header and
 //! metadata handling (session ids, pins, priority, request ids, subset hints of any shape, binary
 //! and oversized values), bodies, trailers and response messages in any order and any number.
 //! It may answer with errors or immediate responses, but it must never panic, and once the stream
@@ -14,9 +14,9 @@ use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata}
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     processing_request::Request, HttpBody, HttpHeaders, HttpTrailers, ProcessingRequest,
 };
-use kvpick::catalog::{RankLayout, WorkerSpec};
-use kvpick::extproc::{ExtProcSettings, StreamMachine};
-use kvpick::metrics::Metrics;
+use kvpick::sources::catalog::{RankLayout, WorkerSpec};
+use kvpick::hosts::extproc::{ExtProcSettings, StreamMachine};
+use kvpick::observability::metrics::Metrics;
 use kvpick::selection::{CoreConfig, SelectionCore};
 use libfuzzer_sys::fuzz_target;
 use envoy_types::pb::google::protobuf::{value::Kind, ListValue, Struct, Value};

@@ -1,4 +1,4 @@
-//! Differential fuzzing of the HTTP/2 front layer's inbound half (`src/h2_authority/frames.rs`,
+//! Differential fuzzing of the HTTP/2 front layer's inbound half (`src/transport/h2_authority/frames.rs`,
 //! `FrameFilter`): for any client byte stream, what the layer hands h2 must decode to the same
 //! header lists an independent HPACK decoder gets from the original (`:authority` rewritten as
 //! the layer documents), with every other frame byte for byte and every bound held; or the layer
@@ -17,7 +17,7 @@
 
 #![no_main]
 
-use kvpick::h2_authority::{acceptable_authority, FrameFilter, FrontLimits, Violation};
+use kvpick::transport::h2_authority::{acceptable_authority, FrameFilter, FrontLimits, Violation};
 use libfuzzer_sys::fuzz_target;
 
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";

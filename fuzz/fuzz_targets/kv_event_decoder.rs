@@ -1,4 +1,4 @@
-//! Fuzzes the KV-event wire decoder (`src/events/decode.rs`): arbitrary bytes as a payload, and
+//! Fuzzes the KV-event wire decoder (`src/sources/events/decode.rs`): arbitrary bytes as a payload, and
 //! the same bytes split into 1..=4 ZeroMQ frames. Decoding must never panic, and whatever decodes
 //! must satisfy the decoder's documented invariants.
 //!
@@ -9,7 +9,7 @@
 
 use libfuzzer_sys::fuzz_target;
 
-use kvpick::events::decode::{decode_batch, decode_message, EventBatch, KvEvent, MAX_PAYLOAD_BYTES};
+use kvpick::sources::events::decode::{decode_batch, decode_message, EventBatch, KvEvent, MAX_PAYLOAD_BYTES};
 
 fn check(batch: &EventBatch) {
     for event in &batch.events {

@@ -8,8 +8,8 @@ use std::time::Duration;
 use kvpick_core::{CoreConfig, FlowConfig, PromptInput, SelectionRequest};
 
 use super::*;
-use crate::catalog::{RankLayout, WorkerSpec};
-use crate::metrics::Metrics;
+use crate::observability::metrics::Metrics;
+use crate::sources::catalog::{RankLayout, WorkerSpec};
 
 /// Two ranks taking one request each: nearly every admission queues, and every free releases
 /// one waiter from another task, so releases race the registration of waiters.

@@ -32,7 +32,7 @@ pub use kvpick_core::{
 pub use remote::RemoteIndex;
 pub use sharing::{SessionLookupJob, SharedHooks};
 
-use crate::metrics::Metrics;
+use crate::observability::metrics::Metrics;
 use kvpick_core::catalog::WorkerSpec;
 use kvpick_core::index::{Tier, TierDepths};
 
@@ -79,7 +79,7 @@ impl SelectionCore {
         // The pool gauges read load against the limits flow control applies.
         metrics
             .pool
-            .configure(crate::epp_metrics::pool::PoolConfig {
+            .configure(crate::observability::epp_metrics::pool::PoolConfig {
                 limits: config.flow.saturation,
                 stale_after: config.engine_metrics_max_age,
             });
@@ -321,7 +321,7 @@ impl SelectionCore {
     }
 
     /// Applies one batch of KV events published by one rank; `lag` is how late a live batch
-    /// arrived (its timestamp to now, `crate::events::event_lag`), `None` for a replayed one. The
+    /// arrived (its timestamp to now, `crate::sources::events::event_lag`), `None` for a replayed one. The
     /// lag lengthens how long the partition's unconfirmed predictions outlive their request
     /// (`kvpick_prediction_grace_seconds`).
     pub fn apply_kv_batch(

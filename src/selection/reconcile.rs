@@ -63,7 +63,7 @@ pub async fn run(core: Arc<SelectionCore>, source: SourceName, mut rx: SnapshotR
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::metrics::Metrics;
+    use crate::observability::metrics::Metrics;
     use crate::selection::CoreConfig;
     use kvpick_core::catalog::RankLayout;
 

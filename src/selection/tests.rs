@@ -1,6 +1,6 @@
 use super::*;
-use crate::catalog::RankLayout;
-use crate::events::offset_endpoint;
+use crate::sources::catalog::RankLayout;
+use crate::sources::events::offset_endpoint;
 use kvpick_core::hash::{prompt_hashes, BASE_SEED};
 use kvpick_core::index::Tier;
 use std::collections::HashMap;
@@ -968,7 +968,7 @@ fn sheddable_requests_are_shed_before_critical_ones() {
 
 mod kv_events {
     use super::*;
-    use crate::events::decode::{KvEvent, Medium};
+    use crate::sources::events::decode::{KvEvent, Medium};
 
     fn stored(hashes: &[u64], parent: Option<u64>, tokens: Vec<u32>, medium: Medium) -> KvEvent {
         KvEvent::BlockStored {

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::catalog::kube as kube_source;
 use crate::selection::{BusyThresholds, CoreConfig, CostParams, SessionConfig};
+use crate::sources::catalog::kube as kube_source;
 
 use super::{EngineMetricsMode, ServeArgs, KUBE_RESYNC};
 
@@ -43,8 +43,8 @@ pub fn tokenizers(
 
 /// `--session-headers`, `--session-parent-headers`, `--session-agent-headers` and
 /// `--session-final-headers`, checked (a pair naming no session header is an error).
-pub fn session_headers(args: &ServeArgs) -> anyhow::Result<crate::extproc::SessionHeaders> {
-    crate::extproc::SessionHeaders::from_lists(
+pub fn session_headers(args: &ServeArgs) -> anyhow::Result<crate::hosts::extproc::SessionHeaders> {
+    crate::hosts::extproc::SessionHeaders::from_lists(
         &args.session_headers,
         &args.session_parent_headers,
         &args.session_agent_headers,
@@ -58,15 +58,15 @@ pub fn session_headers(args: &ServeArgs) -> anyhow::Result<crate::extproc::Sessi
 /// caller sets those fields on the returned settings (`ExtProcSettings { tokenizers, ..this }`).
 pub fn extproc_settings(
     args: &ServeArgs,
-    metrics: &crate::metrics::Metrics,
-    memory: &crate::h2_authority::ledger::LedgerConfig,
-) -> anyhow::Result<crate::extproc::ExtProcSettings> {
+    metrics: &crate::observability::metrics::Metrics,
+    memory: &crate::transport::h2_authority::ledger::LedgerConfig,
+) -> anyhow::Result<crate::hosts::extproc::ExtProcSettings> {
     let streams = (args.ext_proc_streams).bounds(metrics.extproc.streams_open.clone())?;
-    Ok(crate::extproc::ExtProcSettings {
+    Ok(crate::hosts::extproc::ExtProcSettings {
         max_body_bytes: args.max_body_bytes,
         fallbacks: args.fallbacks,
         conformance_test_mode: args.conformance_test_mode,
-        body_budget: crate::extproc::BodyBudget::new(
+        body_budget: crate::hosts::extproc::BodyBudget::new(
             args.max_buffered_body_bytes,
             metrics.extproc.body_bytes_buffered.clone(),
             Arc::clone(&memory.account),
@@ -88,11 +88,14 @@ pub fn extproc_settings(
 /// `--connection-memory-bytes`, `--max-ext-proc-message-bytes`).
 pub fn memory_ledger(
     args: &ServeArgs,
-    metrics: &crate::metrics::Metrics,
-) -> anyhow::Result<crate::h2_authority::ledger::LedgerConfig> {
+    metrics: &crate::observability::metrics::Metrics,
+) -> anyhow::Result<crate::transport::h2_authority::ledger::LedgerConfig> {
     let limits = args.memory.limits(args.max_body_bytes)?;
-    Ok(crate::h2_authority::ledger::LedgerConfig {
-        account: crate::memory_account::MemoryAccount::new(limits.account_bytes, &metrics.memory),
+    Ok(crate::transport::h2_authority::ledger::LedgerConfig {
+        account: crate::transport::memory_account::MemoryAccount::new(
+            limits.account_bytes,
+            &metrics.memory,
+        ),
         connection_bytes: limits.connection_bytes,
         max_message_bytes: limits.max_message_bytes,
     })
@@ -101,8 +104,8 @@ pub fn memory_ledger(
 /// The scraper's settings from flags (`None` with `--engine-metrics off`).
 pub fn scrape_config(
     args: &ServeArgs,
-) -> anyhow::Result<Option<crate::engine_metrics::ScrapeConfig>> {
-    use crate::engine_metrics::{MetricNames, ScrapeConfig};
+) -> anyhow::Result<Option<crate::sources::engine_metrics::ScrapeConfig>> {
+    use crate::sources::engine_metrics::{MetricNames, ScrapeConfig};
     let base = match args.engine_metrics {
         EngineMetricsMode::Off => return Ok(None),
         EngineMetricsMode::Vllm => MetricNames::vllm(),
@@ -392,8 +395,8 @@ pub fn catalog_source(
 }
 
 /// Classification settings from flags (`--client-priority`).
-pub fn flow_settings(args: &ServeArgs) -> crate::flow::FlowSettings {
-    crate::flow::FlowSettings {
+pub fn flow_settings(args: &ServeArgs) -> crate::sources::flow::FlowSettings {
+    crate::sources::flow::FlowSettings {
         client_priority: args.client_priority,
     }
 }
@@ -405,13 +408,15 @@ pub fn flow_settings(args: &ServeArgs) -> crate::flow::FlowSettings {
 pub fn flow_kube_config(
     args: &ServeArgs,
     catalog: &CatalogSource,
-) -> Option<crate::flow::kube::FlowKubeConfig> {
+) -> Option<crate::sources::flow::kube::FlowKubeConfig> {
     match catalog {
         CatalogSource::Kubernetes(kube_source::KubeSourceConfig {
             namespace,
             target: kube_source::Target::Pool { name },
             ..
-        }) if args.flow_watch_crds => Some(crate::flow::kube::FlowKubeConfig::new(namespace, name)),
+        }) if args.flow_watch_crds => Some(crate::sources::flow::kube::FlowKubeConfig::new(
+            namespace, name,
+        )),
         _ => None,
     }
 }

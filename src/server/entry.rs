@@ -13,9 +13,9 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-use crate::api::SelectionApi;
-use crate::extproc::ExtProcService;
-use crate::metrics::Metrics;
+use crate::hosts::api::SelectionApi;
+use crate::hosts::extproc::ExtProcService;
+use crate::observability::metrics::Metrics;
 use crate::selection::SelectionCore;
 
 use super::ports::{self, Listeners};
@@ -88,8 +88,8 @@ async fn start(
     // never "service not registered".
     // Read before the await: the watch's guard must not be held across it (the future is Send).
     let ready = *core.readiness().borrow();
-    crate::health::register(&health_reporter, ready).await;
-    tokio::spawn(crate::health::track(
+    crate::transport::health::register(&health_reporter, ready).await;
+    tokio::spawn(crate::transport::health::track(
         health_reporter,
         core.readiness(),
         shutdown_rx.clone(),
@@ -99,7 +99,7 @@ async fn start(
     let ports = listeners.ports()?;
     let client_auth = args.tls.client_auth()?;
     let tls = if args.tls.secure_serving {
-        Some(crate::tls::server_with(
+        Some(crate::transport::tls::server_with(
             args.tls.cert_path.clone(),
             client_auth,
         )?)
@@ -109,12 +109,14 @@ async fn start(
 
     let extproc = ExtProcService::new(
         Arc::clone(&core),
-        crate::extproc::ExtProcSettings {
+        crate::hosts::extproc::ExtProcSettings {
             tokenizers,
             session_headers,
             flow_policy: Some(flow_policy.clone()),
             flow_settings,
-            tracer: telemetry.as_ref().map(crate::telemetry::Telemetry::tracer),
+            tracer: telemetry
+                .as_ref()
+                .map(crate::observability::telemetry::Telemetry::tracer),
             ..config::extproc_settings(&args, &metrics, &memory)?
         },
     );
@@ -122,7 +124,7 @@ async fn start(
     let live_streams = extproc.live_streams();
     // Listeners close only once draining is over: until then health answers NOT_SERVING.
     let (exit_tx, exit_rx) = watch::channel(false);
-    let listening = |name, tls| crate::net::Listening {
+    let listening = |name, tls| crate::transport::net::Listening {
         name,
         tls,
         limits: conn_limits.clone(),

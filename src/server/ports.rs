@@ -1,6 +1,6 @@
 //! The three ports of `kvpick serve`: bound before anything serves (a taken port fails start-up
 //! naming it), each served until the exit signal: the gRPC ports through the accept loop of
-//! [`crate::net`] (connection bounds, TLS, the HTTP/2 front layer) with tonic's HTTP/2 settings
+//! [`crate::transport::net`] (connection bounds, TLS, the HTTP/2 front layer) with tonic's HTTP/2 settings
 //! from the same limits, `/metrics` over plain HTTP/1. Also the port file and the termination
 //! signal.
 //!
@@ -13,8 +13,8 @@ use axum::routing::get;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::metrics::Metrics;
-use crate::net::Listening;
+use crate::observability::metrics::Metrics;
+use crate::transport::net::Listening;
 
 use super::ServeArgs;
 
@@ -69,8 +69,8 @@ impl Listeners {
     }
 }
 
-/// Serves a gRPC port: the accept loop of [`crate::net::incoming`] under `router` until `exit`,
-/// on this runtime (`threads` 0) or on that many connection threads ([`crate::lanes`]).
+/// Serves a gRPC port: the accept loop of [`crate::transport::net::incoming`] under `router` until `exit`,
+/// on this runtime (`threads` 0) or on that many connection threads ([`crate::transport::lanes`]).
 pub(super) async fn serve_grpc(
     router: tonic::transport::server::Router,
     listener: TcpListener,
@@ -79,12 +79,12 @@ pub(super) async fn serve_grpc(
     threads: usize,
 ) -> anyhow::Result<()> {
     if threads > 0 {
-        return crate::lanes::serve(router, listener, listening, exit, threads).await;
+        return crate::transport::lanes::serve(router, listener, listening, exit, threads).await;
     }
     Ok(router
         .serve_with_incoming_shutdown(
-            crate::net::incoming(listener, listening, exit.clone()),
-            crate::net::closed(exit),
+            crate::transport::net::incoming(listener, listening, exit.clone()),
+            crate::transport::net::closed(exit),
         )
         .await?)
 }
@@ -111,7 +111,7 @@ pub(super) async fn serve_metrics(
         }),
     );
     axum::serve(listener, router)
-        .with_graceful_shutdown(crate::net::closed(exit))
+        .with_graceful_shutdown(crate::transport::net::closed(exit))
         .await
 }
 

@@ -12,11 +12,11 @@ use std::time::Duration;
 use anyhow::Context;
 use tokio::sync::watch;
 
-use crate::catalog::kube as kube_source;
-use crate::catalog::static_file;
-use crate::metrics::Metrics;
+use crate::observability::metrics::Metrics;
 use crate::selection::SelectionCore;
-use crate::shared::{SharedConfig, SharedState};
+use crate::sources::catalog::kube as kube_source;
+use crate::sources::catalog::static_file;
+use crate::sources::shared::{SharedConfig, SharedState};
 
 /// How often cleared ranks' holders are swept out of the indexes (one shard per tick).
 const SWEEP_INTERVAL: Duration = Duration::from_millis(250);
@@ -26,9 +26,11 @@ use super::{CatalogSource, ServeArgs};
 /// `--tracing`: the OpenTelemetry exporter (none with tracing off).
 pub(super) fn start_telemetry(
     args: &ServeArgs,
-) -> anyhow::Result<Option<crate::telemetry::Telemetry>> {
+) -> anyhow::Result<Option<crate::observability::telemetry::Telemetry>> {
     let trace_config =
-        crate::telemetry::TraceConfig::resolve(&args.tracing, |name| std::env::var(name).ok())?;
+        crate::observability::telemetry::TraceConfig::resolve(&args.tracing, |name| {
+            std::env::var(name).ok()
+        })?;
     let telemetry = match &trace_config {
         Some(config) => {
             tracing::info!(
@@ -38,7 +40,7 @@ pub(super) fn start_telemetry(
                 service = %config.service_name,
                 "tracing: exporting spans over OTLP/gRPC"
             );
-            Some(crate::telemetry::Telemetry::start(config)?)
+            Some(crate::observability::telemetry::Telemetry::start(config)?)
         }
         None => None,
     };
@@ -90,16 +92,19 @@ pub(super) fn start_kv_remote(
     core: &Arc<SelectionCore>,
     metrics: &Metrics,
 ) -> anyhow::Result<()> {
-    let deadline = crate::kv_remote::check_timeout_ms(args.kv_index_remote_timeout_ms)?;
+    let deadline = crate::sources::kv_remote::check_timeout_ms(args.kv_index_remote_timeout_ms)?;
     let Some(url) = &args.kv_index_remote else {
         if args.kv_index_remote_ca_file.is_some() {
             anyhow::bail!("--kv-index-remote-ca-file needs --kv-index-remote URL");
         }
         return Ok(());
     };
-    let metrics = crate::metrics::kv_remote::KvRemoteMetrics::register(&metrics.registry);
+    let metrics =
+        crate::observability::metrics::kv_remote::KvRemoteMetrics::register(&metrics.registry);
     let ca = args.kv_index_remote_ca_file.as_deref();
-    let remote = Arc::new(crate::kv_remote::KvRemote::new(url, ca, deadline, metrics)?);
+    let remote = Arc::new(crate::sources::kv_remote::KvRemote::new(
+        url, ca, deadline, metrics,
+    )?);
     remote.start(core);
     tracing::info!(%url, deadline_ms = args.kv_index_remote_timeout_ms, "KV view from a remote index: no KV-event subscriptions");
     Ok(())
@@ -136,10 +141,10 @@ pub(super) async fn start_catalog(
 /// set); an invalid file fails start-up.
 pub(super) fn start_flow_policy(
     args: &ServeArgs,
-    flow_settings: &crate::flow::FlowSettings,
-    kube: Option<(kube::Client, crate::flow::kube::FlowKubeConfig)>,
-) -> anyhow::Result<crate::flow::PolicyRx> {
-    let flow_policy = crate::flow::start(crate::flow::FlowSourceConfig {
+    flow_settings: &crate::sources::flow::FlowSettings,
+    kube: Option<(kube::Client, crate::sources::flow::kube::FlowKubeConfig)>,
+) -> anyhow::Result<crate::sources::flow::PolicyRx> {
+    let flow_policy = crate::sources::flow::start(crate::sources::flow::FlowSourceConfig {
         file: args.flow_config.clone(),
         poll: Duration::from_millis(args.catalog_poll_ms),
         kube,
@@ -160,14 +165,14 @@ pub(super) fn start_engine_feeds(
 ) -> anyhow::Result<()> {
     if let Some(scrape) = super::scrape_config(args)? {
         tracing::info!(interval_ms = args.engine_metrics_interval_ms, names = ?scrape.names, "scraping engine metrics");
-        tokio::spawn(crate::engine_metrics::manage(
+        tokio::spawn(crate::sources::engine_metrics::manage(
             Arc::clone(core),
             scrape,
             core.catalog_changes(),
         ));
     }
     if core.config().kv_events {
-        tokio::spawn(crate::events::ingest::manage(
+        tokio::spawn(crate::sources::events::ingest::manage(
             Arc::clone(core),
             core.catalog_changes(),
         ));
@@ -181,7 +186,7 @@ pub(super) async fn drain(
     args: &ServeArgs,
     core: &SelectionCore,
     shutdown: &watch::Sender<bool>,
-    live_streams: &crate::extproc::LiveStreams,
+    live_streams: &crate::hosts::extproc::LiveStreams,
 ) {
     tracing::info!(
         grace_s = args.shutdown_grace,

@@ -1,6 +1,6 @@
 //! `serve`'s TLS flags for the ext_proc port: TLS on or off, the server certificate, and the
 //! optional client authentication (mTLS: the CA bundle client certificates must chain to and the
-//! identities allowed). Owns the flags and their checks only; `crate::tls` does the TLS.
+//! identities allowed). Owns the flags and their checks only; `crate::transport::tls` does the TLS.
 
 use std::path::PathBuf;
 
@@ -35,7 +35,7 @@ pub struct TlsArgs {
 
 impl TlsArgs {
     /// The client authentication asked for, checked against the other TLS flags.
-    pub fn client_auth(&self) -> anyhow::Result<Option<crate::tls::ClientAuth>> {
+    pub fn client_auth(&self) -> anyhow::Result<Option<crate::transport::tls::ClientAuth>> {
         let allowed: Vec<String> = self
             .client_allowed_sans
             .iter()
@@ -51,7 +51,7 @@ impl TlsArgs {
         if !self.secure_serving {
             anyhow::bail!("--client-ca-path needs --secure-serving (client certificates are TLS)");
         }
-        Ok(Some(crate::tls::ClientAuth {
+        Ok(Some(crate::transport::tls::ClientAuth {
             ca_path: ca.clone(),
             allowed_sans: allowed.into(),
         }))

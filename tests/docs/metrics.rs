@@ -23,7 +23,7 @@ const SECTION: &str = "metrics";
 
 /// Constructors, longest first so `IntCounterVec` is not read as `IntCounter`.
 const CONSTRUCTORS: &[(&str, &str)] = &[
-    // src/epp_metrics/series.rs's helpers (one registered metric each).
+    // src/observability/epp_metrics/series.rs's helpers (one registered metric each).
     ("epp_histogram_vec(", "histogram"),
     ("epp_histogram(", "histogram"),
     ("epp_counter(", "counter"),

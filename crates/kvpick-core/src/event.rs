@@ -1,5 +1,5 @@
 //! Block events: what a model server says about its KV cache, as values. The wire decoder
-//! (`kvpick::events::decode`) turns ZeroMQ/msgpack bytes into these; the partition applies them to
+//! (`kvpick::sources::events::decode`) turns ZeroMQ/msgpack bytes into these; the partition applies them to
 //! the index. Nothing here knows a byte format, a socket or a clock.
 
 // Request fields and KV events come from the network: arithmetic on them says what happens at

@@ -6,7 +6,7 @@
 //!   omitted when unset (`omit_defaults=True`).
 //!
 //! Block hashes go out as uint64 (vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`). Only
-//! encoding lives here; decoding is `kvpick::events::decode`
+//! encoding lives here; decoding is `kvpick::sources::events::decode`
 //! (its round trip is tested there, in `tests/sim_wire.rs`).
 
 use rmpv::Value;
