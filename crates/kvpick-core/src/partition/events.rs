@@ -89,30 +89,18 @@ fn apply_event(
             ..
         } if medium.is_shared() && shared.is_some() => {
             let Some(shared) = shared else { return false };
-            let mut all_known = true;
-            for h in block_hashes {
-                all_known &= shared.remove(rank, *h);
-            }
-            all_known
+            // Every block is removed, known or not: no short circuit.
+            let removed = block_hashes
+                .iter()
+                .filter(|h| shared.remove(rank, **h))
+                .count();
+            removed == block_hashes.len()
         }
         KvEvent::BlockRemoved {
             block_hashes,
             medium,
             ..
-        } => {
-            let tier = tier_of(medium);
-            let mut all_known = true;
-            for h in block_hashes {
-                let Some(&seq) = map.entries.get(h) else {
-                    all_known = false;
-                    continue;
-                };
-                if !index.release(rank, seq, tier) {
-                    map.entries.remove(h);
-                }
-            }
-            all_known
-        }
+        } => remove_blocks(index, map, rank, block_hashes, tier_of(medium)),
         KvEvent::BlockStored {
             token_ids,
             block_size: event_block_size,
@@ -153,6 +141,27 @@ fn apply_event(
             }
         }
     }
+}
+
+/// Takes `rank`'s blocks named by engine hashes off `tier`; false when one was never stored.
+fn remove_blocks(
+    index: &mut PrefixIndex,
+    map: &mut EngineMap,
+    rank: RankKey,
+    block_hashes: &[u64],
+    tier: Tier,
+) -> bool {
+    let mut all_known = true;
+    for h in block_hashes {
+        let Some(&seq) = map.entries.get(h) else {
+            all_known = false;
+            continue;
+        };
+        if !index.release(rank, seq, tier) {
+            map.entries.remove(h);
+        }
+    }
+    all_known
 }
 
 /// Where a store's blocks go: resolves engine hashes (parents, tokenless blocks) and records
