@@ -14,54 +14,21 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
-
 use kvpick::proto::SelectRequest;
 use kvpick_core::event::{KvEvent, Medium};
 use kvpick_testkit::engine::FakeEngine;
-use kvpick_testkit::prom;
+
+use common::{prompt, until};
 
 const BS: u32 = 16;
 
-/// `blocks` full blocks of prompt `p`'s tokens, stored on the engine.
+/// `blocks` full blocks of prompt `p`'s tokens, stored on the engine's GPU.
 fn store(p: u32, blocks: u32) -> KvEvent {
-    KvEvent::BlockStored {
-        block_hashes: (0..u64::from(blocks))
-            .map(|b| u64::from(p) * 1_000 + b)
-            .collect(),
-        parent_block_hash: None,
-        token_ids: prompt(p, blocks * BS),
-        block_size: BS,
-        lora_id: None,
-        medium: Medium::Gpu,
-        lora_name: None,
-        cache_salt: None,
-        group_idx: None,
-        media: Vec::new(),
-    }
-}
-
-fn prompt(p: u32, tokens: u32) -> Vec<u32> {
-    (0..tokens).map(|t| p * 100_000 + t).collect()
+    common::stored(p, blocks, BS, Medium::Gpu)
 }
 
 fn metric(serve: &common::Serve, name: &str, labels: &[(&str, &str)]) -> f64 {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(("127.0.0.1", serve.metrics)).unwrap();
-    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-        .unwrap();
-    let mut text = String::new();
-    s.read_to_string(&mut text).unwrap();
-    prom::sum(&prom::parse(&text), name, labels)
-}
-
-/// Polls `cond` every 10 ms (a readiness signal read from outside); fails past 20 s.
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(start.elapsed() < Duration::from_secs(20), "never: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    common::metric_sum(serve.metrics, name, labels)
 }
 
 /// The replica's pick (a dry run: nothing booked, so nothing predicted) of prompt `p`.
@@ -80,52 +47,14 @@ async fn pick(api: &mut common::Api, p: u32, blocks: u32) -> String {
 }
 
 /// The replica's pick of prompt `p` through ext_proc, as Envoy asks for it: the destination
-/// header of the headers response (the stream is then dropped, which frees the booking).
+/// header of the headers response.
 async fn extproc_pick(grpc: u16, p: u32, blocks: u32) -> String {
-    use envoy_types::pb::envoy::service::ext_proc::v3::{
-        processing_request, processing_response, HttpBody, ProcessingRequest,
-    };
-    let mut client = common::ExtProcClient::connect(format!("http://127.0.0.1:{grpc}"))
-        .await
-        .unwrap();
-    let (tx, mut inbound) = common::open_stream(&mut client).await;
-    let headers = common::http_headers(&[
-        (":method", "POST"),
-        (":path", "/v1/completions"),
-        ("content-type", "application/json"),
-    ]);
-    tx.send(ProcessingRequest {
-        request: Some(processing_request::Request::RequestHeaders(headers)),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
     let body = serde_json::json!({"model": "m", "prompt": prompt(p, blocks * BS + 1)});
-    tx.send(ProcessingRequest {
-        request: Some(processing_request::Request::RequestBody(HttpBody {
-            body: serde_json::to_vec(&body).unwrap(),
-            end_of_stream: true,
-            ..Default::default()
-        })),
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let answer = inbound
-        .message()
-        .await
-        .unwrap()
-        .expect("a headers response");
-    let Some(processing_response::Response::RequestHeaders(h)) = answer.response else {
-        panic!("not a headers response: {answer:?}");
-    };
-    let set = h.response.unwrap().header_mutation.unwrap().set_headers;
-    let destination = set
-        .iter()
-        .filter_map(|o| o.header.as_ref())
-        .find(|h| h.key == "x-gateway-destination-endpoint")
-        .expect("a destination");
-    String::from_utf8(destination.raw_value.clone()).unwrap()
+    let routed = common::extproc_route(grpc, &[], &body).await;
+    routed
+        .header("x-gateway-destination-endpoint")
+        .expect("a destination")
+        .to_string()
 }
 
 /// The indexer: a plain `serve` over the catalog, on `grpc_port` (0: any).

@@ -237,3 +237,152 @@ pub async fn wait_metric(port: u16, name: &str, want: f64) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// The sum of `name`'s samples whose labels include `labels` on kvpick's metrics port.
+pub fn metric_sum(port: u16, name: &str, labels: &[(&str, &str)]) -> f64 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    kvpick_testkit::prom::sum(&kvpick_testkit::prom::parse(&text), name, labels)
+}
+
+/// Polls `cond` every 10 ms (a readiness signal read from outside); fails past 20 s.
+pub async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < Duration::from_secs(20), "never: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// What one ext_proc stream's routing answered: the headers response's set headers and the
+/// request body as echoed to the upstream.
+pub struct Routed {
+    pub set_headers: Vec<(String, String)>,
+    pub body: Vec<u8>,
+}
+
+impl Routed {
+    /// The value the routing set for header `key`, if any.
+    pub fn header(&self, key: &str) -> Option<&str> {
+        self.set_headers
+            .iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// Routes one `/v1/completions` request through kvpick's ext_proc port as Envoy does: the request
+/// headers (with `extra`), the JSON body, then the routing answer and the body's echo (the
+/// stream is then dropped, which frees the booking).
+pub async fn extproc_route(grpc: u16, extra: &[(&str, &str)], body: &serde_json::Value) -> Routed {
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        body_mutation, processing_request, processing_response, HttpBody, ProcessingRequest,
+    };
+    let mut client = ExtProcClient::connect(format!("http://127.0.0.1:{grpc}"))
+        .await
+        .unwrap();
+    let (tx, mut inbound) = open_stream(&mut client).await;
+    let mut pairs = vec![
+        (":method", "POST"),
+        (":path", "/v1/completions"),
+        ("content-type", "application/json"),
+    ];
+    pairs.extend_from_slice(extra);
+    tx.send(ProcessingRequest {
+        request: Some(processing_request::Request::RequestHeaders(http_headers(
+            &pairs,
+        ))),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    tx.send(ProcessingRequest {
+        request: Some(processing_request::Request::RequestBody(HttpBody {
+            body: serde_json::to_vec(body).unwrap(),
+            end_of_stream: true,
+            ..Default::default()
+        })),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let answer = inbound
+        .message()
+        .await
+        .unwrap()
+        .expect("a headers response");
+    let Some(processing_response::Response::RequestHeaders(h)) = answer.response else {
+        panic!("not a headers response: {answer:?}");
+    };
+    let set_headers = h
+        .response
+        .and_then(|c| c.header_mutation)
+        .map(|m| m.set_headers)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|o| o.header)
+        .map(|h| (h.key, String::from_utf8(h.raw_value).unwrap()))
+        .collect();
+    let mut echoed = Vec::new();
+    loop {
+        let answer = inbound.message().await.unwrap().expect("the body's echo");
+        let Some(processing_response::Response::RequestBody(b)) = answer.response else {
+            panic!("not a body response: {answer:?}");
+        };
+        match b
+            .response
+            .and_then(|c| c.body_mutation)
+            .and_then(|m| m.mutation)
+        {
+            Some(body_mutation::Mutation::StreamedResponse(s)) => {
+                echoed.extend_from_slice(&s.body);
+                if s.end_of_stream {
+                    break;
+                }
+            }
+            other => panic!("not a streamed echo: {other:?}"),
+        }
+    }
+    Routed {
+        set_headers,
+        body: echoed,
+    }
+}
+
+/// Prompt `p`'s first `tokens` token ids (distinct per prompt).
+pub fn prompt(p: u32, tokens: u32) -> Vec<u32> {
+    (0..tokens).map(|t| p * 100_000 + t).collect()
+}
+
+/// Prompt `p`'s first `blocks` full blocks of `block_size` tokens, stored on `medium` (vLLM's
+/// `BlockStored`; engine hashes `p * 1000 + block`).
+pub fn stored(
+    p: u32,
+    blocks: u32,
+    block_size: u32,
+    medium: kvpick_core::event::Medium,
+) -> kvpick_core::event::KvEvent {
+    kvpick_core::event::KvEvent::BlockStored {
+        block_hashes: engine_hashes(p, blocks),
+        parent_block_hash: None,
+        token_ids: prompt(p, blocks * block_size),
+        block_size,
+        lora_id: None,
+        medium,
+        lora_name: None,
+        cache_salt: None,
+        group_idx: None,
+        media: Vec::new(),
+    }
+}
+
+/// The engine hashes [`stored`] gave prompt `p`'s first `blocks` blocks.
+pub fn engine_hashes(p: u32, blocks: u32) -> Vec<u64> {
+    (0..u64::from(blocks))
+        .map(|b| u64::from(p) * 1_000 + b)
+        .collect()
+}
