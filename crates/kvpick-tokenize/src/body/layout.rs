@@ -58,10 +58,15 @@ impl BodyLayout {
         let fields = match envelope(body) {
             Ok(fields) => fields,
             Err(e) => {
-                // Not an object: valid JSON has no fields, anything else is the error.
-                return match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
-                    Ok(_) => Ok(BodyLayout::default()),
-                    Err(_) => Err(e.to_string()),
+                // Not an object: valid JSON has no fields, anything else is the error. Read as
+                // text first: serde_json skips an ignored string's bytes without checking their
+                // UTF-8, which the whole-body parse rejects (found by the conversation_body fuzz).
+                let valid = std::str::from_utf8(body)
+                    .is_ok_and(|text| serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok());
+                return if valid {
+                    Ok(BodyLayout::default())
+                } else {
+                    Err(e.to_string())
                 };
             }
         };
