@@ -58,11 +58,12 @@ impl BodyLayout {
         let fields = match envelope(body) {
             Ok(fields) => fields,
             Err(e) => {
-                // Not an object: valid JSON has no fields, anything else is the error. Read as
-                // text first: serde_json skips an ignored string's bytes without checking their
-                // UTF-8, which the whole-body parse rejects (found by the conversation_body fuzz).
-                let valid = std::str::from_utf8(body)
-                    .is_ok_and(|text| serde_json::from_str::<serde::de::IgnoredAny>(text).is_ok());
+                // Not an object: valid JSON has no fields, anything else is the error. Parsed as
+                // the whole-body parse does, not skipped: serde_json skips an ignored string's
+                // bytes without checking their UTF-8 and an ignored number without its range
+                // (`88e886`), both of which the whole-body parse rejects (found by the
+                // conversation_body fuzz). A rare path: bodies are objects.
+                let valid = serde_json::from_slice::<Json>(body).is_ok();
                 return if valid {
                     Ok(BodyLayout::default())
                 } else {
