@@ -241,6 +241,8 @@ impl Core {
 
 #[cfg(test)]
 mod catalog_tests;
+#[cfg(test)]
+mod fixtures;
 
 #[cfg(test)]
 mod registry_tests;

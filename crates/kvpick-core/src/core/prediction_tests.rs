@@ -7,8 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::*;
 use crate::catalog::RankLayout;
-use crate::event::{KvEvent, Medium};
-use crate::request::PromptInput;
+use crate::event::KvEvent;
 
 const BS: u32 = 16;
 
@@ -33,29 +32,12 @@ fn prompt(tag: u32) -> Vec<u32> {
 }
 
 fn request(id: &str, tokens: Vec<u32>) -> SelectionRequest {
-    SelectionRequest {
-        request_id: id.into(),
-        model: Some("m".into()),
-        prompt: PromptInput::Tokens(tokens),
-        ..Default::default()
-    }
+    fixtures::token_request(id, tokens)
 }
 
 /// The engine announces `tokens`' complete blocks (as vLLM does after the prefill).
 fn store(tokens: &[u32]) -> KvEvent {
-    let blocks = tokens.len() / BS as usize;
-    KvEvent::BlockStored {
-        block_hashes: (0..blocks as u64).map(|i| 900 + i).collect(),
-        parent_block_hash: None,
-        token_ids: tokens[..blocks * BS as usize].to_vec(),
-        block_size: BS,
-        lora_id: None,
-        medium: Medium::Gpu,
-        lora_name: None,
-        cache_salt: None,
-        group_idx: None,
-        media: Vec::new(),
-    }
+    fixtures::gpu_store(tokens, BS, 900)
 }
 
 /// One worker `a` whose KV events flow (precise), with `config` and KV events on.

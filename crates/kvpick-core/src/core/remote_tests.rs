@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::*;
 use crate::catalog::RankLayout;
-use crate::event::{KvEvent, Medium};
+use crate::event::KvEvent;
 use crate::request::{PromptInput, RemoteOverlap};
 use crate::types::TierDepths;
 
@@ -35,28 +35,11 @@ fn core(kv_events: bool, t0: Instant) -> Core {
 }
 
 fn request(id: &str, tokens: Vec<u32>) -> SelectionRequest {
-    SelectionRequest {
-        request_id: id.into(),
-        model: Some("m".into()),
-        prompt: PromptInput::Tokens(tokens),
-        ..Default::default()
-    }
+    fixtures::token_request(id, tokens)
 }
 
 fn stored(tokens: &[u32]) -> KvEvent {
-    let blocks = tokens.len() / BS as usize;
-    KvEvent::BlockStored {
-        block_hashes: (0..blocks as u64).map(|i| 500 + i).collect(),
-        parent_block_hash: None,
-        token_ids: tokens[..blocks * BS as usize].to_vec(),
-        block_size: BS,
-        lora_id: None,
-        medium: Medium::Gpu,
-        lora_name: None,
-        cache_salt: None,
-        group_idx: None,
-        media: Vec::new(),
-    }
+    fixtures::gpu_store(tokens, BS, 500)
 }
 
 /// What the indexer answers the replica's query (the `OverlapScores` RPC's content).

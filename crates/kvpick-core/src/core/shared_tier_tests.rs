@@ -8,7 +8,6 @@ use std::time::Instant;
 use super::*;
 use crate::catalog::RankLayout;
 use crate::event::{KvEvent, Medium};
-use crate::request::PromptInput;
 
 const BS: u32 = 16;
 
@@ -33,12 +32,7 @@ fn prompt(tag: u32) -> Vec<u32> {
 }
 
 fn request(id: &str, tokens: Vec<u32>) -> SelectionRequest {
-    SelectionRequest {
-        request_id: id.into(),
-        model: Some("m".into()),
-        prompt: PromptInput::Tokens(tokens),
-        ..Default::default()
-    }
+    fixtures::token_request(id, tokens)
 }
 
 /// A store of `tokens`' blocks `from..to` in `medium`, engine hashes `base + i`.

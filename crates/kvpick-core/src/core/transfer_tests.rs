@@ -6,8 +6,8 @@ use std::time::Instant;
 
 use super::*;
 use crate::catalog::RankLayout;
-use crate::event::{KvEvent, Medium};
-use crate::request::{Pin, PromptInput};
+use crate::event::KvEvent;
+use crate::request::Pin;
 
 const BS: u32 = 16;
 
@@ -32,27 +32,11 @@ fn prompt() -> Vec<u32> {
 }
 
 fn request(id: &str, tokens: Vec<u32>) -> SelectionRequest {
-    SelectionRequest {
-        request_id: id.into(),
-        model: Some("m".into()),
-        prompt: PromptInput::Tokens(tokens),
-        ..Default::default()
-    }
+    fixtures::token_request(id, tokens)
 }
 
 fn store(tokens: &[u32]) -> KvEvent {
-    KvEvent::BlockStored {
-        block_hashes: (0..8).map(|i| 700 + i).collect(),
-        parent_block_hash: None,
-        token_ids: tokens[..8 * BS as usize].to_vec(),
-        block_size: BS,
-        lora_id: None,
-        medium: Medium::Gpu,
-        lora_name: None,
-        cache_salt: None,
-        group_idx: None,
-        media: Vec::new(),
-    }
+    fixtures::gpu_store(tokens, BS, 700)
 }
 
 /// Books `blocks` blocks of prefill on `rank` (pinned), so it is busy.
