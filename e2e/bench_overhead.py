@@ -205,7 +205,7 @@ def main() -> None:
     ap.add_argument("--plaintext", action="store_true",
                     help="Envoy speaks h2c to kvpick (`--secure-serving=false`) instead of TLS; "
                          "with KVPICK_BIN=target/release/examples/extproc_floor this measures "
-                         "the floor of the ext_proc stack (extproc_floor speaks h2c only)")
+                         "the floor of the ext_proc stack over h2c (without --plaintext: over TLS, as kvpick)")
     ap.add_argument("--trace-ratio", type=float, default=None,
                     help="compare kvpick with tracing off and on at this sampling ratio")
     ap.add_argument("--rounds", type=int, default=1,

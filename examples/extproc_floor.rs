@@ -1,11 +1,14 @@
 //! The cost floor of an ext_proc server on this stack: stock tonic + h2 + tokio with envoy-types'
 //! prost messages, answering the protocol kvpick answers (FULL_DUPLEX_STREAMED both ways, the
 //! request body held until its end, then the routing headers and the echoed chunks) and doing
-//! nothing else: no parsing, no hashing, no index, no metrics, no TLS.
+//! nothing else: no parsing, no hashing, no index, no metrics. TLS as kvpick's default: with
+//! `--secure-serving=true` (as `e2e/bench_overhead.py` passes without `--plaintext`) it terminates
+//! TLS with kvpick's own OpenSSL setup (`kvpick::transport::tls`, a self-signed certificate,
+//! ALPN h2), so the floor with TLS is measured on the same TLS stack.
 //!
 //! It exists to split kvpick's CPU per request into "what any ext_proc server on this stack pays"
 //! and "what kvpick adds". It takes kvpick's `serve` flags as `e2e/bench_overhead.py` passes them
-//! (`KVPICK_BIN=target/release/examples/extproc_floor ... --kvpick-args "--secure-serving=false"`),
+//! (`KVPICK_BIN=target/release/examples/extproc_floor e2e/bench_overhead.py ...`),
 //! routes round-robin over the ranks of the catalog's first worker, and answers `/metrics` with
 //! the one series the benchmark reads.
 
@@ -186,10 +189,7 @@ async fn serve_metrics(listener: tokio::net::TcpListener) {
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
-    if args.iter().any(|a| a == "--secure-serving=true") {
-        eprintln!("extproc_floor speaks h2c only: pass --secure-serving=false");
-        std::process::exit(2);
-    }
+    let secure = !args.iter().any(|a| a == "--secure-serving=false");
     let catalog = std::fs::read_to_string(flag(&args, "--config").expect("--config"))
         .expect("readable --config");
     let floor = Arc::new(Floor {
@@ -213,14 +213,86 @@ async fn main() {
         );
         std::fs::write(path, ports).expect("port file");
     }
+    let service = ExternalProcessorServer::new(FloorService(floor));
+    if secure {
+        serve_tls(grpc, service).await;
+        return;
+    }
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc).map(|s| {
         s.inspect(|socket| {
             let _ = socket.set_nodelay(true);
         })
     });
     tonic::transport::Server::builder()
-        .add_service(ExternalProcessorServer::new(FloorService(floor)))
+        .add_service(service)
         .serve_with_incoming(incoming)
         .await
         .expect("serve");
+}
+
+/// Serves `service` over TLS: kvpick's TLS state (self-signed, ALPN h2), one handshake task per
+/// accepted connection, the finished streams handed to tonic.
+async fn serve_tls(grpc: tokio::net::TcpListener, service: ExternalProcessorServer<FloorService>) {
+    let tls = kvpick::transport::tls::server(None).expect("TLS state");
+    let (tx, rx) = tokio::sync::mpsc::channel::<std::io::Result<TlsConn>>(64);
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = grpc.accept().await {
+            let _ = socket.set_nodelay(true);
+            let (tls, tx) = (Arc::clone(&tls), tx.clone());
+            tokio::spawn(async move {
+                let Ok(ssl) = tls.ssl() else { return };
+                let Ok(mut stream) = tokio_openssl::SslStream::new(ssl, socket) else {
+                    return;
+                };
+                if Pin::new(&mut stream).accept().await.is_ok() {
+                    let _ = tx.send(Ok(TlsConn(stream))).await;
+                }
+            });
+        }
+    });
+    tonic::transport::Server::builder()
+        .add_service(service)
+        .serve_with_incoming(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .expect("serve");
+}
+
+/// A TLS connection as tonic's server takes it (no connect info).
+struct TlsConn(tokio_openssl::SslStream<tokio::net::TcpStream>);
+
+impl tonic::transport::server::Connected for TlsConn {
+    type ConnectInfo = ();
+    fn connect_info(&self) {}
+}
+
+impl tokio::io::AsyncRead for TlsConn {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for TlsConn {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.0).poll_write(cx, buf)
+    }
+    fn poll_flush(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_flush(cx)
+    }
+    fn poll_shutdown(
+        mut self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        Pin::new(&mut self.0).poll_shutdown(cx)
+    }
 }
