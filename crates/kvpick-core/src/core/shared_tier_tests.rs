@@ -5,30 +5,13 @@
 
 use std::time::Instant;
 
+use super::fixtures::{evented_worker as spec, rank_of, BS};
 use super::*;
-use crate::catalog::RankLayout;
 use crate::event::{KvEvent, Medium};
-
-const BS: u32 = 16;
-
-fn spec(name: &str, port: u16) -> WorkerSpec {
-    WorkerSpec {
-        block_size: Some(BS),
-        kv_events: Some(format!("tcp://127.0.0.1:{}", 5557 + port)),
-        ..WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![port]))
-    }
-}
-
-fn rank_of(spec: &WorkerSpec) -> RankKey {
-    RankKey {
-        worker_id: spec.worker_id(),
-        dp_rank: 0,
-    }
-}
 
 /// Eight blocks of `tag`'s own, one token more so all eight are reusable.
 fn prompt(tag: u32) -> Vec<u32> {
-    (tag * 10_000..tag * 10_000 + 8 * BS + 1).collect()
+    fixtures::whole_blocks(tag * 10_000, 8)
 }
 
 fn request(id: &str, tokens: Vec<u32>) -> SelectionRequest {

@@ -4,31 +4,14 @@
 
 use std::time::Instant;
 
+use super::fixtures::{evented_worker as spec, rank_of, BS};
 use super::*;
-use crate::catalog::RankLayout;
 use crate::event::KvEvent;
 use crate::request::Pin;
 
-const BS: u32 = 16;
-
-fn spec(name: &str, port: u16) -> WorkerSpec {
-    WorkerSpec {
-        block_size: Some(BS),
-        kv_events: Some(format!("tcp://127.0.0.1:{}", 5557 + port)),
-        ..WorkerSpec::for_test(name, "m", RankLayout::PerPort(vec![port]))
-    }
-}
-
-fn rank_of(spec: &WorkerSpec) -> RankKey {
-    RankKey {
-        worker_id: spec.worker_id(),
-        dp_rank: 0,
-    }
-}
-
 /// Eight blocks of its own, one token more so all eight are reusable.
 fn prompt() -> Vec<u32> {
-    (50_000..50_000 + 8 * BS + 1).collect()
+    fixtures::whole_blocks(50_000, 8)
 }
 
 fn request(id: &str, tokens: Vec<u32>) -> SelectionRequest {
