@@ -15,7 +15,8 @@
 //! - [`json`]: the order-preserving JSON value templates see.
 //! - [`media`], [`chat`] (the chat prompt's vocabulary and vLLM's per-message preprocessing),
 //!   [`anthropic`], [`prompt`]: request body -> what to tokenize, as vLLM preprocesses it;
-//!   [`conversation`]: bodies parsed reusing an earlier body's messages.
+//!   [`conversation`]: bodies parsed reusing an earlier body's messages; [`properties`]: the
+//!   one-parser property its fuzz target and seed test check.
 //! - [`pretok`], [`fast`], [`boundary`], [`prefix_cache`]: tokenizing, resumed from cached
 //!   checkpoints; [`template`], [`model_dir`], [`local`]: a model's tokenizer and chat templates.
 //! - [`render`]: the engine's render endpoints; [`pool`]: the threads tokenization runs on.
@@ -40,6 +41,7 @@ pub mod pool;
 pub mod prefix_cache;
 pub mod pretok;
 pub mod prompt;
+pub mod properties;
 pub mod render;
 pub mod template;
 #[cfg(test)]
