@@ -14,38 +14,12 @@ use kvpick::tokenize::body::scan::{BodyScanner, Scanned};
 use kvpick::tokenize::body::{parse_request_body_for, Endpoint};
 use kvpick_core::hash;
 
+#[path = "../crates/kvpick-tokenize/benches/shared/overhead_bodies.rs"]
+mod overhead_bodies;
+use overhead_bodies::{chat_body, token_body};
+
 const SIZES: [(&str, usize); 3] = [("1KB", 1024), ("32KB", 32 << 10), ("220KB", 220 << 10)];
 const CHUNK: usize = 16 << 10;
-
-fn token_body(size: usize) -> Vec<u8> {
-    let mut ids = Vec::new();
-    let mut len = r#"{"model":"m1","prompt":[7]}"#.len();
-    let mut i = 0u64;
-    while len < size {
-        let id = (1000 + (i * 7919) % 120_000).to_string();
-        len += id.len() + 1;
-        ids.push(id);
-        i += 1;
-    }
-    format!(r#"{{"model":"m1","prompt":[7,{}]}}"#, ids.join(",")).into_bytes()
-}
-
-fn chat_body(size: usize) -> Vec<u8> {
-    let mut words = Vec::new();
-    let mut len = 120;
-    let mut i = 0u64;
-    while len < size {
-        let w = format!("word{}", (i * 7919) % 5000);
-        len += w.len() + 1;
-        words.push(w);
-        i += 1;
-    }
-    format!(
-        r#"{{"model": "m1", "messages": [{{"role": "system", "content": "You are a helpful assistant."}}, {{"role": "user", "content": "7 {}"}}]}}"#,
-        words.join(" ")
-    )
-    .into_bytes()
-}
 
 fn bench(c: &mut Criterion) {
     let mut group = c.benchmark_group("request_body");

@@ -18,6 +18,10 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use kvpick_tokenize::body::scan::{BodyScanner, Scanned};
 use kvpick_tokenize::{Endpoint, ModelEntry, Tokenizers};
 
+#[path = "shared/overhead_bodies.rs"]
+mod overhead_bodies;
+use overhead_bodies::chat_body;
+
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -58,24 +62,6 @@ fn tokenizers(cache_tokens: usize) -> Tokenizers {
     };
     let entry: ModelEntry = serde_yaml::from_str(&yaml).unwrap();
     Tokenizers::from_entries(&[entry], Path::new("."), &prometheus::Registry::new()).unwrap()
-}
-
-/// The overhead benchmark's chat body of about `size` bytes.
-fn chat_body(size: usize) -> Vec<u8> {
-    let mut words = Vec::new();
-    let mut len = 120;
-    let mut i = 0u64;
-    while len < size {
-        let w = format!("word{}", (i * 7919) % 5000);
-        len += w.len() + 1;
-        words.push(w);
-        i += 1;
-    }
-    format!(
-        r#"{{"model": "m1", "messages": [{{"role": "system", "content": "You are a helpful assistant."}}, {{"role": "user", "content": "7 {}"}}]}}"#,
-        words.join(" ")
-    )
-    .into_bytes()
 }
 
 fn bench(c: &mut Criterion) {
