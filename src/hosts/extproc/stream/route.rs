@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::observability::epp_metrics::Stage;
-use crate::selection::admission::Admitted;
+use crate::selection::admission::{Admitted, Waiter};
 use crate::selection::{
     DuplicateId, PromptInput, RemoteOverlap, RemoteQuery, Reservation, SelectError,
     SelectionRequest,
@@ -157,6 +157,25 @@ impl StreamMachine {
         if let Some(t) = &mut self.trace {
             t.pick_started();
         }
+        let request = self.selection_request(body);
+        let pick_started = Instant::now();
+        let admitted = self.core.admit(&request);
+        let seconds = pick_started.elapsed().as_secs_f64();
+        self.core.metrics().epp.stage(Stage::Pick, seconds);
+        match admitted {
+            Ok(Admitted::Now(r)) => {
+                self.routed(*r, &request.request_id, started, header_only, false)
+            }
+            Ok(Admitted::Queued(waiter)) => {
+                self.queue_for_capacity(waiter, request.request_id, started, header_only)
+            }
+            Err(err) => self.reject_select(&err),
+        }
+    }
+
+    /// The core's request for this stream: the body's model, prompt and salt, and what the
+    /// headers set (subset, pin, session, flow control, scores).
+    fn selection_request(&mut self, body: Option<ParsedBody>) -> SelectionRequest {
         let subset = match (&self.subset, &self.conformance_filter) {
             (Some(s), _) => Some(s.clone()),
             (None, Some(c)) => Some(c.clone()),
@@ -185,7 +204,7 @@ impl StreamMachine {
             ),
             None => (None, PromptInput::None, None),
         };
-        let request = SelectionRequest {
+        SelectionRequest {
             request_id,
             model,
             routing_group: String::new(),
@@ -206,33 +225,31 @@ impl StreamMachine {
             holder: crate::selection::Holder::Stream,
             scores: self.settings.endpoint_scores,
             remote_overlap: self.remote_overlap.take(),
-        };
-        let pick_started = Instant::now();
-        let admitted = self.core.admit(&request);
-        let seconds = pick_started.elapsed().as_secs_f64();
-        self.core.metrics().epp.stage(Stage::Pick, seconds);
-        match admitted {
-            Ok(Admitted::Now(r)) => {
-                self.routed(*r, &request.request_id, started, header_only, false)
-            }
-            Ok(Admitted::Queued(waiter)) => {
-                tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
-                self.epp.queued();
-                if let Some(t) = &mut self.trace {
-                    t.queued(self.priority, self.fairness_key.as_deref());
-                }
-                self.queued = Some(QueuedRoute {
-                    request_id: request.request_id,
-                    started,
-                    header_only,
-                    tail: None,
-                });
-                Step {
-                    queue: Some(waiter),
-                    ..Step::default()
-                }
-            }
-            Err(err) => self.reject_select(&err),
+        }
+    }
+
+    /// No capacity now: the stream waits in the flow-control queue for its turn.
+    fn queue_for_capacity(
+        &mut self,
+        waiter: Waiter,
+        request_id: String,
+        started: Instant,
+        header_only: bool,
+    ) -> Step {
+        tracing::debug!(ticket = waiter.ticket(), "queued for capacity");
+        self.epp.queued();
+        if let Some(t) = &mut self.trace {
+            t.queued(self.priority, self.fairness_key.as_deref());
+        }
+        self.queued = Some(QueuedRoute {
+            request_id,
+            started,
+            header_only,
+            tail: None,
+        });
+        Step {
+            queue: Some(waiter),
+            ..Step::default()
         }
     }
 
