@@ -260,7 +260,45 @@ fn pod_to_spec(
         .with_context(|| format!("podIP {ip:?} is not an IP address"))?;
     let labels = pod.labels();
     let annotations = pod.annotations();
-    let model = match model {
+    let model = pod_model(model, annotations, labels)?;
+    let Some(ranks) = pod_ranks(pool, annotations, labels)? else {
+        return Ok(None);
+    };
+    let roles = pod_roles(pool, annotations, labels)?;
+    let KvAnnotations {
+        block_size,
+        kv_events,
+        kv_replay,
+    } = kv_annotations(annotations, address)?;
+
+    let spec = WorkerSpec {
+        namespace: pod.namespace().unwrap_or_default(),
+        name: pod.name_any(),
+        model,
+        routing_group: String::new(),
+        address,
+        ranks,
+        block_size,
+        kv_events,
+        kv_replay,
+        lora_adapters: Vec::new(),
+        draining,
+        incarnation: incarnation(pod),
+        roles,
+    };
+    spec.validate_roles().map_err(|e| anyhow::anyhow!(e))?;
+    Ok(Some(spec))
+}
+
+type Annotations = std::collections::BTreeMap<String, String>;
+
+/// The pod's model: `--model`, else its annotation or label.
+fn pod_model(
+    model: Option<&str>,
+    annotations: &Annotations,
+    labels: &Annotations,
+) -> anyhow::Result<String> {
+    Ok(match model {
         Some(m) => m.to_string(),
         None => match annotations
             .get(MODEL_LABEL)
@@ -270,12 +308,20 @@ fn pod_to_spec(
             Some(m) => m.trim().to_string(),
             None => bail!("no model: pass --model or annotate the pod {MODEL_LABEL}"),
         },
-    };
+    })
+}
 
+/// The pod's ranks: a data-parallel size (one multiplexed port), else the pool's target ports
+/// the pod serves; `None` when it serves none of them.
+fn pod_ranks(
+    pool: &PoolView,
+    annotations: &Annotations,
+    labels: &Annotations,
+) -> anyhow::Result<Option<RankLayout>> {
     let dp_size = annotations
         .get(DP_SIZE_KEY)
         .or_else(|| labels.get(DP_SIZE_KEY));
-    let ranks = if let Some(size) = dp_size {
+    let layout = if let Some(size) = dp_size {
         let size: u32 = size
             .trim()
             .parse()
@@ -320,26 +366,45 @@ fn pod_to_spec(
             }
         }
     };
+    Ok(Some(layout))
+}
 
-    let roles = match annotations
-        .get(DP_ROLES_ANNOTATION)
-        .map(|v| (DP_ROLES_ANNOTATION, v))
-        .or_else(|| {
-            labels
-                .get(&pool.role_label)
-                .map(|v| (pool.role_label.as_str(), v))
-        }) {
-        None => Vec::new(),
-        Some((key, value)) => value
-            .split(',')
-            .map(|r| {
-                Role::parse(r).with_context(|| {
-                    format!("{key} must be prefill, decode or both, got {value:?}")
+/// The pod's disaggregation roles (annotation, else the pool's role label); empty = both.
+fn pod_roles(
+    pool: &PoolView,
+    annotations: &Annotations,
+    labels: &Annotations,
+) -> anyhow::Result<Vec<Role>> {
+    Ok(
+        match annotations
+            .get(DP_ROLES_ANNOTATION)
+            .map(|v| (DP_ROLES_ANNOTATION, v))
+            .or_else(|| {
+                labels
+                    .get(&pool.role_label)
+                    .map(|v| (pool.role_label.as_str(), v))
+            }) {
+            None => Vec::new(),
+            Some((key, value)) => value
+                .split(',')
+                .map(|r| {
+                    Role::parse(r).with_context(|| {
+                        format!("{key} must be prefill, decode or both, got {value:?}")
+                    })
                 })
-            })
-            .collect::<anyhow::Result<Vec<Role>>>()?,
-    };
+                .collect::<anyhow::Result<Vec<Role>>>()?,
+        },
+    )
+}
 
+/// What the pod's annotations say of its KV cache: block size and KV-event endpoints.
+struct KvAnnotations {
+    block_size: Option<u32>,
+    kv_events: Option<String>,
+    kv_replay: Option<String>,
+}
+
+fn kv_annotations(annotations: &Annotations, address: IpAddr) -> anyhow::Result<KvAnnotations> {
     let port_annotation = |key: &str| -> anyhow::Result<Option<u16>> {
         match annotations.get(key).map(|v| v.trim()) {
             None => Ok(None),
@@ -370,24 +435,11 @@ fn pod_to_spec(
     let kv_replay = port_annotation(KV_REPLAY_PORT_ANNOTATION)?
         .filter(|p| *p != 0)
         .map(endpoint);
-
-    let spec = WorkerSpec {
-        namespace: pod.namespace().unwrap_or_default(),
-        name: pod.name_any(),
-        model,
-        routing_group: String::new(),
-        address,
-        ranks,
+    Ok(KvAnnotations {
         block_size,
         kv_events,
         kv_replay,
-        lora_adapters: Vec::new(),
-        draining,
-        incarnation: incarnation(pod),
-        roles,
-    };
-    spec.validate_roles().map_err(|e| anyhow::anyhow!(e))?;
-    Ok(Some(spec))
+    })
 }
 
 /// The complete desired snapshot for `pool` from the current pods, sorted by namespace/name. A
