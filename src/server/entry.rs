@@ -65,47 +65,13 @@ async fn start(
     let tokenizers = config::tokenizers(&args, &metrics.registry)?;
     let session_headers = config::session_headers(&args)?;
     let (shutdown_tx, shutdown_rx) = watch::channel(false);
-    let shared = tasks::start_shared(&args, &core, &metrics).await?;
-    tasks::start_kv_remote(&args, &core, &metrics)?;
+    let (shared, flow_settings, flow_policy) = start_sources(&args, &core, &metrics).await?;
 
-    // Catalog source first: a bad catalog fails start-up with a clear message.
-    let catalog = catalog_source(&args, std::env::var("NAMESPACE").ok())?;
-    let flow_kube = flow_kube_config(&args, &catalog);
-    let kube = tasks::start_catalog(&args, &core, catalog).await?;
-
-    // Flow-control policy (objectives, rewrites): an invalid --flow-config fails start-up.
-    let flow_settings = flow_settings(&args);
-    let flow_policy = tasks::start_flow_policy(
-        &args,
-        &flow_settings,
-        kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
-    )?;
-    tasks::start_engine_feeds(&args, &core)?;
-    tasks::spawn_maintenance(&core);
-
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    // Every service registered before a port is announced: an early probe reads NOT_SERVING,
-    // never "service not registered".
-    // Read before the await: the watch's guard must not be held across it (the future is Send).
-    let ready = *core.readiness().borrow();
-    crate::transport::health::register(&health_reporter, ready).await;
-    tokio::spawn(crate::transport::health::track(
-        health_reporter,
-        core.readiness(),
-        shutdown_rx.clone(),
-    ));
+    let health_service = start_health(&core, shutdown_rx.clone()).await;
 
     let listeners = bind.await?;
     let ports = listeners.ports()?;
-    let client_auth = args.tls.client_auth()?;
-    let tls = if args.tls.secure_serving {
-        Some(crate::transport::tls::server_with(
-            args.tls.cert_path.clone(),
-            client_auth,
-        )?)
-    } else {
-        None
-    };
+    let tls = server_tls(&args)?;
 
     let extproc = ExtProcService::new(
         Arc::clone(&core),
@@ -181,18 +147,90 @@ async fn start(
     }
     // The policy sources run for as long as a receiver lives.
     drop(flow_policy);
-    exit_tx.send_replace(true);
-    // The servers now close their (idle) connections; a peer that does not let go of one
-    // cannot hold the exit.
-    let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        let _ = grpc_task.await;
-        let _ = health_task.await;
-        let _ = metrics_task.await;
-    })
-    .await;
+    close_ports(&exit_tx, [grpc_task, health_task], metrics_task).await;
     if let Some(telemetry) = telemetry {
         // The exporter's channel runs on this runtime: flush from a blocking thread beside it.
         let _ = tokio::task::spawn_blocking(move || telemetry.shutdown()).await;
     }
     Ok(())
+}
+
+/// gRPC health for every service, registered before a port is announced (an early probe reads
+/// NOT_SERVING, never "service not registered"), then following the core's readiness until
+/// shutdown.
+async fn start_health(
+    core: &Arc<SelectionCore>,
+    shutdown: watch::Receiver<bool>,
+) -> tonic_health::pb::health_server::HealthServer<impl tonic_health::pb::health_server::Health> {
+    let (reporter, service) = tonic_health::server::health_reporter();
+    // Read before the await: the watch's guard must not be held across it (the future is Send).
+    let ready = *core.readiness().borrow();
+    crate::transport::health::register(&reporter, ready).await;
+    tokio::spawn(crate::transport::health::track(
+        reporter,
+        core.readiness(),
+        shutdown,
+    ));
+    service
+}
+
+/// The gRPC port's TLS (`--secure-serving`, `--cert-path`, client authentication), or none.
+fn server_tls(args: &ServeArgs) -> anyhow::Result<Option<Arc<crate::transport::tls::TlsServer>>> {
+    if !args.tls.secure_serving {
+        return Ok(None);
+    }
+    let client_auth = args.tls.client_auth()?;
+    Ok(Some(crate::transport::tls::server_with(
+        args.tls.cert_path.clone(),
+        client_auth,
+    )?))
+}
+
+/// Tells the servers to close their (idle) connections and waits for them at most 2 s: a peer
+/// that does not let go of one cannot hold the exit.
+async fn close_ports<G, M>(
+    exit: &watch::Sender<bool>,
+    grpc_ports: [tokio::task::JoinHandle<G>; 2],
+    metrics_port: tokio::task::JoinHandle<M>,
+) {
+    exit.send_replace(true);
+    let _ = tokio::time::timeout(Duration::from_secs(2), async {
+        for task in grpc_ports {
+            let _ = task.await;
+        }
+        let _ = metrics_port.await;
+    })
+    .await;
+}
+
+/// What feeds the core, in start-up order: the shared state's peers, the remote index, the
+/// catalog (a bad catalog fails start-up with a clear message), the flow-control policy (an
+/// invalid `--flow-config` fails start-up), the engines' feeds and the maintenance tick.
+async fn start_sources(
+    args: &ServeArgs,
+    core: &Arc<SelectionCore>,
+    metrics: &Metrics,
+) -> anyhow::Result<(
+    Option<Arc<crate::sources::shared::SharedState>>,
+    crate::sources::flow::FlowSettings,
+    crate::sources::flow::PolicyRx,
+)> {
+    let shared = tasks::start_shared(args, core, metrics).await?;
+    tasks::start_kv_remote(args, core, metrics)?;
+
+    // Catalog source first: a bad catalog fails start-up with a clear message.
+    let catalog = catalog_source(args, std::env::var("NAMESPACE").ok())?;
+    let flow_kube = flow_kube_config(args, &catalog);
+    let kube = tasks::start_catalog(args, core, catalog).await?;
+
+    // Flow-control policy (objectives, rewrites): an invalid --flow-config fails start-up.
+    let flow_settings = flow_settings(args);
+    let flow_policy = tasks::start_flow_policy(
+        args,
+        &flow_settings,
+        kube.zip(flow_kube.map(|c| c.with_in_use_gauge(metrics.flow.crd_in_use.clone()))),
+    )?;
+    tasks::start_engine_feeds(args, core)?;
+    tasks::spawn_maintenance(core);
+    Ok((shared, flow_settings, flow_policy))
 }
