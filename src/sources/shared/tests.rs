@@ -129,6 +129,20 @@ fn request(id: &str, session: &str) -> SelectionRequest {
     }
 }
 
+/// Runs the replica's next queued write (the writer task is not running in these tests).
+async fn run_queued_write(shared: &SharedState, core: &SelectionCore) {
+    let write = shared
+        .writes_rx
+        .lock()
+        .await
+        .as_mut()
+        .unwrap()
+        .recv()
+        .await
+        .unwrap();
+    shared.write(core, write).await;
+}
+
 fn rank(core: &SelectionCore, name: &str) -> RankKey {
     let w = core
         .list_workers(None)
@@ -247,16 +261,7 @@ async fn the_first_binding_wins_and_survives_a_restart() {
     );
     let session_key = sessions::session_key("t", &partition(), "s2");
     // The writer is not running in this test: run A's queued write by hand.
-    let write = shared_a
-        .writes_rx
-        .lock()
-        .await
-        .as_mut()
-        .unwrap()
-        .recv()
-        .await
-        .unwrap();
-    shared_a.write(&core_a, write).await;
+    run_queued_write(&shared_a, &core_a).await;
     let mut conn = shared_a.connection();
     let stored: Option<String> = redis::cmd("GET")
         .arg(&session_key)
@@ -525,21 +530,9 @@ async fn a_final_request_releases_the_shared_binding() {
     redis.ready().await;
     let (core_a, shared_a) = replica(&redis.url()).await;
     let (core_b, shared_b) = replica(&redis.url()).await;
-    let drain = |shared: Arc<SharedState>, core: Arc<SelectionCore>| async move {
-        let write = shared
-            .writes_rx
-            .lock()
-            .await
-            .as_mut()
-            .unwrap()
-            .recv()
-            .await
-            .unwrap();
-        shared.write(&core, write).await;
-    };
     let r = core_a.select_and_reserve(&request("a0", "s")).unwrap();
     let bound = r.selection().primary.key;
-    drain(Arc::clone(&shared_a), Arc::clone(&core_a)).await;
+    run_queued_write(&shared_a, &core_a).await;
     // B follows A's binding for the final request, then releases it everywhere.
     let job = core_b.session_lookup(Some("m"), "", Some("s")).unwrap();
     core_b.prefetch_session(job).await;
@@ -550,7 +543,7 @@ async fn a_final_request_releases_the_shared_binding() {
     let r = core_b.select_and_reserve(&last).unwrap();
     assert_eq!(r.selection().primary.key, bound, "routed on the binding");
     assert_eq!(r.selection().session, Some(SessionOutcome::Released));
-    drain(Arc::clone(&shared_b), Arc::clone(&core_b)).await;
+    run_queued_write(&shared_b, &core_b).await;
     let mut conn = shared_b.connection();
     let stored: Option<String> = redis::cmd("GET")
         .arg(sessions::session_key("t", &partition(), "s"))
@@ -590,16 +583,7 @@ async fn a_childs_lookup_brings_its_parents_binding_from_another_replica() {
     let (core_b, _shared_b) = replica(&redis.url()).await;
     let r = core_a.select_and_reserve(&request("a0", "p")).unwrap();
     let home = r.selection().primary.key;
-    let write = shared_a
-        .writes_rx
-        .lock()
-        .await
-        .as_mut()
-        .unwrap()
-        .recv()
-        .await
-        .unwrap();
-    shared_a.write(&core_a, write).await;
+    run_queued_write(&shared_a, &core_a).await;
     let job = core_b
         .session_tree_lookup(Some("m"), "", Some("c"), Some("p"))
         .unwrap();
