@@ -290,14 +290,11 @@ fn pod_to_spec(
     Ok(Some(spec))
 }
 
-type Annotations = std::collections::BTreeMap<String, String>;
+/// A pod's annotations or labels.
+type PodMap = std::collections::BTreeMap<String, String>;
 
 /// The pod's model: `--model`, else its annotation or label.
-fn pod_model(
-    model: Option<&str>,
-    annotations: &Annotations,
-    labels: &Annotations,
-) -> anyhow::Result<String> {
+fn pod_model(model: Option<&str>, annotations: &PodMap, labels: &PodMap) -> anyhow::Result<String> {
     Ok(match model {
         Some(m) => m.to_string(),
         None => match annotations
@@ -315,8 +312,8 @@ fn pod_model(
 /// the pod serves; `None` when it serves none of them.
 fn pod_ranks(
     pool: &PoolView,
-    annotations: &Annotations,
-    labels: &Annotations,
+    annotations: &PodMap,
+    labels: &PodMap,
 ) -> anyhow::Result<Option<RankLayout>> {
     let dp_size = annotations
         .get(DP_SIZE_KEY)
@@ -370,11 +367,7 @@ fn pod_ranks(
 }
 
 /// The pod's disaggregation roles (annotation, else the pool's role label); empty = both.
-fn pod_roles(
-    pool: &PoolView,
-    annotations: &Annotations,
-    labels: &Annotations,
-) -> anyhow::Result<Vec<Role>> {
+fn pod_roles(pool: &PoolView, annotations: &PodMap, labels: &PodMap) -> anyhow::Result<Vec<Role>> {
     Ok(
         match annotations
             .get(DP_ROLES_ANNOTATION)
@@ -404,7 +397,7 @@ struct KvAnnotations {
     kv_replay: Option<String>,
 }
 
-fn kv_annotations(annotations: &Annotations, address: IpAddr) -> anyhow::Result<KvAnnotations> {
+fn kv_annotations(annotations: &PodMap, address: IpAddr) -> anyhow::Result<KvAnnotations> {
     let port_annotation = |key: &str| -> anyhow::Result<Option<u16>> {
         match annotations.get(key).map(|v| v.trim()) {
             None => Ok(None),
