@@ -22,10 +22,6 @@ pub enum Generation {
     Igw,
 }
 
-/// The labels of llm-d's per-request series (the ones with more add theirs after these).
-const LLM_D_REQUEST_LABELS: &[&str] =
-    &["model_name", "target_model_name", "fairness_id", "priority"];
-
 const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.025, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0,
     10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 180.0, 240.0, 300.0, 360.0, 480.0, 600.0, 900.0,
@@ -254,7 +250,7 @@ fn llm_d_requests(r: &Registry) -> RequestSeries {
             r,
             "llm_d_epp_request_total",
             "Total number of requests kvpick answered (routed or refused)",
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         request_errors: epp_counter(
             r,
@@ -273,27 +269,27 @@ fn llm_d_requests(r: &Registry) -> RequestSeries {
             "llm_d_epp_request_duration_seconds",
             "End-to-end request latency in seconds, request headers to response end",
             LATENCY_BUCKETS,
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         request_size: epp_histogram_vec(
             r,
             "llm_d_epp_request_size_bytes",
             "Incoming request body size in bytes",
             REQUEST_SIZE_BUCKETS,
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         response_size: epp_histogram_vec(
             r,
             "llm_d_epp_response_size_bytes",
             "Outgoing response body size in bytes",
             RESPONSE_SIZE_BUCKETS,
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         running: epp_gauge(
             r,
             "llm_d_epp_request_running",
             "Requests routed and not yet complete",
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         ttft: Some(epp_histogram_vec(
             r,
@@ -320,28 +316,28 @@ fn llm_d_tokens(r: &Registry) -> TokenSeries {
             "llm_d_epp_request_input_tokens",
             "Input (prompt) tokens per request, from the response usage",
             INPUT_TOKEN_BUCKETS,
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         output: epp_histogram_vec(
             r,
             "llm_d_epp_request_output_tokens",
             "Output (completion) tokens per request, from the response usage",
             OUTPUT_TOKEN_BUCKETS,
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         cached: epp_histogram_vec(
             r,
             "llm_d_epp_request_cached_tokens",
             "Prompt tokens read from cache per request, as the model server reports in the usage",
             INPUT_TOKEN_BUCKETS,
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
         ntpot: epp_histogram_vec(
             r,
             "llm_d_epp_request_ntpot_seconds",
             "Normalized time per output token in seconds: request latency over output tokens",
             NTPOT_BUCKETS,
-            LLM_D_REQUEST_LABELS,
+            &["model_name", "target_model_name", "fairness_id", "priority"],
         ),
     }
 }
